@@ -1,0 +1,1 @@
+"""Command-line interface (installed as ``plate_inspect.cli``): a thin layer over the Python API."""

@@ -1,0 +1,210 @@
+"""``scan``, ``info`` and ``verify``: make a PLATE init bundle, summarise it, check it against weights."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from plate_inspect.bundle import Bundle, ModuleRecord
+from plate_inspect.cli.common import console, err_console, human_bytes
+from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
+from plate_inspect.scanner import ScanProgress, default_out_dir, plan_scan, run_scan
+from plate_inspect.targets import parse_layers
+
+
+class RichScanProgress(ScanProgress):
+    """Modules done/total, bytes read and ETA on stderr."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]scan[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("modules"),
+            TextColumn("{task.fields[read]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[current]}"),
+            console=err_console,
+            transient=False,
+        )
+        self.task = None
+        self.bytes_done = 0
+        self.bytes_total = 0
+
+    def start(self, total_modules, total_bytes, already_done, already_bytes):
+        self.bytes_done, self.bytes_total = already_bytes, total_bytes
+        if already_done:
+            err_console.print(f"resuming: {already_done}/{total_modules} modules already in the bundle")
+        self.progress.start()
+        self.task = self.progress.add_task("scan", total=total_modules, completed=already_done,
+                                           read=self._read(), current="")
+
+    def _read(self) -> str:
+        return f"{human_bytes(self.bytes_done)}/{human_bytes(self.bytes_total)}"
+
+    def module_done(self, name, nbytes):
+        self.bytes_done += nbytes
+        self.progress.update(self.task, advance=1, read=self._read(), current=name)
+
+    def finish(self):
+        self.progress.stop()
+
+
+def summary_rows(records: list[ModuleRecord]) -> list[dict]:
+    """Per module type: count, mean k, mean captured energy, PLATE r*k vs LoRA r*(d_in+d_out) parameters."""
+    groups: dict[str, list[ModuleRecord]] = defaultdict(list)
+    for rec in records:
+        groups[rec.module_type].append(rec)
+    rows = []
+    for module_type, recs in groups.items():
+        rows.append({
+            "module_type": module_type,
+            "count": len(recs),
+            "shape": recs[0].shape,
+            "mean_k": sum(r.k for r in recs) / len(recs),
+            "mean_captured_energy": sum(r.captured_energy for r in recs) / len(recs),
+            "plate_params": sum(r.trainable_params for r in recs),
+            "lora_params": sum(r.lora_params for r in recs),
+        })
+    return rows
+
+
+def print_summary(bundle: Bundle) -> None:
+    m = bundle.manifest
+    s = m.settings
+    src = m.source.get("id", "?") + (f"@{m.source['revision']}" if m.source.get("revision") else "")
+    console.print(f"[bold]{bundle.path}[/]  ({'complete' if m.complete else 'INCOMPLETE'})")
+    console.print(f"source: {src}   model_type: {m.model_type}   modules: {len(m.modules)}")
+    console.print(
+        f"r={s.r} tau={s.tau} max_rank={s.max_rank} seed={s.seed} anchors={s.anchors} "
+        f"sketch_dim={s.sketch_dim} precision={s.precision} q_dtype={s.q_dtype}"
+    )
+    console.print(f"targets: {m.selection_note}")
+    table = Table(title="per module type")
+    for col in ("module type", "count", "[d_out, d_in]", "mean k", "Q energy", "PLATE r*k", "LoRA r*(din+dout)"):
+        table.add_column(col, justify="right" if col != "module type" else "left")
+    rows = summary_rows(list(bundle))
+    for row in rows:
+        table.add_row(
+            row["module_type"], str(row["count"]), str(row["shape"]), f"{row['mean_k']:.1f}",
+            f"{row['mean_captured_energy']:.2e}", f"{row['plate_params']:,}", f"{row['lora_params']:,}",
+        )
+    plate_total = sum(r["plate_params"] for r in rows)
+    lora_total = sum(r["lora_params"] for r in rows)
+    table.add_row("total", str(len(m.modules)), "", "", "", f"{plate_total:,}", f"{lora_total:,}", style="bold")
+    console.print(table)
+    stats = bundle.stats()
+    if stats:
+        console.print(
+            f"scan: {stats.get('wall_seconds', 0):.1f} s, read {human_bytes(stats.get('bytes_read', 0))}, "
+            f"peak RSS {human_bytes(stats.get('peak_rss_bytes', 0))}, device {stats.get('device')}"
+            + (f", resumed {stats['modules_resumed']} modules" if stats.get("modules_resumed") else "")
+        )
+
+
+@click.command("scan")
+@click.argument("model", required=False)
+@click.option("--out", "-o", type=click.Path(path_type=Path), help="Bundle directory [default: bundles/<model name>].")
+@click.option("--r", "r", type=int, default=64, show_default=True, help="Redundant output rows per module.")
+@click.option("--tau", type=float, default=0.9, show_default=True, help="Energy threshold: larger tau, smaller k.")
+@click.option("--max-rank", type=int, default=512, show_default=True, help="Cap on k.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for null-space directions and sketches.")
+@click.option("--anchors", type=int, default=256, show_default=True, help="Anchor rows for redundancy scores.")
+@click.option("--sketch-dim", type=int, default=None, help="Use the paper's random-projection score with this dim.")
+@click.option("--target-modules", default=None, help="Comma-separated module names or regexes (overrides defaults).")
+@click.option("--layers", default=None, help="Layer indices, e.g. '0-3,7'.")
+@click.option("--precision", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--q-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@click.option("--offline", is_flag=True, help="Never contact the hub (also HF_HUB_OFFLINE=1).")
+@click.option("--overwrite", is_flag=True, help="Replace a bundle made with other settings or weights.")
+@click.option("--report", "make_report", is_flag=True, help="Also write <out>/report.html.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def scan_command(model, out, r, tau, max_rank, seed, anchors, sketch_dim, target_modules, layers, precision,
+                 q_dtype, device, revision, offline, overwrite, make_report, quiet):
+    """Compute redundancy, B, energy spectra, k(tau) and Q for every target module of MODEL.
+
+    MODEL is a local HF-style directory, a single .safetensors file, or a hub repo id (HF cache first).
+    Without MODEL, the embedded all-MiniLM-L6-v2 is scanned. Memory stays bounded by the largest module.
+
+    \b
+    Examples:
+      plate-inspect scan
+      plate-inspect scan ./my-model-dir --tau 0.8 --out bundles/mine
+      plate-inspect scan Qwen/Qwen2.5-7B --tau 0.9 --r 64 --max-rank 512 --out bundles/qwen7b
+      plate-inspect scan model.safetensors --target-modules q_proj,v_proj --layers 0-3
+    """
+    if model is None:
+        model = str(default_model_path())
+        out = out or Path("bundles") / "all-MiniLM-L6-v2"
+        err_console.print(f"no model given: scanning {DEFAULT_MODEL_NAME}")
+    out = out or default_out_dir(model)
+    plan = plan_scan(
+        model, r=r, tau=tau, max_rank=max_rank, seed=seed, sketch_dim=sketch_dim, anchors=anchors,
+        target_modules=[t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None,
+        layers=parse_layers(layers), precision=precision, q_dtype=q_dtype, revision=revision,
+        offline=True if offline else None,
+    )
+    err_console.print(f"{len(plan.targets)} target modules ({plan.selection_note}) -> {out}")
+    bundle = run_scan(plan, out, overwrite=overwrite, device=device,
+                      progress=None if quiet else RichScanProgress())
+    print_summary(bundle)
+    if make_report:
+        from plate_inspect.reports import write_report
+
+        path = write_report([bundle], Path(out) / "report.html")
+        console.print(f"report: {path}")
+
+
+@click.command("info")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--modules", "show_modules", is_flag=True, help="Also list every module.")
+def info_command(bundle, show_modules):
+    """Summarise a PLATE init bundle (settings, per-type k and energy, parameter budgets).
+
+    \b
+    Example:
+      plate-inspect info bundles/qwen7b --modules
+    """
+    b = Bundle.load(bundle, require_complete=False)
+    print_summary(b)
+    if show_modules:
+        table = Table(title="modules")
+        for col in ("module", "[d_out, d_in]", "r", "k", "Q energy", "mean score"):
+            table.add_column(col)
+        for rec in b:
+            table.add_row(rec.name, str(rec.shape), str(rec.r), str(rec.k), f"{rec.captured_energy:.2e}",
+                          f"{rec.mean_redundancy:.4f}")
+        console.print(table)
+
+
+@click.command("verify")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("model", required=False)
+@click.option("--revision", default=None, help="Hub revision of MODEL.")
+def verify_command(bundle, model, revision):
+    """Check BUNDLE's tensors, and that it was made for MODEL's weights (exit 1 if not).
+
+    \b
+    Examples:
+      plate-inspect verify bundles/qwen7b Qwen/Qwen2.5-7B
+      plate-inspect verify bundles/mine            # structure only
+    """
+    from plate_inspect.verify import verify
+
+    report = verify(bundle, model, revision=revision)
+    for problem in report.problems:
+        console.print(f"[red]x[/] {problem}")
+    target = f" against {model}" if model else ""
+    if report.ok:
+        console.print(f"[green]ok[/]: {report.modules_checked} modules verified{target}")
+    else:
+        console.print(f"[red]FAILED[/]: {len(report.problems)} problems in {report.modules_checked} modules{target}")
+        raise SystemExit(1)

