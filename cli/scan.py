@@ -6,11 +6,18 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from plate_inspect.cli.common import console, err_console, human_bytes
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from plate_inspect.bundle import Bundle, ModuleRecord
-from plate_inspect.cli.common import console, err_console, human_bytes
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 from plate_inspect.scanner import ScanProgress, default_out_dir, plan_scan, run_scan
 from plate_inspect.targets import parse_layers
@@ -42,8 +49,9 @@ class RichScanProgress(ScanProgress):
         if already_done:
             err_console.print(f"resuming: {already_done}/{total_modules} modules already in the bundle")
         self.progress.start()
-        self.task = self.progress.add_task("scan", total=total_modules, completed=already_done,
-                                           read=self._read(), current="")
+        self.task = self.progress.add_task(
+            "scan", total=total_modules, completed=already_done, read=self._read(), current=""
+        )
 
     def _read(self) -> str:
         return f"{human_bytes(self.bytes_done)}/{human_bytes(self.bytes_total)}"
@@ -63,15 +71,17 @@ def summary_rows(records: list[ModuleRecord]) -> list[dict]:
         groups[rec.module_type].append(rec)
     rows = []
     for module_type, recs in groups.items():
-        rows.append({
-            "module_type": module_type,
-            "count": len(recs),
-            "shape": recs[0].shape,
-            "mean_k": sum(r.k for r in recs) / len(recs),
-            "mean_captured_energy": sum(r.captured_energy for r in recs) / len(recs),
-            "plate_params": sum(r.trainable_params for r in recs),
-            "lora_params": sum(r.lora_params for r in recs),
-        })
+        rows.append(
+            {
+                "module_type": module_type,
+                "count": len(recs),
+                "shape": recs[0].shape,
+                "mean_k": sum(r.k for r in recs) / len(recs),
+                "mean_captured_energy": sum(r.captured_energy for r in recs) / len(recs),
+                "plate_params": sum(r.trainable_params for r in recs),
+                "lora_params": sum(r.lora_params for r in recs),
+            }
+        )
     return rows
 
 
@@ -92,8 +102,13 @@ def print_summary(bundle: Bundle) -> None:
     rows = summary_rows(list(bundle))
     for row in rows:
         table.add_row(
-            row["module_type"], str(row["count"]), str(row["shape"]), f"{row['mean_k']:.1f}",
-            f"{row['mean_captured_energy']:.2e}", f"{row['plate_params']:,}", f"{row['lora_params']:,}",
+            row["module_type"],
+            str(row["count"]),
+            str(row["shape"]),
+            f"{row['mean_k']:.1f}",
+            f"{row['mean_captured_energy']:.2e}",
+            f"{row['plate_params']:,}",
+            f"{row['lora_params']:,}",
         )
     plate_total = sum(r["plate_params"] for r in rows)
     lora_total = sum(r["lora_params"] for r in rows)
@@ -127,8 +142,26 @@ def print_summary(bundle: Bundle) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a bundle made with other settings or weights.")
 @click.option("--report", "make_report", is_flag=True, help="Also write <out>/report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def scan_command(model, out, r, tau, max_rank, seed, anchors, sketch_dim, target_modules, layers, precision,
-                 q_dtype, device, revision, offline, overwrite, make_report, quiet):
+def scan_command(
+    model,
+    out,
+    r,
+    tau,
+    max_rank,
+    seed,
+    anchors,
+    sketch_dim,
+    target_modules,
+    layers,
+    precision,
+    q_dtype,
+    device,
+    revision,
+    offline,
+    overwrite,
+    make_report,
+    quiet,
+):
     """Compute redundancy, B, energy spectra, k(tau) and Q for every target module of MODEL.
 
     MODEL is a local HF-style directory, a single .safetensors file, or a hub repo id (HF cache first).
@@ -147,14 +180,22 @@ def scan_command(model, out, r, tau, max_rank, seed, anchors, sketch_dim, target
         err_console.print(f"no model given: scanning {DEFAULT_MODEL_NAME}")
     out = out or default_out_dir(model)
     plan = plan_scan(
-        model, r=r, tau=tau, max_rank=max_rank, seed=seed, sketch_dim=sketch_dim, anchors=anchors,
+        model,
+        r=r,
+        tau=tau,
+        max_rank=max_rank,
+        seed=seed,
+        sketch_dim=sketch_dim,
+        anchors=anchors,
         target_modules=[t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None,
-        layers=parse_layers(layers), precision=precision, q_dtype=q_dtype, revision=revision,
+        layers=parse_layers(layers),
+        precision=precision,
+        q_dtype=q_dtype,
+        revision=revision,
         offline=True if offline else None,
     )
     err_console.print(f"{len(plan.targets)} target modules ({plan.selection_note}) -> {out}")
-    bundle = run_scan(plan, out, overwrite=overwrite, device=device,
-                      progress=None if quiet else RichScanProgress())
+    bundle = run_scan(plan, out, overwrite=overwrite, device=device, progress=None if quiet else RichScanProgress())
     print_summary(bundle)
     if make_report:
         from plate_inspect.reports import write_report
@@ -180,8 +221,14 @@ def info_command(bundle, show_modules):
         for col in ("module", "[d_out, d_in]", "r", "k", "Q energy", "mean score"):
             table.add_column(col)
         for rec in b:
-            table.add_row(rec.name, str(rec.shape), str(rec.r), str(rec.k), f"{rec.captured_energy:.2e}",
-                          f"{rec.mean_redundancy:.4f}")
+            table.add_row(
+                rec.name,
+                str(rec.shape),
+                str(rec.r),
+                str(rec.k),
+                f"{rec.captured_energy:.2e}",
+                f"{rec.mean_redundancy:.4f}",
+            )
         console.print(table)
 
 

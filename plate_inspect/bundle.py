@@ -179,7 +179,9 @@ class Bundle:
         path = Path(path)
         mpath = path / MANIFEST
         if not mpath.exists():
-            raise BundleError(f"{path}: not a bundle (no {MANIFEST}); create one with: plate-inspect scan MODEL --out {path}")
+            raise BundleError(
+                f"{path}: not a bundle (no {MANIFEST}); create one with: plate-inspect scan MODEL --out {path}"
+            )
         try:
             data = json.loads(mpath.read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -293,8 +295,8 @@ class BundleWriter:
         """Prepare the directory. Returns the manifest to continue from (with finished modules, if resuming)."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-probe-")
-            probe.close()
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-probe-"):
+                pass
         except OSError as e:
             raise _io_error(self.path, e) from None
         existing = self.path / MANIFEST
@@ -346,4 +348,3 @@ class BundleWriter:
     def _write_manifest(self) -> None:
         text = json.dumps(self.manifest.to_json(), indent=2, sort_keys=False) + "\n"
         atomic_write_bytes(self.path / MANIFEST, text.encode())
-

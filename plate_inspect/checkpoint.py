@@ -29,15 +29,31 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
 }
 _ITEM_SIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "U16": 2,
-    "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1,
-    "F6_E3M2": 1, "C64": 8,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "F4": 1,
+    "F6_E2M3": 1,
+    "F6_E3M2": 1,
+    "C64": 8,
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _CONVERT_HINT = (
-    "convert it once with transformers: AutoModel.from_pretrained(DIR).save_pretrained(OUT, "
-    "safe_serialization=True)"
+    "convert it once with transformers: AutoModel.from_pretrained(DIR).save_pretrained(OUT, safe_serialization=True)"
 )
 
 
@@ -150,9 +166,7 @@ class Checkpoint:
             ckpt = cls._open_local(root)
             ckpt.source = SourceRef("hub", str(source), revision or "main", commit)
             return ckpt
-        raise CheckpointError(
-            f"'{source}' is neither an existing path nor a Hugging Face repo id (org/name)"
-        )
+        raise CheckpointError(f"'{source}' is neither an existing path nor a Hugging Face repo id (org/name)")
 
     @classmethod
     def _open_local(cls, path: Path) -> Checkpoint:
@@ -296,9 +310,8 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     patterns = ["*.safetensors", "*.json"]
-    fetch_hint = (
-        f"fetch them on a connected machine with: hf download {repo_id} --include '*.safetensors' '*.json'"
-        + (f" --revision {revision}" if revision else "")
+    fetch_hint = f"fetch them on a connected machine with: hf download {repo_id} --include '*.safetensors' '*.json'" + (
+        f" --revision {revision}" if revision else ""
     )
     try:
         path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True)

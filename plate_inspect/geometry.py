@@ -251,3 +251,36 @@ def validate_settings(
         raise ConfigError(f"anchors must be a positive integer, got {n_anchors!r}")
     if sketch_dim is not None and (not isinstance(sketch_dim, int) or sketch_dim < 1):
         raise ConfigError(f"sketch dim must be a positive integer, got {sketch_dim!r}")
+
+
+# --------------------------------------------------------------------------- matched-capacity ablations
+def random_rows(d_out: int, r: int, seed: int) -> torch.Tensor:
+    """Random-B: r distinct output rows drawn uniformly (seeded), ascending int64."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.sort(torch.randperm(d_out, generator=g)[:r]).values.to(torch.int64)
+
+
+def least_redundant_rows(scores: torch.Tensor, r: int) -> torch.Tensor:
+    """Least-redundant-B: the r lowest redundancy scores (ties -> lower index), ascending int64."""
+    order = torch.sort(scores, descending=False, stable=True).indices[: int(r)]
+    return torch.sort(order).values.to(torch.int64)
+
+
+def random_orthonormal(d_in: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Random-Q: a Haar-random orthonormal k-frame in R^d_in (QR of a seeded Gaussian, signs fixed)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(d_in, k, generator=g, dtype=torch.float64))
+    signs = torch.sign(torch.diagonal(r))
+    signs[signs == 0] = 1.0
+    return (q * signs[None, :]).to(dtype)
+
+
+def high_energy_basis(frozen: torch.Tensor, k: int) -> torch.Tensor:
+    """High-energy-Q: the top-k eigenvectors of W_f^T W_f (the top right singular vectors of W_f)."""
+    _, _, vh = torch.linalg.svd(frozen, full_matrices=False)
+    top = vh[: min(k, vh.shape[0])].T
+    if top.shape[1] < k:  # more directions asked than the row space has: pad with null directions
+        extra = random_orthonormal(frozen.shape[1], k - top.shape[1], seed=0, dtype=frozen.dtype)
+        extra = extra - top @ (top.T @ extra)
+        top = torch.linalg.qr(torch.cat([top, extra], dim=1)).Q
+    return top.contiguous()

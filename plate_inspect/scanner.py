@@ -78,10 +78,17 @@ def plan_scan(
     if any(not 0 < t < 1 for t in grid):
         raise ConfigError(f"tau grid values must lie strictly between 0 and 1, got {list(grid)}")
     settings = ScanSettings(
-        r=r, tau=float(tau), max_rank=max_rank, seed=seed, sketch_dim=sketch_dim, anchors=anchors,
+        r=r,
+        tau=float(tau),
+        max_rank=max_rank,
+        seed=seed,
+        sketch_dim=sketch_dim,
+        anchors=anchors,
         target_modules=tuple(target_modules) if target_modules else None,
         layers=tuple(layers) if layers is not None else None,
-        precision=precision, q_dtype=q_dtype, tau_grid=grid,
+        precision=precision,
+        q_dtype=q_dtype,
+        tau_grid=grid,
     )
     ckpt = Checkpoint.open(source, revision=revision, offline=offline)
     targets, note = select_targets(ckpt, list(settings.target_modules or []) or None, settings.layers)

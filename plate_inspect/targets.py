@@ -17,13 +17,17 @@ FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
     "phi3": ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"),
     "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
     "bert": (
-        "attention.self.query", "attention.self.key", "attention.self.value",
-        "attention.output.dense", "intermediate.dense", "output.dense",
+        "attention.self.query",
+        "attention.self.key",
+        "attention.self.value",
+        "attention.output.dense",
+        "intermediate.dense",
+        "output.dense",
     ),
 }
 #: Families whose weights are stored as [d_in, d_out] (GPT-2's Conv1D).
 CONV1D_FAMILIES = frozenset({"gpt2"})
-_NEVER_BY_DEFAULT = re.compile(r"(embed|lm_head|wte|wpe|norm|ln_|layernorm|pooler|classifier|score)", re.I)
+_NEVER_BY_DEFAULT = re.compile(r"(embed|lm_head|wte|wpe|norm|ln_|layernorm|pooler|classifier|score|head)", re.I)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 _REGEX_CHARS = re.compile(r"[\\^$*+?()\[\]{}|]")
 
@@ -65,7 +69,7 @@ def parse_layers(spec: str | None) -> list[int] | None:
 def module_type_of(name: str) -> str:
     """The part of a module name after its layer index ('model.layers.3.mlp.up_proj' -> 'mlp.up_proj')."""
     m = _LAYER_INDEX.search(name + ".")
-    return name[m.end():] if m else name
+    return name[m.end() :] if m else name
 
 
 def layer_of(name: str) -> int | None:
@@ -95,7 +99,8 @@ def select_targets(
     elif model_type in FAMILY_TARGETS:
         patterns, note = FAMILY_TARGETS[model_type], f"defaults for model_type '{model_type}'"
         chosen = {
-            m: i for m, i in candidates.items()
+            m: i
+            for m, i in candidates.items()
             if any(_matches(m, p) for p in patterns) and not _NEVER_BY_DEFAULT.search(m)
         }
     else:
@@ -113,9 +118,7 @@ def select_targets(
             + f"); 2-D weights in this checkpoint have types: {', '.join(sample) or 'none'}"
         )
     layout = "conv1d" if model_type in CONV1D_FAMILIES else "linear"
-    out = [
-        TargetModule(m, info, layout, layer_of(m), module_type_of(m)) for m, info in chosen.items()
-    ]
+    out = [TargetModule(m, info, layout, layer_of(m), module_type_of(m)) for m, info in chosen.items()]
     out.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, t.name))
     for t in out:
         check_shape_against_config(t, ckpt.config, model_type)
@@ -133,8 +136,12 @@ def expected_shapes(config: dict[str, Any], model_type: str | None) -> dict[str,
         if model_type == "bert":
             h, i = int(c["hidden_size"]), int(c["intermediate_size"])
             return {
-                "attention.self.query": (h, h), "attention.self.key": (h, h), "attention.self.value": (h, h),
-                "attention.output.dense": (h, h), "intermediate.dense": (i, h), "output.dense": (h, i),
+                "attention.self.query": (h, h),
+                "attention.self.key": (h, h),
+                "attention.self.value": (h, h),
+                "attention.output.dense": (h, h),
+                "intermediate.dense": (i, h),
+                "output.dense": (h, i),
             }
         if model_type in FAMILY_TARGETS:
             h, i = int(c["hidden_size"]), int(c["intermediate_size"])
@@ -142,8 +149,13 @@ def expected_shapes(config: dict[str, Any], model_type: str | None) -> dict[str,
             kv = int(c.get("num_key_value_heads") or heads)
             hd = int(c.get("head_dim") or h // heads)
             shapes = {
-                "q_proj": (heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h),
-                "o_proj": (h, heads * hd), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+                "q_proj": (heads * hd, h),
+                "k_proj": (kv * hd, h),
+                "v_proj": (kv * hd, h),
+                "o_proj": (h, heads * hd),
+                "gate_proj": (i, h),
+                "up_proj": (i, h),
+                "down_proj": (h, i),
             }
             if model_type == "phi3":
                 shapes.update({"qkv_proj": ((heads + 2 * kv) * hd, h), "gate_up_proj": (2 * i, h)})
