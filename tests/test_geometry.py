@@ -1,0 +1,162 @@
+"""PLATE geometry against dense float64 oracles, hand-computed cases and planted structure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import dense_oracle
+
+from plate_inspect.errors import ConfigError
+from plate_inspect.geometry import (
+    anchor_indices,
+    energy_rank,
+    frozen_energy_basis,
+    high_energy_basis,
+    k_for_tau,
+    least_redundant_rows,
+    plate_geometry,
+    random_orthonormal,
+    random_rows,
+    redundancy_scores,
+)
+from plate_inspect.synthetic import structured_weight
+
+
+def test_k_for_tau_hand_computed():
+    # energies 5, 3, 1, 1 (total 10): tau 0.5 -> m=1 (5 >= 5); tau 0.8 -> m=2; tau 0.85 -> m=3 (9 >= 8.5)
+    s = torch.tensor([5.0, 3.0, 1.0, 1.0])
+    assert [energy_rank(s, t) for t in (0.5, 0.8, 0.85, 0.95)] == [1, 2, 3, 4]
+    assert k_for_tau(s, 0.5, d_in=4, max_rank=10) == 3
+    assert k_for_tau(s, 0.5, d_in=4, max_rank=2) == 2
+    assert k_for_tau(s, 0.95, d_in=4, max_rank=10) == 1  # d_in - m = 0 -> at least 1
+    assert k_for_tau(torch.zeros(3), 0.9, d_in=6, max_rank=4) == 4  # no energy: m = 0
+
+
+def test_anchor_indices_strided_and_all_rows_when_few():
+    assert anchor_indices(10, 256).tolist() == list(range(10))
+    idx = anchor_indices(1000, 4).tolist()
+    assert idx == [0, 250, 500, 750]
+
+
+@pytest.mark.parametrize(
+    "shape, r",
+    [((96, 40), 8), ((40, 96), 8), ((64, 64), 16), ((30, 200), 4), ((200, 30), 50)],
+    ids=["tall", "wide-pure-null", "square-mixed", "very-wide", "tall-large-r"],
+)
+def test_plate_geometry_matches_dense_oracle(shape, r):
+    gen = torch.Generator().manual_seed(sum(shape) + r)
+    w, _ = structured_weight(*shape, gen)
+    w = w.double()
+    tau, max_rank = 0.9, 48
+    scores, b, evals, k, gram = dense_oracle(w.numpy(), r, tau, max_rank)
+    geo = plate_geometry(w, r, tau, max_rank)
+    np.testing.assert_allclose(geo.redundancy.numpy(), scores, rtol=1e-5, atol=1e-7)
+    assert geo.b_idx.tolist() == b.tolist()
+    assert geo.k == k
+    q = geo.basis.q.numpy()
+    assert q.shape == (shape[1], k)
+    np.testing.assert_allclose(q.T @ q, np.eye(k), atol=1e-10)
+    # Q spans the exact bottom-k eigenspace: its energy equals the sum of the k smallest eigenvalues
+    energy = np.trace(q.T @ gram @ q)
+    assert energy == pytest.approx(evals[:k].sum(), rel=1e-7, abs=1e-10 * evals.sum())
+    assert geo.basis.captured_energy == pytest.approx(evals[:k].sum() / evals.sum(), rel=1e-6, abs=1e-12)
+    n_frozen = shape[0] - len(b)
+    np.testing.assert_allclose(geo.basis.spectrum.numpy(), evals[::-1][: min(n_frozen, shape[1])], rtol=1e-5,
+                               atol=1e-6 * evals.max())
+    # the input was not modified without overwrite_input
+    assert torch.isfinite(w).all() and not (w == 0).all(dim=1).any()
+
+
+def test_wide_case_q_lies_in_null_space_when_k_fits():
+    gen = torch.Generator().manual_seed(3)
+    w, _ = structured_weight(48, 300, gen)
+    geo = plate_geometry(w.double(), 8, 0.9, 64)
+    frozen = np.delete(w.double().numpy(), geo.b_idx.numpy(), axis=0)
+    assert geo.k == 64  # capped by max_rank, below the null dimension 300 - 40
+    assert np.abs(frozen @ geo.basis.q.numpy()).max() < 1e-10
+    assert geo.basis.captured_energy < 1e-20
+
+
+def test_wide_mixed_case_takes_whole_null_space_then_smallest_directions():
+    gen = torch.Generator().manual_seed(4)
+    w, _ = structured_weight(64, 80, gen)  # n_frozen = 56 -> null dim 24; k = 80 - m(0.5) > 24
+    geo = plate_geometry(w.double(), 8, 0.5, 80)
+    frozen = np.delete(w.double().numpy(), geo.b_idx.numpy(), axis=0)
+    _, s, vt = np.linalg.svd(frozen)
+    null = vt[56:].T  # exact null space basis (24 dims)
+    q = geo.basis.q.numpy()
+    assert geo.k > 24
+    # the null space is contained in span(Q): projecting it onto Q loses nothing
+    np.testing.assert_allclose(q @ (q.T @ null), null, atol=1e-9)
+
+
+def test_rank_deficient_frozen_rows_count_extra_null_directions():
+    gen = torch.Generator().manual_seed(5)
+    low = torch.randn(40, 5, generator=gen, dtype=torch.float64) @ torch.randn(5, 60, generator=gen, dtype=torch.float64)
+    basis = frozen_energy_basis(low, tau=0.99, max_rank=100)
+    gram = low.numpy().T @ low.numpy()
+    evals = np.linalg.eigvalsh(gram)
+    q = basis.q.numpy()
+    assert basis.k == 60 - energy_rank(basis.spectrum.double(), 0.99)
+    assert np.trace(q.T @ gram @ q) == pytest.approx(evals[: basis.k].sum(), abs=1e-8 * evals.sum())
+
+
+def test_planted_duplicate_rows_are_selected_by_b():
+    gen = torch.Generator().manual_seed(6)
+    w, planted = structured_weight(128, 64, gen, planted=12)
+    geo = plate_geometry(w, 12, 0.9, 32)
+    assert geo.b_idx.tolist() == planted
+
+
+def test_anchor_self_similarity_is_excluded():
+    # rows 0 and 2 are anchors (stride 2 of 4 rows with 2 anchors); row 0 == row 1, the rest orthogonal
+    w = torch.tensor([[1.0, 0, 0], [1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0]])
+    s = redundancy_scores(w, n_anchors=2)
+    # row 0 (anchor): only anchor 2 counts -> |cos| = 0; row 1: anchors 0 and 2 -> (1 + 0) / 2
+    assert s.tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0])
+
+
+def test_sketched_scores_approach_exact_with_large_sketch():
+    gen = torch.Generator().manual_seed(7)
+    w, _ = structured_weight(64, 32, gen, planted=8)
+    exact = redundancy_scores(w.double())
+    sketched = redundancy_scores(w.double(), sketch_dim=20000, seed=1)
+    assert torch.allclose(sketched, exact, atol=0.03)
+    small = redundancy_scores(w.double(), sketch_dim=4, seed=1)
+    assert not torch.allclose(small, exact, atol=0.03)  # a tiny sketch really is an approximation
+
+
+def test_overwrite_input_zeroes_b_rows_in_place():
+    gen = torch.Generator().manual_seed(8)
+    w, _ = structured_weight(32, 16, gen)
+    geo = plate_geometry(w, 4, 0.9, 8, overwrite_input=True)
+    assert (w[geo.b_idx] == 0).all()
+
+
+def test_effective_r_leaves_ten_percent_frozen():
+    w, _ = structured_weight(20, 8, torch.Generator().manual_seed(9))
+    assert plate_geometry(w, 64, 0.9, 8).b_idx.numel() == 18
+
+
+@pytest.mark.parametrize("kwargs", [{"r": 0}, {"tau": 1.0}, {"tau": 0.0}, {"max_rank": 0}])
+def test_settings_out_of_range_are_rejected(kwargs):
+    w = torch.randn(8, 8)
+    args = {"r": 2, "tau": 0.9, "max_rank": 4} | kwargs
+    with pytest.raises(ConfigError):
+        plate_geometry(w, args["r"], args["tau"], args["max_rank"])
+
+
+def test_ablation_helpers():
+    rows = random_rows(100, 10, seed=1)
+    assert rows.tolist() == sorted(set(rows.tolist())) and len(rows) == 10
+    assert rows.tolist() != random_rows(100, 10, seed=2).tolist()
+    scores = torch.tensor([0.5, 0.1, 0.9, 0.1, 0.3])
+    assert least_redundant_rows(scores, 2).tolist() == [1, 3]
+    q = random_orthonormal(50, 7, seed=3, dtype=torch.float64)
+    assert torch.allclose(q.T @ q, torch.eye(7, dtype=torch.float64), atol=1e-12)
+    w = torch.randn(30, 20, dtype=torch.float64)
+    top = high_energy_basis(w, 5).numpy()
+    gram = w.numpy().T @ w.numpy()
+    evals = np.linalg.eigvalsh(gram)
+    assert np.trace(top.T @ gram @ top) == pytest.approx(evals[-5:].sum(), rel=1e-10)
