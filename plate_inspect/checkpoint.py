@@ -277,14 +277,16 @@ def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
         weight_map: dict[str, str] = index["weight_map"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index_path}: corrupt index ({e})") from None
-    root_resolved = root.resolve()
+    root_norm = os.path.normpath(root)
     shard_names = sorted(set(weight_map.values()))
     files: list[Path] = []
     headers: dict[str, dict[str, TensorInfo]] = {}
     for shard in shard_names:
-        shard_path = (root / shard).resolve()
-        if root_resolved not in shard_path.parents:
+        # lexical check: hub snapshots are symlinks into a blob store, so resolving them would always "escape"
+        shard_norm = os.path.normpath(os.path.join(root_norm, shard))
+        if os.path.isabs(shard) or not shard_norm.startswith(root_norm + os.sep):
             raise CheckpointError(f"{index_path}: shard '{shard}' points outside the model directory; refusing")
+        shard_path = Path(shard_norm)
         if not shard_path.exists():
             raise CheckpointError(f"{index_path}: names shard '{shard}', which is missing; re-download it")
         files.append(shard_path)

@@ -68,13 +68,14 @@ def write_llama_like(
     vocab: int = 128,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int | None = None,
-    planted: int = 0,
+    planted_fraction: float = 0.0,
     seed: int = 0,
 ) -> SyntheticCheckpoint:
     """A Qwen2/Llama-layout checkpoint (``model.layers.N.self_attn.q_proj.weight`` ...) + config.json.
 
-    Layers are generated and freed one at a time when sharding, so a 7B-shaped checkpoint needs no more
-    memory than one layer.
+    Each weight gets ``planted_fraction`` of its rows as near-duplicates of one prototype (recorded in
+    ``planted_rows``). Layers are generated and freed one at a time when sharding, so a 7B-shaped checkpoint
+    needs no more memory than one layer.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,10 +123,10 @@ def write_llama_like(
     for layer in range(layers):
         prefix = f"model.layers.{layer}"
         for suffix, (d_out, d_in) in shapes.items():
-            w, rows = structured_weight(d_out, d_in, gen, planted=planted)
+            w, rows = structured_weight(d_out, d_in, gen, planted=round(planted_fraction * d_out))
             name = f"{prefix}.{suffix}"
             pending[f"{name}.weight"] = w.to(dtype)
-            if planted:
+            if rows:
                 ckpt.planted_rows[name] = rows
         pending[f"{prefix}.input_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
         pending[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
