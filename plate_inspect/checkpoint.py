@@ -247,8 +247,8 @@ def require_float_dtype(info: TensorInfo) -> torch.dtype:
         return FLOAT_DTYPES[info.dtype]
     kind = "fp8" if info.dtype.startswith("F8") else "integer/quantized"
     raise UnsupportedWeightError(
-        f"{info.file.name}: tensor '{info.name}' is stored as {info.dtype} ({kind}); only bf16/fp16/fp32/fp64 "
-        f"weights are supported: dequantize the checkpoint to bf16 first"
+        f"{info.file.name}: tensor '{info.name}' is stored as {info.dtype} ({kind}), which is not supported: "
+        "plate-inspect analyses bf16/fp16/fp32/fp64 weights; dequantize the checkpoint to bf16 first"
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from plate_inspect.bundle import Q_DTYPES, Bundle, BundleWriter, Manifest, ModuleRecord, ScanSettings
-from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.errors import CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, module_seed, plate_geometry, validate_settings
 from plate_inspect.targets import TargetModule, select_targets
@@ -92,6 +92,8 @@ def plan_scan(
     )
     ckpt = Checkpoint.open(source, revision=revision, offline=offline)
     targets, note = select_targets(ckpt, list(settings.target_modules or []) or None, settings.layers)
+    for target in targets:  # fail before any work, not halfway through a long scan
+        require_float_dtype(target.tensor)
     return ScanPlan(ckpt, targets, note, settings)
 
 

@@ -15,7 +15,9 @@ from plate_inspect.synthetic import write_bert, write_gpt2, write_llama_like
 @pytest.fixture(scope="session")
 def qwen_ckpt(tmp_path_factory):
     """Sharded bf16 Qwen2-layout checkpoint (index.json, GQA k/v, biases) with planted duplicate rows."""
-    return write_llama_like(tmp_path_factory.mktemp("qwen2") / "model", layers=2, max_shard_bytes=150_000, planted_fraction=0.15)
+    return write_llama_like(
+        tmp_path_factory.mktemp("qwen2") / "model", layers=2, max_shard_bytes=150_000, planted_fraction=0.15
+    )
 
 
 @pytest.fixture(scope="session")

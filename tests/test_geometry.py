@@ -62,8 +62,9 @@ def test_plate_geometry_matches_dense_oracle(shape, r):
     assert energy == pytest.approx(evals[:k].sum(), rel=1e-7, abs=1e-10 * evals.sum())
     assert geo.basis.captured_energy == pytest.approx(evals[:k].sum() / evals.sum(), rel=1e-6, abs=1e-12)
     n_frozen = shape[0] - len(b)
-    np.testing.assert_allclose(geo.basis.spectrum.numpy(), evals[::-1][: min(n_frozen, shape[1])], rtol=1e-5,
-                               atol=1e-6 * evals.max())
+    np.testing.assert_allclose(
+        geo.basis.spectrum.numpy(), evals[::-1][: min(n_frozen, shape[1])], rtol=1e-5, atol=1e-6 * evals.max()
+    )
     # the input was not modified without overwrite_input
     assert torch.isfinite(w).all() and not (w == 0).all(dim=1).any()
 
@@ -93,7 +94,9 @@ def test_wide_mixed_case_takes_whole_null_space_then_smallest_directions():
 
 def test_rank_deficient_frozen_rows_count_extra_null_directions():
     gen = torch.Generator().manual_seed(5)
-    low = torch.randn(40, 5, generator=gen, dtype=torch.float64) @ torch.randn(5, 60, generator=gen, dtype=torch.float64)
+    low = torch.randn(40, 5, generator=gen, dtype=torch.float64) @ torch.randn(
+        5, 60, generator=gen, dtype=torch.float64
+    )
     basis = frozen_energy_basis(low, tau=0.99, max_rank=100)
     gram = low.numpy().T @ low.numpy()
     evals = np.linalg.eigvalsh(gram)

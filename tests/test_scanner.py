@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,8 +46,13 @@ def test_sharded_bf16_qwen2(tmp_path, qwen_ckpt):
     bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R, tau=TAU, max_rank=MAX_RANK)
     assert bundle.manifest.complete
     assert len(bundle) == 14 and {r.module_type for r in bundle} == {
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
     }
     assert all(r.dtype == "BF16" and r.layout == "linear" for r in bundle)
     check_bundle_against_oracle(bundle, load_all(qwen_ckpt.path))
@@ -93,8 +97,15 @@ def test_real_minilm(tmp_path, minilm_dir):
 
 
 def test_options_layers_targets_precision_qdtype(tmp_path, qwen_ckpt):
-    b = plate_inspect.scan(qwen_ckpt.path, tmp_path / "a", r=R, layers=[1], target_modules=["q_proj", r"mlp\.down.*"],
-                           precision="float64", q_dtype="bfloat16")
+    b = plate_inspect.scan(
+        qwen_ckpt.path,
+        tmp_path / "a",
+        r=R,
+        layers=[1],
+        target_modules=["q_proj", r"mlp\.down.*"],
+        precision="float64",
+        q_dtype="bfloat16",
+    )
     assert b.modules == ["model.layers.1.mlp.down_proj", "model.layers.1.self_attn.q_proj"]
     assert b.q(b.modules[0], dtype=None).dtype == torch.bfloat16
     assert b.settings.precision == "float64"
@@ -152,8 +163,9 @@ def test_resume_after_kill_gives_identical_bundle(tmp_path, qwen_ckpt, how):
     script = tmp_path / "killer.py"
     script.write_text(_KILLER)
     # die in the middle of layer 1 (module 10 of 14): layer 0's part is already written
-    proc = subprocess.run([sys.executable, str(script), str(qwen_ckpt.path), str(out), "10", how],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(qwen_ckpt.path), str(out), "10", how], capture_output=True, text=True
+    )
     assert proc.returncode != 0
     partial = json.loads((out / "manifest.json").read_text())
     assert partial["complete"] is False and len(partial["modules"]) == 7

@@ -1,0 +1,206 @@
+"""Bad input: one clear line naming the file/tensor, nonzero exit, no traceback, nothing marked complete."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from plate_inspect.bundle import MANIFEST
+from plate_inspect.cli.main import cli
+from plate_inspect.synthetic import write_llama_like
+
+
+def run_cli(*args: str):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def assert_user_error(args, *needles):
+    code, output = run_cli(*args)
+    assert code == 2, output
+    assert "Traceback" not in output
+    error_lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1, output
+    output = output[output.index("error:") :]
+    for needle in needles:
+        assert needle in output, (needle, output)
+    return output
+
+
+@pytest.fixture
+def model(tmp_path):
+    return write_llama_like(tmp_path / "model", layers=2, max_shard_bytes=150_000).path
+
+
+def scan_args(model, tmp_path, *extra):
+    return ["scan", model, "--out", tmp_path / "out", "--r", "4", "--quiet", *extra]
+
+
+def test_truncated_shard(tmp_path, model):
+    shard = sorted(model.glob("*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000])
+    assert_user_error(scan_args(model, tmp_path), shard.name, "truncated")
+
+
+def test_corrupt_header(tmp_path, model):
+    shard = sorted(model.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"\xff\xfe{["
+    shard.write_bytes(bytes(data))
+    assert_user_error(scan_args(model, tmp_path), shard.name, "corrupt")
+
+
+def test_index_names_missing_shard(tmp_path, model):
+    sorted(model.glob("*.safetensors"))[-1].unlink()
+    assert_user_error(scan_args(model, tmp_path), "missing")
+
+
+def test_index_points_outside_model_dir(tmp_path, model):
+    index_path = model / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "../evil.safetensors"
+    index_path.write_text(json.dumps(index))
+    assert_user_error(scan_args(model, tmp_path), "outside the model directory")
+
+
+def test_tensor_listed_in_index_but_absent(tmp_path, model):
+    index_path = model / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first_shard = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"]["model.layers.0.mlp.ghost.weight"] = first_shard
+    index_path.write_text(json.dumps(index))
+    assert_user_error(scan_args(model, tmp_path), "model.layers.0.mlp.ghost.weight", first_shard)
+
+
+def _rewrite_tensor(model: Path, name: str, new: torch.Tensor) -> None:
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shard = model / index["weight_map"][name]
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(shard))
+    tensors[name] = new
+    save_file(tensors, str(shard))
+
+
+def test_nan_in_weight_names_tensor_and_nothing_is_complete(tmp_path, model):
+    name = "model.layers.1.self_attn.q_proj.weight"
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    w[3, 5] = float("nan")
+    _rewrite_tensor(model, name, w)
+    assert_user_error(scan_args(model, tmp_path), name, "NaN")
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["complete"] is False and len(manifest["modules"]) == 7  # layer 0 kept for a resume
+
+
+def test_shape_contradicts_config(tmp_path, model):
+    _rewrite_tensor(model, "model.layers.0.self_attn.k_proj.weight", torch.randn(48, 64).to(torch.bfloat16))
+    assert_user_error(scan_args(model, tmp_path), "model.layers.0.self_attn.k_proj.weight", "config.json")
+
+
+def test_integer_weight_is_unsupported(tmp_path, model):
+    _rewrite_tensor(model, "model.layers.0.mlp.up_proj.weight", torch.zeros(176, 64, dtype=torch.int8))
+    assert_user_error(scan_args(model, tmp_path), "model.layers.0.mlp.up_proj.weight", "I8", "not supported"[:9])
+
+
+def test_quantized_config_is_unsupported(tmp_path, model):
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (model / "config.json").write_text(json.dumps(config))
+    assert_user_error(scan_args(model, tmp_path), "gptq")
+
+
+def test_pickle_only_directory_is_refused(tmp_path):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    (d / "pytorch_model.bin").write_bytes(b"not opened")
+    assert_user_error(
+        ["scan", d, "--out", tmp_path / "o"], "pytorch_model.bin", "never unpickles", "safe_serialization"
+    )
+
+
+def test_no_target_modules_matched_lists_what_exists(tmp_path, model):
+    assert_user_error(
+        scan_args(model, tmp_path, "--target-modules", "nonexistent_proj"),
+        "no target modules matched",
+        "self_attn.q_proj",
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--r", "0"], "r must be"),
+        (["--tau", "1.5"], "tau must"),
+        (["--max-rank", "0"], "max_rank"),
+        (["--layers", "3-1"], "--layers"),
+    ],
+)
+def test_settings_out_of_range(tmp_path, model, extra, needle):
+    assert_user_error(["scan", model, "--out", tmp_path / "out", *extra], needle)
+
+
+def test_output_dir_not_writable(tmp_path, model):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert_user_error(["scan", model, "--out", blocker / "bundle", "--quiet"], "cannot write")
+
+
+def test_disk_full_is_a_clear_error_and_bundle_stays_incomplete(tmp_path, model, monkeypatch):
+    import plate_inspect.bundle as bundle_mod
+
+    real = bundle_mod.atomic_write_bytes
+    calls = {"n": 0}
+
+    def full_after_first_part(path, data):
+        if path.suffix == ".safetensors":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise bundle_mod._io_error(path, OSError(errno.ENOSPC, "No space left on device"))
+        return real(path, data)
+
+    monkeypatch.setattr(bundle_mod, "atomic_write_bytes", full_after_first_part)
+    assert_user_error(scan_args(model, tmp_path), "disk full", "resume")
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["complete"] is False
+
+
+def test_foreign_bundle_dir_refused_without_overwrite(tmp_path, model):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MANIFEST).write_text('{"something": "else"}')
+    assert_user_error(["scan", model, "--out", out, "--quiet"], "--overwrite")
+    code, _ = run_cli("scan", model, "--out", out, "--quiet", "--overwrite", "--r", "4")
+    assert code == 0
+
+
+def test_missing_and_incomplete_bundle(tmp_path, model):
+    assert_user_error(["info", tmp_path / "nothing-here"], "not a bundle")
+    assert_user_error(["verify", tmp_path / "nothing-here"], "not a bundle")
+
+
+def test_real_console_script_prints_no_traceback(tmp_path):
+    exe = shutil.which("plate-inspect", path=str(Path(sys.executable).parent))
+    proc = subprocess.run(
+        [exe, "scan", str(tmp_path / "missing-model"), "--out", str(tmp_path / "o")], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("error:")
+    assert len(proc.stderr.strip().splitlines()) <= 3  # one logical line (rich may wrap it)
+
+
+def test_truncated_single_file_header(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", 10_000) + b"{}")
+    assert_user_error(["scan", f, "--out", tmp_path / "o"], "model.safetensors", "truncated")
