@@ -6,9 +6,9 @@ import importlib
 import sys
 
 import click
-from plate_inspect.cli.common import err_console
 
 from plate_inspect import __version__
+from plate_inspect.cli.common import err_console
 from plate_inspect.errors import PlateInspectError
 
 # command name -> "module:attribute" under plate_inspect.cli

@@ -6,7 +6,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-from plate_inspect.cli.common import console, err_console, human_bytes
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -18,6 +17,7 @@ from rich.progress import (
 from rich.table import Table
 
 from plate_inspect.bundle import Bundle, ModuleRecord
+from plate_inspect.cli.common import console, err_console, human_bytes
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 from plate_inspect.scanner import ScanProgress, default_out_dir, plan_scan, run_scan
 from plate_inspect.targets import parse_layers
