@@ -39,6 +39,13 @@ def symmetric_eigh(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.linalg.eigh(s)
 
 
+def orthonormalize(m: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of m's column span (thin QR), in m's column order."""
+    if m.device.type == "cpu":
+        return torch.from_numpy(np.linalg.qr(m.numpy(), mode="reduced")[0])
+    return torch.linalg.qr(m).Q
+
+
 def seeded_gaussian(rows: int, cols: int, seed: int, like: torch.Tensor) -> torch.Tensor:
     """A reproducible standard Gaussian matrix: drawn on CPU (same numbers on every device), then moved."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -172,7 +179,7 @@ def frozen_energy_basis(
     def off_row_space(p: torch.Tensor) -> torch.Tensor:
         y = matmul(frozen, p)
         y = y[keep] if keep is not None else y
-        coeff = u_nz @ ((u_nz.T @ y) / lam_nz[:, None])
+        coeff = matmul(u_nz, matmul(u_nz.T, y) / lam_nz[:, None])
         return p - matmul(frozen.T, expand(coeff).contiguous())
 
     blocks = []
@@ -182,7 +189,7 @@ def frozen_energy_basis(
     if n_low > 0:  # the smallest nonzero directions (lam_nz is ascending)
         v = matmul(frozen.T, expand(u_nz[:, :n_low]).contiguous()) / lam_nz[:n_low].sqrt()[None, :]
         blocks.append(v)
-    q = torch.linalg.qr(torch.cat(blocks, dim=1)).Q.contiguous()
+    q = orthonormalize(torch.cat(blocks, dim=1)).contiguous()
     wq = matmul(frozen, q)
     total = float(lam.sum())
     captured = float((wq * wq).sum()) / total if total > 0 else 0.0
@@ -282,5 +289,5 @@ def high_energy_basis(frozen: torch.Tensor, k: int) -> torch.Tensor:
     if top.shape[1] < k:  # more directions asked than the row space has: pad with null directions
         extra = random_orthonormal(frozen.shape[1], k - top.shape[1], seed=0, dtype=frozen.dtype)
         extra = extra - top @ (top.T @ extra)
-        top = torch.linalg.qr(torch.cat([top, extra], dim=1)).Q
+        top = orthonormalize(torch.cat([top, extra], dim=1))
     return top.contiguous()

@@ -235,7 +235,18 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (Linux reports KiB)."""
+    """This process's peak resident set size so far.
+
+    Reads VmHWM from /proc (reset at exec); getrusage's ru_maxrss is a fallback only, since Linux carries it
+    over from the parent across fork+exec and would report the launcher's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

@@ -1,0 +1,119 @@
+"""Scan benchmark on generated checkpoints with real Qwen2.5 shapes (bf16, sharded, decaying spectra).
+
+    python benchmarks/bench_scan.py --shape qwen2.5-7b            # streaming scan: wall time, peak RSS, GB read
+    python benchmarks/bench_scan.py --shape qwen2.5-1.5b --baseline-layers 2
+                                                                  # + naive baseline in the same run
+
+The checkpoint is generated once under --workdir (reused if present). Each measured run is a separate
+process, so peak RSS belongs to that run alone. The naive baseline loads the whole state dict and runs a
+full d_in x d_in eigh per module (on the first --baseline-layers layers, since it is slow); the streaming
+scan is timed on the same layers and on the whole model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    # Qwen2.5 configs: hidden, intermediate, layers, q heads, kv heads
+    "qwen2.5-7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4),
+    "qwen2.5-1.5b": dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2),
+    "qwen2.5-0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2),
+}
+
+_SCAN = """
+import json, sys, time
+import plate_inspect
+from plate_inspect.scanner import peak_rss_bytes
+src, out, layers, device = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+layers = None if layers == "all" else list(range(int(layers)))
+t = time.perf_counter()
+b = plate_inspect.scan(src, out, r=64, tau=0.9, max_rank=512, layers=layers, overwrite=True, device=device)
+wall = time.perf_counter() - t
+s = b.stats()
+print(json.dumps({"wall_s": wall, "peak_rss": peak_rss_bytes(), "bytes_read": s["bytes_read"], "modules": len(b),
+                  "mean_k": sum(r.k for r in b) / len(b)}))
+"""
+
+_BASELINE = """
+import json, sys, time, torch
+from pathlib import Path
+from safetensors.torch import load_file
+from plate_inspect.scanner import peak_rss_bytes
+src, n_layers = Path(sys.argv[1]), int(sys.argv[2])
+t = time.perf_counter()
+state = {}
+for f in sorted(src.glob("*.safetensors")):
+    state.update(load_file(str(f)))
+load_s = time.perf_counter() - t
+names = [n for n in state if n.endswith("proj.weight") and int(n.split(".")[2]) < n_layers]
+for n in names:   # naive: whole matrix in float32, exact cosines over all rows, full d_in x d_in eigh
+    w = state[n].float()
+    u = w / w.norm(dim=1, keepdim=True)
+    scores = (u @ u[:: max(1, w.shape[0] // 256)].T).abs().mean(1)
+    b = scores.topk(min(64, int(0.9 * w.shape[0]))).indices
+    keep = torch.ones(w.shape[0], dtype=torch.bool); keep[b] = False
+    wf = w[keep]
+    evals, evecs = torch.linalg.eigh(wf.T @ wf)
+wall = time.perf_counter() - t
+print(json.dumps({"wall_s": wall, "load_s": load_s, "peak_rss": peak_rss_bytes(), "modules": len(names),
+                  "bytes_read": sum(t.numel() * t.element_size() for t in state.values())}))
+"""
+
+
+def run_py(code: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fmt(res: dict) -> str:
+    return (f"{res['wall_s']:8.1f} s  peak RSS {res['peak_rss'] / 2**30:6.2f} GiB  read {res['bytes_read'] / 1e9:6.2f} GB"
+            f"  modules {res['modules']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
+    ap.add_argument("--workdir", type=Path, default=Path(".bench"))
+    ap.add_argument("--baseline-layers", type=int, default=0, help="also run the naive baseline on N layers")
+    ap.add_argument("--scan-layers", default="all", help="'all' or N: scan only the first N layers")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
+    args = ap.parse_args()
+
+    from plate_inspect.synthetic import write_llama_like
+
+    ckpt_dir = args.workdir / args.shape
+    if not (ckpt_dir / "model.safetensors.index.json").exists():
+        t = time.perf_counter()
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        write_llama_like(ckpt_dir, model_type="qwen2", vocab=152064, max_shard_bytes=4 * 10**9, planted_fraction=0.05,
+                         **SHAPES[args.shape])
+        print(f"generated {args.shape} checkpoint in {time.perf_counter() - t:.0f} s -> {ckpt_dir}")
+    size = sum(f.stat().st_size for f in ckpt_dir.glob("*.safetensors"))
+    print(f"checkpoint: {args.shape}, {size / 1e9:.2f} GB on disk, {len(list(ckpt_dir.glob('*.safetensors')))} shards")
+
+    if args.baseline_layers:
+        n = str(args.baseline_layers)
+        base = run_py(_BASELINE, str(ckpt_dir), n)
+        stream = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle-subset"), n, args.device)
+        print(f"naive baseline, {n} layers (whole state dict loaded in {base['load_s']:.1f} s): {fmt(base)}")
+        print(f"streaming scan, {n} layers:                                 {fmt(stream)}")
+        print(f"ratio baseline/streaming: time {base['wall_s'] / stream['wall_s']:.2f}x, "
+              f"peak RSS {base['peak_rss'] / stream['peak_rss']:.2f}x")
+    full = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle"), args.scan_layers, args.device)
+    print(f"streaming scan, {args.scan_layers} layers: {fmt(full)}  mean k {full['mean_k']:.1f}")
+    if not args.keep:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
