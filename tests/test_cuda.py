@@ -1,0 +1,33 @@
+"""The CUDA path agrees with the CPU path (run on a GPU machine: pytest -m cuda tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import dense_oracle, load_all
+
+import plate_inspect
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (deselected by default)"),
+]
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_cuda_scan_matches_cpu_and_oracle(tmp_path, qwen_ckpt, precision):
+    cpu = plate_inspect.scan(qwen_ckpt.path, tmp_path / "cpu", r=8, precision=precision)
+    gpu = plate_inspect.scan(qwen_ckpt.path, tmp_path / "gpu", r=8, precision=precision, device="cuda")
+    assert gpu.stats()["device"].startswith("cuda")
+    tensors = load_all(qwen_ckpt.path)
+    for rec in gpu:
+        other = cpu.record(rec.name)
+        assert gpu.b_idx(rec.name).tolist() == cpu.b_idx(rec.name).tolist()
+        assert rec.k == other.k and rec.fingerprint == other.fingerprint
+        assert rec.captured_energy == pytest.approx(other.captured_energy, abs=1e-5)
+        w = tensors[rec.name + ".weight"].double().numpy()
+        _, b, evals, k, gram = dense_oracle(w, 8, 0.9, 512)
+        q = gpu.q(rec.name, torch.float64).numpy()
+        np.testing.assert_allclose(q.T @ q, np.eye(k), atol=2e-5)
+        assert np.trace(q.T @ gram @ q) / evals.sum() == pytest.approx(evals[:k].sum() / evals.sum(), abs=1e-5)
