@@ -1,6 +1,6 @@
 """Why CPU math goes through NumPy/SciPy: Gram products and eigh, torch vs NumPy/SciPy, same run.
 
-    python benchmarks/bench_backend.py [--n 3584] [--rows 18944]
+python benchmarks/bench_backend.py [--n 3584] [--rows 18944]
 """
 
 from __future__ import annotations
@@ -30,15 +30,23 @@ def main() -> None:
     w = torch.randn(args.rows, args.n)
     gram = (w.T @ w).contiguous()
     wn, gn = w.numpy(), gram.numpy()
-    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}, scipy {scipy.__version__}")
+    print(
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"numpy {np.__version__}, scipy {scipy.__version__}"
+    )
     rows = [
         ("gram W^T W", best_of(lambda: w.T @ w), best_of(lambda: wn.T @ wn)),
-        ("eigh (values+vectors)", best_of(lambda: torch.linalg.eigh(gram), 2),
-         best_of(lambda: scipy.linalg.eigh(gn, driver="evd", check_finite=False), 2)),
+        (
+            "eigh (values+vectors)",
+            best_of(lambda: torch.linalg.eigh(gram), 2),
+            best_of(lambda: scipy.linalg.eigh(gn, driver="evd", check_finite=False), 2),
+        ),
     ]
     for name, t_torch, t_np in rows:
-        print(f"{name:24s} [{args.rows}x{args.n}] torch {t_torch:7.2f} s   numpy/scipy {t_np:7.2f} s   "
-              f"ratio {t_torch / t_np:5.2f}x")
+        print(
+            f"{name:24s} [{args.rows}x{args.n}] torch {t_torch:7.2f} s   numpy/scipy {t_np:7.2f} s   "
+            f"ratio {t_torch / t_np:5.2f}x"
+        )
 
 
 if __name__ == "__main__":

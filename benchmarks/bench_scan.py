@@ -75,8 +75,10 @@ def run_py(code: str, *args: str) -> dict:
 
 
 def fmt(res: dict) -> str:
-    return (f"{res['wall_s']:8.1f} s  peak RSS {res['peak_rss'] / 2**30:6.2f} GiB  read {res['bytes_read'] / 1e9:6.2f} GB"
-            f"  modules {res['modules']}")
+    return (
+        f"{res['wall_s']:8.1f} s  peak RSS {res['peak_rss'] / 2**30:6.2f} GiB  read {res['bytes_read'] / 1e9:6.2f} GB"
+        f"  modules {res['modules']}"
+    )
 
 
 def main() -> None:
@@ -95,8 +97,14 @@ def main() -> None:
     if not (ckpt_dir / "model.safetensors.index.json").exists():
         t = time.perf_counter()
         shutil.rmtree(ckpt_dir, ignore_errors=True)
-        write_llama_like(ckpt_dir, model_type="qwen2", vocab=152064, max_shard_bytes=4 * 10**9, planted_fraction=0.05,
-                         **SHAPES[args.shape])
+        write_llama_like(
+            ckpt_dir,
+            model_type="qwen2",
+            vocab=152064,
+            max_shard_bytes=4 * 10**9,
+            planted_fraction=0.05,
+            **SHAPES[args.shape],
+        )
         print(f"generated {args.shape} checkpoint in {time.perf_counter() - t:.0f} s -> {ckpt_dir}")
     size = sum(f.stat().st_size for f in ckpt_dir.glob("*.safetensors"))
     print(f"checkpoint: {args.shape}, {size / 1e9:.2f} GB on disk, {len(list(ckpt_dir.glob('*.safetensors')))} shards")
@@ -107,8 +115,10 @@ def main() -> None:
         stream = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle-subset"), n, args.device)
         print(f"naive baseline, {n} layers (whole state dict loaded in {base['load_s']:.1f} s): {fmt(base)}")
         print(f"streaming scan, {n} layers:                                 {fmt(stream)}")
-        print(f"ratio baseline/streaming: time {base['wall_s'] / stream['wall_s']:.2f}x, "
-              f"peak RSS {base['peak_rss'] / stream['peak_rss']:.2f}x")
+        print(
+            f"ratio baseline/streaming: time {base['wall_s'] / stream['wall_s']:.2f}x, "
+            f"peak RSS {base['peak_rss'] / stream['peak_rss']:.2f}x"
+        )
     full = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle"), args.scan_layers, args.device)
     print(f"streaming scan, {args.scan_layers} layers: {fmt(full)}  mean k {full['mean_k']:.1f}")
     if not args.keep:
