@@ -1,0 +1,405 @@
+"""Weight geometry vs. activation geometry (paper appendix "Weight geometry vs. activation geometry").
+
+For every target linear layer with weight W (d_out x d_in) and input activations X (N x d_in), compare three
+k-dimensional input subspaces by the fraction of activation variance they capture,
+``VE_k(S) = tr(S^T Sigma S) / tr(Sigma)`` with ``Sigma = X^T X / N`` (uncentred, as in the paper):
+
+- the weight basis V_k: top-k right singular vectors of W (what PLATE's Q is the complement of);
+- the activation oracle U_k: top-k eigenvectors of Sigma (the best any k-frame can do);
+- a Haar-random k-frame (mean over several seeded draws; its expectation is k / d_in).
+
+and the alignment ``AL_k = ||U_k^T V_k||_F^2 / k`` (1 when the subspaces coincide; chance level k / d_in).
+
+Activations are never stored: forward pre-hooks accumulate X^T X (float64) per layer, batch by batch.
+The math is pure (:func:`alignment_from_moments`); :func:`weight_activation_alignment` takes any torch model and
+an iterable of inputs; :func:`hf_text_alignment` runs a local Hugging Face model with its tokenizer on text
+(``transformers`` is an optional extra, imported only there).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plate_inspect.errors import CheckpointError, ConfigError, PlateInspectError
+from plate_inspect.geometry import random_orthonormal, symmetric_eigh
+from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches
+
+#: The text used for the README's MiniLM table: scikit-learn's bundled dataset descriptions (real English prose
+#: written by the scikit-learn authors, shipped inside the scikit-learn wheel, which plate-inspect depends on).
+SKLEARN_TEXT_SOURCE = "sklearn/datasets/descr/*.rst (shipped with scikit-learn)"
+
+
+class AlignmentError(PlateInspectError):
+    """The alignment analysis cannot run on the given model, inputs or settings."""
+
+
+# --------------------------------------------------------------------------- records
+@dataclass
+class AlignmentRecord:
+    """One (module, k) row: variance explained by three k-frames, and weight/activation alignment."""
+
+    module: str
+    k: int
+    d_in: int
+    ve_weight: float
+    ve_oracle: float
+    ve_random: float
+    al_weight: float
+    al_chance: float
+    n_samples: int = 0
+
+    @property
+    def ve_ratio(self) -> float:
+        """VE_k(W) / VE_k(random): how many times more activation variance the weight basis captures."""
+        return self.ve_weight / self.ve_random if self.ve_random > 0 else float("inf")
+
+    @property
+    def al_over_chance(self) -> float:
+        return self.al_weight / self.al_chance if self.al_chance > 0 else float("inf")
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the CLI's ``--json`` prints it (exactly these eight keys)."""
+        d = asdict(self)
+        d.pop("n_samples")
+        return d
+
+
+@dataclass
+class ActivationMoments:
+    """Streamed second moment of one layer's inputs: sum of x x^T over n rows (float64)."""
+
+    xtx: torch.Tensor  # [d_in, d_in]
+    n: int
+
+    @property
+    def sigma(self) -> torch.Tensor:
+        """Sigma_act = X^T X / N."""
+        return self.xtx / max(self.n, 1)
+
+
+# --------------------------------------------------------------------------- pure math
+def top_right_singular_vectors(weight: torch.Tensor, k: int) -> torch.Tensor:
+    """V_k: the top-k eigenvectors of W^T W (top-k right singular vectors of W, padded by null directions)."""
+    w = weight.detach().to("cpu", torch.float64)
+    _, evecs = symmetric_eigh(w.T @ w)
+    return evecs[:, -k:].flip(1).contiguous()
+
+
+def variance_explained(sigma: torch.Tensor, frame: torch.Tensor) -> float:
+    """VE = tr(F^T Sigma F) / tr(Sigma) for an orthonormal frame F (d_in x k)."""
+    total = float(torch.diagonal(sigma).sum())
+    if total <= 0:
+        return 0.0
+    return float(((sigma @ frame) * frame).sum()) / total
+
+
+def alignment_from_moments(
+    module: str,
+    weight: torch.Tensor,
+    sigma: torch.Tensor,
+    ks: Sequence[int],
+    n_random: int = 8,
+    seed: int = 0,
+    n_samples: int = 0,
+) -> list[AlignmentRecord]:
+    """VE_k (weight, oracle, random), AL_k and chance for one layer, from W [d_out, d_in] and Sigma [d_in, d_in]."""
+    if weight.ndim != 2:
+        raise AlignmentError(f"{module}: weight must be 2-D, got shape {list(weight.shape)}")
+    d_in = weight.shape[1]
+    if tuple(sigma.shape) != (d_in, d_in):
+        raise AlignmentError(f"{module}: activation moment is {list(sigma.shape)}, weight has d_in={d_in}")
+    sigma = sigma.detach().to("cpu", torch.float64)
+    sigma = 0.5 * (sigma + sigma.T)
+    evals, evecs = symmetric_eigh(sigma)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    total = float(torch.diagonal(sigma).sum())
+    w_basis = top_right_singular_vectors(weight, max(ks))
+    out = []
+    for k in ks:
+        if not 1 <= k <= d_in:
+            raise ConfigError(f"{module}: k={k} must lie in 1..d_in={d_in}")
+        v_k, u_k = w_basis[:, :k], evecs[:, :k]
+        ve_rand = [
+            variance_explained(sigma, random_orthonormal(d_in, k, seed=seed + 7919 * i + k, dtype=torch.float64))
+            for i in range(n_random)
+        ]
+        out.append(
+            AlignmentRecord(
+                module=module,
+                k=int(k),
+                d_in=int(d_in),
+                ve_weight=variance_explained(sigma, v_k),
+                ve_oracle=float(evals[:k].clamp_min(0).sum()) / total if total > 0 else 0.0,
+                ve_random=sum(ve_rand) / len(ve_rand) if ve_rand else float("nan"),
+                al_weight=float((u_k.T @ v_k).pow(2).sum()) / k,
+                al_chance=k / d_in,
+                n_samples=int(n_samples),
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- hooks on a torch model
+def linear_weight(module: nn.Module) -> torch.Tensor | None:
+    """W as [d_out, d_in] for nn.Linear and transformers' Conv1D (stored [d_in, d_out]); None otherwise."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return module.weight.T
+    return None
+
+
+def select_linear_modules(model: nn.Module, target_modules: Sequence[str] | None = None) -> dict[str, nn.Module]:
+    """Target linear layers by name (suffixes or regexes, as in ``scan``); default: the family's or every linear."""
+    linears = {n: m for n, m in model.named_modules() if n and linear_weight(m) is not None}
+    if target_modules:
+        chosen = {n: m for n, m in linears.items() if any(_matches(n, p) for p in target_modules)}
+    else:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        patterns = FAMILY_TARGETS.get(str(model_type)) if model_type else None
+        chosen = {
+            n: m
+            for n, m in linears.items()
+            if not _NEVER_BY_DEFAULT.search(n) and (patterns is None or any(_matches(n, p) for p in patterns))
+        }
+    if not chosen:
+        raise AlignmentError(
+            "no target linear layers matched"
+            + (f" {list(target_modules)}" if target_modules else "")
+            + f"; linear layers in this model: {', '.join(list(linears)[:20]) or 'none'}"
+        )
+    return chosen
+
+
+def _call(model: nn.Module, item: Any) -> Any:
+    if isinstance(item, dict):
+        return model(**item)
+    if isinstance(item, (tuple, list)):
+        return model(*item)
+    return model(item)
+
+
+def collect_input_moments(
+    model: nn.Module,
+    inputs: Iterable[Any],
+    target_modules: Sequence[str] | None = None,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, ActivationMoments]:
+    """Run ``model`` on every input and accumulate X^T X of each target layer's input (streamed, float64).
+
+    An input is passed as ``model(**item)`` for a dict, ``model(*item)`` for a tuple/list, else ``model(item)``;
+    ``forward(model, item)`` overrides that. Every leading dimension of a layer input counts as a sample row.
+    """
+    modules = select_linear_modules(model, target_modules)
+    moments: dict[str, ActivationMoments] = {}
+    handles = []
+
+    def make_hook(name: str, d_in: int):
+        def hook(_mod: nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, d_in).to(torch.float64)
+            m = moments.get(name)
+            if m is None:
+                moments[name] = ActivationMoments(x.T @ x, x.shape[0])
+            else:
+                m.xtx += x.T @ x
+                m.n += x.shape[0]
+
+        return hook
+
+    for name, mod in modules.items():
+        d_in = linear_weight(mod).shape[1]
+        handles.append(mod.register_forward_pre_hook(make_hook(name, d_in)))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for item in inputs:
+                out = forward(model, item) if forward is not None else _call(model, item)
+                del out
+                if on_batch is not None:
+                    on_batch(1)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    missing = [n for n in modules if n not in moments]
+    if missing:
+        raise AlignmentError(f"these layers saw no input (empty input iterable, or not on the forward path): {missing}")
+    return {n: moments[n] for n in modules}
+
+
+def weight_activation_alignment(
+    model: nn.Module,
+    inputs: Iterable[Any],
+    ks: Sequence[int] = (8, 32),
+    target_modules: Sequence[str] | None = None,
+    n_random: int = 8,
+    seed: int = 0,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> list[AlignmentRecord]:
+    """VE_k / AL_k records for every target linear layer of any torch model, fed an iterable of inputs."""
+    ks = _check_ks(ks)
+    moments = collect_input_moments(model, inputs, target_modules, forward=forward)
+    modules = dict(model.named_modules())
+    records: list[AlignmentRecord] = []
+    for name, m in moments.items():
+        weight = linear_weight(modules[name])
+        d_in = weight.shape[1]
+        usable = [k for k in ks if k <= d_in]
+        records.extend(alignment_from_moments(name, weight, m.sigma, usable, n_random, seed, n_samples=m.n))
+    return records
+
+
+def _check_ks(ks: Sequence[int]) -> list[int]:
+    ks = [int(k) for k in ks]
+    if not ks or any(k < 1 for k in ks):
+        raise ConfigError(f"k values must be positive integers, got {ks}")
+    return sorted(set(ks))
+
+
+# --------------------------------------------------------------------------- Hugging Face models and text
+def sklearn_descr_text() -> str:
+    """Real English prose available offline: scikit-learn's bundled dataset descriptions, concatenated."""
+    from importlib import resources
+
+    files = sorted(
+        (p for p in resources.files("sklearn.datasets.descr").iterdir() if p.name.endswith(".rst")),
+        key=lambda p: p.name,
+    )
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in files)
+
+
+def read_text(path: str | Path) -> str:
+    """The text of a UTF-8 file, with a one-line error when it cannot be read or is empty."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: text file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read as UTF-8 text ({e})") from None
+    if not text.strip():
+        raise ConfigError(f"{p}: text file is empty")
+    return text
+
+
+def token_windows(ids: list[int], window: int, max_tokens: int | None) -> Iterator[list[int]]:
+    """Consecutive windows of at most ``window`` token ids, stopping after ``max_tokens`` ids in all."""
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    for i in range(0, len(ids), window):
+        yield ids[i : i + window]
+
+
+def hide_broken_torchvision() -> bool:
+    """If torchvision is installed but cannot import (built for another torch), hide it from transformers.
+
+    transformers imports torchvision whenever it is installed; a torchvision built for a different torch raises
+    at import and takes every model class down with it. Text models do not need it. Returns True if hidden.
+    """
+    import importlib.util
+    import sys
+
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision"] = None  # type: ignore[assignment]  # find_spec -> None, import -> ImportError
+        return True
+    return False
+
+
+def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) from a local Hugging Face directory, never contacting the hub."""
+    hide_broken_torchvision()
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "the align command needs transformers: pip install 'plate-inspect[train]' (or pip install transformers)"
+        ) from None
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; align needs a local Hugging Face model dir with a tokenizer")
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json; align needs a local Hugging Face model dir")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
+        raise CheckpointError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e})") from None
+    try:
+        transformers.utils.logging.disable_progress_bar()
+        model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load the model ({type(e).__name__}: {e})") from None
+    model.eval()
+    return model, tokenizer
+
+
+def special_token_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special token ids a tokenizer puts before and after a single sequence (e.g. [CLS] ... [SEP])."""
+    probe = "hello"
+    bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    framed = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    for pos in range(len(framed) - len(bare) + 1):
+        if framed[pos : pos + len(bare)] == bare:
+            return list(framed[:pos]), list(framed[pos + len(bare) :])
+    return [], []
+
+
+def hf_text_inputs(tokenizer: Any, text: str, seq_len: int = 256, max_tokens: int | None = None) -> list[dict]:
+    """Model inputs from text: the tokenized text cut into windows of seq_len tokens (special tokens added)."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    if not ids:
+        raise ConfigError("the text has no tokens")
+    prefix, suffix = special_token_frame(tokenizer)
+    window = max(1, seq_len - len(prefix) - len(suffix))
+    out = []
+    for chunk in token_windows(ids, window, max_tokens):
+        input_ids = torch.tensor([prefix + chunk + suffix], dtype=torch.long)
+        out.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
+    return out
+
+
+def hf_text_alignment(
+    model_dir: str | Path,
+    text: str,
+    ks: Sequence[int] = (8, 32),
+    max_tokens: int | None = 20000,
+    seq_len: int = 256,
+    target_modules: Sequence[str] | None = None,
+    n_random: int = 8,
+    seed: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[AlignmentRecord]:
+    """Alignment records for a local HF model dir run on ``text`` (unpadded windows, so no pad tokens count)."""
+    ks = _check_ks(ks)
+    model, tokenizer = load_hf_model(model_dir)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos:
+        seq_len = min(seq_len, int(max_pos))
+    inputs = hf_text_inputs(tokenizer, text, seq_len=seq_len, max_tokens=max_tokens)
+    moments = collect_input_moments(model, inputs, target_modules, on_batch=on_batch)
+    modules = dict(model.named_modules())
+    records: list[AlignmentRecord] = []
+    for name, m in moments.items():
+        weight = linear_weight(modules[name])
+        usable = [k for k in ks if k <= weight.shape[1]]
+        records.extend(alignment_from_moments(name, weight, m.sigma, usable, n_random, seed, n_samples=m.n))
+    return records
+
+
+def records_json(records: Sequence[AlignmentRecord]) -> str:
+    """The ``--json`` output: a list of records with exactly the documented keys."""
+    return json.dumps([r.to_json() for r in records], indent=2)
