@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plate_inspect.checkpoint import Checkpoint, TensorInfo
-from plate_inspect.errors import CheckpointError, ConfigError
+from plate_inspect.errors import CheckpointError, ConfigError, UnsupportedWeightError
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -90,6 +90,12 @@ def select_targets(
 ) -> tuple[list[TargetModule], str]:
     """Target modules in a deterministic order (layer, then name), and a note on how they were chosen."""
     model_type = str(ckpt.config.get("model_type", "")) or None
+    packed = sorted(n for n in ckpt.tensors if n.endswith((".qweight", ".qzeros", ".g_idx")))
+    if packed:
+        raise UnsupportedWeightError(
+            f"tensor '{packed[0]}' is a packed quantized weight (GPTQ/AWQ), which is not supported: "
+            "scan the unquantized base model instead"
+        )
     candidates = {
         n[: -len(".weight")]: info for n, info in ckpt.tensors.items() if n.endswith(".weight") and len(info.shape) == 2
     }

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from plate_inspect.checkpoint import Checkpoint
-from plate_inspect.errors import CheckpointError, ConfigError
+from plate_inspect.errors import CheckpointError, ConfigError, UnsupportedWeightError
 from plate_inspect.targets import layer_of, module_type_of, parse_layers, select_targets
 
 
@@ -75,6 +75,15 @@ def test_unknown_model_type_falls_back_and_says_so(tmp_path):
     chosen, note = select_targets(write(tmp_path, t, {"model_type": "mystery"}))
     assert [x.name for x in chosen] == ["enc.0.mix"]
     assert "unknown model_type 'mystery'" in note
+
+
+def test_packed_gptq_weights_are_unsupported(tmp_path):
+    t = {
+        "model.layers.0.self_attn.q_proj.qweight": torch.zeros(8, 32, dtype=torch.int32),
+        "model.layers.0.self_attn.q_proj.scales": torch.zeros(1, 32),
+    }
+    with pytest.raises(UnsupportedWeightError, match="q_proj.qweight"):
+        select_targets(write(tmp_path, t, {"model_type": "llama"}))
 
 
 def test_parse_layers_and_names():
