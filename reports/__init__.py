@@ -1,0 +1,130 @@
+"""HTML redundancy reports from PLATE init bundles: one self-contained file (plotly.js inlined, no network).
+
+One bundle gives the single view; two or more give comparison mode (heatmaps differenced against the first
+bundle, k(tau), spectra and score histograms overlaid, per-bundle table columns with Δk and B overlap)::
+
+    from plate_inspect import Bundle
+    from plate_inspect.reports import write_report
+    write_report([Bundle.load("bundles/qwen7b")], "qwen7b.html")
+
+The data behind every plot comes from :func:`report_data` (pure; see :mod:`plate_inspect.reports.data`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from plate_inspect.bundle import Bundle
+from plate_inspect.errors import PlateInspectError
+from plate_inspect.reports.data import (
+    DEFAULT_BINS,
+    DEFAULT_MAX_POINTS,
+    BundleSummary,
+    Heatmap,
+    KTauCurve,
+    ReportData,
+    ScoreHistogram,
+    SpectrumView,
+    bundle_summary,
+    check_bundles,
+    heatmap,
+    k_tau_curves,
+    report_data,
+    score_histogram,
+    spectrum_view,
+)
+
+
+class ReportError(PlateInspectError):
+    """The report cannot be written (bad output path, unwritable directory)."""
+
+
+def plotly_js() -> str:
+    """The plotly.js bundle shipped with the installed plotly package (inlined: no CDN, no network)."""
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def render_report(
+    bundles: list[Bundle],
+    labels: list[str] | None = None,
+    max_points: int = DEFAULT_MAX_POINTS,
+    bins: int = DEFAULT_BINS,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> str:
+    """The report's HTML text for ``bundles`` (raises BundleError for incomplete or incompatible bundles)."""
+    from plate_inspect.reports.html import render_page
+
+    if max_points < 16:
+        raise ReportError(f"max_points must be at least 16, got {max_points}")
+    if bins < 2:
+        raise ReportError(f"bins must be at least 2, got {bins}")
+    rd = report_data(list(bundles), labels=labels, max_points=max_points, bins=bins, progress=progress)
+    return render_page(rd, plotly_js())
+
+
+def write_report(
+    bundles: list[Bundle],
+    path: str | os.PathLike,
+    *,
+    labels: list[str] | None = None,
+    max_points: int = DEFAULT_MAX_POINTS,
+    bins: int = DEFAULT_BINS,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Path:
+    """Write ONE self-contained HTML report for one bundle (single view) or several (comparison); returns its path.
+
+    Incomplete bundles and bundles of different architectures raise :class:`plate_inspect.errors.BundleError`.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ReportError(f"{path}: is a directory; give a file name, e.g. -o {path / 'report.html'}")
+    text = render_report(bundles, labels=labels, max_points=max_points, bins=bins, progress=progress)
+    _atomic_write_text(path, text)
+    return path
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise ReportError(f"{path}: cannot write the report ({e.strerror or e}); choose another -o") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ReportError(f"{path}: cannot write the report ({e.strerror or e}); choose another -o") from None
+
+
+__all__ = [
+    "BundleSummary",
+    "Heatmap",
+    "KTauCurve",
+    "ReportData",
+    "ReportError",
+    "ScoreHistogram",
+    "SpectrumView",
+    "bundle_summary",
+    "check_bundles",
+    "heatmap",
+    "k_tau_curves",
+    "plotly_js",
+    "render_report",
+    "report_data",
+    "score_histogram",
+    "spectrum_view",
+    "write_report",
+]

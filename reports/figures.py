@@ -1,0 +1,396 @@
+"""Plotly figure specs (plain JSON-able dicts) built from :mod:`plate_inspect.reports.data` records.
+
+The page draws them with ``Plotly.newPlot(div, fig.data, fig.layout)``. Per-module figures (spectrum, score
+histogram) exist for every module; to keep the file small they carry only their own layout keys, and the
+page merges them over :data:`SPECTRUM_BASE` / :data:`HISTOGRAM_BASE`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from plate_inspect.reports.data import Heatmap, KTauCurve, ScoreHistogram, SpectrumView, _sig
+
+#: plotly's default qualitative palette: module types (k(tau)) and bundles (spectra, histograms).
+PALETTE = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880", "#ff97ff"]
+DASHES = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"]
+#: Captured energies below this are drawn at this value on the log10 colour scale.
+ENERGY_FLOOR = 1e-16
+FONT = {"family": "DejaVu Sans, Helvetica, Arial, sans-serif", "size": 12}
+
+Figure = dict[str, Any]
+
+
+def color(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+def _base_layout(title: str, height: int = 380) -> dict[str, Any]:
+    return {
+        "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
+        "height": height,
+        "margin": {"l": 60, "r": 20, "t": 50, "b": 50},
+        "font": FONT,
+        "paper_bgcolor": "white",
+        "plot_bgcolor": "white",
+        "hoverlabel": {"align": "left"},
+    }
+
+
+def _vline(x: float, color_: str, dash: str = "dash", yref: str = "paper") -> dict[str, Any]:
+    return {
+        "type": "line",
+        "xref": "x",
+        "yref": yref,
+        "x0": x,
+        "x1": x,
+        "y0": 0,
+        "y1": 1,
+        "line": {"color": color_, "width": 2, "dash": dash},
+    }
+
+
+# --------------------------------------------------------------------------- heatmaps
+def heatmap_figure(hm: Heatmap, subtitle: str = "", difference: bool = False) -> Figure:
+    """Layer (rows) x module type (columns) heatmap; hover shows the module's exact numbers."""
+    trace: dict[str, Any] = {
+        "type": "heatmap",
+        "z": hm.z,
+        "x": hm.cols,
+        "y": hm.rows,
+        "text": hm.hover,
+        "hovertemplate": "%{text}<extra></extra>",
+        "xgap": 1,
+        "ygap": 1,
+        "colorbar": {"thickness": 12, "len": 0.9},
+    }
+    if difference:
+        trace.update(colorscale="RdBu", zmid=0, reversescale=True)
+    else:
+        trace["colorscale"] = "Viridis"
+    if hm.metric == "captured_energy" and not difference:
+        # energies span many decades (Q in an exact null space captures ~1e-13): colour by log10
+        trace["z"] = [[None if v is None else math.log10(max(v, ENERGY_FLOOR)) for v in row] for row in hm.z]
+        trace["colorbar"]["title"] = {"text": "log10", "side": "right"}
+    title = hm.title + (f"<br><span style='font-size:11px;color:#666'>{subtitle}</span>" if subtitle else "")
+    layout = _base_layout(title, height=max(300, 90 + 16 * len(hm.rows)))
+    layout["margin"] = {"l": 60, "r": 10, "t": 60, "b": 110}
+    layout["xaxis"] = {"type": "category", "tickangle": -35, "automargin": True}
+    layout["yaxis"] = {"type": "category", "autorange": "reversed", "title": {"text": "layer"}, "automargin": True}
+    return {"data": [trace], "layout": layout}
+
+
+# --------------------------------------------------------------------------- k(tau)
+def ktau_figure(curves: list[list[KTauCurve]], taus: list[float], labels: list[str]) -> Figure:
+    """Mean k over each module type's modules vs tau (min..max on hover); each bundle's tau marked."""
+    types: list[str] = []
+    for per_bundle in curves:
+        for c in per_bundle:
+            if c.module_type not in types:
+                types.append(c.module_type)
+    multi = len(curves) > 1
+    data, shapes, annotations = [], [], []
+    for b, (per_bundle, tau, label) in enumerate(zip(curves, taus, labels, strict=True)):
+        for c in per_bundle:
+            col = color(types.index(c.module_type))
+            name = f"{c.module_type} ({label})" if multi else c.module_type
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines+markers",
+                    "name": name,
+                    "legendgroup": c.module_type,
+                    "x": c.taus,
+                    "y": [_sig(v) for v in c.mean_k],
+                    "customdata": [[lo, hi] for lo, hi in zip(c.min_k, c.max_k, strict=True)],
+                    "hovertemplate": (
+                        f"<b>{name}</b><br>tau = %{{x}}<br>mean k = %{{y:.1f}}"
+                        f"<br>min..max k = %{{customdata[0]}}..%{{customdata[1]}}<br>{c.modules} modules<extra></extra>"
+                    ),
+                    "line": {"color": col, "dash": DASHES[b % len(DASHES)], "width": 2},
+                    "marker": {"size": 5},
+                }
+            )
+            at = [i for i, t in enumerate(c.taus) if abs(t - tau) < 1e-9]
+            if at:
+                data.append(
+                    {
+                        "type": "scatter",
+                        "mode": "markers",
+                        "showlegend": False,
+                        "legendgroup": c.module_type,
+                        "x": [tau],
+                        "y": [_sig(c.mean_k[at[0]])],
+                        "hovertemplate": f"<b>{name}</b><br>bundle tau = {tau}<br>mean k = %{{y:.1f}}<extra></extra>",
+                        "marker": {"symbol": "star", "size": 13, "color": col, "line": {"color": "black", "width": 1}},
+                    }
+                )
+        shapes.append(_vline(tau, "#444", DASHES[(b + 1) % len(DASHES)]))
+        annotations.append(
+            {
+                "x": tau,
+                "y": 1.0 - 0.07 * b,
+                "xref": "x",
+                "yref": "paper",
+                "text": f"tau = {tau:g}" + (f" ({label})" if multi else " (this bundle)"),
+                "showarrow": False,
+                "xanchor": "right",
+                "yanchor": "top",
+                "bgcolor": "rgba(255,255,255,0.8)",
+                "font": {"size": 11},
+            }
+        )
+    layout = _base_layout("k(tau) per module type (mean over its modules)", height=420)
+    layout.update(
+        xaxis={"title": {"text": "tau (energy the frozen rows keep outside Q)"}},
+        yaxis={"title": {"text": "k = dim Q"}, "rangemode": "tozero"},
+        shapes=shapes,
+        annotations=annotations,
+        legend={"font": {"size": 10}},
+    )
+    return {"data": data, "layout": layout}
+
+
+def params_tau_figure(
+    params_tau: list[tuple[list[float], list[int]]], taus: list[float], lora: list[int], labels: list[str]
+) -> Figure:
+    """Total PLATE trainable parameters sum(r*k(tau)) vs tau, with LoRA's r*(d_in+d_out) at the same r."""
+    multi = len(labels) > 1
+    data, shapes = [], []
+    for b, ((ts, ps), tau, lo, label) in enumerate(zip(params_tau, taus, lora, labels, strict=True)):
+        col = color(b)
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": f"PLATE r*k ({label})" if multi else "PLATE r*k",
+                "x": ts,
+                "y": ps,
+                "line": {"color": col, "dash": DASHES[b % len(DASHES)]},
+                "hovertemplate": "tau = %{x}<br>PLATE params = %{y:,}<extra></extra>",
+            }
+        )
+        if ts:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines",
+                    "name": f"LoRA r*(d_in+d_out) ({label})" if multi else "LoRA r*(d_in+d_out), same r",
+                    "x": [min(ts), max(ts)],
+                    "y": [lo, lo],
+                    "line": {"color": col, "dash": "dot", "width": 1},
+                    "hovertemplate": f"LoRA at the same r = {lo:,}<extra></extra>",
+                }
+            )
+        shapes.append(_vline(tau, col, DASHES[(b + 1) % len(DASHES)]))
+    layout = _base_layout("Trainable parameters vs tau, all modules", height=420)
+    layout.update(
+        xaxis={"title": {"text": "tau"}},
+        yaxis={"title": {"text": "parameters"}, "rangemode": "tozero"},
+        shapes=shapes,
+        legend={"font": {"size": 10}},
+    )
+    return {"data": data, "layout": layout}
+
+
+# --------------------------------------------------------------------------- per-module: spectrum
+#: Layout keys shared by every spectrum figure (the page merges each module's own keys over it).
+SPECTRUM_BASE: dict[str, Any] = {
+    **_base_layout("", height=430),
+    "yaxis": {"type": "log", "title": {"text": "eigenvalue (log scale)"}, "exponentformat": "power"},
+    "yaxis2": {
+        "overlaying": "y",
+        "side": "right",
+        "range": [0, 1.02],
+        "tickmode": "linear",
+        "tick0": 0,
+        "dtick": 0.2,
+        "title": {"text": "cumulative energy"},
+        "showgrid": False,
+    },
+    "legend": {"orientation": "h", "y": -0.18, "font": {"size": 10}},
+    "margin": {"l": 70, "r": 60, "t": 80, "b": 70},
+}
+
+
+def spectrum_figure(views: list[SpectrumView], labels: list[str]) -> Figure:
+    """Log-scale spectrum (+ cumulative energy) of one module, tau cut and Q's bottom-k directions marked.
+
+    Returns only the module-specific layout keys; merge over :data:`SPECTRUM_BASE` to draw.
+    """
+    multi = len(views) > 1
+    data, shapes, annotations = [], [], []
+    notes = []
+    for b, (v, label) in enumerate(zip(views, labels, strict=True)):
+        col = color(b)
+        suffix = f" ({label})" if multi else ""
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "name": "eigenvalues" + suffix,
+                "x": v.index,
+                "y": v.values,
+                "line": {"color": col, "width": 2},
+                "hovertemplate": "direction %{x}<br>eigenvalue %{y:.4e}<extra>" + (label if multi else "") + "</extra>",
+            }
+        )
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "name": "cumulative energy" + suffix,
+                "x": v.index,
+                "y": v.cum_energy,
+                "yaxis": "y2",
+                "line": {"color": col, "width": 1, "dash": "dot"},
+                "hovertemplate": "directions 1..%{x} hold %{y:.4f} of the energy<extra></extra>",
+            }
+        )
+        # tau cut: the top m_tau directions hold >= tau of the energy.
+        shapes.append(_vline(v.m_tau + 0.5, col, "dash"))
+        shapes.append(
+            {
+                "type": "line",
+                "xref": "paper",
+                "yref": "y2",
+                "x0": 0,
+                "x1": 1,
+                "y0": v.tau,
+                "y1": v.tau,
+                "line": {"color": col, "width": 1, "dash": "dot"},
+            }
+        )
+        annotations.append(
+            {
+                "x": v.m_tau + 0.5,
+                "y": 1.0 - 0.08 * b,
+                "xref": "x",
+                "yref": "paper",
+                "text": f" tau={v.tau:g} cut: top {v.m_tau} directions hold {v.tau:g} of the energy " + suffix,
+                "showarrow": False,
+                "xanchor": "left" if v.m_tau < 0.5 * v.d_in else "right",
+                "yanchor": "top",
+                "bgcolor": "rgba(255,255,255,0.8)",
+                "font": {"size": 10, "color": col},
+            }
+        )
+        # Q spans the bottom k directions d_in-k+1 .. d_in.
+        shapes.append(
+            {
+                "type": "rect",
+                "xref": "x",
+                "yref": "paper",
+                "x0": v.k_start - 0.5,
+                "x1": v.d_in + 0.5,
+                "y0": 0.0 + 0.04 * b,
+                "y1": 0.04 * (b + 1),
+                "fillcolor": col,
+                "opacity": 0.35,
+                "line": {"width": 0},
+            }
+        )
+        shapes.append(
+            {
+                "type": "rect",
+                "xref": "x",
+                "yref": "paper",
+                "x0": v.k_start - 0.5,
+                "x1": v.d_in + 0.5,
+                "y0": 0,
+                "y1": 1,
+                "fillcolor": col,
+                "opacity": 0.06,
+                "line": {"width": 0},
+            }
+        )
+        annotations.append(
+            {
+                "x": v.d_in + 0.5,
+                "y": 0.04 * (b + 1) + 0.06 * b,
+                "xref": "x",
+                "yref": "paper",
+                "text": f"Q: bottom k={v.k} directions ({v.k_start}..{v.d_in})" + suffix,
+                "showarrow": False,
+                "xanchor": "right",
+                "yanchor": "bottom",
+                "bgcolor": "rgba(255,255,255,0.8)",
+                "font": {"size": 10, "color": col},
+            }
+        )
+        parts = []
+        if v.downsampled:
+            parts.append(f"display downsampled: {len(v.index)} of {v.n_stored:,} eigenvalues (evenly spaced)")
+        if v.null_directions:
+            parts.append(f"{v.null_directions} null directions (eigenvalue 0) at {v.n_stored + 1}..{v.d_in} not drawn")
+        if v.zero_eigenvalues:
+            parts.append(f"{v.zero_eigenvalues} stored zero eigenvalues not drawn (log axis)")
+        if parts:
+            notes.append((f"{label}: " if multi else "") + "; ".join(parts))
+    name = views[0].name
+    sub = "<br>".join(notes)
+    title = f"Energy spectrum: {name}" + (f"<br><span style='font-size:11px;color:#666'>{sub}</span>" if sub else "")
+    d_in = max(v.d_in for v in views)
+    layout = {
+        "title": {"text": title},
+        "xaxis": {"title": {"text": "eigen-direction (descending eigenvalue)"}, "range": [0.5, d_in + 0.5]},
+        "shapes": shapes,
+        "annotations": annotations,
+    }
+    return {"data": data, "layout": layout}
+
+
+# --------------------------------------------------------------------------- per-module: scores
+HISTOGRAM_BASE: dict[str, Any] = {
+    **_base_layout("", height=430),
+    "barmode": "overlay",
+    "bargap": 0.02,
+    "xaxis": {"title": {"text": "redundancy score (mean |cos| to anchor rows)"}},
+    "yaxis": {"title": {"text": "output rows"}},
+    "legend": {"orientation": "h", "y": -0.18, "font": {"size": 10}},
+    "margin": {"l": 60, "r": 20, "t": 80, "b": 70},
+}
+
+
+def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
+    """Histogram of one module's redundancy scores; the top-r cut-off (B's lowest score) marked."""
+    multi = len(hists) > 1
+    data, shapes, annotations = [], [], []
+    for b, (h, label) in enumerate(zip(hists, labels, strict=True)):
+        col = color(b)
+        centers = [_sig((lo + hi) / 2, 5) for lo, hi in zip(h.edges[:-1], h.edges[1:], strict=True)]
+        width = h.edges[1] - h.edges[0]
+        data.append(
+            {
+                "type": "bar",
+                "name": f"scores ({label})" if multi else "scores",
+                "x": centers,
+                "y": h.counts,
+                "width": width,
+                "marker": {"color": col},
+                "opacity": 0.55 if multi else 0.85,
+                "hovertemplate": f"scores %{{x:.4f}} ± {width / 2:.2g}<br>%{{y}} rows<extra></extra>",
+            }
+        )
+        shapes.append(_vline(h.cutoff, col, "dash"))
+        annotations.append(
+            {
+                "x": h.cutoff,
+                "y": 1.0 - 0.08 * b,
+                "xref": "x",
+                "yref": "paper",
+                "text": f"B: top r={h.r} of {h.d_out} rows, score >= {h.cutoff:.4g}" + (f" ({label})" if multi else ""),
+                "showarrow": False,
+                "xanchor": "right",
+                "yanchor": "top",
+                "bgcolor": "rgba(255,255,255,0.8)",
+                "font": {"size": 10, "color": col},
+            }
+        )
+    layout = {
+        "title": {"text": f"Redundancy scores: {hists[0].name}"},
+        "shapes": shapes,
+        "annotations": annotations,
+    }
+    return {"data": data, "layout": layout}

@@ -1,0 +1,281 @@
+"""The report page: HTML skeleton, CSS and the plain-JS page script (no external resources).
+
+Placeholders ``%%NAME%%`` are filled by :func:`plate_inspect.reports.html.render_page`.
+"""
+
+CSS = """
+:root { --fg:#1d2330; --dim:#6b7280; --line:#e5e7eb; --bg:#f7f8fa; --accent:#4f46e5; --warn:#b45309; }
+* { box-sizing: border-box; }
+body { margin:0; font-family: "DejaVu Sans", Helvetica, Arial, sans-serif; color:var(--fg); background:var(--bg);
+       font-size:14px; }
+header.top { background:#1e1b4b; color:white; padding:14px 24px; }
+header.top h1 { margin:0; font-size:20px; font-weight:600; }
+header.top .gen { color:#c7d2fe; font-size:12px; margin-top:4px; }
+nav { display:flex; gap:16px; padding:8px 24px; background:white; border-bottom:1px solid var(--line);
+      position:sticky; top:0; z-index:10; }
+nav a { color:var(--accent); text-decoration:none; font-size:13px; }
+main { padding:12px 24px 40px; max-width:1800px; margin:0 auto; }
+section { background:white; border:1px solid var(--line); border-radius:8px; padding:12px 16px; margin:14px 0; }
+section h2 { font-size:16px; margin:4px 0 4px; }
+p.note { color:var(--dim); font-size:12px; margin:2px 0 10px; }
+.dim { color:var(--dim); }
+.warn { color:var(--warn); }
+table.summary { border-collapse:collapse; font-size:13px; }
+table.summary th, table.summary td { text-align:left; padding:4px 12px 4px 0; border-bottom:1px solid var(--line);
+      vertical-align:top; }
+table.summary th[scope=row] { color:var(--dim); font-weight:normal; white-space:nowrap; }
+.grid { display:grid; grid-template-columns:repeat(auto-fill, minmax(440px, 1fr)); gap:10px; }
+.grid2 { display:grid; grid-template-columns:repeat(auto-fit, minmax(520px, 1fr)); gap:10px; }
+.plot { min-height:300px; }
+.controls { display:flex; flex-wrap:wrap; gap:8px; align-items:center; margin:6px 0 8px; }
+.controls select { max-width:560px; font-size:13px; padding:3px; }
+.controls input { font-size:13px; padding:4px 6px; width:420px; }
+button { font-size:13px; padding:3px 10px; cursor:pointer; }
+.tablewrap { max-height:560px; overflow:auto; border:1px solid var(--line); }
+table.modules { border-collapse:collapse; font-size:12px; width:100%; }
+table.modules th { position:sticky; top:0; background:#eef0f6; cursor:pointer; user-select:none; text-align:right;
+      padding:5px 8px; white-space:nowrap; border-bottom:1px solid #d1d5db; }
+table.modules th.str, table.modules td.str { text-align:left; }
+table.modules td { padding:3px 8px; text-align:right; border-bottom:1px solid #f0f1f4; white-space:nowrap;
+      font-variant-numeric:tabular-nums; }
+table.modules tbody tr:hover { background:#eef2ff; cursor:pointer; }
+table.modules tbody tr.current { background:#e0e7ff; }
+th.sorted-asc::after { content:" \\25B2"; font-size:9px; }
+th.sorted-desc::after { content:" \\25BC"; font-size:9px; }
+#table-count { color:var(--dim); font-size:12px; }
+"""
+
+SCRIPT = r"""
+(function () {
+  "use strict";
+  var D = JSON.parse(document.getElementById("report-data").textContent);
+  var CONFIG = { responsive: true, displaylogo: false,
+                 modeBarButtonsToRemove: ["sendDataToCloud", "lasso2d", "select2d"] };
+  var pending = [];
+
+  function isObj(v) { return v !== null && typeof v === "object" && !Array.isArray(v); }
+  function merge(base, patch) {
+    var out = {}, k;
+    for (k in base) { out[k] = base[k]; }
+    for (k in patch) { out[k] = (isObj(patch[k]) && isObj(base[k])) ? merge(base[k], patch[k]) : patch[k]; }
+    return out;
+  }
+  function draw(id, fig) {
+    var el = document.getElementById(id);
+    var p = Plotly.newPlot(el, fig.data, fig.layout, CONFIG);
+    pending.push(p);
+    return p.then(function () { return el; });
+  }
+
+  // ------------------------------------------------------------ module explorer
+  var select = document.getElementById("module-select");
+  var current = null;
+  D.modules.forEach(function (name) {
+    var o = document.createElement("option");
+    o.value = name; o.textContent = name; select.appendChild(o);
+  });
+  function showModule(name) {
+    var sf = D.spectra[name], hf = D.histograms[name];
+    current = name;
+    select.value = name;
+    markTableRow();
+    return Promise.all([
+      Plotly.react("spectrum-plot", sf.data, merge(D.spectrumBase, sf.layout), CONFIG),
+      Plotly.react("scores-plot", hf.data, merge(D.histogramBase, hf.layout), CONFIG)
+    ]);
+  }
+  function selectModule(name, scroll) {
+    if (!(name in D.spectra)) { return; }
+    showModule(name);
+    if (scroll) { document.getElementById("explorer").scrollIntoView({ behavior: "smooth" }); }
+  }
+  function step(delta) {
+    var i = D.modules.indexOf(current) + delta;
+    if (i >= 0 && i < D.modules.length) { selectModule(D.modules[i], false); }
+  }
+  select.addEventListener("change", function () { selectModule(select.value, false); });
+  document.getElementById("module-prev").addEventListener("click", function () { step(-1); });
+  document.getElementById("module-next").addEventListener("click", function () { step(1); });
+
+  // ------------------------------------------------------------ heatmaps, k(tau)
+  D.heatmaps.forEach(function (h) {
+    draw(h.id, h.figure).then(function (el) {
+      el.on("plotly_click", function (ev) {
+        var p = ev.points[0], tr = h.figure.data[0];
+        var i = tr.y.indexOf(String(p.y)), j = tr.x.indexOf(String(p.x));
+        var name = (i >= 0 && j >= 0 && h.names[i]) ? h.names[i][j] : null;
+        if (name) { selectModule(name, true); }
+      });
+    });
+  });
+  draw(D.ktau.id, D.ktau.figure);
+  draw(D.params.id, D.params.figure);
+
+  // ------------------------------------------------------------ table
+  var T = D.table, sortCol = null, sortDir = 1;
+  var thead = document.querySelector("#module-table thead");
+  var tbody = document.querySelector("#module-table tbody");
+  var filterBox = document.getElementById("table-filter");
+  var countEl = document.getElementById("table-count");
+  var keyIndex = {};
+  T.columns.forEach(function (c, i) { keyIndex[c.key.toLowerCase()] = i; });
+
+  function fmt(v, f) {
+    if (v === null || v === undefined) { return "\u2013"; }
+    switch (f) {
+      case "int": return Number(v).toLocaleString("en-US");
+      case "exp": return Number(v).toExponential(3);
+      case "f4": return Number(v).toFixed(4);
+      case "f3": return Number(v).toFixed(3);
+      case "signed": return (v > 0 ? "+" : "") + Number(v).toLocaleString("en-US");
+      default: return String(v);
+    }
+  }
+  function cmp(a, b) {
+    if (a === b) { return 0; }
+    if (a === null || a === undefined) { return 1; }
+    if (b === null || b === undefined) { return -1; }
+    if (typeof a === "number" && typeof b === "number") { return a - b; }
+    return String(a).localeCompare(String(b), "en", { numeric: true });
+  }
+  // filter terms: plain words match module name or type; "key<v", "key>=v", "key=v" compare a column
+  function parseFilter(text) {
+    return text.trim().split(/\s+/).filter(Boolean).map(function (t) {
+      var m = /^([A-Za-z_]\w*)(<=|>=|<|>|=)(.+)$/.exec(t);
+      if (m && (m[1].toLowerCase() in keyIndex)) {
+        return { col: keyIndex[m[1].toLowerCase()], op: m[2], value: m[3] };
+      }
+      return { word: t.toLowerCase() };
+    });
+  }
+  function passes(row, terms) {
+    return terms.every(function (t) {
+      if (t.word !== undefined) { return (row[0] + " " + row[1]).toLowerCase().indexOf(t.word) >= 0; }
+      var v = row[t.col], num = Number(t.value);
+      if (t.op === "=") { return isNaN(num) ? String(v) === t.value : v === num; }
+      if (v === null || v === undefined || isNaN(num)) { return false; }
+      if (t.op === "<") { return v < num; }
+      if (t.op === "<=") { return v <= num; }
+      if (t.op === ">") { return v > num; }
+      return v >= num;
+    });
+  }
+  function renderTable() {
+    var terms = parseFilter(filterBox.value);
+    var rows = T.rows.filter(function (r) { return passes(r, terms); });
+    if (sortCol !== null) {
+      rows = rows.map(function (r, i) { return [r, i]; }).sort(function (a, b) {
+        return cmp(a[0][sortCol], b[0][sortCol]) * sortDir || a[1] - b[1];
+      }).map(function (p) { return p[0]; });
+    }
+    var frag = document.createDocumentFragment();
+    rows.forEach(function (r) {
+      var tr = document.createElement("tr");
+      tr.dataset.module = r[0];
+      T.columns.forEach(function (c, i) {
+        var td = document.createElement("td");
+        td.textContent = fmt(r[i], c.fmt);
+        if (c.fmt === "str") { td.className = "str"; }
+        tr.appendChild(td);
+      });
+      frag.appendChild(tr);
+    });
+    tbody.replaceChildren(frag);
+    countEl.textContent = rows.length + " of " + T.rows.length + " modules";
+    markTableRow();
+  }
+  function markTableRow() {
+    if (!tbody) { return; }
+    Array.prototype.forEach.call(tbody.rows, function (tr) {
+      tr.classList.toggle("current", tr.dataset.module === current);
+    });
+  }
+  var headRow = document.createElement("tr");
+  T.columns.forEach(function (c, i) {
+    var th = document.createElement("th");
+    th.textContent = c.label;
+    th.title = "sort by " + c.label + " (filter: " + c.key + "<value)";
+    th.dataset.key = c.key;
+    if (c.fmt === "str") { th.className = "str"; }
+    th.addEventListener("click", function () {
+      sortDir = (sortCol === i) ? -sortDir : 1;
+      sortCol = i;
+      Array.prototype.forEach.call(headRow.children, function (h) { h.classList.remove("sorted-asc", "sorted-desc"); });
+      th.classList.add(sortDir > 0 ? "sorted-asc" : "sorted-desc");
+      renderTable();
+    });
+    headRow.appendChild(th);
+  });
+  thead.appendChild(headRow);
+  filterBox.addEventListener("input", renderTable);
+  tbody.addEventListener("click", function (ev) {
+    var tr = ev.target.closest("tr");
+    if (tr && tr.dataset.module) { selectModule(tr.dataset.module, true); }
+  });
+  renderTable();
+
+  pending.push(showModule(D.modules[0]));
+  Promise.all(pending).then(function () {
+    window.__reportReady = true;
+    document.body.setAttribute("data-ready", "1");
+  }, function (err) {
+    window.__reportError = String(err);
+    console.error("report: a plot failed to render: " + err);
+  });
+})();
+"""
+
+PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="generator" content="plate-inspect">
+<title>%%TITLE%%</title>
+<style>""" + CSS + """</style>
+<script>%%PLOTLY_JS%%</script>
+</head>
+<body>
+<header class="top"><h1>%%TITLE%%</h1><div class="gen">%%GENERATED%%</div></header>
+<nav><a href="#summary">summary</a><a href="#heatmaps">layer x type</a><a href="#ktau">k(tau)</a>
+<a href="#explorer">module explorer</a><a href="#modules">module table</a></nav>
+<main>
+<section id="summary"><h2>Bundle</h2>
+%%HEADER%%
+<p class="note">PLATE trains r&middot;k parameters per module (A is r x k); LoRA at the same r trains
+r&middot;(d_in+d_out). Q memory counts d_in&middot;k values per module in the bundle's Q dtype.</p>
+</section>
+<section id="heatmaps"><h2>Layer x module type</h2>
+<p class="note">Mean redundancy score (mean |cos| of each output row to the anchor rows), k = dim Q, and the
+fraction of the frozen rows' energy that Q captures (tr(Q<sup>T</sup>GQ)/tr(G): small means Q sits in the
+low-energy subspace). Hover a cell for the module's exact numbers. %%HEATMAP_INTRO%%</p>
+<div class="grid">%%HEATMAPS%%</div>
+</section>
+<section id="ktau"><h2>k(tau): the plasticity knob</h2>
+<p class="note">k = max(1, min(d_in &minus; m(tau), max_rank)) where the top m(tau) eigen-directions of the frozen
+rows hold a tau fraction of their energy: larger tau, smaller k. Curves come from the manifest's tau grid;
+stars mark the bundle's tau.</p>
+<div class="grid2"><div class="plot" id="ktau-plot"></div><div class="plot" id="params-plot"></div></div>
+</section>
+<section id="explorer"><h2>Module explorer</h2>
+<p class="note">Energy spectrum of W<sub>frozen</sub><sup>T</sup>W<sub>frozen</sub> (log scale; dotted: cumulative
+energy, right axis) with the tau cut and Q's bottom-k directions shaded; and the distribution of redundancy scores
+with the B cut-off (the r highest-scoring rows form B). %%DOWNSAMPLE_NOTE%%</p>
+<div class="controls"><label for="module-select">module</label> <select id="module-select"></select>
+<button id="module-prev" type="button">&larr; previous</button>
+<button id="module-next" type="button">next &rarr;</button>
+<span class="dim">(or click a heatmap cell / table row)</span></div>
+<div class="grid2"><div class="plot" id="spectrum-plot"></div><div class="plot" id="scores-plot"></div></div>
+</section>
+<section id="modules"><h2>Modules</h2>
+<div class="controls"><input id="table-filter" type="search"
+placeholder="filter: words match name/type; or k<200, energy>1e-3, layer=3" aria-label="filter modules">
+<span id="table-count"></span><span class="dim">click a column header to sort, a row to explore it</span></div>
+<div class="tablewrap"><table class="modules" id="module-table"><thead></thead><tbody></tbody></table></div>
+</section>
+</main>
+<script type="application/json" id="report-data">%%DATA%%</script>
+<script>""" + SCRIPT + """</script>
+</body>
+</html>
+"""
