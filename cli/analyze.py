@@ -1,0 +1,283 @@
+"""``align`` and ``curvature``: check PLATE's assumptions on a small model before training."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from plate_inspect.cli.common import console, err_console
+from plate_inspect.errors import ConfigError
+
+
+def _int_list(value: str, what: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what}: expected comma-separated integers, got '{value}'") from None
+    if not out or any(v < 1 for v in out):
+        raise ConfigError(f"{what}: expected positive integers, got '{value}'")
+    return out
+
+
+def _float_list(value: str, what: str) -> list[float]:
+    try:
+        out = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what}: expected comma-separated numbers, got '{value}'") from None
+    if not out:
+        raise ConfigError(f"{what}: expected at least one number")
+    return out
+
+
+def _progress(label: str, quiet: bool) -> Progress:
+    return Progress(
+        TextColumn(f"[bold]{label}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[current]}"),
+        console=err_console,
+        disable=quiet,
+    )
+
+
+# --------------------------------------------------------------------------- align
+@click.command("align")
+@click.argument("model", required=False)
+@click.option(
+    "--text",
+    "text_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="UTF-8 English text to run through the model [default: scikit-learn's bundled dataset descriptions].",
+)
+@click.option("--k", "ks", default="8,32", show_default=True, help="Comma-separated subspace dimensions k.")
+@click.option("--max-tokens", type=int, default=20000, show_default=True, help="Use at most this many text tokens.")
+@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per forward window.")
+@click.option("--target-modules", default=None, help="Comma-separated module names or regexes [default: family's].")
+@click.option("--random-draws", type=int, default=8, show_default=True, help="Random k-frames averaged per k.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--per-layer", is_flag=True, help="One table row per layer (default: averaged per module type).")
+@click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def align_command(
+    model, text_file, ks, max_tokens, seq_len, target_modules, random_draws, seed, per_layer, as_json, quiet
+):
+    """Weight geometry vs. activation geometry of every target linear layer of MODEL.
+
+    MODEL is a local Hugging Face model directory with a tokenizer (needs transformers); without MODEL the
+    embedded all-MiniLM-L6-v2 is used. Each layer's input activations X are streamed through hooks (only
+    X^T X is kept). For each k it reports the activation variance captured by the top-k right singular
+    vectors of W (VE weight), by the top-k eigenvectors of X^T X / N (oracle) and by random k-frames, their
+    ratio VE(W)/VE(random), and AL_k = ||U_k^T V_k||_F^2 / k against its chance level k / d_in.
+
+    \b
+    Examples:
+      plate-inspect align                                   # embedded MiniLM on scikit-learn's docs text
+      plate-inspect align ./my-bert --text corpus.txt --k 8,32 --max-tokens 50000
+      plate-inspect align ./my-bert --text corpus.txt --json > alignment.json
+    """
+    from plate_inspect.alignment import SKLEARN_TEXT_SOURCE, hf_text_alignment, read_text, sklearn_descr_text
+
+    k_values = _int_list(ks, "--k")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be positive, got {max_tokens}")
+    if seq_len < 2:
+        raise ConfigError(f"--seq-len must be at least 2, got {seq_len}")
+    if random_draws < 1:
+        raise ConfigError(f"--random-draws must be positive, got {random_draws}")
+    if model is None:
+        from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
+
+        model = str(default_model_path())
+        err_console.print(f"no model given: using {DEFAULT_MODEL_NAME}")
+    if text_file is None:
+        text = sklearn_descr_text()
+        err_console.print(f"no --text given: using {SKLEARN_TEXT_SOURCE}")
+    else:
+        text = read_text(text_file)
+    targets = [t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None
+    with _progress("align", quiet or as_json) as progress:
+        task = progress.add_task("align", total=None, current="forward passes")
+        records = hf_text_alignment(
+            model,
+            text,
+            ks=k_values,
+            max_tokens=max_tokens,
+            seq_len=seq_len,
+            target_modules=targets,
+            n_random=random_draws,
+            seed=seed,
+            on_batch=lambda n: progress.update(task, advance=n),
+        )
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in records], indent=2))
+        return
+    print_alignment_table(records, per_layer=per_layer)
+
+
+def print_alignment_table(records, per_layer: bool = False) -> None:
+    """Rows per module type (mean over layers) or per layer, one column group per k."""
+    from collections import defaultdict
+
+    from plate_inspect.targets import module_type_of
+
+    groups: dict[tuple[str, int], list] = defaultdict(list)
+    for r in records:
+        groups[(r.module if per_layer else module_type_of(r.module), r.k)].append(r)
+    n_tokens = max((r.n_samples for r in records), default=0)
+    table = Table(title=f"weight vs. activation geometry ({n_tokens:,} token rows per layer)")
+    for col in ("module" if per_layer else "module type", "layers", "d_in", "k"):
+        table.add_column(col, justify="left" if col.startswith("module") else "right")
+    for col in ("VE weight", "VE oracle", "VE random", "VE(W)/VE(rand)", "AL_k", "chance k/d_in", "AL/chance"):
+        table.add_column(col, justify="right")
+    for (name, k), rs in groups.items():
+        mean = lambda attr, rs=rs: sum(getattr(r, attr) for r in rs) / len(rs)  # noqa: E731
+        table.add_row(
+            name,
+            str(len(rs)),
+            str(rs[0].d_in),
+            str(k),
+            f"{mean('ve_weight'):.4f}",
+            f"{mean('ve_oracle'):.4f}",
+            f"{mean('ve_random'):.4f}",
+            f"{mean('ve_ratio'):.2f}x",
+            f"{mean('al_weight'):.3f}",
+            f"{rs[0].al_chance:.4f}",
+            f"{mean('al_over_chance'):.1f}x",
+        )
+    console.print(table)
+
+
+# --------------------------------------------------------------------------- curvature
+@click.command("curvature")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Keep the checkpoint and bundle here.")
+@click.option("--epochs", type=int, default=30, show_default=True, help="Stage-1 training epochs on task 1.")
+@click.option("--r", "r", type=int, default=8, show_default=True, help="PLATE output rows per module.")
+@click.option("--tau", type=float, default=0.98, show_default=True, help="PLATE energy threshold.")
+@click.option("--max-rank", type=int, default=256, show_default=True, help="Cap on PLATE's k.")
+@click.option("--lora-rank", type=int, default=8, show_default=True, help="Rank of the LoRA tangent family.")
+@click.option("--probes", type=int, default=100, show_default=True, help="Random unit directions per family.")
+@click.option("--rho", "rhos", default="0,0.1,0.25,0.5,1,2", show_default=True, help="Steps for F(rho).")
+@click.option(
+    "--families",
+    default="full_backbone,lora,plate,random_b,random_q,high_energy_q",
+    show_default=True,
+    help="Comma-separated subset of the families.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, families, seed, as_json, quiet):
+    """Restricted curvature, drift radius and Gauss-Newton share per update family on the digits MLP.
+
+    Trains the digits MLP on task 1 (digits 0-4 = P0), saves it as safetensors, scans fc1/fc2/fc3 into a
+    PLATE bundle, then for each family S: lambda(S) (top eigenvalue of the Hessian restricted to S), eps(S)
+    (worst unit-norm drift ||J v|| on P0), medians of |q_GN|/|q_H| and |q_R|/|q_GN| over random unit probes,
+    the bound lambda(S) <= beta eps(S)^2, and the forgetting curve F(rho) along the top-curvature direction.
+    Everything is matrix-free (Lanczos on operators of dimension dim(S)); CPU takes a couple of minutes.
+
+    \b
+    Examples:
+      plate-inspect curvature
+      plate-inspect curvature --r 32 --tau 0.8 --lora-rank 16 --probes 300
+      plate-inspect curvature --families plate,random_q --json > curvature.json
+    """
+    import torch.nn.functional as F
+
+    from plate_inspect.curvature import (
+        PLATE_VARIANTS,
+        analyze_families,
+        batches,
+        digits_stage1,
+        full_family,
+        lora_family,
+        plate_family,
+    )
+
+    rho_values = _float_list(rhos, "--rho")
+    wanted = [f.strip() for f in families.split(",") if f.strip()]
+    known = ("full_backbone", "lora", *PLATE_VARIANTS)
+    unknown = [f for f in wanted if f not in known]
+    if unknown or not wanted:
+        raise ConfigError(f"--families: unknown {unknown or 'empty list'}; choose from {', '.join(known)}")
+    for name, value in (("--epochs", epochs), ("--lora-rank", lora_rank), ("--r", r), ("--max-rank", max_rank)):
+        if value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value}")
+    if probes < 0:
+        raise ConfigError(f"--probes must be >= 0, got {probes}")
+
+    tmp = None
+    if out is None:
+        tmp = tempfile.TemporaryDirectory(prefix="plate-curvature-")
+        out = Path(tmp.name)
+    try:
+        with _progress("curvature", quiet or as_json) as progress:
+            task = progress.add_task("curvature", total=1 + len(wanted), current="stage 1: train on task 1, scan")
+            setup = digits_stage1(out, epochs=epochs, seed=seed, r=r, tau=tau, max_rank=max_rank)
+            progress.update(task, advance=1, current=wanted[0])
+            model, bundle = setup.model, setup.bundle
+            backbone = ["fc1", "fc2", "fc3"]
+            fams = []
+            for name in wanted:
+                if name == "full_backbone":
+                    params = [f"{m}.{p}" for m in backbone for p in ("weight", "bias")]
+                    fams.append(full_family(model, params, name="full_backbone"))
+                elif name == "lora":
+                    fams.append(lora_family(model, backbone, lora_rank, seed=seed))
+                else:
+                    fams.append(plate_family(model, bundle, variant=name, seed=seed, modules=backbone))
+            done = iter(wanted[1:] + [""])
+            records = analyze_families(
+                model,
+                F.cross_entropy,
+                batches(setup.task1.x_train, setup.task1.y_train),
+                fams,
+                n_probes=probes,
+                rhos=rho_values,
+                seed=seed,
+                on_family=lambda _n: progress.update(task, advance=1, current=next(done)),
+            )
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    if as_json:
+        click.echo(json.dumps([rec.to_json() for rec in records], indent=2))
+        return
+    ks = {m: bundle.record(m).k for m in ("fc1", "fc2", "fc3")}
+    console.print(
+        f"digits MLP after task 1: test accuracy {setup.task1_test_accuracy:.4f}, "
+        f"PLATE r={r} tau={tau} k={ks}, beta={records[0].beta:.4g}, {probes} probes per family"
+    )
+    print_curvature_table(records)
+
+
+def print_curvature_table(records) -> None:
+    """One row per family: dim, lambda, lambda_GN, eps, the bound, GN medians and F at the largest rho."""
+    table = Table(title="restricted curvature and drift on P0 (task 1)")
+    rho_max = records[0].forgetting_curve[-1][0] if records and records[0].forgetting_curve else None
+    cols = ["family", "dim", "lambda(S)", "lambda_GN(S)", "eps(S)", "beta*eps^2", "lambda/(beta eps^2)"]
+    cols += ["med |qGN|/|qH|", "med |qR|/|qGN|"] + ([f"F(rho={rho_max:g})"] if rho_max is not None else [])
+    for col in cols:
+        table.add_column(col, justify="left" if col == "family" else "right")
+    for rec in records:
+        row = [
+            rec.family,
+            f"{rec.dim:,}",
+            f"{rec.lam:.4g}",
+            f"{rec.lam_gn:.4g}",
+            f"{rec.eps:.4g}",
+            f"{rec.bound:.4g}",
+            f"{rec.bound_ratio:.3g}" + (" ok" if rec.bound_ratio <= 1 else " VIOLATED"),
+            f"{rec.gn_share_median:.3g}",
+            f"{rec.residual_ratio_median:.3g}",
+        ]
+        if rho_max is not None:
+            row.append(f"{rec.forgetting_curve[-1][1]:.4g}")
+        table.add_row(*row)
+    console.print(table)

@@ -1,0 +1,613 @@
+"""Old-task curvature and functional drift restricted to an update family S (paper sections 2-3 and appendices
+"Empirical diagnostic of the Gauss-Newton decomposition" and "Worst-case forgetting complementary experiment").
+
+An update family is a linear subspace S of parameter space given by an isometric parametrisation
+``c in R^m -> v = M c`` (M has orthonormal columns, so ||v|| = ||c||). Curvature is exposed as matrix-free
+operators on the coordinates c, wrapped as :class:`scipy.sparse.linalg.LinearOperator` (one abstraction, in the
+style of curvlinops):
+
+- ``H_S  = M^T H0 M`` with H0 the Hessian of the old-task loss L0 (Hessian-vector products, forward-over-reverse);
+- ``GN_S = M^T J^T (d^2 loss / df^2) J M`` (Gauss-Newton: a jvp, the loss Hessian in output space, a vjp);
+- ``D_S  = M^T E_x[J(x)^T J(x)] M`` (the drift Gram: ``c^T D_S c = ||J v||^2_{L2(P0)}``).
+
+From them: lambda(S) = max eigenvalue of H_S and eps(S) = sqrt(max eigenvalue of D_S) by Lanczos
+(:func:`scipy.sparse.linalg.eigsh`) on operators of dimension dim(S), never on dense model-size matrices; the
+directional decomposition q_H, q_GN, q_R = q_H - q_GN over random unit probes; the forgetting curve
+F(rho) = L0(theta0 + rho v*) - L0(theta0) along the top-curvature direction v*; and the bound of Proposition
+"restricted curvature is bounded by functional drift", lambda(S) <= beta eps(S)^2 with beta the largest
+eigenvalue of the per-sample loss Hessian in output space.
+
+Families: the full backbone, a LoRA rank-r tangent space at a random init, the PLATE subspace B A Q^T from a bundle,
+and the matched-capacity ablations Random-B, Random-Q and High-energy-Q.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.sparse.linalg import LinearOperator, eigsh
+from torch import nn
+from torch.func import functional_call, grad, jvp, vjp
+
+from plate_inspect.errors import ConfigError, PlateInspectError
+from plate_inspect.geometry import high_energy_basis, module_seed, random_orthonormal, random_rows
+
+Params = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Default step sizes for the forgetting curve F(rho).
+DEFAULT_RHOS: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
+#: Families with at most this many coordinates are eigendecomposed densely (exact) instead of by Lanczos.
+DENSE_MAX_DIM = 64
+#: Names of the PLATE-family variants accepted by :func:`plate_family`.
+PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q")
+
+
+class CurvatureError(PlateInspectError):
+    """A curvature analysis cannot run with the given model, family or data."""
+
+
+# --------------------------------------------------------------------------- update families
+@dataclass
+class Block:
+    """The part of a family that moves one parameter tensor: coordinates slice <-> parameter delta."""
+
+    param: str
+    dim: int
+    embed: Callable[[torch.Tensor], torch.Tensor]  # [dim] -> delta with the parameter's shape
+    project: Callable[[torch.Tensor], torch.Tensor]  # delta -> [dim]; the adjoint of embed
+
+
+@dataclass
+class UpdateFamily:
+    """A linear update subspace S with an isometric parametrisation (orthonormal basis, never formed densely)."""
+
+    name: str
+    blocks: list[Block]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dim(self) -> int:
+        return sum(b.dim for b in self.blocks)
+
+    @property
+    def params(self) -> list[str]:
+        return [b.param for b in self.blocks]
+
+    def embed(self, c: torch.Tensor) -> Params:
+        """Coordinates [dim] -> a parameter delta per touched parameter (v = M c)."""
+        if c.shape != (self.dim,):
+            raise CurvatureError(f"family {self.name}: expected coordinates of shape [{self.dim}], got {list(c.shape)}")
+        out: Params = {}
+        i = 0
+        for b in self.blocks:
+            out[b.param] = b.embed(c[i : i + b.dim])
+            i += b.dim
+        return out
+
+    def project(self, delta: Params) -> torch.Tensor:
+        """A parameter-space vector (dict) -> coordinates (c = M^T v)."""
+        return torch.cat([b.project(delta[b.param]).reshape(-1) for b in self.blocks])
+
+
+def _identity_block(name: str, p: torch.Tensor) -> Block:
+    shape = tuple(p.shape)
+    return Block(name, p.numel(), lambda c, s=shape: c.reshape(s), lambda d: d.reshape(-1))
+
+
+def full_family(model: nn.Module, params: Sequence[str] | None = None, name: str = "full") -> UpdateFamily:
+    """Every coordinate of the named parameters (default: all parameters that require grad)."""
+    named = dict(model.named_parameters())
+    chosen = list(params) if params is not None else [n for n, p in named.items() if p.requires_grad]
+    _check_params(named, chosen)
+    return UpdateFamily(name, [_identity_block(n, named[n].detach()) for n in chosen], {"params": chosen})
+
+
+def _check_params(named: dict[str, Any], chosen: Iterable[str]) -> None:
+    missing = [n for n in chosen if n not in named]
+    if missing:
+        raise CurvatureError(f"parameters not in the model: {missing}; it has {list(named)[:20]}")
+
+
+def selector_basis_block(param: str, shape: tuple[int, int], b_idx: torch.Tensor, q: torch.Tensor) -> Block:
+    """Delta W = B A Q^T with A [r, k] free: rows b_idx of W move inside span(Q). Isometric for orthonormal Q."""
+    d_out, d_in = shape
+    b_idx = b_idx.to(torch.int64)
+    r, k = int(b_idx.numel()), int(q.shape[1])
+    if q.shape[0] != d_in:
+        raise CurvatureError(f"{param}: Q has {q.shape[0]} rows, the weight has d_in={d_in}")
+    if r and (int(b_idx.max()) >= d_out or int(b_idx.min()) < 0):
+        raise CurvatureError(f"{param}: B indices out of range for d_out={d_out}")
+
+    def embed(c: torch.Tensor) -> torch.Tensor:
+        qq = q.to(c.dtype)
+        delta = torch.zeros(d_out, d_in, dtype=c.dtype)
+        return delta.index_put((b_idx,), c.reshape(r, k) @ qq.T)
+
+    def project(d: torch.Tensor) -> torch.Tensor:
+        return (d[b_idx] @ q.to(d.dtype)).reshape(-1)
+
+    return Block(param, r * k, embed, project)
+
+
+def lora_tangent_block(param: str, shape: tuple[int, int], rank: int, seed: int, zero_b: bool = False) -> Block:
+    """Tangent space of W + B A at a random init (B0 [d_out, r], A0 [r, d_in] Gaussian), isometrically.
+
+    At B0 != 0 the tangent directions dB A0 + B0 dA span {U X + U_perp Y V^T} (U, V: orthonormal bases of the
+    column space of B0 and the row space of A0), dimension r (d_in + d_out) - r^2. With ``zero_b`` (PEFT's
+    default init, B0 = 0) only dB A0 moves: {Y V^T}, dimension d_out r.
+    """
+    d_out, d_in = shape
+    if not 1 <= rank <= min(d_out, d_in):
+        raise ConfigError(f"{param}: LoRA rank {rank} must lie in 1..min(d_out, d_in)={min(d_out, d_in)}")
+    g = torch.Generator().manual_seed(int(seed))
+    a0 = torch.randn(rank, d_in, generator=g, dtype=torch.float64)
+    b0 = torch.randn(d_out, rank, generator=g, dtype=torch.float64)
+    v = torch.linalg.qr(a0.T).Q  # [d_in, r]
+    if zero_b:
+
+        def embed0(c: torch.Tensor) -> torch.Tensor:
+            return c.reshape(d_out, rank) @ v.to(c.dtype).T
+
+        def project0(d: torch.Tensor) -> torch.Tensor:
+            return (d @ v.to(d.dtype)).reshape(-1)
+
+        return Block(param, d_out * rank, embed0, project0)
+    full_q = torch.linalg.qr(b0, mode="complete").Q  # [d_out, d_out]
+    u, u_perp = full_q[:, :rank].contiguous(), full_q[:, rank:].contiguous()
+    n_x, n_y = rank * d_in, (d_out - rank) * rank
+
+    def embed(c: torch.Tensor) -> torch.Tensor:
+        x, y = c[:n_x].reshape(rank, d_in), c[n_x:].reshape(d_out - rank, rank)
+        return u.to(c.dtype) @ x + u_perp.to(c.dtype) @ (y @ v.to(c.dtype).T)
+
+    def project(d: torch.Tensor) -> torch.Tensor:
+        x = u.to(d.dtype).T @ d
+        y = u_perp.to(d.dtype).T @ d @ v.to(d.dtype)
+        return torch.cat([x.reshape(-1), y.reshape(-1)])
+
+    return Block(param, n_x + n_y, embed, project)
+
+
+def lora_family(
+    model: nn.Module, modules: Sequence[str], rank: int, seed: int = 0, zero_b: bool = False
+) -> UpdateFamily:
+    """LoRA rank-r tangent subspace on the weights of ``modules`` (module names, e.g. ['fc1', 'fc2'])."""
+    named = dict(model.named_parameters())
+    blocks = []
+    for m in modules:
+        pname = f"{m}.weight"
+        _check_params(named, [pname])
+        w = named[pname]
+        blocks.append(lora_tangent_block(pname, tuple(w.shape), rank, module_seed(seed, m), zero_b=zero_b))
+    return UpdateFamily(f"lora_r{rank}", blocks, {"rank": rank, "zero_b": zero_b})
+
+
+def plate_family(
+    model: nn.Module, bundle: Any, variant: str = "plate", seed: int = 0, modules: Sequence[str] | None = None
+) -> UpdateFamily:
+    """The PLATE subspace {B A Q^T} of every bundle module (or a matched-capacity ablation of it).
+
+    ``variant``: ``plate`` (the bundle's B and Q), ``random_b`` (r uniformly random rows, same Q), ``random_q``
+    (a Haar-random orthonormal k-frame, same B) or ``high_energy_q`` (the top-k eigenvectors of the frozen rows'
+    W_f^T W_f, same B). Module names are the bundle's, parameters ``<module>.weight`` of ``model``.
+    """
+    if variant not in PLATE_VARIANTS:
+        raise ConfigError(f"unknown PLATE variant '{variant}'; choose one of {', '.join(PLATE_VARIANTS)}")
+    named = dict(model.named_parameters())
+    blocks = []
+    for m in modules if modules is not None else bundle.modules:
+        pname = f"{m}.weight"
+        _check_params(named, [pname])
+        w = named[pname].detach().to("cpu", torch.float64)
+        b_idx, q = bundle.b_idx(m), bundle.q(m, dtype=torch.float64)
+        if tuple(w.shape) != tuple(bundle.record(m).shape):
+            raise CurvatureError(
+                f"{m}: bundle made for shape {bundle.record(m).shape}, the model's weight is {list(w.shape)}"
+            )
+        d_out, d_in = w.shape
+        r, k = int(b_idx.numel()), int(q.shape[1])
+        s = module_seed(seed, m)
+        if variant == "random_b":
+            b_idx = random_rows(d_out, r, s)
+        elif variant == "random_q":
+            q = random_orthonormal(d_in, k, s, dtype=torch.float64)
+        elif variant == "high_energy_q":
+            keep = torch.ones(d_out, dtype=torch.bool)
+            keep[b_idx] = False
+            q = high_energy_basis(w[keep], k)
+        blocks.append(selector_basis_block(pname, (d_out, d_in), b_idx, q))
+    return UpdateFamily(variant, blocks, {"variant": variant})
+
+
+# --------------------------------------------------------------------------- old-task loss and its derivatives
+class OldTaskProblem:
+    """L0(theta) = mean over P0 of loss(f_theta(x), y), with matrix-free derivatives at theta0.
+
+    ``data`` is a re-iterable of (x, y) batches (a list or a DataLoader); ``loss_fn(outputs, targets)`` must
+    average over the batch (like ``F.cross_entropy``), so batch b enters with weight n_b / N.
+    ``forward(model, x)`` overrides ``model(x)``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        data: Iterable[tuple[Any, torch.Tensor]],
+        forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    ):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.batches = list(data)
+        if not self.batches:
+            raise CurvatureError("the old-task data is empty")
+        self.sizes = [int(y.shape[0]) for _, y in self.batches]
+        self.n = sum(self.sizes)
+        self.forward = forward
+        self.theta0: Params = {n: p.detach() for n, p in model.named_parameters()}
+        self.buffers: Params = {n: b.detach() for n, b in model.named_buffers()}
+        model.eval()
+
+    # ----------------------------------------------------------------- plumbing
+    def _f(self, sub: Params, x: Any) -> torch.Tensor:
+        state = {**self.theta0, **self.buffers, **sub}
+        if self.forward is None:
+            return functional_call(self.model, state, (x,))
+        return self.forward(_Bound(self.model, state), x)
+
+    def _primals(self, names: Iterable[str]) -> Params:
+        return {n: self.theta0[n] for n in names}
+
+    def _weights(self) -> list[float]:
+        return [s / self.n for s in self.sizes]
+
+    # ----------------------------------------------------------------- values
+    def loss(self, delta: Params | None = None) -> float:
+        """L0(theta0 + delta)."""
+        delta = delta or {}
+        sub = {n: self.theta0[n] + d.to(self.theta0[n].dtype) for n, d in delta.items()}
+        total = 0.0
+        with torch.no_grad():
+            for (x, y), w in zip(self.batches, self._weights(), strict=True):
+                total += w * float(self.loss_fn(self._f(sub, x), y))
+        return total
+
+    def gradient(self, names: Iterable[str]) -> Params:
+        """g0 = grad L0(theta0) for the named parameters."""
+        primals = self._primals(names)
+        out = {n: torch.zeros_like(p) for n, p in primals.items()}
+        for (x, y), w in zip(self.batches, self._weights(), strict=True):
+            g = grad(lambda p, x=x, y=y: self.loss_fn(self._f(p, x), y))(primals)
+            for n in out:
+                out[n] += w * g[n]
+        return out
+
+    # ----------------------------------------------------------------- products
+    def hvp(self, v: Params) -> Params:
+        """H0 v (forward-over-reverse), for a delta on some parameters."""
+        primals, tangents = self._primals(v), self._tangents(v)
+        out = {n: torch.zeros_like(p) for n, p in primals.items()}
+        for (x, y), w in zip(self.batches, self._weights(), strict=True):
+            g = grad(lambda p, x=x, y=y: self.loss_fn(self._f(p, x), y))
+            _, hv = jvp(g, (primals,), (tangents,))
+            for n in out:
+                out[n] += w * hv[n]
+        return out
+
+    def _tangents(self, v: Params) -> Params:
+        return {n: d.to(self.theta0[n].dtype) for n, d in v.items()}
+
+    def _jvp(self, v: Params, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return jvp(lambda p: self._f(p, x), (self._primals(v),), (self._tangents(v),))
+
+    def _loss_hvp_out(self, out: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """(d^2 loss / df^2) u at the batch outputs."""
+        _, hu = jvp(grad(lambda o: self.loss_fn(o, y)), (out,), (u,))
+        return hu
+
+    def ggn_vp(self, v: Params) -> Params:
+        """J^T (d^2 loss / df^2) J v, averaged over P0 (the Gauss-Newton part of H0)."""
+        primals = self._primals(v)
+        res = {n: torch.zeros_like(p) for n, p in primals.items()}
+        for (x, y), w in zip(self.batches, self._weights(), strict=True):
+            out, jv = self._jvp(v, x)
+            hjv = self._loss_hvp_out(out.detach(), y, jv)
+            _, pull = vjp(lambda p, x=x: self._f(p, x), primals)
+            (g,) = pull(hjv)
+            for n in res:
+                res[n] += w * g[n]
+        return res
+
+    def drift_vp(self, v: Params) -> Params:
+        """E_x[J(x)^T J(x)] v (so that v^T of it is ||J v||^2_{L2(P0)})."""
+        primals = self._primals(v)
+        res = {n: torch.zeros_like(p) for n, p in primals.items()}
+        for x, _ in self.batches:
+            _, jv = self._jvp(v, x)
+            _, pull = vjp(lambda p, x=x: self._f(p, x), primals)
+            (g,) = pull(jv / self.n)
+            for n in res:
+                res[n] += g[n]
+        return res
+
+    def quadratic_forms(self, v: Params) -> tuple[float, float, float]:
+        """(q_H, q_GN, ||J v||^2_{L2(P0)}) for one direction v."""
+        hv = self.hvp(v)
+        q_h = sum(float((hv[n] * self._tangents(v)[n]).sum()) for n in v)
+        q_gn, drift = 0.0, 0.0
+        for (x, y), w in zip(self.batches, self._weights(), strict=True):
+            out, jv = self._jvp(v, x)
+            q_gn += w * float((jv * self._loss_hvp_out(out.detach(), y, jv)).sum())
+            drift += float((jv * jv).sum()) / self.n
+        return q_h, q_gn, drift
+
+    def output_hessian_bound(self) -> float:
+        """beta = max over samples of the largest eigenvalue of the per-sample loss Hessian in output space."""
+        beta = -math.inf
+        for x, y in self.batches:
+            with torch.no_grad():
+                out = self._f({}, x).detach()
+            flat = out.reshape(out.shape[0], -1)
+            shape = out.shape[1:]
+
+            def per_sample(o: torch.Tensor, t: torch.Tensor, shape=shape) -> torch.Tensor:
+                return self.loss_fn(o.reshape(1, *shape), t.unsqueeze(0))
+
+            try:
+                hess = torch.vmap(torch.func.hessian(per_sample))(flat, y)
+            except Exception:  # a loss that vmap cannot batch: one sample at a time
+                hess = torch.stack([torch.func.hessian(per_sample)(flat[i], y[i]) for i in range(flat.shape[0])])
+            hess = 0.5 * (hess + hess.transpose(1, 2))
+            beta = max(beta, float(torch.linalg.eigvalsh(hess.to(torch.float64)).max()))
+        return beta
+
+
+class _Bound(nn.Module):
+    """What a user ``forward(model, x)`` receives: calling it runs the model with the parameters replaced."""
+
+    def __init__(self, model: nn.Module, state: Params):
+        super().__init__()
+        self._model, self._state = model, state
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return functional_call(self._model, self._state, args, kwargs)
+
+
+# --------------------------------------------------------------------------- restricted operators
+def restricted_operator(problem: OldTaskProblem, family: UpdateFamily, kind: str = "hessian") -> LinearOperator:
+    """M^T C M as a scipy LinearOperator on the family's coordinates; kind: hessian | ggn | drift."""
+    products = {"hessian": problem.hvp, "ggn": problem.ggn_vp, "drift": problem.drift_vp}
+    if kind not in products:
+        raise ConfigError(f"unknown curvature kind '{kind}'; choose hessian, ggn or drift")
+    product = products[kind]
+    dtype = next(iter(problem.theta0.values())).dtype
+
+    def matvec(c: np.ndarray) -> np.ndarray:
+        ct = torch.from_numpy(np.ascontiguousarray(c, dtype=np.float64).reshape(-1)).to(dtype)
+        with torch.no_grad():
+            v = family.embed(ct)
+        out = product(v)
+        with torch.no_grad():
+            return family.project(out).to(torch.float64).numpy()
+
+    return LinearOperator((family.dim, family.dim), matvec=matvec, rmatvec=matvec, dtype=np.float64)
+
+
+def top_eigenpair(op: LinearOperator, seed: int = 0, tol: float = 1e-6, dense_max_dim: int = DENSE_MAX_DIM):
+    """(largest algebraic eigenvalue, unit eigenvector) of a symmetric operator: Lanczos, or dense when tiny."""
+    m = op.shape[0]
+    if m <= dense_max_dim:
+        dense = np.column_stack([op.matvec(e) for e in np.eye(m)])
+        evals, evecs = np.linalg.eigh(0.5 * (dense + dense.T))
+        return float(evals[-1]), evecs[:, -1]
+    v0 = np.random.default_rng(seed).standard_normal(m)
+    evals, evecs = eigsh(op, k=1, which="LA", v0=v0, tol=tol, maxiter=max(1000, 20 * min(m, 500)))
+    return float(evals[0]), evecs[:, 0]
+
+
+# --------------------------------------------------------------------------- the analysis
+@dataclass
+class CurvatureRecord:
+    """Restricted curvature, drift radius, GN decomposition and forgetting curve of one family."""
+
+    family: str
+    dim: int
+    lam: float  # lambda(S) = max_{v in S, |v|=1} v^T H0 v
+    eps: float  # eps(S) = max_{v in S, |v|=1} ||J v||_{L2(P0)}
+    gn_share_median: float  # median |q_GN| / |q_H| over probes
+    residual_ratio_median: float  # median |q_R| / |q_GN| over probes
+    forgetting_curve: list[tuple[float, float]]  # (rho, L0(theta0 + rho v*) - L0(theta0))
+    lam_gn: float = float("nan")  # max eigenvalue of the restricted GGN (always <= beta eps^2)
+    beta: float = float("nan")  # max eigenvalue of the per-sample output-space loss Hessian
+    n_probes: int = 0
+    q_h: list[float] = field(default_factory=list, repr=False)
+    q_gn: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def bound(self) -> float:
+        """beta eps(S)^2, the paper's bound on lambda(S) when the residual term is negligible."""
+        return self.beta * self.eps**2
+
+    @property
+    def bound_ratio(self) -> float:
+        """lambda(S) / (beta eps(S)^2): <= 1 where the bound holds; how far it is from holding otherwise."""
+        return self.lam / self.bound if self.bound > 0 else float("inf")
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` record: the issue's keys, then the bound check (beta, lambda_gn, bound, bound_ratio)."""
+        return {
+            "family": self.family,
+            "dim": self.dim,
+            "lambda": self.lam,
+            "eps": self.eps,
+            "gn_share_median": self.gn_share_median,
+            "residual_ratio_median": self.residual_ratio_median,
+            "forgetting_curve": [[float(r), float(f)] for r, f in self.forgetting_curve],
+            "beta": self.beta,
+            "lambda_gn": self.lam_gn,
+            "bound": self.bound,
+            "bound_ratio": self.bound_ratio,
+        }
+
+
+def random_unit_probes(dim: int, n: int, seed: int) -> np.ndarray:
+    """n unit vectors uniform on the sphere of R^dim (seeded), as rows."""
+    g = np.random.default_rng(seed).standard_normal((n, dim))
+    return g / np.linalg.norm(g, axis=1, keepdims=True)
+
+
+def gn_decomposition(
+    problem: OldTaskProblem, family: UpdateFamily, n_probes: int = 100, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q_H, q_GN, drift^2) for n random unit directions of the family."""
+    dtype = next(iter(problem.theta0.values())).dtype
+    q_h, q_gn, drift = [], [], []
+    for c in random_unit_probes(family.dim, n_probes, seed):
+        with torch.no_grad():
+            v = family.embed(torch.from_numpy(c).to(dtype))
+        a, b, d = problem.quadratic_forms(v)
+        q_h.append(a)
+        q_gn.append(b)
+        drift.append(d)
+    return np.array(q_h), np.array(q_gn), np.array(drift)
+
+
+def _median_ratio(num: np.ndarray, den: np.ndarray) -> float:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.abs(num) / np.abs(den)
+    return float(np.median(r)) if r.size else float("nan")
+
+
+def forgetting_curve(
+    problem: OldTaskProblem, direction: Params, rhos: Sequence[float] = DEFAULT_RHOS
+) -> list[tuple[float, float]]:
+    """F(rho) = L0(theta0 + rho v) - L0(theta0) for each rho."""
+    base = problem.loss()
+    return [(float(r), problem.loss({n: r * d for n, d in direction.items()}) - base) for r in rhos]
+
+
+def analyze_family(
+    problem: OldTaskProblem,
+    family: UpdateFamily,
+    n_probes: int = 100,
+    rhos: Sequence[float] = DEFAULT_RHOS,
+    seed: int = 0,
+    beta: float | None = None,
+    tol: float = 1e-6,
+) -> CurvatureRecord:
+    """lambda(S), eps(S), the restricted GGN's top eigenvalue, GN-share medians and F(rho) for one family.
+
+    The top-curvature direction v* is signed so that g0 . v* >= 0 (the worse of +-v*, as g0 is rarely exactly 0).
+    """
+    if family.dim < 1:
+        raise CurvatureError(f"family {family.name} is empty")
+    beta = problem.output_hessian_bound() if beta is None else float(beta)
+    lam, c_star = top_eigenpair(restricted_operator(problem, family, "hessian"), seed=seed, tol=tol)
+    lam_gn, _ = top_eigenpair(restricted_operator(problem, family, "ggn"), seed=seed + 1, tol=tol)
+    eps_sq, _ = top_eigenpair(restricted_operator(problem, family, "drift"), seed=seed + 2, tol=tol)
+    dtype = next(iter(problem.theta0.values())).dtype
+    with torch.no_grad():
+        v_star = family.embed(torch.from_numpy(np.ascontiguousarray(c_star)).to(dtype))
+    g0 = problem.gradient(v_star)
+    if sum(float((g0[n] * v_star[n]).sum()) for n in v_star) < 0:
+        v_star = {n: -d for n, d in v_star.items()}
+    q_h, q_gn, _ = gn_decomposition(problem, family, n_probes=n_probes, seed=seed + 3) if n_probes else ([], [], [])
+    q_h, q_gn = np.asarray(q_h), np.asarray(q_gn)
+    return CurvatureRecord(
+        family=family.name,
+        dim=family.dim,
+        lam=lam,
+        eps=math.sqrt(max(eps_sq, 0.0)),
+        gn_share_median=_median_ratio(q_gn, q_h),
+        residual_ratio_median=_median_ratio(q_h - q_gn, q_gn),
+        forgetting_curve=forgetting_curve(problem, v_star, rhos),
+        lam_gn=lam_gn,
+        beta=beta,
+        n_probes=int(n_probes),
+        q_h=[float(a) for a in q_h],
+        q_gn=[float(b) for b in q_gn],
+    )
+
+
+def analyze_families(
+    model: nn.Module,
+    loss_fn: LossFn,
+    data: Iterable[tuple[Any, torch.Tensor]],
+    families: Sequence[UpdateFamily],
+    n_probes: int = 100,
+    rhos: Sequence[float] = DEFAULT_RHOS,
+    seed: int = 0,
+    forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    on_family: Callable[[str], None] | None = None,
+) -> list[CurvatureRecord]:
+    """The Python API: one :class:`CurvatureRecord` per family for any model, loss and old-task data loader."""
+    problem = OldTaskProblem(model, loss_fn, data, forward=forward)
+    beta = problem.output_hessian_bound()
+    out = []
+    for fam in families:
+        out.append(analyze_family(problem, fam, n_probes=n_probes, rhos=rhos, seed=seed, beta=beta))
+        if on_family is not None:
+            on_family(fam.name)
+    return out
+
+
+# --------------------------------------------------------------------------- the digits benchmark
+@dataclass
+class DigitsSetup:
+    """Stage 1 of the digits benchmark: the trained model, its checkpoint, its bundle and task 1 data."""
+
+    model: nn.Module
+    checkpoint: Any
+    bundle: Any
+    task1: Any
+    task1_test_accuracy: float
+
+
+def digits_stage1(
+    out_dir: Any, epochs: int = 30, seed: int = 0, r: int = 8, tau: float = 0.98, max_rank: int = 256
+) -> DigitsSetup:
+    """Train the digits MLP on task 1, save it as safetensors, scan fc1/fc2/fc3 into a PLATE bundle."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from plate_inspect import digits
+    from plate_inspect.scanner import scan
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task1, _ = digits.load_digit_tasks()
+    torch.manual_seed(seed)
+    model = digits.DigitsMLP()
+    params = [p for n, p in model.named_parameters() if not n.startswith("head2")]
+    digits.train(model, params, task1, task_id=1, epochs=epochs, seed=seed)
+    ckpt = out_dir / "digits_task1.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(ckpt))
+    bundle = scan(
+        ckpt, out_dir / "bundle", r=r, tau=tau, max_rank=max_rank, target_modules=["fc1", "fc2", "fc3"], overwrite=True
+    )
+    acc = digits.accuracy(model, task1.x_test, task1.y_test, task_id=1)
+    return DigitsSetup(model, ckpt, bundle, task1, acc)
+
+
+BACKBONE = ("fc1", "fc2", "fc3")
+
+
+def digits_families(
+    model: nn.Module, bundle: Any, lora_rank: int = 8, seed: int = 0, variants: Sequence[str] = PLATE_VARIANTS
+) -> list[UpdateFamily]:
+    """Full backbone, LoRA rank-r tangent space, PLATE and its ablations on fc1/fc2/fc3 of the digits MLP."""
+    full = full_family(model, [f"{m}.{p}" for m in BACKBONE for p in ("weight", "bias")], name="full_backbone")
+    fams = [full, lora_family(model, BACKBONE, lora_rank, seed=seed)]
+    fams += [plate_family(model, bundle, variant=v, seed=seed, modules=list(BACKBONE)) for v in variants]
+    return fams
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed list of (x, y) minibatches in order (a re-iterable old-task data loader)."""
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)]
