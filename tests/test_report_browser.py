@@ -1,0 +1,158 @@
+"""Reports in a real headless Chromium (Debian's chromium, installed by scripts/ensure_chromium.sh when missing):
+no console errors, no network, every plot rendered (plotly's SVG), the page script works; screenshots saved."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_reports import QWEN7B_TYPES, write_fake_bundle
+
+import plate_inspect
+from plate_inspect.bundle import Bundle
+from plate_inspect.reports import write_report
+from plate_inspect.reports.browser import find_chromium, open_report
+
+pytestmark = pytest.mark.browser
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's chromium; installs it with apt (as root, e.g. in CI) when /usr/bin/chromium is missing."""
+    if not Path("/usr/bin/chromium").exists() and find_chromium() is None:
+        res = subprocess.run(["bash", str(ROOT / "scripts" / "ensure_chromium.sh")], capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.fail(f"chromium is required for the browser tests and could not be installed:\n{res.stderr}")
+    path = find_chromium()
+    assert path is not None
+    return path
+
+
+@pytest.fixture
+def artifacts(tmp_path) -> Path:
+    """Where screenshots go: $PLATE_ARTIFACTS (kept by CI) or the test's tmp dir."""
+    d = Path(os.environ.get("PLATE_ARTIFACTS") or tmp_path / "artifacts")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+def assert_clean(check, expected_plots: set[str]) -> None:
+    assert check.ready, f"page never signalled ready (error: {check.report_error})"
+    assert check.report_error is None
+    assert check.console_errors == [], check.console_errors
+    assert check.exceptions == [], check.exceptions
+    assert check.network_requests == [], f"the report reached for the network: {check.network_requests}"
+    assert set(check.plots) == expected_plots
+    assert check.every_plot_rendered, {k: v for k, v in check.plots.items() if v == 0}
+
+
+STATIC_PLOTS = {"ktau-plot", "params-plot", "spectrum-plot", "scores-plot"}
+METRICS = ("mean_redundancy", "k", "captured_energy")
+
+
+@pytest.fixture(scope="module")
+def scanned(qwen_ckpt, tmp_path_factory) -> tuple[Bundle, Bundle]:
+    """Two real scans of the generated Qwen2-layout checkpoint, at tau 0.8 and 0.95."""
+    base = tmp_path_factory.mktemp("scans")
+    a = plate_inspect.scan(qwen_ckpt.path, out=base / "tau0.8", r=8, tau=0.8, max_rank=48)
+    b = plate_inspect.scan(qwen_ckpt.path, out=base / "tau0.95", r=8, tau=0.95, max_rank=48)
+    return a, b
+
+
+def test_single_report_renders(chromium, scanned, tmp_path, artifacts):
+    bundle = scanned[0]
+    html = write_report([bundle], tmp_path / "single.html")
+    check = open_report(html, screenshot=artifacts / "report-single.png")
+    assert_clean(check, STATIC_PLOTS | {f"heatmap-{m}-0" for m in METRICS})
+    assert check.title == "PLATE redundancy report: tau0.8"
+    width, height = png_size(check.screenshot)
+    assert width == 1500 and height > 2000  # full page, not just the first screen
+
+
+def test_comparison_report_renders(chromium, scanned, tmp_path, artifacts):
+    html = write_report(list(scanned), tmp_path / "compare.html")
+    traces = "document.querySelectorAll('#spectrum-plot .scatterlayer .trace').length"
+    check = open_report(html, screenshot=artifacts / "report-compare.png", script=traces)
+    heat = {f"heatmap-{m}-{b}" for m in METRICS for b in (0, 1)} | {"heatmap-overlap-1"}
+    assert_clean(check, STATIC_PLOTS | heat)
+    assert check.title == "PLATE redundancy comparison: tau0.8 vs tau0.95"
+    assert check.details["script"] == 4  # eigenvalues + cumulative energy, for each bundle
+    png_size(check.screenshot)
+
+
+# Drives the page like a user: pick a module, sort the table, filter it, click a row.
+INTERACT = """
+(async () => {
+  const wait = ms => new Promise(r => setTimeout(r, ms));
+  const out = {};
+  const sel = document.getElementById("module-select");
+  sel.value = sel.options[50].value;
+  sel.dispatchEvent(new Event("change"));
+  await wait(400);
+  out.selected = sel.value;
+  out.spectrumTitle = document.querySelector("#spectrum-plot .gtitle").textContent;
+  out.scoresTitle = document.querySelector("#scores-plot .gtitle").textContent;
+  const th = [...document.querySelectorAll("#module-table thead th")];
+  const col = th.findIndex(h => h.dataset.key === "score");
+  th[col].click(); th[col].click();  // descending
+  const rows = () => [...document.querySelectorAll("#module-table tbody tr")];
+  out.sortedScores = rows().map(r => parseFloat(r.children[col].textContent));
+  out.firstSorted = rows()[0].dataset.module;
+  const box = document.getElementById("table-filter");
+  box.value = "mlp.up_proj score>0.12";
+  box.dispatchEvent(new Event("input"));
+  out.filtered = rows().map(r => r.dataset.module);
+  out.count = document.getElementById("table-count").textContent;
+  rows()[0].click();
+  await wait(400);
+  out.afterClick = sel.value;
+  out.svgs = document.querySelectorAll("#spectrum-plot svg.main-svg").length;
+  return out;
+})()
+"""
+
+
+def test_7b_shaped_report_is_interactive(chromium, tmp_path, artifacts):
+    """196 modules (28 layers x 7 Qwen2.5-7B types): renders, and the explorer, sort and filter work."""
+    bundle = Bundle.load(write_fake_bundle(tmp_path / "q7b", 28, QWEN7B_TYPES, r=64, max_rank=16))
+    html = write_report([bundle], tmp_path / "q7b.html")
+    check = open_report(html, screenshot=artifacts / "report-7b-shaped.png", script=INTERACT)
+    assert_clean(check, STATIC_PLOTS | {f"heatmap-{m}-0" for m in METRICS})
+    got = check.details["script"]
+    name = bundle.modules[50]
+    assert got["selected"] == name
+    assert got["spectrumTitle"].startswith(f"Energy spectrum: {name}") and "downsampled" in got["spectrumTitle"]
+    assert got["scoresTitle"] == f"Redundancy scores: {name}"
+    scores = {r.name: r.mean_redundancy for r in bundle}
+    assert got["sortedScores"] == sorted(got["sortedScores"], reverse=True) and len(got["sortedScores"]) == 196
+    assert got["firstSorted"] == max(scores, key=scores.get)
+    expected = {n for n, s in scores.items() if n.endswith("mlp.up_proj") and s > 0.12}
+    assert set(got["filtered"]) == expected and got["count"] == f"{len(expected)} of 196 modules"
+    assert expected  # scores are uniform around 0.12: some pass
+    assert got["afterClick"] == got["filtered"][0] and got["svgs"] > 0
+
+
+def test_checker_sees_errors_network_and_missing_plots(chromium, tmp_path):
+    """The checks above can fail: a broken page is caught on every count."""
+    page = tmp_path / "broken.html"
+    page.write_text(
+        "<!DOCTYPE html><html><head><title>broken</title></head><body><div class='plot' id='p1'></div>"
+        "<img src='http://plate-inspect.invalid/x.png'><script>console.error('boom');"
+        "null.field;</script></body></html>"
+    )
+    check = open_report(page, timeout=3)
+    assert not check.ready
+    assert any("boom" in e for e in check.console_errors)
+    assert any("null" in e for e in check.exceptions)
+    assert check.network_requests == ["http://plate-inspect.invalid/x.png"]
+    assert check.plots == {"p1": 0} and not check.every_plot_rendered

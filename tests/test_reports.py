@@ -1,0 +1,460 @@
+"""HTML reports: the data behind every plot against the bundle (read independently), errors, size, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import plate_inspect
+from plate_inspect.bundle import Q_DTYPES, Bundle, BundleWriter, Manifest, ModuleRecord, ScanSettings
+from plate_inspect.cli.main import cli
+from plate_inspect.errors import BundleError
+from plate_inspect.geometry import k_for_tau, random_orthonormal, select_redundant_rows
+from plate_inspect.reports import data as D
+from plate_inspect.reports import figures as F
+from plate_inspect.reports import render_report, report_data, write_report
+from plate_inspect.reports.html import page_model
+
+QWEN7B_TYPES = {  # module type -> [d_out, d_in] of Qwen2.5-7B
+    "self_attn.q_proj": (3584, 3584),
+    "self_attn.k_proj": (512, 3584),
+    "self_attn.v_proj": (512, 3584),
+    "self_attn.o_proj": (3584, 3584),
+    "mlp.gate_proj": (18944, 3584),
+    "mlp.up_proj": (18944, 3584),
+    "mlp.down_proj": (3584, 18944),
+}
+SMALL_TYPES = {"self_attn.q_proj": (48, 40), "self_attn.v_proj": (16, 40), "mlp.up_proj": (96, 40),
+               "mlp.down_proj": (40, 96)}
+
+
+def write_fake_bundle(
+    path: Path,
+    layers: int,
+    types: dict[str, tuple[int, int]],
+    *,
+    r: int = 8,
+    tau: float = 0.9,
+    max_rank: int = 32,
+    seed: int = 0,
+    q_dtype: str = "float32",
+    wall_seconds: float | None = 12.5,
+    finalize: bool = True,
+    extra: dict[str, tuple[int, int]] | None = None,
+) -> Path:
+    """A valid bundle with fake tensors: random scores with B = their top r, a random decaying spectrum with
+    k and k_by_tau derived from it as the scanner derives them, Q a random orthonormal d_in x k basis."""
+    gen = torch.Generator().manual_seed(seed)
+    settings = ScanSettings(r=r, tau=tau, max_rank=max_rank, seed=seed, q_dtype=q_dtype)
+    grid = sorted({*settings.tau_grid, tau})
+    targets = [(f"model.layers.{i}.{t}", i, t, shp) for i in range(layers) for t, shp in types.items()]
+    targets += [(name, None, name, shp) for name, shp in (extra or {}).items()]
+    manifest = Manifest(
+        source={"kind": "local", "id": f"/models/fake-{seed}", "revision": None, "commit": None},
+        settings=settings,
+        planned=[t[0] for t in targets],
+        source_signature=f"fake-{seed}",
+        model_type="qwen2",
+        selection_note="fake modules for tests",
+    )
+    writer = BundleWriter(path, manifest)
+    writer.open()
+    parts: dict[str, list] = {}
+    for t in targets:
+        parts.setdefault("other" if t[1] is None else f"layer-{t[1]:05d}", []).append(t)
+    for part, members in parts.items():
+        records, tensors = [], {}
+        for name, layer, mtype, (d_out, d_in) in members:
+            scores = torch.rand(d_out, generator=gen) * 0.2 + 0.02
+            b = select_redundant_rows(scores, r)
+            n = min(d_out - len(b), d_in)
+            decay = torch.rand(1, generator=gen).item() * 8 + 2
+            spectrum = torch.exp(-decay * torch.linspace(0, 1, n)) * (1 + torch.rand(1, generator=gen).item())
+            spectrum = torch.sort(spectrum, descending=True).values.to(torch.float32)
+            k = k_for_tau(spectrum, tau, d_in, max_rank)
+            full = torch.cat([spectrum.double(), torch.zeros(d_in - n, dtype=torch.float64)])
+            captured = float(full[d_in - k :].sum() / full.sum())
+            q = random_orthonormal(d_in, k, seed=len(records) + 7 * (layer or 0)).to(Q_DTYPES[q_dtype])
+            records.append(
+                ModuleRecord(
+                    name=name,
+                    module_type=mtype,
+                    layer=layer,
+                    shape=[d_out, d_in],
+                    layout="linear",
+                    dtype="BF16",
+                    r=len(b),
+                    k=k,
+                    captured_energy=captured,
+                    total_energy=float(spectrum.double().sum()),
+                    mean_redundancy=float(scores.double().mean()),
+                    k_by_tau={f"{t:g}": k_for_tau(spectrum, t, d_in, max_rank) for t in grid},
+                    fingerprint="sha256:" + "0" * 64,
+                    file=f"{part}.safetensors",
+                )
+            )
+            tensors.update(
+                {
+                    f"{name}.plate_B_idx": b,
+                    f"{name}.plate_Q": q,
+                    f"{name}.redundancy": scores.to(torch.float32),
+                    f"{name}.spectrum": spectrum,
+                }
+            )
+        writer.write_part(f"{part}.safetensors", records, tensors)
+    if finalize:
+        writer.finalize({"wall_seconds": wall_seconds, "device": "cpu"} if wall_seconds is not None else None)
+    return path
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def small_bundle(tmp_path_factory) -> Bundle:
+    """3 layers x 4 types + one module outside the layers; d_out - r < d_in for some (null directions)."""
+    path = tmp_path_factory.mktemp("rep") / "small"
+    write_fake_bundle(path, 3, SMALL_TYPES, r=8, tau=0.9, max_rank=32, extra={"lm_head": (24, 40)})
+    return Bundle.load(path)
+
+
+@pytest.fixture(scope="module")
+def small_bundle_b(tmp_path_factory) -> Bundle:
+    """Same architecture as small_bundle, other weights and tau (a 'fine-tuned' comparison partner)."""
+    path = tmp_path_factory.mktemp("rep") / "small-b"
+    write_fake_bundle(path, 3, SMALL_TYPES, r=8, tau=0.8, max_rank=32, seed=1, extra={"lm_head": (24, 40)})
+    return Bundle.load(path)
+
+
+def manifest_json(bundle: Bundle) -> dict:
+    """The manifest read straight from disk (independent of the report's code path)."""
+    return json.loads((Path(bundle.path) / "manifest.json").read_text())
+
+
+def raw_tensors(bundle: Bundle) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in Path(bundle.path).glob("*.safetensors"):
+        out.update(load_file(str(f)))
+    return out
+
+
+def extract_data(html: str) -> dict:
+    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', html, re.S)
+    assert m, "report data block missing"
+    return json.loads(m.group(1))
+
+
+# --------------------------------------------------------------------------- header
+def test_summary_totals_match_bundle(small_bundle):
+    man = manifest_json(small_bundle)
+    tensors = raw_tensors(small_bundle)
+    s = D.bundle_summary(small_bundle)
+    mods = man["modules"].values()
+    assert s.modules == len(man["modules"]) == 13
+    assert s.plate_params == sum(m["r"] * m["k"] for m in mods)
+    assert s.lora_params == sum(m["r"] * (m["shape"][0] + m["shape"][1]) for m in mods)
+    # Q memory in the bundle's dtype equals the bytes of the stored Q tensors
+    assert s.q_bytes == sum(t.numel() * t.element_size() for k, t in tensors.items() if k.endswith(".plate_Q"))
+    assert s.scan_seconds == 12.5
+    assert (s.config["r"], s.config["tau"], s.config["max_rank"], s.config["seed"]) == (8, 0.9, 32, 0)
+    assert s.bundle_tool_version == man["tool_version"]
+    assert s.model == "/models/fake-0" and s.model_type == "qwen2"
+
+
+def test_q_memory_in_bf16_is_half(tmp_path):
+    a = Bundle.load(write_fake_bundle(tmp_path / "f32", 1, SMALL_TYPES, q_dtype="float32"))
+    b = Bundle.load(write_fake_bundle(tmp_path / "bf16", 1, SMALL_TYPES, q_dtype="bfloat16", wall_seconds=None))
+    sa, sb = D.bundle_summary(a), D.bundle_summary(b)
+    assert sa.q_bytes == 2 * sb.q_bytes == 4 * sum(r.d_in * r.k for r in a)
+    assert sb.scan_seconds is None
+    html = render_report([b])
+    assert "not recorded" in html and "bfloat16" in html
+
+
+def test_header_html_shows_numbers(small_bundle):
+    html = render_report([small_bundle])
+    s = D.bundle_summary(small_bundle)
+    for text in (f"{s.plate_params:,}", f"{s.lora_params:,}", f"{s.q_bytes:,} bytes", "12.5 s", "tau=0.9",
+                 "max_rank=32", "seed=0", plate_inspect.__version__, "/models/fake-0"):
+        assert text in html, text
+
+
+# --------------------------------------------------------------------------- heatmaps
+@pytest.mark.parametrize("metric", ["mean_redundancy", "k", "captured_energy"])
+def test_heatmap_cells_match_records(small_bundle, metric):
+    man = manifest_json(small_bundle)
+    hm = D.heatmap(list(small_bundle), metric)
+    assert hm.rows == ["0", "1", "2", "other"]
+    assert hm.cols == list(SMALL_TYPES) + ["lm_head"]
+    seen = 0
+    for name, m in man["modules"].items():
+        i = hm.rows.index("other" if m["layer"] is None else str(m["layer"]))
+        j = hm.cols.index(m["module_type"])
+        assert hm.names[i][j] == name
+        assert hm.z[i][j] == m[metric]
+        assert name in hm.hover[i][j] and f"k = {m['k']}" in hm.hover[i][j]
+        seen += 1
+    assert seen == 13
+    assert sum(v is not None for row in hm.z for v in row) == 13  # empty cells stay empty
+    fig = F.heatmap_figure(hm)
+    z = fig["data"][0]["z"]
+    if metric == "captured_energy":  # drawn on a log10 colour scale
+        assert all(z[i][j] is None or math.isclose(z[i][j], math.log10(max(hm.z[i][j], F.ENERGY_FLOOR)))
+                   for i in range(len(z)) for j in range(len(z[0])))
+    else:
+        assert z == hm.z
+
+
+def test_heatmap_difference_and_overlap(small_bundle, small_bundle_b):
+    rd = report_data([small_bundle, small_bundle_b])
+    a, b = manifest_json(small_bundle)["modules"], manifest_json(small_bundle_b)["modules"]
+    diff = D.heatmap_difference(rd.heatmaps[0]["k"], rd.heatmaps[1]["k"])
+    ta, tb = raw_tensors(small_bundle), raw_tensors(small_bundle_b)
+    for row_names, row_z in zip(diff.names, diff.z, strict=True):
+        for name, z in zip(row_names, row_z, strict=True):
+            if name is not None:
+                assert z == b[name]["k"] - a[name]["k"]
+    for row in rd.table:
+        name = row["name"]
+        ba, bb = set(ta[f"{name}.plate_B_idx"].tolist()), set(tb[f"{name}.plate_B_idx"].tolist())
+        assert row["per_bundle"][1]["b_overlap"] == pytest.approx(len(ba & bb) / len(ba))
+        assert row["per_bundle"][0]["b_overlap"] == 1.0
+    # the page model has reference heatmaps, differences and B-overlap maps
+    ids = [h["id"] for h in page_model(rd)["heatmaps"]]
+    assert ids == [f"heatmap-{m}-{b}" for m in D.HEATMAP_METRICS for b in (0, 1)] + ["heatmap-overlap-1"]
+
+
+# --------------------------------------------------------------------------- k(tau)
+def test_k_tau_curves_match_manifest(small_bundle):
+    man = manifest_json(small_bundle)
+    curves = {c.module_type: c for c in D.k_tau_curves(list(small_bundle))}
+    assert set(curves) == {m["module_type"] for m in man["modules"].values()}
+    for mtype, c in curves.items():
+        mods = [m for m in man["modules"].values() if m["module_type"] == mtype]
+        assert c.taus == sorted(float(t) for t in mods[0]["k_by_tau"])
+        assert 0.9 in c.taus  # the bundle's tau is on the curve
+        for i, tau in enumerate(c.taus):
+            ks = [m["k_by_tau"][f"{tau:g}"] for m in mods]
+            assert c.mean_k[i] == pytest.approx(np.mean(ks))
+            assert (c.min_k[i], c.max_k[i]) == (min(ks), max(ks))
+        # at the bundle's tau, k(tau) is each module's k
+        assert c.mean_k[c.taus.index(0.9)] == pytest.approx(np.mean([m["k"] for m in mods]))
+        assert all(a >= b for a, b in zip(c.max_k, c.max_k[1:], strict=False))  # larger tau, smaller k
+    fig = F.ktau_figure([list(curves.values())], [0.9], ["x"])
+    stars = [t for t in fig["data"] if t.get("marker", {}).get("symbol") == "star"]
+    assert len(stars) == len(curves) and all(t["x"] == [0.9] for t in stars)
+    assert [s["x0"] for s in fig["layout"]["shapes"]] == [0.9]
+
+
+def test_params_by_tau(small_bundle):
+    man = manifest_json(small_bundle)
+    taus, params = D.params_by_tau(list(small_bundle))
+    for tau, p in zip(taus, params, strict=True):
+        assert p == sum(m["r"] * m["k_by_tau"][f"{tau:g}"] for m in man["modules"].values())
+    assert params[taus.index(0.9)] == D.bundle_summary(small_bundle).plate_params
+
+
+# --------------------------------------------------------------------------- spectra
+def test_spectrum_view_matches_stored_spectrum(small_bundle):
+    tensors = raw_tensors(small_bundle)
+    for rec in small_bundle:
+        s = tensors[f"{rec.name}.spectrum"].double().numpy()
+        v = D.spectrum_view(small_bundle, rec.name, max_points=1000)
+        assert not v.downsampled and v.index == list(range(1, len(s) + 1))
+        assert v.n_stored == len(s) == min(rec.d_out - rec.r, rec.d_in)
+        assert v.null_directions == rec.d_in - len(s)
+        np.testing.assert_allclose(v.values, s, rtol=1e-3)
+        np.testing.assert_allclose(v.cum_energy, np.cumsum(s) / s.sum(), rtol=1e-3, atol=1e-4)
+        # tau cut: the fewest leading eigenvalues holding >= tau of the energy, counted with a plain loop
+        m, acc = 0, 0.0
+        while acc < 0.9 * s.sum():
+            acc += s[m]
+            m += 1
+        assert v.m_tau == m
+        assert v.k == rec.k == max(1, min(rec.d_in - m, 32))
+        assert v.k_start == rec.d_in - rec.k + 1
+
+
+def test_spectrum_hand_computed():
+    class Rec:  # minimal stand-in for a bundle with one module
+        d_in, k = 6, 3
+
+    class B:
+        settings = ScanSettings(tau=0.7)
+
+        def record(self, name):
+            return Rec()
+
+    # energy 4+3+2+1 = 10; the top 2 hold 7 >= 0.7*10 -> m = 2; 2 null directions (d_in 6, 4 stored)
+    v = D.spectrum_view(B(), "m", spectrum=np.array([4.0, 3.0, 2.0, 1.0]))
+    assert (v.m_tau, v.null_directions, v.k_start) == (2, 2, 4)
+    assert v.cum_energy == [0.4, 0.7, 0.9, 1.0]
+    fig = F.spectrum_figure([v], ["m"])
+    lines = [s for s in fig["layout"]["shapes"] if s["type"] == "line" and s["xref"] == "x"]
+    rects = [s for s in fig["layout"]["shapes"] if s["type"] == "rect"]
+    assert lines[0]["x0"] == 2.5  # between direction 2 and 3
+    assert {(r["x0"], r["x1"]) for r in rects} == {(3.5, 6.5)}  # Q = directions 4..6
+    assert "2 null directions" in fig["layout"]["title"]["text"]
+
+
+def test_spectrum_downsampled_and_says_so(small_bundle):
+    rec = max(small_bundle, key=lambda r: r.d_in)
+    s = raw_tensors(small_bundle)[f"{rec.name}.spectrum"].double().numpy()
+    v = D.spectrum_view(small_bundle, rec.name, max_points=16)
+    assert v.downsampled and 16 <= len(v.index) <= 20
+    assert v.index[0] == 1 and v.index[-1] == len(s)
+    assert v.m_tau in v.index and v.k_start in v.index or v.k_start > len(s)
+    np.testing.assert_allclose(v.values, s[np.array(v.index) - 1], rtol=1e-3)
+    title = F.spectrum_figure([v], ["x"])["layout"]["title"]["text"]
+    assert f"{len(v.index)} of {len(s)} eigenvalues" in title
+
+
+# --------------------------------------------------------------------------- score histograms
+def test_score_histogram_matches_scores(small_bundle):
+    tensors = raw_tensors(small_bundle)
+    for rec in small_bundle:
+        scores = tensors[f"{rec.name}.redundancy"].double().numpy()
+        b_idx = tensors[f"{rec.name}.plate_B_idx"].numpy()
+        edges = D.score_edges([scores], 10)
+        h = D.score_histogram(rec.name, scores, b_idx, edges)
+        assert sum(h.counts) == rec.d_out
+        assert h.counts == np.histogram(scores, bins=np.linspace(scores.min(), scores.max(), 11))[0].tolist()
+        assert h.cutoff == np.sort(scores)[::-1][rec.r - 1]  # B = top r: cut-off is the r-th largest score
+        assert int((scores >= h.cutoff).sum()) == rec.r
+        fig = F.histogram_figure([h], ["x"])
+        assert fig["layout"]["shapes"][0]["x0"] == h.cutoff
+        assert f"top r={rec.r} of {rec.d_out}" in fig["layout"]["annotations"][0]["text"]
+
+
+def test_comparison_histograms_share_bins(small_bundle, small_bundle_b):
+    rd = report_data([small_bundle, small_bundle_b], bins=12)
+    for name, hs in rd.histograms.items():
+        assert hs[0].edges == hs[1].edges and len(hs[0].edges) == 13
+        both = np.concatenate([small_bundle.redundancy(name).numpy(), small_bundle_b.redundancy(name).numpy()])
+        assert hs[0].edges[0] == pytest.approx(both.min()) and hs[0].edges[-1] == pytest.approx(both.max())
+
+
+# --------------------------------------------------------------------------- table, page
+def test_table_rows_match_records(small_bundle):
+    man = manifest_json(small_bundle)["modules"]
+    rd = report_data([small_bundle])
+    tm = page_model(rd)["table"]
+    keys = [c["key"] for c in tm["columns"]]
+    assert keys == ["name", "type", "layer", "shape", "r", "k", "energy", "score", "plate", "lora"]
+    assert [r[0] for r in tm["rows"]] == list(man)
+    for row in tm["rows"]:
+        m = man[row[0]]
+        assert row[keys.index("shape")] == f"{m['shape'][0]}x{m['shape'][1]}"
+        assert row[keys.index("k")] == m["k"] and row[keys.index("r")] == m["r"]
+        assert row[keys.index("energy")] == m["captured_energy"]
+        assert row[keys.index("score")] == m["mean_redundancy"]
+        assert row[keys.index("plate")] == m["r"] * m["k"]
+
+
+def test_page_is_self_contained(small_bundle, tmp_path):
+    out = write_report([small_bundle], tmp_path / "sub" / "r.html")
+    html = out.read_text()
+    assert html.startswith("<!DOCTYPE html>")
+    assert not re.search(r"<script[^>]+src=", html) and not re.search(r"<link[^>]+href=", html)
+    import plotly
+
+    assert plotly.offline.get_plotlyjs()[:2000] in html  # plotly.js inlined
+    data = extract_data(html)
+    assert data["modules"] == small_bundle.modules
+    assert set(data["spectra"]) == set(data["histograms"]) == set(small_bundle.modules)
+    # every plot div the page script draws into exists
+    for pid in [h["id"] for h in data["heatmaps"]] + ["ktau-plot", "params-plot", "spectrum-plot", "scores-plot"]:
+        assert f"id='{pid}'" in html or f'id="{pid}"' in html
+
+
+def test_json_embedding_cannot_close_script():
+    from plate_inspect.reports.html import to_json_script
+
+    text = to_json_script({"a": "</script><script>alert(1)</script>", "b": float("nan")})
+    assert "</" not in text and json.loads(text) == {"a": "</script><script>alert(1)</script>", "b": None}
+
+
+def test_7b_shaped_bundle_stays_small(tmp_path):
+    """28 layers x 7 Qwen2.5-7B module types = 196 modules; long spectra are downsampled for display."""
+    b = Bundle.load(write_fake_bundle(tmp_path / "q7b", 28, QWEN7B_TYPES, r=64, max_rank=16, q_dtype="bfloat16"))
+    out = write_report([b], tmp_path / "q7b.html")
+    html = out.read_text()
+    data = extract_data(html)
+    assert len(data["modules"]) == 196
+    size, data_size = out.stat().st_size, len(json.dumps(data))
+    assert data_size < 2_500_000, data_size  # the bundle's spectra+scores alone are ~8 MB of float32
+    assert size < len(plate_inspect.reports.plotly_js()) + 2_800_000, size
+    fig = data["spectra"]["model.layers.0.mlp.gate_proj"]
+    assert len(fig["data"][0]["x"]) <= D.DEFAULT_MAX_POINTS + 4
+    assert "of 3,584 eigenvalues" in fig["layout"]["title"]["text"]
+
+
+# --------------------------------------------------------------------------- errors
+def test_incomplete_bundle_refused(tmp_path):
+    path = write_fake_bundle(tmp_path / "half", 2, SMALL_TYPES, finalize=False)
+    b = Bundle.load(path, require_complete=False)
+    with pytest.raises(BundleError, match="incomplete"):
+        write_report([b], tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()
+    res = CliRunner().invoke(cli, ["report", str(path), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2 and "incomplete" in res.output and "Traceback" not in res.output
+
+
+def test_incompatible_bundles_refused(tmp_path, small_bundle):
+    other_shapes = {t: (d_out * 2, d_in) for t, (d_out, d_in) in SMALL_TYPES.items()}
+    b = Bundle.load(write_fake_bundle(tmp_path / "wide", 3, other_shapes))
+    with pytest.raises(BundleError, match=r"incompatible bundles: module '.*' is \[48, 40\]"):
+        write_report([small_bundle, b], tmp_path / "r.html")
+    c = Bundle.load(write_fake_bundle(tmp_path / "none", 0, {}, extra={"encoder.x": (16, 16)}))
+    with pytest.raises(BundleError, match="no module in common"):
+        write_report([small_bundle, c], tmp_path / "r.html")
+    with pytest.raises(BundleError, match="no bundle given"):
+        write_report([], tmp_path / "r.html")
+    with pytest.raises(BundleError, match="2 labels given for 1 bundles"):
+        write_report([small_bundle], tmp_path / "r.html", labels=["a", "b"])
+
+
+def test_partial_overlap_compares_common_modules(tmp_path, small_bundle):
+    b = Bundle.load(write_fake_bundle(tmp_path / "two", 2, SMALL_TYPES, seed=3))  # layers 0-1, no lm_head
+    rd = report_data([small_bundle, b])
+    assert rd.modules == b.modules and len(rd.left_out[0]) == 5 and rd.left_out[1] == []
+    assert "(5 not in the comparison)" in render_report([small_bundle, b])
+
+
+# --------------------------------------------------------------------------- CLI
+def test_cli_report_single_and_compare(tmp_path, small_bundle, small_bundle_b):
+    runner = CliRunner()
+    res = runner.invoke(cli, ["report", "--help"])
+    assert res.exit_code == 0 and "Examples:" in res.output and "compare.html" in res.output
+    out = tmp_path / "one.html"
+    res = runner.invoke(cli, ["report", str(small_bundle.path), "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    assert extract_data(out.read_text())["labels"] == ["small"]
+    out2 = tmp_path / "cmp.html"
+    res = runner.invoke(
+        cli, ["report", str(small_bundle.path), str(small_bundle_b.path), "-o", str(out2), "--labels", "base,ft"]
+    )
+    assert res.exit_code == 0, res.output
+    data = extract_data(out2.read_text())
+    assert data["labels"] == ["base", "ft"] and "base vs ft" in data["title"]
+    keys = [c["key"] for c in data["table"]["columns"]]
+    assert {"k0", "k1", "dk1", "overlap1"} <= set(keys)
+    row = data["table"]["rows"][0]
+    assert row[keys.index("dk1")] == row[keys.index("k1")] - row[keys.index("k0")]
+    res = runner.invoke(cli, ["report", str(tmp_path / "missing"), "-o", str(tmp_path / "x.html")])
+    assert res.exit_code == 2 and "not a bundle" in res.output
+
+
+def test_scan_with_report_flag(tmp_path, gpt2_ckpt):
+    out = tmp_path / "b"
+    res = CliRunner().invoke(
+        cli, ["scan", str(gpt2_ckpt.path), "--out", str(out), "--r", "4", "--max-rank", "24", "--report", "-q"]
+    )
+    assert res.exit_code == 0, res.output
+    data = extract_data((out / "report.html").read_text())
+    assert data["modules"] == Bundle.load(out).modules
