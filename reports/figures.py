@@ -28,9 +28,20 @@ def color(i: int) -> str:
 
 def _base_layout(title: str, height: int = 380) -> dict[str, Any]:
     return {
-        "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
+        # the title hangs from the top of the figure, below plotly's mode bar; its lines flow downwards
+        "title": {
+            "text": title,
+            "font": {"size": 14},
+            "x": 0,
+            "xref": "paper",
+            "xanchor": "left",
+            "y": 1,
+            "yref": "container",
+            "yanchor": "top",
+            "pad": {"t": 36},
+        },
         "height": height,
-        "margin": {"l": 60, "r": 20, "t": 50, "b": 50},
+        "margin": {"l": 60, "r": 20, "t": 74, "b": 50},
         "font": FONT,
         "paper_bgcolor": "white",
         "plot_bgcolor": "white",
@@ -75,7 +86,7 @@ def heatmap_figure(hm: Heatmap, subtitle: str = "", difference: bool = False) ->
         trace["colorbar"]["title"] = {"text": "log10", "side": "right"}
     title = hm.title + (f"<br><span style='font-size:11px;color:#666'>{subtitle}</span>" if subtitle else "")
     layout = _base_layout(title, height=max(300, 90 + 16 * len(hm.rows)))
-    layout["margin"] = {"l": 60, "r": 10, "t": 60, "b": 110}
+    layout["margin"] = {"l": 60, "r": 10, "t": 92 if subtitle else 74, "b": 110}
     layout["xaxis"] = {"type": "category", "tickangle": -35, "automargin": True}
     layout["yaxis"] = {"type": "category", "autorange": "reversed", "title": {"text": "layer"}, "automargin": True}
     return {"data": [trace], "layout": layout}
@@ -143,7 +154,7 @@ def ktau_figure(curves: list[list[KTauCurve]], taus: list[float], labels: list[s
         )
     layout = _base_layout("k(tau) per module type (mean over its modules)", height=420)
     layout.update(
-        xaxis={"title": {"text": "tau (energy the frozen rows keep outside Q)"}},
+        xaxis={"title": {"text": "tau (energy fraction of the top directions Q avoids)"}},
         yaxis={"title": {"text": "k = dim Q"}, "rangemode": "tozero"},
         shapes=shapes,
         annotations=annotations,
@@ -198,7 +209,12 @@ def params_tau_figure(
 #: Layout keys shared by every spectrum figure (the page merges each module's own keys over it).
 SPECTRUM_BASE: dict[str, Any] = {
     **_base_layout("", height=430),
-    "yaxis": {"type": "log", "title": {"text": "eigenvalue (log scale)"}, "exponentformat": "power"},
+    "yaxis": {
+        "type": "log",
+        "title": {"text": "eigenvalue (log scale)"},
+        "exponentformat": "power",
+        "minorloglabels": "none",
+    },
     "yaxis2": {
         "overlaying": "y",
         "side": "right",
@@ -209,8 +225,8 @@ SPECTRUM_BASE: dict[str, Any] = {
         "title": {"text": "cumulative energy"},
         "showgrid": False,
     },
-    "legend": {"orientation": "h", "y": -0.18, "font": {"size": 10}},
-    "margin": {"l": 70, "r": 60, "t": 80, "b": 70},
+    "legend": {"orientation": "h", "y": -0.24, "font": {"size": 10}},
+    "margin": {"l": 70, "r": 60, "t": 80, "b": 90},
 }
 
 
@@ -327,13 +343,14 @@ def spectrum_figure(views: list[SpectrumView], labels: list[str]) -> Figure:
         if v.zero_eigenvalues:
             parts.append(f"{v.zero_eigenvalues} stored zero eigenvalues not drawn (log axis)")
         if parts:
-            notes.append((f"{label}: " if multi else "") + "; ".join(parts))
+            notes.append((f"{label}: " if multi else "") + "<br>".join(parts))
     name = views[0].name
     sub = "<br>".join(notes)
     title = f"Energy spectrum: {name}" + (f"<br><span style='font-size:11px;color:#666'>{sub}</span>" if sub else "")
     d_in = max(v.d_in for v in views)
     layout = {
         "title": {"text": title},
+        "margin": {"t": 78 + 15 * (sub.count("<br>") + 1 if sub else 0)},
         "xaxis": {"title": {"text": "eigen-direction (descending eigenvalue)"}, "range": [0.5, d_in + 0.5]},
         "shapes": shapes,
         "annotations": annotations,
@@ -348,8 +365,8 @@ HISTOGRAM_BASE: dict[str, Any] = {
     "bargap": 0.02,
     "xaxis": {"title": {"text": "redundancy score (mean |cos| to anchor rows)"}},
     "yaxis": {"title": {"text": "output rows"}},
-    "legend": {"orientation": "h", "y": -0.18, "font": {"size": 10}},
-    "margin": {"l": 60, "r": 20, "t": 80, "b": 70},
+    "legend": {"orientation": "h", "y": -0.24, "font": {"size": 10}},
+    "margin": {"l": 60, "r": 20, "t": 78, "b": 90},
 }
 
 

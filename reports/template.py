@@ -24,7 +24,7 @@ table.summary { border-collapse:collapse; font-size:13px; }
 table.summary th, table.summary td { text-align:left; padding:4px 12px 4px 0; border-bottom:1px solid var(--line);
       vertical-align:top; }
 table.summary th[scope=row] { color:var(--dim); font-weight:normal; white-space:nowrap; }
-.grid { display:grid; grid-template-columns:repeat(auto-fill, minmax(440px, 1fr)); gap:10px; }
+.grid { display:grid; grid-template-columns:repeat(auto-fill, minmax(400px, 1fr)); gap:10px; }
 .grid2 { display:grid; grid-template-columns:repeat(auto-fit, minmax(520px, 1fr)); gap:10px; }
 .plot { min-height:300px; }
 .controls { display:flex; flex-wrap:wrap; gap:8px; align-items:center; margin:6px 0 8px; }
@@ -49,7 +49,7 @@ SCRIPT = r"""
 (function () {
   "use strict";
   var D = JSON.parse(document.getElementById("report-data").textContent);
-  var CONFIG = { responsive: true, displaylogo: false,
+  var CONFIG = { responsive: true, displaylogo: false, displayModeBar: "hover",
                  modeBarButtonsToRemove: ["sendDataToCloud", "lasso2d", "select2d"] };
   var pending = [];
 
