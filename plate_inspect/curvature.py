@@ -6,7 +6,7 @@ An update family is a linear subspace S of parameter space given by an isometric
 operators on the coordinates c, wrapped as :class:`scipy.sparse.linalg.LinearOperator` (one abstraction, in the
 style of curvlinops):
 
-- ``H_S  = M^T H0 M`` with H0 the Hessian of the old-task loss L0 (Hessian-vector products, forward-over-reverse);
+- ``H_S  = M^T H0 M`` with H0 the Hessian of the old-task loss L0 (Hessian-vector products by double backward);
 - ``GN_S = M^T J^T (d^2 loss / df^2) J M`` (Gauss-Newton: a jvp, the loss Hessian in output space, a vjp);
 - ``D_S  = M^T E_x[J(x)^T J(x)] M`` (the drift Gram: ``c^T D_S c = ||J v||^2_{L2(P0)}``).
 
@@ -289,12 +289,15 @@ class OldTaskProblem:
 
     # ----------------------------------------------------------------- products
     def hvp(self, v: Params) -> Params:
-        """H0 v (forward-over-reverse), for a delta on some parameters."""
+        """H0 v (a Hessian-vector product by double backward), for a delta on some parameters."""
         primals, tangents = self._primals(v), self._tangents(v)
         out = {n: torch.zeros_like(p) for n, p in primals.items()}
         for (x, y), w in zip(self.batches, self._weights(), strict=True):
             g = grad(lambda p, x=x, y=y: self.loss_fn(self._f(p, x), y))
-            _, hv = jvp(g, (primals,), (tangents,))
+            # reverse-over-reverse (H is symmetric, so the vjp of the gradient is H v); forward-over-reverse
+            # trips over torch's immutable ZeroTensors when a layer's second derivative vanishes (linear models)
+            _, pull = vjp(g, primals)
+            (hv,) = pull(tangents)
             for n in out:
                 out[n] += w * hv[n]
         return out
@@ -307,7 +310,8 @@ class OldTaskProblem:
 
     def _loss_hvp_out(self, out: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """(d^2 loss / df^2) u at the batch outputs."""
-        _, hu = jvp(grad(lambda o: self.loss_fn(o, y)), (out,), (u,))
+        _, pull = vjp(grad(lambda o: self.loss_fn(o, y)), out)  # symmetric: the vjp is the product
+        (hu,) = pull(u)
         return hu
 
     def ggn_vp(self, v: Params) -> Params:

@@ -1,0 +1,372 @@
+"""Restricted curvature and drift against independent oracles: dense Hessian / GGN / Jacobian of tiny networks
+(torch.autograd.functional), curvlinops' operators, and closed forms for a linear model with squared loss."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from torch import nn
+from torch.func import functional_call
+
+from plate_inspect.curvature import (
+    OldTaskProblem,
+    UpdateFamily,
+    analyze_family,
+    full_family,
+    lora_family,
+    lora_tangent_block,
+    plate_family,
+    restricted_operator,
+    selector_basis_block,
+    top_eigenpair,
+)
+from plate_inspect.geometry import random_orthonormal
+
+
+# --------------------------------------------------------------------------- dense oracles
+def tiny_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+
+
+def tiny_data(n: int = 12, d_in: int = 3, classes: int = 3, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g, dtype=torch.float64)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return x, y
+
+
+def _unflatten(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    out, i = {}, 0
+    for n, p in model.named_parameters():
+        out[n] = flat[i : i + p.numel()].reshape(p.shape)
+        i += p.numel()
+    return out
+
+
+def dense_oracles(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn=F.cross_entropy):
+    """H0, GGN and E[J^T J] as dense matrices, straight from torch.autograd.functional."""
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def outputs(flat):
+        return functional_call(model, _unflatten(model, flat), (x,))
+
+    def loss(flat):
+        return loss_fn(outputs(flat), y)
+
+    hess = torch.autograd.functional.hessian(loss, theta)
+    jac = torch.autograd.functional.jacobian(outputs, theta)  # [N, C, P]
+    out = outputs(theta).detach()
+    n = x.shape[0]
+    ggn = torch.zeros_like(hess)
+    gram = torch.zeros_like(hess)
+    for i in range(n):
+        h_out = torch.autograd.functional.hessian(lambda o, i=i: loss_fn(o[None], y[i : i + 1]), out[i])
+        ggn += jac[i].T @ h_out @ jac[i] / n
+        gram += jac[i].T @ jac[i] / n
+    return hess, ggn, gram, theta
+
+
+def dense_basis(family: UpdateFamily, model: nn.Module) -> torch.Tensor:
+    """M as a dense [P, m] matrix (columns: embedded unit coordinates, flattened in parameter order)."""
+    cols = []
+    for j in range(family.dim):
+        e = torch.zeros(family.dim, dtype=torch.float64)
+        e[j] = 1.0
+        delta = family.embed(e)
+        cols.append(torch.cat([delta.get(n, torch.zeros_like(p)).reshape(-1) for n, p in model.named_parameters()]))
+    return torch.stack(cols, dim=1)
+
+
+def _op_dense(op) -> np.ndarray:
+    return np.column_stack([op.matvec(e) for e in np.eye(op.shape[0])])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_mlp()
+    x, y = tiny_data()
+    hess, ggn, gram, theta = dense_oracles(model, x, y)
+    # two batches of unequal size: the n_b / N weighting must reproduce the full-data average
+    problem = OldTaskProblem(model, F.cross_entropy, [(x[:7], y[:7]), (x[7:], y[7:])])
+    return model, x, y, hess, ggn, gram, problem
+
+
+def tiny_families(model: nn.Module) -> list[UpdateFamily]:
+    w = dict(model.named_parameters())["2.weight"]  # [4, 5]
+    q = random_orthonormal(5, 3, seed=3, dtype=torch.float64)
+    plate_like = UpdateFamily("plate_like", [selector_basis_block("2.weight", tuple(w.shape), torch.tensor([0, 2]), q)])
+    lora = UpdateFamily("lora", [lora_tangent_block("2.weight", tuple(w.shape), 2, seed=5)])
+    lora0 = UpdateFamily("lora0", [lora_tangent_block("0.weight", (5, 3), 1, seed=6, zero_b=True)])
+    return [full_family(model), plate_like, lora, lora0]
+
+
+# --------------------------------------------------------------------------- operators vs dense
+def test_full_operators_match_dense_hessian_ggn_and_jacobian_gram(tiny):
+    model, _, _, hess, ggn, gram, problem = tiny
+    fam = full_family(model)
+    assert fam.dim == hess.shape[0]
+    for kind, dense in (("hessian", hess), ("ggn", ggn), ("drift", gram)):
+        got = _op_dense(restricted_operator(problem, fam, kind))
+        np.testing.assert_allclose(got, dense.numpy(), rtol=1e-9, atol=1e-11)
+
+
+def test_restricted_operators_are_mt_c_m_for_every_family(tiny):
+    model, _, _, hess, ggn, gram, problem = tiny
+    for fam in tiny_families(model)[1:]:
+        m = dense_basis(fam, model)
+        np.testing.assert_allclose((m.T @ m).numpy(), np.eye(fam.dim), atol=1e-12)  # isometric parametrisation
+        for kind, dense in (("hessian", hess), ("ggn", ggn), ("drift", gram)):
+            got = _op_dense(restricted_operator(problem, fam, kind))
+            np.testing.assert_allclose(got, (m.T @ dense @ m).numpy(), rtol=1e-9, atol=1e-11, err_msg=fam.name)
+
+
+def test_lambda_eps_and_lanczos_match_dense_eigenvalues(tiny):
+    model, _, _, hess, ggn, gram, problem = tiny
+    for fam in tiny_families(model):
+        m = dense_basis(fam, model)
+        lam = float(torch.linalg.eigvalsh(m.T @ hess @ m).max())
+        lam_gn = float(torch.linalg.eigvalsh(m.T @ ggn @ m).max())
+        eps = float(torch.linalg.eigvalsh(m.T @ gram @ m).max()) ** 0.5
+        rec = analyze_family(problem, fam, n_probes=5, rhos=(0.0, 0.5))
+        assert rec.lam == pytest.approx(lam, rel=1e-8, abs=1e-12)
+        assert rec.lam_gn == pytest.approx(lam_gn, rel=1e-8, abs=1e-12)
+        assert rec.eps == pytest.approx(eps, rel=1e-8, abs=1e-12)
+        if fam.dim > 3:  # force the Lanczos path (eigsh) on the same operator
+            val, vec = top_eigenpair(restricted_operator(problem, fam, "hessian"), dense_max_dim=0, tol=1e-12)
+            assert val == pytest.approx(lam, rel=1e-7, abs=1e-10)
+            op_v = restricted_operator(problem, fam, "hessian").matvec(vec)
+            np.testing.assert_allclose(op_v, val * vec, atol=1e-6 * max(1.0, abs(val)))
+
+
+def test_probe_decomposition_matches_dense_quadratic_forms(tiny):
+    model, _, _, hess, ggn, gram, problem = tiny
+    fam = tiny_families(model)[1]
+    m = dense_basis(fam, model)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        c = torch.randn(fam.dim, generator=g, dtype=torch.float64)
+        c /= c.norm()
+        v = m @ c
+        q_h, q_gn, drift = problem.quadratic_forms(fam.embed(c))
+        assert q_h == pytest.approx(float(v @ hess @ v), rel=1e-9, abs=1e-13)
+        assert q_gn == pytest.approx(float(v @ ggn @ v), rel=1e-9, abs=1e-13)
+        assert drift == pytest.approx(float(v @ gram @ v), rel=1e-9, abs=1e-13)
+    rec = analyze_family(problem, fam, n_probes=30, rhos=(0.0,))
+    q_h, q_gn = np.array(rec.q_h), np.array(rec.q_gn)
+    assert rec.gn_share_median == pytest.approx(float(np.median(np.abs(q_gn) / np.abs(q_h))))
+    assert rec.residual_ratio_median == pytest.approx(float(np.median(np.abs(q_h - q_gn) / np.abs(q_gn))))
+
+
+def test_forgetting_curve_is_loss_along_top_hessian_direction(tiny):
+    model, x, y, hess, _, _, problem = tiny
+    fam = tiny_families(model)[2]
+    m = dense_basis(fam, model)
+    evals, evecs = torch.linalg.eigh(m.T @ hess @ m)
+    v = m @ evecs[:, -1]
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    loss = lambda flat: float(F.cross_entropy(functional_call(model, _unflatten(model, flat), (x,)), y))  # noqa: E731
+    g0 = torch.autograd.functional.jacobian(
+        lambda flat: F.cross_entropy(functional_call(model, _unflatten(model, flat), (x,)), y), theta
+    )
+    if float(g0 @ v) < 0:
+        v = -v
+    rhos = (0.0, 0.3, 1.0)
+    rec = analyze_family(problem, fam, n_probes=0, rhos=rhos)
+    for (rho, f), want_rho in zip(rec.forgetting_curve, rhos, strict=True):
+        assert rho == want_rho
+        assert f == pytest.approx(loss(theta + want_rho * v) - loss(theta), rel=1e-9, abs=1e-13)
+
+
+def test_beta_is_top_eigenvalue_of_softmax_hessian(tiny):
+    model, x, y, _, _, _, problem = tiny
+    p = torch.softmax(model(x), dim=1).detach()
+    want = max(float(torch.linalg.eigvalsh(torch.diag(pi) - torch.outer(pi, pi)).max()) for pi in p)
+    assert problem.output_hessian_bound() == pytest.approx(want, rel=1e-10)
+    assert want <= 0.5
+    # Proposition (GN part): lambda_GN(S) <= beta eps(S)^2 holds for every family
+    for fam in tiny_families(model):
+        rec = analyze_family(problem, fam, n_probes=0, rhos=())
+        assert rec.lam_gn <= rec.beta * rec.eps**2 * (1 + 1e-9)
+
+
+# --------------------------------------------------------------------------- curvlinops as an independent oracle
+def test_operators_agree_with_curvlinops(tiny):
+    from curvlinops import GGNLinearOperator, HessianLinearOperator
+
+    model, x, y, _, _, _, problem = tiny
+    params = list(model.parameters())
+    data = [(x[:7], y[:7]), (x[7:], y[7:])]
+    loss = nn.CrossEntropyLoss(reduction="mean")
+    fam = full_family(model)
+    g = torch.Generator().manual_seed(2)
+    for cls, kind in ((HessianLinearOperator, "hessian"), (GGNLinearOperator, "ggn")):
+        theirs = cls(model, loss, params, data)
+        ours = restricted_operator(problem, fam, kind)
+        for _ in range(3):
+            v = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+            want = torch.cat([t.reshape(-1) for t in theirs @ v]).numpy()
+            got = ours.matvec(torch.cat([t.reshape(-1) for t in v]).numpy())
+            np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- closed form: linear model, squared loss
+def test_linear_model_with_squared_loss_is_pure_gauss_newton():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3).double()
+    x = torch.randn(40, 6, dtype=torch.float64)
+    y = torch.randn(40, 3, dtype=torch.float64)
+    problem = OldTaskProblem(model, F.mse_loss, [(x[:25], y[:25]), (x[25:], y[25:])])
+    # closed form: per-sample loss mean_c (f_c - y_c)^2 has output Hessian (2/C) I, so beta = 2/3
+    assert problem.output_hessian_bound() == pytest.approx(2.0 / 3.0, rel=1e-12)
+    xa = torch.cat([x, torch.ones(40, 1, dtype=torch.float64)], dim=1)
+    # H for W (row-major flatten) is (2/C) kron(I_C, E[x x^T]); exactly the GGN
+    h_w = (2.0 / 3.0) * torch.kron(torch.eye(3, dtype=torch.float64), x.T @ x / 40)
+    fam_w = full_family(model, ["weight"])
+    np.testing.assert_allclose(_op_dense(restricted_operator(problem, fam_w, "hessian")), h_w.numpy(), atol=1e-12)
+    q = random_orthonormal(6, 2, seed=1, dtype=torch.float64)
+    fams = [full_family(model), UpdateFamily("sub", [selector_basis_block("weight", (3, 6), torch.tensor([1]), q)])]
+    for fam in fams:
+        rec = analyze_family(problem, fam, n_probes=20, rhos=(0.0, 0.5, 2.0))
+        np.testing.assert_allclose(rec.q_h, rec.q_gn, rtol=1e-10)  # q_R = 0
+        assert rec.residual_ratio_median < 1e-10
+        assert rec.gn_share_median == pytest.approx(1.0, abs=1e-10)
+        assert rec.lam == pytest.approx(rec.lam_gn, rel=1e-9)
+        assert rec.bound_ratio == pytest.approx(1.0, rel=1e-8)  # lambda = beta eps^2 exactly
+        # the loss is quadratic: F(rho) = rho g.v + rho^2 lambda / 2, with g.v >= 0 by the sign convention
+        f1 = dict(rec.forgetting_curve)
+        gv = (f1[0.5] - 0.125 * rec.lam) / 0.5
+        assert gv >= -1e-12
+        assert f1[2.0] == pytest.approx(2.0 * gv + 2.0 * rec.lam, rel=1e-8, abs=1e-12)
+    # the full family's lambda is the top eigenvalue of the closed-form Hessian over [W, b]
+    h_full = (2.0 / 3.0) * torch.kron(torch.eye(3, dtype=torch.float64), xa.T @ xa / 40)
+    rec = analyze_family(problem, fams[0], n_probes=0, rhos=())
+    # parameter order is weight (row-major) then bias: permute the closed form accordingly
+    perm = [c * 7 + j for c in range(3) for j in range(6)] + [c * 7 + 6 for c in range(3)]
+    assert rec.lam == pytest.approx(float(torch.linalg.eigvalsh(h_full[perm][:, perm]).max()), rel=1e-9)
+
+
+# --------------------------------------------------------------------------- family structure
+def test_plate_block_moves_only_b_rows_inside_span_q():
+    q = random_orthonormal(7, 3, seed=0, dtype=torch.float64)
+    b = torch.tensor([1, 4])
+    blk = selector_basis_block("w", (5, 7), b, q)
+    c = torch.randn(6, dtype=torch.float64)
+    d = blk.embed(c)
+    keep = torch.tensor([0, 2, 3])
+    assert torch.count_nonzero(d[keep]) == 0
+    np.testing.assert_allclose((d[b] - d[b] @ q @ q.T).numpy(), 0, atol=1e-12)  # rows lie in span(Q)
+    assert float(d.norm()) == pytest.approx(float(c.norm()), rel=1e-12)
+    g = torch.randn(5, 7, dtype=torch.float64)
+    assert float((blk.project(g) * c).sum()) == pytest.approx(float((g * d).sum()), rel=1e-12)  # adjoint
+
+
+@pytest.mark.parametrize("zero_b", [False, True])
+def test_lora_block_spans_the_tangent_space_of_ba(zero_b):
+    d_out, d_in, r, seed = 6, 5, 2, 9
+    blk = lora_tangent_block("w", (d_out, d_in), r, seed=seed, zero_b=zero_b)
+    g = torch.Generator().manual_seed(seed)  # the same draws as the block: A0 first, then B0
+    a0 = torch.randn(r, d_in, generator=g, dtype=torch.float64)
+    b0 = torch.randn(d_out, r, generator=g, dtype=torch.float64) * (0.0 if zero_b else 1.0)
+    # tangent generators of (B, A) -> B A at (B0, A0): dB A0 + B0 dA for unit dB, dA
+    gens = []
+    for i in range(d_out * r):
+        db = torch.zeros(d_out * r, dtype=torch.float64)
+        db[i] = 1
+        gens.append((db.reshape(d_out, r) @ a0).reshape(-1))
+    for i in range(r * d_in):
+        da = torch.zeros(r * d_in, dtype=torch.float64)
+        da[i] = 1
+        gens.append((b0 @ da.reshape(r, d_in)).reshape(-1))
+    t = torch.stack(gens, dim=1)
+    m = torch.stack([blk.embed(e).reshape(-1) for e in torch.eye(blk.dim, dtype=torch.float64)], dim=1)
+    expected_dim = d_out * r if zero_b else r * (d_in + d_out) - r * r
+    assert blk.dim == expected_dim == int(torch.linalg.matrix_rank(t))
+    np.testing.assert_allclose((m.T @ m).numpy(), np.eye(blk.dim), atol=1e-12)
+    proj_m = m @ m.T
+    u, s, _ = torch.linalg.svd(t, full_matrices=False)
+    u = u[:, s > 1e-10 * s[0]]
+    np.testing.assert_allclose(proj_m.numpy(), (u @ u.T).numpy(), atol=1e-10)  # same subspace
+
+
+def test_plate_variants_from_a_scanned_bundle(tmp_path):
+    from safetensors.torch import save_file
+
+    import plate_inspect
+    from plate_inspect.digits import DigitsMLP
+
+    torch.manual_seed(0)
+    model = DigitsMLP()
+    ckpt = tmp_path / "m.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt))
+    bundle = plate_inspect.scan(ckpt, tmp_path / "b", r=8, tau=0.9, max_rank=32, target_modules=["fc2", "fc3"])
+    fams = {
+        v: plate_family(model, bundle, variant=v, seed=1) for v in ("plate", "random_b", "random_q", "high_energy_q")
+    }
+    dims = {v: f.dim for v, f in fams.items()}
+    assert len(set(dims.values())) == 1  # matched capacity
+    assert dims["plate"] == sum(bundle.record(m).r * bundle.record(m).k for m in ("fc2", "fc3"))
+    w = model.fc2.weight.detach().double()
+    b_idx, q = bundle.b_idx("fc2"), bundle.q("fc2", dtype=torch.float64)
+    c = torch.randn(fams["plate"].dim, dtype=torch.float64)
+    deltas = {v: f.embed(c)["fc2.weight"] for v, f in fams.items()}
+    rows = {v: torch.nonzero(d.abs().sum(1)).flatten() for v, d in deltas.items()}
+    assert torch.equal(rows["plate"], b_idx) and torch.equal(rows["random_q"], b_idx)
+    assert torch.equal(rows["high_energy_q"], b_idx) and not torch.equal(rows["random_b"], b_idx)
+    # plate and random_b move rows inside span(Q); high_energy_q inside the top eigenspace of W_f^T W_f
+    for v in ("plate", "random_b"):
+        d = deltas[v][rows[v]]
+        np.testing.assert_allclose((d - d @ q @ q.T).numpy(), 0, atol=1e-6)  # Q is stored as float32
+    keep = torch.ones(w.shape[0], dtype=torch.bool)
+    keep[b_idx] = False
+    wf = w[keep]
+    energy = lambda d: float((d @ wf.T).pow(2).sum() / d.pow(2).sum())  # noqa: E731
+    assert energy(deltas["high_energy_q"][b_idx]) > 100 * energy(deltas["plate"][b_idx])
+    lora = lora_family(model, ["fc2", "fc3"], rank=4)
+    assert lora.dim == 2 * (4 * (256 + 256) - 16)
+
+
+def test_bad_family_inputs_raise_one_line_errors():
+    from plate_inspect.errors import PlateInspectError
+
+    model = tiny_mlp()
+    with pytest.raises(PlateInspectError, match="not in the model"):
+        full_family(model, ["nope.weight"])
+    with pytest.raises(PlateInspectError, match="LoRA rank"):
+        lora_tangent_block("w", (4, 3), 5, seed=0)
+    with pytest.raises(PlateInspectError, match="Q has"):
+        selector_basis_block("w", (4, 3), torch.tensor([0]), torch.eye(5)[:, :2])
+    with pytest.raises(PlateInspectError, match="empty"):
+        OldTaskProblem(model, F.cross_entropy, [])
+
+
+# --------------------------------------------------------------------------- CLI
+def test_curvature_cli_json_records(tmp_path):
+    from plate_inspect.cli.main import cli
+
+    res = CliRunner().invoke(
+        cli,
+        ["curvature", "--json", "--epochs", "3", "--probes", "4", "--families", "plate,random_q", "--rho", "0,1"],
+    )
+    assert res.exit_code == 0, res.output
+    recs = json.loads(res.output)
+    assert [r["family"] for r in recs] == ["plate", "random_q"]
+    for r in recs:
+        keys = {"family", "dim", "lambda", "eps", "gn_share_median", "residual_ratio_median", "forgetting_curve"}
+        assert keys <= set(r)
+        assert [rho for rho, _ in r["forgetting_curve"]] == [0.0, 1.0]
+        assert r["forgetting_curve"][0][1] == 0.0
+        assert r["dim"] == recs[0]["dim"] and r["eps"] > 0
+
+
+def test_curvature_cli_rejects_unknown_family():
+    from plate_inspect.cli.main import cli
+
+    res = CliRunner().invoke(cli, ["curvature", "--families", "plate,bogus"])
+    assert res.exit_code == 2
+    assert "bogus" in res.output
