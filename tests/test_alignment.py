@@ -1,0 +1,205 @@
+"""Weight-vs-activation alignment against planted structure, dense numpy oracles and the real MiniLM."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from plate_inspect.alignment import (
+    alignment_from_moments,
+    collect_input_moments,
+    hf_text_alignment,
+    hf_text_inputs,
+    load_hf_model,
+    sklearn_descr_text,
+    weight_activation_alignment,
+)
+from plate_inspect.errors import PlateInspectError
+
+
+def numpy_oracle(w: np.ndarray, x: np.ndarray, k: int):
+    """VE_k of the top-k right singular vectors of W and of the top-k eigvecs of X^T X / N, and AL_k, by definition."""
+    sigma = x.T @ x / x.shape[0]
+    _, _, vt = np.linalg.svd(w)
+    v = vt[:k].T
+    evals, evecs = np.linalg.eigh(sigma)
+    u = evecs[:, ::-1][:, :k]
+    tr = np.trace(sigma)
+    return np.trace(v.T @ sigma @ v) / tr, np.trace(u.T @ sigma @ u) / tr, np.linalg.norm(u.T @ v) ** 2 / k
+
+
+def test_planted_activation_subspace_equal_to_weight_row_space_gives_al_one():
+    d_in, d_out, k, n = 24, 10, 4, 500
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(d_in, k, generator=g, dtype=torch.float64)).Q
+    # W = R diag(s) basis^T: its row space (top-k right singular vectors) is span(basis)
+    r = torch.linalg.qr(torch.randn(d_out, k, generator=g, dtype=torch.float64)).Q
+    w = r @ torch.diag(torch.tensor([5.0, 4.0, 3.0, 2.0], dtype=torch.float64)) @ basis.T
+    layer = nn.Linear(d_in, d_out, bias=False).double()
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    # activations live in the same subspace, with distinct variances per direction
+    z = torch.randn(n, k, generator=g, dtype=torch.float64) * torch.tensor([3.0, 2.0, 1.5, 1.0], dtype=torch.float64)
+    x = z @ basis.T
+    model = nn.Sequential(layer)
+    recs = weight_activation_alignment(model, [x[:200], x[200:]], ks=[k], target_modules=["0"])
+    (rec,) = recs
+    assert rec.n_samples == n and rec.d_in == d_in
+    assert rec.al_weight == pytest.approx(1.0, abs=1e-10)
+    assert rec.ve_weight == pytest.approx(1.0, abs=1e-10)
+    assert rec.ve_oracle == pytest.approx(1.0, abs=1e-10)
+    assert rec.al_chance == pytest.approx(k / d_in)
+    # and the orthogonal complement of the row space captures nothing: a weight with the complement as row space
+    comp = torch.linalg.qr(torch.cat([basis, torch.randn(d_in, k, generator=g, dtype=torch.float64)], 1)).Q[:, k:]
+    with torch.no_grad():
+        layer.weight.copy_(r @ comp.T)
+    (rec,) = weight_activation_alignment(model, [x], ks=[k], target_modules=["0"])
+    assert rec.al_weight == pytest.approx(0.0, abs=1e-10)
+    assert rec.ve_weight == pytest.approx(0.0, abs=1e-10)
+
+
+def test_metrics_match_numpy_definitions():
+    rng = np.random.default_rng(1)
+    d_in, d_out, n = 30, 18, 400
+    w = rng.standard_normal((d_out, d_in))
+    x = rng.standard_normal((n, d_in)) @ rng.standard_normal((d_in, d_in))  # anisotropic
+    sigma = torch.from_numpy(x.T @ x / n)
+    recs = alignment_from_moments("m", torch.from_numpy(w), sigma, ks=[3, 8, 15], n_random=400, seed=0)
+    for rec in recs:
+        ve_w, ve_o, al = numpy_oracle(w, x, rec.k)
+        assert rec.ve_weight == pytest.approx(ve_w, rel=1e-9)
+        assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-9)
+        assert rec.al_weight == pytest.approx(al, rel=1e-9)
+        assert rec.al_chance == rec.k / d_in
+        # E[VE of a Haar-random k-frame] = k / d_in for any Sigma; 400 draws average it closely
+        assert rec.ve_random == pytest.approx(rec.k / d_in, rel=0.08)
+        assert rec.ve_oracle >= max(rec.ve_weight, rec.ve_random) - 1e-12  # the oracle is optimal (Ky Fan)
+        assert rec.ve_ratio == pytest.approx(rec.ve_weight / rec.ve_random)
+    assert set(recs[0].to_json()) == {
+        "module",
+        "k",
+        "d_in",
+        "ve_weight",
+        "ve_oracle",
+        "ve_random",
+        "al_weight",
+        "al_chance",
+    }
+
+
+def test_streamed_moments_equal_stacked_activations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 4))
+    batches = [torch.randn(3, 6, 5), torch.randn(2, 6, 5), torch.randn(4, 6, 5)]  # [B, T, d]: every row counts
+    moments = collect_input_moments(model, batches)
+    assert set(moments) == {"0", "2"}
+    x0 = torch.cat([b.reshape(-1, 5) for b in batches]).double()
+    h = torch.relu(model[0](torch.cat([b.reshape(-1, 5) for b in batches]))).detach().double()
+    assert moments["0"].n == moments["2"].n == 9 * 6
+    np.testing.assert_allclose(moments["0"].xtx.numpy(), (x0.T @ x0).numpy(), rtol=1e-10)
+    np.testing.assert_allclose(moments["2"].xtx.numpy(), (h.T @ h).numpy(), rtol=1e-5, atol=1e-5)
+    # hooks are removed afterwards
+    assert not model[0]._forward_pre_hooks and not model[2]._forward_pre_hooks
+
+
+def test_dict_and_tuple_inputs_and_custom_forward():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 3)
+
+        def forward(self, x, scale=1.0):
+            return self.a(x * scale)
+
+    model = Two()
+    x = torch.randn(10, 4)
+    m1 = collect_input_moments(model, [{"x": x, "scale": 2.0}])["a"]
+    m2 = collect_input_moments(model, [(x, 2.0)])["a"]
+    m3 = collect_input_moments(model, [x], forward=lambda m, item: m(item, scale=2.0))["a"]
+    want = (2 * x).double().T @ (2 * x).double()
+    for m in (m1, m2, m3):
+        np.testing.assert_allclose(m.xtx.numpy(), want.numpy(), rtol=1e-6)
+
+
+def test_errors_are_one_line_plate_inspect_errors():
+    model = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(PlateInspectError, match="no target linear layers"):
+        weight_activation_alignment(model, [torch.randn(2, 4)], target_modules=["nope"])
+    with pytest.raises(PlateInspectError, match="saw no input"):
+        weight_activation_alignment(model, [])
+    with pytest.raises(PlateInspectError, match="k values"):
+        weight_activation_alignment(model, [torch.randn(2, 4)], ks=[0])
+    with pytest.raises(PlateInspectError, match="not a directory"):
+        load_hf_model("/nonexistent/model")
+
+
+def test_sklearn_text_is_real_english():
+    text = sklearn_descr_text()
+    assert len(text.split()) > 3000
+    assert "dataset" in text and "the" in text.split()
+
+
+# --------------------------------------------------------------------------- the real MiniLM
+@pytest.fixture(scope="module")
+def minilm(minilm_dir):
+    model, tok = load_hf_model(minilm_dir)
+    return model, tok
+
+
+def test_hook_moments_equal_hidden_states_of_real_minilm(minilm):
+    model, tok = minilm
+    inputs = hf_text_inputs(tok, sklearn_descr_text(), seq_len=64, max_tokens=300)
+    assert sum(i["input_ids"].shape[1] for i in inputs) == 300 + 2 * len(inputs)  # [CLS] ... [SEP] per window
+    assert inputs[0]["input_ids"][0, 0] == tok.cls_token_id and inputs[0]["input_ids"][0, -1] == tok.sep_token_id
+    names = ["encoder.layer.0.attention.self.query", "encoder.layer.1.attention.self.query"]
+    moments = collect_input_moments(model, inputs, names)
+    for layer, name in enumerate(names):
+        xs = []
+        with torch.no_grad():
+            for item in inputs:
+                hs = model(**item, output_hidden_states=True).hidden_states[layer]  # the input of layer `layer`
+                xs.append(hs.reshape(-1, hs.shape[-1]).double())
+        x = torch.cat(xs)
+        assert moments[name].n == x.shape[0]
+        np.testing.assert_allclose(moments[name].xtx.numpy(), (x.T @ x).numpy(), rtol=1e-4, atol=1e-3)
+
+
+def test_hf_text_alignment_on_real_minilm(minilm_dir):
+    recs = hf_text_alignment(minilm_dir, sklearn_descr_text(), ks=(8, 32), max_tokens=400, seq_len=128, n_random=2)
+    assert len(recs) == 6 * 6 * 2  # 6 layers x 6 module types x 2 k values
+    for r in recs:
+        assert r.d_in in (384, 1536)
+        assert 0 <= r.al_weight <= 1 + 1e-9
+        assert r.ve_oracle >= r.ve_weight - 1e-9 and r.ve_oracle >= r.ve_random - 1e-9
+        assert r.n_samples == 400 + 2 * 4
+
+
+def test_align_cli_json(minilm_dir, tmp_path):
+    from plate_inspect.cli.main import cli
+
+    text = tmp_path / "t.txt"
+    text.write_text(sklearn_descr_text()[:3000], encoding="utf-8")
+    args = ["align", str(minilm_dir), "--text", str(text), "--k", "8", "--max-tokens", "200", "--json"]
+    res = CliRunner().invoke(cli, [*args, "--target-modules", "value,intermediate.dense"])
+    assert res.exit_code == 0, res.output
+    recs = json.loads(res.output)
+    assert len(recs) == 12
+    keys = ["module", "k", "d_in", "ve_weight", "ve_oracle", "ve_random", "al_weight", "al_chance"]
+    assert all(list(r) == keys for r in recs)
+    assert {r["module"].split(".", 3)[-1] for r in recs} == {"attention.self.value", "intermediate.dense"}
+
+
+def test_align_cli_errors(minilm_dir, tmp_path):
+    from plate_inspect.cli.main import cli
+
+    res = CliRunner().invoke(cli, ["align", str(minilm_dir), "--text", str(tmp_path / "missing.txt")])
+    assert res.exit_code == 2 and "not found" in res.output
+    res = CliRunner().invoke(cli, ["align", str(minilm_dir), "--k", "8,x"])
+    assert res.exit_code == 2 and "--k" in res.output
+    res = CliRunner().invoke(cli, ["align", str(tmp_path)])
+    assert res.exit_code == 2 and "config.json" in res.output
