@@ -214,9 +214,9 @@ def _scan_time(seconds: float | None, stats: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- page
-def heatmap_sections(model: dict[str, Any], rd: ReportData) -> str:
-    divs = "".join(f"<div class='plot heat' id='{h['id']}'></div>" for h in model["heatmaps"])
-    return divs
+def heatmap_divs(model: dict[str, Any]) -> str:
+    """One plot div per heatmap figure of the page model."""
+    return "".join(f"<div class='plot heat' id='{h['id']}'></div>" for h in model["heatmaps"])
 
 
 def render_page(rd: ReportData, plotly_js: str) -> str:
@@ -235,7 +235,7 @@ def render_page(rd: ReportData, plotly_js: str) -> str:
             f"generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by plate-inspect {__version__}"
         ),
         "%%HEADER%%": header_html(rd),
-        "%%HEATMAPS%%": heatmap_sections(model, rd),
+        "%%HEATMAPS%%": heatmap_divs(model),
         "%%HEATMAP_INTRO%%": html.escape(intro),
         "%%DOWNSAMPLE_NOTE%%": html.escape(
             f"Spectra longer than {rd.max_points} eigenvalues are drawn from {rd.max_points} evenly spaced "

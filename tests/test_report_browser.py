@@ -117,13 +117,16 @@ INTERACT = """
   await wait(400);
   out.afterClick = sel.value;
   out.svgs = document.querySelectorAll("#spectrum-plot svg.main-svg").length;
+  document.getElementById("heatmap-k-0").emit("plotly_click", { points: [{ x: "mlp.down_proj", y: "27" }] });
+  await wait(400);
+  out.afterHeatmapClick = sel.value;
   return out;
 })()
 """
 
 
 def test_7b_shaped_report_is_interactive(chromium, tmp_path, artifacts):
-    """196 modules (28 layers x 7 Qwen2.5-7B types): renders, and the explorer, sort and filter work."""
+    """196 modules (28 layers x 7 Qwen2.5-7B types): renders; explorer, sort, filter, row and cell clicks work."""
     bundle = Bundle.load(write_fake_bundle(tmp_path / "q7b", 28, QWEN7B_TYPES, r=64, max_rank=16))
     html = write_report([bundle], tmp_path / "q7b.html")
     check = open_report(html, screenshot=artifacts / "report-7b-shaped.png", script=INTERACT)
@@ -140,6 +143,7 @@ def test_7b_shaped_report_is_interactive(chromium, tmp_path, artifacts):
     assert set(got["filtered"]) == expected and got["count"] == f"{len(expected)} of 196 modules"
     assert expected  # scores are uniform around 0.12: some pass
     assert got["afterClick"] == got["filtered"][0] and got["svgs"] > 0
+    assert got["afterHeatmapClick"] == "model.layers.27.mlp.down_proj"  # heatmap cell -> that module
 
 
 def test_checker_sees_errors_network_and_missing_plots(chromium, tmp_path):
