@@ -261,10 +261,10 @@ def print_curvature_table(records) -> None:
     """One row per family: dim, lambda, lambda_GN, eps, the bound, GN medians and F at the largest rho."""
     table = Table(title="restricted curvature and drift on P0 (task 1)")
     rho_max = records[0].forgetting_curve[-1][0] if records and records[0].forgetting_curve else None
-    cols = ["family", "dim", "lambda(S)", "lambda_GN(S)", "eps(S)", "beta*eps^2", "lambda/(beta eps^2)"]
-    cols += ["med |qGN|/|qH|", "med |qR|/|qGN|"] + ([f"F(rho={rho_max:g})"] if rho_max is not None else [])
+    cols = ["family", "dim", "lam(S)", "lam_GN(S)", "eps(S)", "b*eps^2", "lam/(b eps^2)"]
+    cols += ["|qGN|/|qH|", "|qR|/|qGN|"] + ([f"F({rho_max:g})"] if rho_max is not None else [])
     for col in cols:
-        table.add_column(col, justify="left" if col == "family" else "right")
+        table.add_column(col, justify="left" if col == "family" else "right", no_wrap=True)
     for rec in records:
         row = [
             rec.family,
@@ -273,11 +273,23 @@ def print_curvature_table(records) -> None:
             f"{rec.lam_gn:.4g}",
             f"{rec.eps:.4g}",
             f"{rec.bound:.4g}",
-            f"{rec.bound_ratio:.3g}" + (" ok" if rec.bound_ratio <= 1 else " VIOLATED"),
+            f"{rec.bound_ratio:.3g}" + (" ok" if rec.bound_ratio <= 1 else " NO"),
             f"{rec.gn_share_median:.3g}",
             f"{rec.residual_ratio_median:.3g}",
         ]
         if rho_max is not None:
             row.append(f"{rec.forgetting_curve[-1][1]:.4g}")
         table.add_row(*row)
+    table.caption = (
+        "lam/(b eps^2) <= 1: the bound lambda(S) <= beta eps(S)^2 holds; |qGN|/|qH| and |qR|/|qGN|: medians over "
+        "random unit probes; F(rho) = L0(theta0 + rho v*) - L0(theta0) along the top-curvature direction v*"
+    )
     console.print(table)
+    if records and records[0].forgetting_curve:
+        curve = Table(title="forgetting curve F(rho) along each family's top-curvature direction")
+        curve.add_column("family", no_wrap=True)
+        for rho, _ in records[0].forgetting_curve:
+            curve.add_column(f"rho={rho:g}", justify="right", no_wrap=True)
+        for rec in records:
+            curve.add_row(rec.family, *(f"{f:.3g}" for _, f in rec.forgetting_curve))
+        console.print(curve)
