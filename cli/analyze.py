@@ -133,9 +133,9 @@ def print_alignment_table(records, per_layer: bool = False) -> None:
     n_tokens = max((r.n_samples for r in records), default=0)
     table = Table(title=f"weight vs. activation geometry ({n_tokens:,} token rows per layer)")
     for col in ("module" if per_layer else "module type", "layers", "d_in", "k"):
-        table.add_column(col, justify="left" if col.startswith("module") else "right")
-    for col in ("VE weight", "VE oracle", "VE random", "VE(W)/VE(rand)", "AL_k", "chance k/d_in", "AL/chance"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="left" if col.startswith("module") else "right", no_wrap=True)
+    for col in ("VE(W)", "VE oracle", "VE rand", "VE(W)/VE(rand)", "AL_k", "k/d_in", "AL/chance"):
+        table.add_column(col, justify="right", no_wrap=True)
     for (name, k), rs in groups.items():
         mean = lambda attr, rs=rs: sum(getattr(r, attr) for r in rs) / len(rs)  # noqa: E731
         table.add_row(
