@@ -370,3 +370,30 @@ def test_curvature_cli_rejects_unknown_family():
     res = CliRunner().invoke(cli, ["curvature", "--families", "plate,bogus"])
     assert res.exit_code == 2
     assert "bogus" in res.output
+
+
+def test_custom_forward_sees_replaced_parameters():
+    from plate_inspect.digits import DigitsMLP
+
+    torch.manual_seed(0)
+    model = DigitsMLP().double()
+    x = torch.randn(16, 64, dtype=torch.float64)
+    y = torch.randint(0, 5, (16,))
+    plain = OldTaskProblem(model, F.cross_entropy, [(x, y)])
+    task2 = OldTaskProblem(model, F.cross_entropy, [(x, y)], forward=lambda m, xb: m(xb, task=2))
+    fam = full_family(model, ["fc3.weight", "head2.weight"])
+    c = np.random.default_rng(0).standard_normal(fam.dim)
+    h_task2 = restricted_operator(task2, fam, "hessian").matvec(c)
+    # head2 is only on the task-2 path: the default forward (task 1) has zero curvature there, the custom one does not
+    n_fc3 = 256 * 256
+    assert np.abs(restricted_operator(plain, fam, "hessian").matvec(c)[n_fc3:]).max() == 0
+    assert np.abs(h_task2[n_fc3:]).max() > 0
+    # and it equals the dense-free product computed on a model whose forward is task 2
+    delta = fam.embed(torch.from_numpy(c))
+    f = lambda p: F.cross_entropy(functional_call(model, p, (x,), {"task": 2}), y)  # noqa: E731
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    _, hv = torch.func.jvp(
+        torch.func.grad(f), (params,), ({n: delta.get(n, torch.zeros_like(p)) for n, p in params.items()},)
+    )
+    want = torch.cat([hv["fc3.weight"].reshape(-1), hv["head2.weight"].reshape(-1)]).numpy()
+    np.testing.assert_allclose(h_task2, want, rtol=1e-9, atol=1e-12)
