@@ -351,7 +351,7 @@ def test_curvature_cli_json_records(tmp_path):
 
     res = CliRunner().invoke(
         cli,
-        ["curvature", "--json", "--epochs", "3", "--probes", "4", "--families", "plate,random_q", "--rho", "0,1"],
+        ["curvature", "--json", "--epochs", "2", "--probes", "3", "--families", "plate,random_q", "--rho", "0,1"],
     )
     assert res.exit_code == 0, res.output
     recs = json.loads(res.output)
