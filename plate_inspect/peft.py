@@ -18,7 +18,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from peft.config import PeftConfig
@@ -67,22 +67,22 @@ PLATE_TYPE = _ensure_peft_type()
 class PlateConfig(PeftConfig):
     """Configuration of a PLATE adapter: the bundle it is built from, rho, and optionally a subset of its modules."""
 
-    bundle: Optional[str] = field(default=None, metadata={"help": "Path of the PLATE init bundle (plate-inspect scan)."})
+    bundle: str | None = field(default=None, metadata={"help": "Path of the PLATE init bundle (from scan)."})
     rho: float = field(default=0.5, metadata={"help": "Scale of the update: W' = W + rho B A Q^T."})
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
         metadata={"help": "Subset of the bundle's modules to adapt (names or suffixes); default: all of them."},
     )
     check_fingerprints: bool = field(
         default=True, metadata={"help": "Refuse a model whose weights differ from the ones the bundle was made for."}
     )
-    modules_to_save: Optional[list[str]] = field(
+    modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Other modules to train and save fully (e.g. a new task head)."}
     )
-    bundle_signature: Optional[str] = field(
+    bundle_signature: str | None = field(
         default=None, metadata={"help": "Filled in when the adapter is created: the bundle's source signature."}
     )
-    bundle_digest: Optional[str] = field(
+    bundle_digest: str | None = field(
         default=None, metadata={"help": "Filled in when the adapter is created: digest of fingerprints and B/Q."}
     )
 
@@ -90,9 +90,9 @@ class PlateConfig(PeftConfig):
         super().__post_init__()
         self.peft_type = PLATE_TYPE
         if not self.bundle:
-            raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one with plate-inspect scan)")
+            raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
         self.bundle = str(Path(self.bundle).expanduser().resolve())
-        if not 0 < float(self.rho):
+        if not float(self.rho) > 0:
             raise BundleError(f"rho must be positive, got {self.rho!r}")
         if isinstance(self.target_modules, (list, tuple)):
             self.target_modules = set(self.target_modules)
@@ -155,7 +155,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         return full.t() if self.layout == "conv1d" else full
 
     @torch.no_grad()
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """W[B] += rho A Q^T for each active adapter; the replaced rows are kept so unmerge() is exact."""
         adapter_names = check_adapters_to_merge(self, adapter_names)
         w = self.get_base_layer().weight
@@ -223,17 +223,13 @@ class PlateModel(BaseTuner):
         inverse = {v: k for k, v in mapping.items()}
         if config.target_modules is None:
             config.target_modules = set(mapping.values())
-        chosen = [
-            m for m in mapping.values() if BaseTuner._check_target_module_exists(config, m)
-        ]
+        chosen = [m for m in mapping.values() if BaseTuner._check_target_module_exists(config, m)]
         if not chosen:
             raise BundleError(f"target_modules {config.target_modules} match none of the bundle's modules")
         if not config.check_fingerprints:
             warnings.warn("PlateConfig: fingerprint check skipped", stacklevel=3)
         for m in chosen:
-            check_module_against_record(
-                model.get_submodule(m), m, bundle.record(inverse[m]), config.check_fingerprints
-            )
+            check_module_against_record(model.get_submodule(m), m, bundle.record(inverse[m]), config.check_fingerprints)
         names = [inverse[m] for m in chosen]
         digest = _bundle_digest(bundle, names)
         sig = bundle.manifest.source_signature
