@@ -375,7 +375,7 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
-            tensors = {k.removesuffix(".plate_A"): f.get_tensor(k) for k in f}
+            tensors = {k.removesuffix(".plate_A"): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     except Exception as e:  # safetensors raises its own error types
         raise BundleError(f"{path}: not a readable safetensors adapter ({e})") from None
     if meta.get("format") != ADAPTER_FORMAT:

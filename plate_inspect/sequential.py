@@ -1,0 +1,183 @@
+"""Sequential PLATE (paper, Algorithm "Sequential PLATE"): merge a trained adapter, write, rescan.
+
+``merge_checkpoint(source, adapter, out)`` streams the source checkpoint shard by shard, adds rho B A Q^T to the
+bundle's modules (in float32, rounded once to the stored dtype, in the stored layout: ``[d_in, d_out]`` for
+GPT-2 Conv1D), and writes safetensors files with the same file names, tensor names and dtypes; ``config.json``
+and the other small JSON/tokenizer files are copied. ``sequential_step`` then rescans the merged checkpoint with
+:func:`plate_inspect.scan` (same settings as the previous bundle) so the next task starts from fresh B and Q.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from plate_inspect.bundle import Bundle
+from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.errors import BundleError, CheckpointError
+from plate_inspect.layer import plate_digest, read_adapter
+
+_COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")  # config, index, tokenizer files
+
+
+@dataclass
+class MergeResult:
+    """What merge_checkpoint wrote."""
+
+    out: Path
+    files: list[Path]
+    merged_modules: list[str]
+    bundle: Bundle | None = None  # the rescanned bundle, when asked for
+
+
+def _stored_name(ckpt: Checkpoint, module: str) -> str:
+    name = f"{module}.weight"
+    if name not in ckpt.tensors:
+        raise CheckpointError(f"{ckpt.root}: the adapter's module '{module}' has no tensor '{name}' in this checkpoint")
+    return name
+
+
+def merge_checkpoint(
+    source: str | os.PathLike,
+    adapter: str | os.PathLike,
+    out: str | os.PathLike,
+    bundle: Bundle | str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> MergeResult:
+    """Write ``source`` with the adapter merged (W[B] += rho A Q^T) to ``out``: same files, names, dtypes, layout.
+
+    The adapter's recorded weight fingerprints must match the source's weights and its B/Q digests the bundle's
+    (the bundle recorded in the adapter unless ``bundle`` is given); otherwise BundleError.
+    """
+    ckpt = Checkpoint.open(source)
+    tensors_a, meta = read_adapter(adapter)
+    b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or meta["bundle_path"])
+    rho = float(meta["rho"])
+    out = Path(out)
+    if out.resolve() == ckpt.root.resolve():
+        raise CheckpointError(f"{out}: refusing to overwrite the source checkpoint in place; choose another --out")
+    if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
+        raise CheckpointError(f"{out}: already holds safetensors files; pass overwrite=True (--overwrite)")
+    out.mkdir(parents=True, exist_ok=True)
+    plan: dict[str, tuple[str, torch.Tensor]] = {}  # stored tensor name -> (module, A)
+    for module, a in tensors_a.items():
+        if module not in b:
+            raise BundleError(f"{b.path}: the adapter's module '{module}' is not in this bundle")
+        if meta["plate_digests"].get(module) != plate_digest(b.b_idx(module), b.q(module)):
+            raise BundleError(
+                f"{adapter}: module '{module}' was trained with another bundle than {b.path} (B/Q differ)"
+            )
+        plan[_stored_name(ckpt, module)] = (module, a)
+    layouts = {n: b.record(n).layout for n in tensors_a}
+    by_file: dict[Path, list[str]] = {}
+    for name, info in ckpt.tensors.items():
+        by_file.setdefault(info.file, []).append(name)
+    written, merged = [], []
+    for file in ckpt.files:
+        names = sorted(by_file.get(file, []), key=lambda n: ckpt.tensors[n].start)
+        shard: dict[str, torch.Tensor] = {}
+        for name in names:
+            info = ckpt.tensors[name]
+            if name in plan:
+                module, a = plan[name]
+                w, fp = ckpt.read(name)
+                if meta["fingerprints"].get(module) != fp:
+                    raise BundleError(
+                        f"{adapter}: module '{module}' was trained on other weights than {ckpt.root} (fingerprint)"
+                    )
+                shard[name] = merged_weight(w, b.b_idx(module), a, b.q(module), rho, layouts[module])
+                merged.append(module)
+            else:
+                shard[name] = _tensor_from_bytes(ckpt.read_bytes(name), info.dtype, info.shape)
+        target = out / file.name
+        _, header_meta = _header_metadata(file)
+        save_file(shard, str(target), metadata=header_meta or None)
+        written.append(target)
+        del shard
+    single_file = Path(source).is_file()
+    for extra in ckpt.root.iterdir():
+        wanted = extra.name == "config.json" if single_file else extra.suffix in _COPY_SUFFIXES
+        if wanted and extra.is_file():
+            shutil.copy2(extra, out / extra.name)
+    return MergeResult(out, written, merged)
+
+
+def merged_weight(
+    stored: torch.Tensor, b_idx: torch.Tensor, a: torch.Tensor, q: torch.Tensor, rho: float, layout: str
+) -> torch.Tensor:
+    """The stored weight with rho A Q^T added to rows B (columns B for conv1d), in float32, cast back once."""
+    d = rho * (a.to(torch.float32) @ q.to(torch.float32).t())
+    w = stored.clone()
+    if layout == "conv1d":
+        w[:, b_idx] = (w[:, b_idx].to(torch.float32) + d.t()).to(w.dtype)
+    else:
+        w[b_idx] = (w[b_idx].to(torch.float32) + d).to(w.dtype)
+    return w.contiguous()
+
+
+def _tensor_from_bytes(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    from plate_inspect.checkpoint import FLOAT_DTYPES
+
+    ints = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+    ints["BOOL"] = torch.bool
+    dt = FLOAT_DTYPES.get(dtype) or ints.get(dtype)
+    if dt is None:
+        raise CheckpointError(f"cannot rewrite a tensor stored as {dtype}")
+    if not raw:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(raw, dtype=dt).reshape(shape).clone()
+
+
+def _header_metadata(file: Path) -> tuple[None, dict[str, str]]:
+    from plate_inspect.checkpoint import parse_safetensors_header
+
+    _, meta = parse_safetensors_header(file)
+    return None, {str(k): str(v) for k, v in meta.items()}
+
+
+def rescan(
+    merged: str | os.PathLike, previous: Bundle | str | os.PathLike, out: str | os.PathLike, **overrides: Any
+) -> Bundle:
+    """Scan the merged checkpoint with the scanner, using the previous bundle's settings (``overrides`` win)."""
+    from plate_inspect.scanner import scan
+
+    prev = previous if isinstance(previous, Bundle) else Bundle.load(previous)
+    s = prev.settings
+    settings: dict[str, Any] = {
+        "r": s.r,
+        "tau": s.tau,
+        "max_rank": s.max_rank,
+        "seed": s.seed,
+        "sketch_dim": s.sketch_dim,
+        "anchors": s.anchors,
+        "target_modules": list(s.target_modules) if s.target_modules else None,
+        "layers": list(s.layers) if s.layers is not None else None,
+        "precision": s.precision,
+        "q_dtype": s.q_dtype,
+        "tau_grid": s.tau_grid,
+    }
+    settings.update(overrides)
+    return scan(merged, out, **settings)
+
+
+def sequential_step(
+    source: str | os.PathLike,
+    adapter: str | os.PathLike,
+    out: str | os.PathLike,
+    bundle_out: str | os.PathLike | None = None,
+    bundle: Bundle | str | os.PathLike | None = None,
+    overwrite: bool = False,
+    **scan_overrides: Any,
+) -> MergeResult:
+    """Merge the adapter into ``source``, write it to ``out``, rescan it into ``bundle_out`` (default out/bundle)."""
+    result = merge_checkpoint(source, adapter, out, bundle=bundle, overwrite=overwrite)
+    _, meta = read_adapter(adapter)
+    prev = bundle if bundle is not None else meta["bundle_path"]
+    result.bundle = rescan(result.out, prev, bundle_out or Path(out) / "bundle", overwrite=overwrite, **scan_overrides)
+    return result
