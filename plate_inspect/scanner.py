@@ -11,6 +11,7 @@ import os
 import resource
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,19 +149,32 @@ def run_scan(
     groups: dict[str, list[TargetModule]] = {}
     for t in plan.targets:
         groups.setdefault(part_name(t), []).append(t)
+    todo = [
+        (part, t)
+        for part, members in groups.items()
+        if not all(m.name in manifest.modules for m in members)
+        for t in members
+    ]
+    # One reader thread keeps the next weight's bytes coming from disk while this one is computed: at most
+    # one extra stored weight in memory, and disk time overlaps compute.
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read")
     try:
-        for part, members in groups.items():
-            if all(t.name in manifest.modules for t in members):
-                continue
-            tensors: dict[str, torch.Tensor] = {}
-            records: list[ModuleRecord] = []
-            for target in members:
-                record, module_tensors = _scan_module(ckpt, target, settings, dev, part)
-                records.append(record)
-                tensors.update(module_tensors)
-                progress.module_done(target.name, target.tensor.nbytes)
-            writer.write_part(part, records, tensors)
+        upcoming = reader.submit(ckpt.read, todo[0][1].tensor.name) if todo else None
+        tensors: dict[str, torch.Tensor] = {}
+        records: list[ModuleRecord] = []
+        for i, (part, target) in enumerate(todo):
+            stored, fingerprint = upcoming.result()
+            upcoming = reader.submit(ckpt.read, todo[i + 1][1].tensor.name) if i + 1 < len(todo) else None
+            record, module_tensors = _scan_module(stored, fingerprint, target, settings, dev, part)
+            del stored
+            records.append(record)
+            tensors.update(module_tensors)
+            progress.module_done(target.name, target.tensor.nbytes)
+            if i + 1 == len(todo) or todo[i + 1][0] != part:
+                writer.write_part(part, records, tensors)
+                tensors, records = {}, []
     finally:
+        reader.shutdown(wait=True, cancel_futures=True)
         progress.finish()
     stats = {
         "wall_seconds": round(time.perf_counter() - started, 3),
@@ -176,9 +190,14 @@ def run_scan(
 
 
 def _scan_module(
-    ckpt: Checkpoint, target: TargetModule, settings: ScanSettings, device: torch.device, part: str
+    stored: torch.Tensor,
+    fingerprint: str,
+    target: TargetModule,
+    settings: ScanSettings,
+    device: torch.device,
+    part: str,
 ) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
-    stored, fingerprint = ckpt.read(target.tensor.name)
+    """Geometry and bundle record of one module from its stored weight (consumed: freed here)."""
     oriented = stored.T if target.layout == "conv1d" else stored
     weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
     del stored, oriented
