@@ -1,0 +1,51 @@
+"""``merge``: merge a trained PLATE adapter into its base checkpoint and write it (Sequential PLATE's step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from plate_inspect.cli.common import console, err_console
+
+
+@click.command("merge")
+@click.argument("checkpoint")
+@click.argument("adapter", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option(
+    "--out", "-o", type=click.Path(path_type=Path), required=True, help="Directory for the merged checkpoint."
+)
+@click.option("--bundle", type=click.Path(path_type=Path), default=None, help="Bundle [default: the adapter's].")
+@click.option(
+    "--rescan",
+    "rescan_out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also rescan the merged checkpoint into this bundle directory (same settings as the old bundle).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace existing files in --out / --rescan.")
+def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
+    """Write CHECKPOINT with ADAPTER merged in: W[B] += rho A Q^T.
+
+    CHECKPOINT is the safetensors checkpoint (directory or file) the adapter was trained on; ADAPTER is a
+    safetensors file written by plate_inspect.layer.save_adapter. The merged checkpoint keeps the file names,
+    tensor names, dtypes and layout (GPT-2 Conv1D stays [d_in, d_out]); config.json and tokenizer files are copied.
+    The adapter's recorded weight fingerprints and B/Q digests must match, otherwise nothing is written.
+
+    \b
+    Examples:
+      plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1
+      plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 --rescan bundles/task2
+    """
+    from plate_inspect.sequential import merge_checkpoint, rescan
+
+    result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite)
+    console.print(
+        f"merged {len(result.merged_modules)} modules into {len(result.files)} file(s) in [bold]{result.out}[/]"
+    )
+    if rescan_out is not None:
+        from plate_inspect.layer import read_adapter
+
+        _, meta = read_adapter(adapter)
+        new = rescan(result.out, bundle or meta["bundle_path"], rescan_out, overwrite=overwrite)
+        err_console.print(f"rescanned: {len(new)} modules -> {new.path}")
