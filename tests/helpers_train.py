@@ -1,0 +1,82 @@
+"""Helpers for the trainer-side tests: tiny digits checkpoints and bundles, skeleton models, dense oracles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from plate_inspect import digits, scan
+
+BACKBONE = ["fc1", "fc2", "fc3"]
+
+
+def digits_checkpoint(out: Path, seed: int = 0, epochs: int = 0) -> tuple[digits.DigitsMLP, Path]:
+    """A DigitsMLP (optionally trained on task 1) saved as one safetensors file."""
+    torch.manual_seed(seed)
+    model = digits.DigitsMLP()
+    if epochs:
+        task1, _ = digits.load_digit_tasks()
+        params = [p for n, p in model.named_parameters() if not n.startswith("head2")]
+        digits.train(model, params, task1, 1, epochs, seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))
+    return model, path
+
+
+def digits_bundle(ckpt: Path, out: Path, r: int = 16, tau: float = 0.8):
+    return scan(ckpt, out, r=r, tau=tau, max_rank=256, target_modules=BACKBONE, overwrite=True)
+
+
+def load_digits(path: Path) -> digits.DigitsMLP:
+    model = digits.DigitsMLP()
+    model.load_state_dict(load_file(str(path)))
+    return model
+
+
+def dense_plate_weight(w: torch.Tensor, b_idx: torch.Tensor, a: torch.Tensor, q: torch.Tensor, rho: float):
+    """W + rho * E_B A Q^T in float64, with E_B built as a dense d_out x r selector (the oracle)."""
+    d_out = w.shape[0]
+    e_b = torch.zeros(d_out, b_idx.numel(), dtype=torch.float64)
+    e_b[b_idx, torch.arange(b_idx.numel())] = 1.0
+    return w.double() + rho * e_b @ a.double() @ q.double().T
+
+
+def randomize_adapters(params, seed: int = 0, scale: float = 0.5) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def skeleton(path: Path, names: list[str], layout: str = "linear") -> nn.Module:
+    """A module tree holding only the named layers, with the checkpoint's weights (Linear or Conv1D)."""
+    from transformers.pytorch_utils import Conv1D
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    root = nn.Module()
+    for name in names:
+        w = tensors[f"{name}.weight"]
+        bias = tensors.get(f"{name}.bias")
+        if layout == "conv1d":
+            layer = Conv1D(w.shape[1], w.shape[0])
+        else:
+            layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
+        layer = layer.to(w.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            if bias is not None:
+                layer.bias.copy_(bias)
+        parent = root
+        parts = name.split(".")
+        for part in parts[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(parts[-1], layer)
+    return root

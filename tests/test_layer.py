@@ -1,0 +1,200 @@
+"""PlateLinear and apply_bundle against dense oracles: gradients, init, merge, dtypes, checkpointing, adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_train import (
+    BACKBONE,
+    dense_plate_weight,
+    digits_bundle,
+    digits_checkpoint,
+    load_digits,
+    randomize_adapters,
+)
+from torch import nn
+
+from plate_inspect.errors import BundleError
+from plate_inspect.geometry import random_orthonormal, random_rows
+from plate_inspect.layer import (
+    PlateLinear,
+    apply_bundle,
+    load_adapter,
+    merge_all,
+    plate_layers,
+    save_adapter,
+    unload,
+    unmerge_all,
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layer")
+    model, ckpt = digits_checkpoint(root / "ckpt", seed=0)
+    bundle = digits_bundle(ckpt, root / "bundle", r=16, tau=0.8)
+    return root, ckpt, bundle
+
+
+def _x(n=9, d=64, seed=1):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+
+
+def test_only_a_receives_gradients_and_init_is_exact(setup):
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    x = _x()
+    ref = model(x).detach().clone()
+    trainable = apply_bundle(model, bundle)
+    assert torch.equal(model(x), ref)  # A = 0: bit-identical output
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {f"{m}.plate_A" for m in BACKBONE}
+    assert [tuple(p.shape) for p in trainable] == [(bundle.record(m).r, bundle.record(m).k) for m in BACKBONE]
+    assert all(not p.any() for p in trainable)
+    model(x, task=1).square().sum().backward()
+    for n, p in model.named_parameters():
+        assert (p.grad is not None) == n.endswith("plate_A"), n
+    assert all(p.grad.abs().sum() > 0 for p in trainable)
+    # B is an index buffer, never a dense d_out x r matrix
+    layer = model.fc2
+    assert layer.plate_B_idx.dtype == torch.int64 and layer.plate_B_idx.ndim == 1
+    assert all(b.ndim == 1 or b.shape[0] == layer.d_in for b in layer.buffers() if b is not None)
+
+
+def test_forward_and_merge_match_dense_oracle(setup):
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    w0 = {m: getattr(model, m).weight.detach().clone() for m in BACKBONE}
+    trainable = apply_bundle(model, bundle, rho=0.5)
+    randomize_adapters(trainable, seed=3)
+    x = _x()
+    # oracle: the same MLP with dense W + rho E_B A Q^T, float64
+    h = x.double()
+    for m in BACKBONE:
+        layer = getattr(model, m)
+        w = dense_plate_weight(w0[m], layer.plate_B_idx, layer.plate_A.detach(), layer.plate_Q, 0.5)
+        h = torch.relu(h @ w.T + layer.bias.double())
+    oracle = h @ model.head1.weight.double().T + model.head1.bias.double()
+    out = model(x)
+    torch.testing.assert_close(out.double(), oracle, rtol=1e-5, atol=1e-5)
+    merge_all(model)
+    for m in BACKBONE:
+        layer = getattr(model, m)
+        expect = dense_plate_weight(w0[m], layer.plate_B_idx, layer.plate_A.detach(), layer.plate_Q, 0.5)
+        torch.testing.assert_close(layer.base.weight.double(), expect, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model(x), out, rtol=1e-5, atol=1e-6)
+    unmerge_all(model)
+    for m in BACKBONE:
+        assert torch.equal(getattr(model, m).base.weight, w0[m])  # exact restore
+    torch.testing.assert_close(model(x), out, rtol=0, atol=0)
+    plain = unload(model)
+    assert isinstance(plain.fc1, nn.Linear)
+    torch.testing.assert_close(plain(x), out, rtol=1e-5, atol=1e-6)
+
+
+def test_conv1d_orientation_against_oracle():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    d_in, d_out, r, k = 12, 20, 5, 4
+    conv = Conv1D(d_out, d_in)  # weight stored [d_in, d_out]
+    nn.init.normal_(conv.bias)
+    w_stored = conv.weight.detach().clone()
+    b_idx, q = random_rows(d_out, r, 1), random_orthonormal(d_in, k, 2)
+    layer = PlateLinear(conv, b_idx, q, rho=0.5)
+    assert (layer.d_out, layer.d_in, layer.layout) == (d_out, d_in, "conv1d")
+    randomize_adapters([layer.plate_A], seed=4)
+    x = torch.randn(3, 7, d_in)
+    w = dense_plate_weight(w_stored.T, b_idx, layer.plate_A.detach(), q, 0.5)  # oriented [d_out, d_in]
+    oracle = x.double() @ w.T + conv.bias.double()
+    torch.testing.assert_close(layer(x).double(), oracle, rtol=1e-5, atol=1e-5)
+    layer.merge()
+    torch.testing.assert_close(conv.weight.double(), w.T, rtol=0, atol=1e-6)  # columns B changed, layout kept
+    untouched = torch.ones(d_out, dtype=torch.bool)
+    untouched[b_idx] = False
+    assert torch.equal(conv.weight[:, untouched], w_stored[:, untouched])
+    layer.unmerge()
+    assert torch.equal(conv.weight, w_stored)
+
+
+def test_bf16_autocast_and_bf16_weights(setup):
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    trainable = apply_bundle(model, bundle)
+    randomize_adapters(trainable, seed=5, scale=0.1)
+    x = _x()
+    ref = model(x).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+    out.float().sum().backward()
+    assert trainable[0].grad is not None and trainable[0].grad.dtype == torch.float32
+    model.to(torch.bfloat16)  # bf16 weights, A and Q, no autocast
+    out16 = model(x.to(torch.bfloat16))
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16.float(), ref, rtol=0.05, atol=0.05)
+    merge_all(model)
+    torch.testing.assert_close(model(x.to(torch.bfloat16)).float(), ref, rtol=0.05, atol=0.05)
+    w_merged = model.fc2.base.weight.clone()
+    unmerge_all(model)
+    assert not torch.equal(w_merged, model.fc2.base.weight)
+    assert torch.equal(model.fc2.base.weight, load_digits(ckpt).fc2.weight.to(torch.bfloat16))
+
+
+def test_gradient_checkpointing_gives_same_gradients(setup):
+    from torch.utils.checkpoint import checkpoint
+
+    _, ckpt, bundle = setup
+    grads = []
+    for use_ckpt in (False, True):
+        model = load_digits(ckpt)
+        trainable = apply_bundle(model, bundle)
+        randomize_adapters(trainable, seed=6, scale=0.1)
+        x = _x()
+        h = checkpoint(model.features, x, use_reentrant=False) if use_ckpt else model.features(x)
+        model.head1(h).square().sum().backward()
+        grads.append([p.grad.clone() for p in trainable])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_fingerprint_mismatch_is_refused_and_skip_warns(setup, tmp_path):
+    _, ckpt, bundle = setup
+    other, _ = digits_checkpoint(tmp_path / "other", seed=1)
+    with pytest.raises(BundleError, match="module 'fc1'.*fingerprint"):
+        apply_bundle(other, bundle)
+    assert not plate_layers(other)  # nothing wrapped
+    with pytest.warns(UserWarning, match="fingerprint check skipped"):
+        apply_bundle(other, bundle, check_fingerprints=False)
+    assert set(plate_layers(other)) == set(BACKBONE)
+    # a model with other shapes is refused even without the fingerprint check
+    wide = nn.Module()
+    wide.fc1 = nn.Linear(64, 128)
+    with pytest.raises(BundleError, match="fc1.*\\[256, 64\\]"), pytest.warns(UserWarning):
+        apply_bundle(wide, bundle, modules=["fc1"], check_fingerprints=False)
+
+
+def test_adapter_save_load_round_trip_and_refusals(setup, tmp_path):
+    root, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    randomize_adapters(apply_bundle(model, bundle), seed=7)
+    x = _x()
+    out = model(x).detach()
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    fresh = load_digits(ckpt)
+    load_adapter(fresh, path)  # applies the recorded bundle, then loads A
+    assert torch.equal(fresh(x), out)
+    fresh2 = load_digits(ckpt)
+    apply_bundle(fresh2, bundle)
+    load_adapter(fresh2, path)
+    assert torch.equal(fresh2(x), out)
+    # another bundle for the same weights (different r): B/Q differ -> refused
+    other_bundle = digits_bundle(ckpt, tmp_path / "bundle_r8", r=8, tau=0.8)
+    m3 = load_digits(ckpt)
+    apply_bundle(m3, other_bundle)
+    with pytest.raises(BundleError, match="another bundle"):
+        load_adapter(m3, path)
+    # the same adapter onto other weights -> refused by the fingerprint check
+    _, other_ckpt = digits_checkpoint(tmp_path / "w2", seed=2)
+    with pytest.raises(BundleError, match="fingerprint"):
+        load_adapter(load_digits(other_ckpt), path)

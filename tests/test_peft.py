@@ -1,0 +1,176 @@
+"""The ``plate`` PEFT method: get_peft_model, trainable counts, save/load, merge_and_unload, Trainer, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_train import BACKBONE, dense_plate_weight, digits_bundle, digits_checkpoint, load_digits
+from torch import nn
+
+peft = pytest.importorskip("peft")  # the [train] extra
+transformers = pytest.importorskip("transformers")
+
+from peft import PeftModel, get_peft_model  # noqa: E402
+
+import plate_inspect.peft as plate_peft  # noqa: E402
+from plate_inspect import scan  # noqa: E402
+from plate_inspect.errors import BundleError  # noqa: E402
+from plate_inspect.peft import PlateConfig, PlateLayer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def digits_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peft_digits")
+    _, ckpt = digits_checkpoint(root / "ckpt", seed=0)
+    bundle = digits_bundle(ckpt, root / "bundle", r=16, tau=0.8)
+    return root, ckpt, bundle
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    """A randomly initialised tiny Qwen2ForCausalLM saved with save_pretrained (safetensors) and scanned."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny_qwen")
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(root / "model", safe_serialization=True)
+    bundle = scan(root / "model", root / "bundle", r=4, tau=0.8, max_rank=16, overwrite=True)
+    return root, bundle
+
+
+def test_registered_as_peft_method():
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+
+    assert PEFT_TYPE_TO_CONFIG_MAPPING["PLATE"] is PlateConfig
+    assert PEFT_TYPE_TO_TUNER_MAPPING["PLATE"] is plate_peft.PlateModel
+    with pytest.raises(BundleError, match="needs bundle"):
+        PlateConfig()
+
+
+def test_digits_get_peft_model_counts_save_load_merge(digits_setup, tmp_path, capsys):
+    _, ckpt, bundle = digits_setup
+    model = load_digits(ckpt)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    ref = model(x).detach()
+    pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), rho=0.5))
+    assert torch.equal(pm(x), ref)  # zero-initialised A
+    expected = sum(bundle.record(m).r * bundle.record(m).k for m in BACKBONE)
+    trainable = {n: p for n, p in pm.named_parameters() if p.requires_grad}
+    assert sum(p.numel() for p in trainable.values()) == expected
+    assert all("plate_A" in n for n in trainable)
+    pm.print_trainable_parameters()
+    assert f"trainable params: {expected:,}" in capsys.readouterr().out
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in trainable.values():
+            p.copy_(torch.randn(p.shape, generator=g))
+    out = pm(x).detach()
+    pm.save_pretrained(tmp_path / "adapter")
+    saved = sorted(p.name for p in (tmp_path / "adapter").iterdir())
+    assert "adapter_model.safetensors" in saved and "adapter_config.json" in saved
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
+    assert keys == {f"base_model.model.{m}.plate_A" for m in BACKBONE}  # only A is stored; B and Q come from the bundle
+    loaded = PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapter")
+    assert torch.equal(loaded(x), out)
+    layers = {n: m for n, m in loaded.named_modules() if isinstance(m, PlateLayer)}
+    a_s = {n.split(".")[-1]: m.plate_A["default"].detach() for n, m in layers.items()}
+    merged = loaded.merge_and_unload()
+    assert all(type(getattr(merged, m)) is nn.Linear for m in BACKBONE)
+    torch.testing.assert_close(merged(x), out, rtol=1e-5, atol=1e-5)
+    base = load_digits(ckpt)
+    for m in BACKBONE:
+        expect = dense_plate_weight(getattr(base, m).weight.detach(), bundle.b_idx(m), a_s[m], bundle.q(m), 0.5)
+        torch.testing.assert_close(getattr(merged, m).weight.double(), expect, rtol=0, atol=1e-5)
+
+
+def test_exact_unmerge_and_target_subset(digits_setup):
+    _, ckpt, bundle = digits_setup
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path), target_modules=["fc2"]))
+    wrapped = [n for n, m in pm.named_modules() if isinstance(m, PlateLayer)]
+    assert [n.split(".")[-1] for n in wrapped] == ["fc2"]
+    layer = pm.base_model.model.fc2
+    with torch.no_grad():
+        layer.plate_A["default"].normal_()
+    w0 = layer.base_layer.weight.detach().clone()
+    x = torch.randn(4, 64)
+    out = pm(x).detach()
+    pm.merge_adapter()
+    assert not torch.equal(layer.base_layer.weight, w0)
+    torch.testing.assert_close(pm(x), out, rtol=1e-5, atol=1e-5)
+    pm.unmerge_adapter()
+    assert torch.equal(layer.base_layer.weight, w0)
+    with pytest.raises(BundleError, match="match none"):
+        get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path), target_modules=["head1"]))
+
+
+def test_mismatched_bundle_or_weights_refused(digits_setup, tmp_path):
+    _, ckpt, bundle = digits_setup
+    other, _ = digits_checkpoint(tmp_path / "other", seed=3)
+    with pytest.raises(BundleError, match="fingerprint"):
+        get_peft_model(other, PlateConfig(bundle=str(bundle.path)))
+    # an adapter saved against one bundle is refused when the bundle on disk changed
+    bpath = tmp_path / "bundle"
+    b = digits_bundle(ckpt, bpath, r=16, tau=0.8)
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(b.path)))
+    pm.save_pretrained(tmp_path / "adapter")
+    digits_bundle(ckpt, bpath, r=8, tau=0.8)  # rescanned with other settings at the same path
+    with pytest.raises(BundleError, match="another bundle"):
+        PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapter")
+
+
+def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    root, bundle = tiny_qwen
+    model = AutoModelForCausalLM.from_pretrained(root / "model")
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), task_type="CAUSAL_LM"))
+    n_layers = sum(isinstance(m, PlateLayer) for m in pm.modules())
+    assert n_layers == len(bundle) == 14
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (ids := torch.randint(0, 64, (16,), generator=g)), "labels": ids} for _ in range(16)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        gradient_checkpointing=True,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=pm, args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    for n, p in pm.named_parameters():
+        if "plate_A" in n:
+            assert p.abs().sum() > 0, n  # A moved away from zero
+    for n, p in pm.get_base_model().named_parameters():
+        if "plate_A" not in n:
+            key = n.replace(".base_layer", "")
+            assert torch.equal(p, base_before[key]), n  # everything else frozen
+    pm.save_pretrained(tmp_path / "adapter")
+    x = data[0]["input_ids"][None]
+    pm.eval()
+    with torch.no_grad():
+        out = pm(input_ids=x).logits
+    fresh = AutoModelForCausalLM.from_pretrained(root / "model")
+    loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, out)
+        merged = loaded.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=x).logits, out, rtol=1e-4, atol=1e-4)
