@@ -294,7 +294,7 @@ def rich_table(rows: list[dict[str, Any]], title: str = "digits 0-4 -> 5-9"):
 
     table = Table(title=title)
     for col in ("method", "config", "trainable", "% backbone", "task-1 after", "forgetting", "task-2", "sym. KL"):
-        table.add_column(col, justify="left" if col in ("method", "config") else "right")
+        table.add_column(col, justify="left" if col in ("method", "config") else "right", no_wrap=True)
     for row in rows:
         table.add_row(
             row["method"],
