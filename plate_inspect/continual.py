@@ -290,13 +290,12 @@ def _pm(row: dict[str, Any], key: str, fmt: str) -> str:
 
 def rich_table(rows: list[dict[str, Any]], title: str = "digits 0-4 -> 5-9"):
     """The summary as a rich Table (mean ± std over seeds; accuracies and forgetting in %)."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title)
-    for col in ("method", "config", "trainable", "% backbone", "task-1 after", "forgetting", "task-2", "sym. KL"):
-        table.add_column(col, justify="left" if col in ("method", "config") else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
+    cells = [
+        [
             row["method"],
             row["config"],
             f"{row['trainable_params']:,}",
@@ -305,7 +304,15 @@ def rich_table(rows: list[dict[str, Any]], title: str = "digits 0-4 -> 5-9"):
             _pm(row, "forgetting", ".2f"),
             _pm(row, "task2_acc", ".2f"),
             _pm(row, "kl_task1", ".4f"),
-        )
+        ]
+        for row in rows
+    ]
+    headers = ("method", "config", "trainable", "%", "task-1 after", "forgetting", "task-2", "sym. KL")
+    for i, col in enumerate(headers):
+        width = max([len(col)] + [len(c[i]) for c in cells])
+        table.add_column(col, justify="left" if i < 2 else "right", no_wrap=True, min_width=width)
+    for c in cells:
+        table.add_row(*c)
     return table
 
 
@@ -444,5 +451,6 @@ def run_continual(
     (out / "summary.md").write_text(markdown_table(rows) + "\n")
     html = write_figure(rows, out / "continual.html")
     if console is not None:
-        console.print(rich_table(rows, title=f"digits 0-4 -> 5-9, {len(seed_list)} seed(s), mean ± std"))
+        table = rich_table(rows, title=f"digits 0-4 -> 5-9, {len(seed_list)} seed(s), mean ± std")
+        console.print(table)
     return ContinualResult(records, results_json, html, s, rows)
