@@ -198,3 +198,37 @@ def test_adapter_save_load_round_trip_and_refusals(setup, tmp_path):
     _, other_ckpt = digits_checkpoint(tmp_path / "w2", seed=2)
     with pytest.raises(BundleError, match="fingerprint"):
         load_adapter(load_digits(other_ckpt), path)
+
+
+def test_bundle_names_map_onto_a_model_that_wraps_the_checkpoint(gpt2_ckpt):
+    """GPT-2 checkpoints store h.0.attn.c_attn; GPT2LMHeadModel calls it transformer.h.0.attn.c_attn."""
+    from helpers_train import skeleton
+
+    from plate_inspect import scan
+
+    bundle = scan(gpt2_ckpt.path, gpt2_ckpt.path.parent / "bundle", r=8, tau=0.8, max_rank=32, overwrite=True)
+    outer = nn.Module()
+    outer.transformer = skeleton(gpt2_ckpt.path, bundle.modules, layout="conv1d")
+    params = apply_bundle(outer, bundle)  # fingerprints of the [d_in, d_out] Conv1D weights match the manifest
+    assert set(plate_layers(outer)) == {f"transformer.{m}" for m in bundle.modules}
+    assert all(layer.layout == "conv1d" for layer in plate_layers(outer).values())
+    assert sum(p.numel() for p in params) == sum(rec.r * rec.k for rec in bundle)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with -m cuda on a GPU machine)")
+def test_cuda_forward_merge_match_cpu(setup):
+    _, ckpt, bundle = setup
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        model = load_digits(ckpt).to(dev)
+        randomize_adapters(apply_bundle(model, bundle), seed=8, scale=0.1)
+        x = _x().to(dev)
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            auto = model(x).float()
+        out = model(x)
+        merge_all(model)
+        torch.testing.assert_close(model(x), out, rtol=1e-4, atol=1e-4)
+        outs[dev] = (out.cpu(), auto.cpu())
+    torch.testing.assert_close(outs["cuda"][0], outs["cpu"][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs["cuda"][1], outs["cpu"][1], rtol=0.05, atol=0.05)
