@@ -156,6 +156,7 @@ def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
     trainer = Trainer(model=pm, args=args, train_dataset=data)
     trainer.train()
     assert trainer.state.global_step == 4
+    assert pm.get_base_model().model.gradient_checkpointing  # the decoder really ran with checkpointing
     for n, p in pm.named_parameters():
         if "plate_A" in n:
             assert p.abs().sum() > 0, n  # A moved away from zero
