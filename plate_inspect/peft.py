@@ -55,6 +55,7 @@ def _ensure_peft_type() -> PeftType:
     else:
         type.__setattr__(PeftType, "PLATE", member)
         PeftType._member_map_["PLATE"] = member
+    if "PLATE" not in PeftType._member_names_:  # iteration (list(PeftType)) walks _member_names_
         PeftType._member_names_.append("PLATE")
     PeftType._value2member_map_["PLATE"] = member
     return member
