@@ -6,12 +6,14 @@ Main entry points::
     bundle = plate_inspect.scan("Qwen/Qwen2.5-7B", out="bundles/qwen7b", tau=0.9)
     bundle = plate_inspect.Bundle.load("bundles/qwen7b")
     b_idx, q = bundle.b_idx(name), bundle.q(name)
+    trainable = plate_inspect.apply_bundle(model, bundle, rho=0.5)   # PLATE layers, weights checked
 """
 
 __version__ = "0.1.0"
 
 from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings  # noqa: E402
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError, PlateInspectError  # noqa: E402
+from plate_inspect.layer import apply_bundle  # noqa: E402
 from plate_inspect.scanner import scan  # noqa: E402
 from plate_inspect.verify import verify  # noqa: E402
 
@@ -24,6 +26,7 @@ __all__ = [
     "PlateInspectError",
     "ScanSettings",
     "__version__",
+    "apply_bundle",
     "scan",
     "verify",
 ]
