@@ -7,6 +7,7 @@ are written together as one part file; a killed scan resumes from the last finis
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -201,7 +202,8 @@ def _scan_module(
     oriented = stored.T if target.layout == "conv1d" else stored
     weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
     del stored, oriented
-    if not bool(torch.isfinite(weight).all()):
+    # a sum is non-finite if any element is (or on overflow, where the exact check below clears it)
+    if not math.isfinite(float(weight.sum())) and not bool(torch.isfinite(weight).all()):
         raise CheckpointError(
             f"{target.tensor.file.name}: tensor '{target.tensor.name}' contains NaN or Inf values; "
             "the checkpoint is corrupt or was saved after a diverged run"
