@@ -97,7 +97,7 @@ def print_summary(bundle: Bundle) -> None:
     )
     console.print(f"targets: {m.selection_note}")
     table = Table(title="per module type")
-    for col in ("module type", "count", "[d_out, d_in]", "mean k", "Q energy", "PLATE r*k", "LoRA r*(din+dout)"):
+    for col in ("module type", "count", "d_out x d_in", "mean k", "Q energy", "PLATE r*k", "LoRA r*(din+dout)"):
         table.add_column(col, justify="right" if col != "module type" else "left")
     rows = summary_rows(list(bundle))
     for row in rows:
@@ -218,7 +218,7 @@ def info_command(bundle, show_modules):
     print_summary(b)
     if show_modules:
         table = Table(title="modules")
-        for col in ("module", "[d_out, d_in]", "r", "k", "Q energy", "mean score"):
+        for col in ("module", "d_out x d_in", "r", "k", "Q energy", "mean score"):
             table.add_column(col)
         for rec in b:
             table.add_row(
