@@ -8,7 +8,7 @@ console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 for _c in (console, err_console):  # piped or captured output: tables and progress need room, not 80 columns
     if not _c.is_terminal:
-        _c.width = max(_c.width, 120)
+        _c.width = max(_c.width, 160)
 
 
 def human_bytes(n: float) -> str:
