@@ -299,30 +299,8 @@ def token_windows(ids: list[int], window: int, max_tokens: int | None) -> Iterat
         yield ids[i : i + window]
 
 
-def hide_broken_torchvision() -> bool:
-    """If torchvision is installed but cannot import (built for another torch), hide it from transformers.
-
-    transformers imports torchvision whenever it is installed; a torchvision built for a different torch raises
-    at import and takes every model class down with it. Text models do not need it. Returns True if hidden.
-    """
-    import importlib.util
-    import sys
-
-    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
-        return False
-    try:
-        import torchvision  # noqa: F401
-    except Exception:
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.modules["torchvision"] = None  # type: ignore[assignment]  # find_spec -> None, import -> ImportError
-        return True
-    return False
-
-
 def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, Any]:
     """(model, tokenizer) from a local Hugging Face directory, never contacting the hub."""
-    hide_broken_torchvision()
     try:
         import transformers
     except ImportError:
