@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     args = ap.parse_args()
 
-    from plate_inspect.synthetic import write_llama_like
+    from plate_inspect.testing.synthetic import write_llama_like
 
     ckpt_dir = args.workdir / args.shape
     if not (ckpt_dir / "model.safetensors.index.json").exists():

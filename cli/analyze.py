@@ -82,7 +82,7 @@ def align_command(
       plate-inspect align ./my-bert --text corpus.txt --k 8,32 --max-tokens 50000
       plate-inspect align ./my-bert --text corpus.txt --json > alignment.json
     """
-    from plate_inspect.alignment import SKLEARN_TEXT_SOURCE, hf_text_alignment, read_text, sklearn_descr_text
+    from plate_inspect.analysis.alignment import SKLEARN_TEXT_SOURCE, hf_text_alignment, read_text, sklearn_descr_text
 
     k_values = _int_list(ks, "--k")
     if max_tokens is not None and max_tokens < 1:
@@ -190,7 +190,7 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     """
     import torch.nn.functional as F
 
-    from plate_inspect.curvature import (
+    from plate_inspect.analysis.curvature import (
         PLATE_VARIANTS,
         analyze_families,
         batches,

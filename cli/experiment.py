@@ -42,7 +42,7 @@ def continual_command(out, seeds, quick, epochs1, epochs2, no_progress):
       plate-inspect experiment continual --out /tmp/cq --quick
       plate-inspect experiment continual --out runs/paper-epochs --epochs1 10 --epochs2 10
     """
-    from plate_inspect.continual import ContinualSettings, run_continual
+    from plate_inspect.experiments.continual import ContinualSettings, run_continual
 
     settings = ContinualSettings.quick() if quick else ContinualSettings()
     if epochs1:

@@ -14,12 +14,19 @@ from plate_inspect.cli.common import console, err_console, human_bytes
 @click.command("report")
 @click.argument("bundles", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
-    "--out", "-o", type=click.Path(path_type=Path), default=Path("report.html"), show_default=True,
+    "--out",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=Path("report.html"),
+    show_default=True,
     help="HTML file to write.",
 )
 @click.option("--labels", default=None, help="Comma-separated display names, one per bundle [default: dir names].")
 @click.option(
-    "--max-points", type=int, default=300, show_default=True,
+    "--max-points",
+    type=int,
+    default=300,
+    show_default=True,
     help="Spectra longer than this are drawn downsampled (the plot says so).",
 )
 @click.option("--bins", type=int, default=40, show_default=True, help="Bins of the redundancy score histograms.")

@@ -28,7 +28,7 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
     """Write CHECKPOINT with ADAPTER merged in: W[B] += rho A Q^T.
 
     CHECKPOINT is the safetensors checkpoint (directory or file) the adapter was trained on; ADAPTER is a
-    safetensors file written by plate_inspect.layer.save_adapter. The merged checkpoint keeps the file names,
+    safetensors file written by plate_inspect.train.layer.save_adapter. The merged checkpoint keeps the file names,
     tensor names, dtypes and layout (GPT-2 Conv1D stays [d_in, d_out]); config.json and tokenizer files are copied.
     The adapter's recorded weight fingerprints and B/Q digests must match, otherwise nothing is written.
 
@@ -37,14 +37,14 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 --rescan bundles/task2
     """
-    from plate_inspect.sequential import merge_checkpoint, rescan
+    from plate_inspect.train.sequential import merge_checkpoint, rescan
 
     result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite)
     console.print(
         f"merged {len(result.merged_modules)} modules into {len(result.files)} file(s) in [bold]{result.out}[/]"
     )
     if rescan_out is not None:
-        from plate_inspect.layer import read_adapter
+        from plate_inspect.train.layer import read_adapter
 
         _, meta = read_adapter(adapter)
         new = rescan(result.out, bundle or meta["bundle_path"], rescan_out, overwrite=overwrite)

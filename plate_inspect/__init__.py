@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings  # noqa: E402
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError, PlateInspectError  # noqa: E402
-from plate_inspect.layer import apply_bundle  # noqa: E402
 from plate_inspect.scanner import scan  # noqa: E402
+from plate_inspect.train.layer import apply_bundle  # noqa: E402
 from plate_inspect.verify import verify  # noqa: E402
 
 __all__ = [

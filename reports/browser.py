@@ -65,8 +65,14 @@ class CDPPipe:
             os.dup2(hi_cmd_r, 3)
             os.dup2(hi_res_w, 4)
 
-        args = [chromium, *CHROMIUM_FLAGS, *(extra_flags or []), f"--user-data-dir={user_data_dir}",
-                "--remote-debugging-pipe", "about:blank"]
+        args = [
+            chromium,
+            *CHROMIUM_FLAGS,
+            *(extra_flags or []),
+            f"--user-data-dir={user_data_dir}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
@@ -110,8 +116,9 @@ class CDPPipe:
         for line in self.proc.stderr:
             self.stderr_lines.append(line.decode(errors="replace").rstrip())
 
-    def send(self, method: str, params: dict[str, Any] | None = None, session: str | None = None,
-             timeout: float = 60.0) -> dict[str, Any]:
+    def send(
+        self, method: str, params: dict[str, Any] | None = None, session: str | None = None, timeout: float = 60.0
+    ) -> dict[str, Any]:
         """Send one command and wait for its result (raises BrowserError on a protocol error or timeout)."""
         with self._lock:
             self._next_id += 1
@@ -227,10 +234,13 @@ def _check(cdp: CDPPipe, url: str, screenshot, width, full_page, max_height, tim
     if script is not None and ready:
         details["script"] = evaluate(script, await_promise=True)
         time.sleep(0.3)
-    plots = evaluate(
-        "Object.fromEntries(Array.from(document.querySelectorAll('div.plot')).map("
-        "d => [d.id, d.querySelectorAll('svg.main-svg').length]))"
-    ) or {}
+    plots = (
+        evaluate(
+            "Object.fromEntries(Array.from(document.querySelectorAll('div.plot')).map("
+            "d => [d.id, d.querySelectorAll('svg.main-svg').length]))"
+        )
+        or {}
+    )
     title = evaluate("document.title") or ""
     report_error = evaluate("window.__reportError || null")
     shot = None

@@ -480,9 +480,7 @@ def report_data(
         md = read_module(bundles, name)
         spectra[name] = [spectrum_view(b, name, max_points, s) for b, s in zip(bundles, md.spectra, strict=True)]
         edges = score_edges(md.scores, bins)
-        histograms[name] = [
-            score_histogram(name, s, bi, edges) for s, bi in zip(md.scores, md.b_idx, strict=True)
-        ]
+        histograms[name] = [score_histogram(name, s, bi, edges) for s, bi in zip(md.scores, md.b_idx, strict=True)]
         row = table_row(bundles[0].record(name))
         if len(bundles) > 1:
             row["per_bundle"] = [
@@ -513,7 +511,6 @@ def report_data(
         table=table,
         max_points=max_points,
     )
-
 
 
 def overlap_heatmap(base: Heatmap, overlaps: dict[str, float], title: str) -> Heatmap:

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from plate_inspect import __version__
-from plate_inspect.cli.common import human_bytes
+from plate_inspect.formatting import human_bytes
 from plate_inspect.reports import figures as F
 from plate_inspect.reports.data import HEATMAP_METRICS, ReportData, heatmap_difference, overlap_heatmap
 from plate_inspect.reports.template import PAGE
@@ -170,8 +170,10 @@ def header_html(rd: ReportData) -> str:
     add("targets", [e(s.selection or "–") for s in S])
     add(
         "tool version",
-        [e(f"bundle: plate-inspect {s.bundle_tool_version or '?'}; report: plate-inspect {s.report_tool_version}")
-         for s in S],
+        [
+            e(f"bundle: plate-inspect {s.bundle_tool_version or '?'}; report: plate-inspect {s.report_tool_version}")
+            for s in S
+        ],
     )
     add(
         "modules",

@@ -225,14 +225,17 @@ SCRIPT = r"""
 })();
 """
 
-PAGE = """<!DOCTYPE html>
+PAGE = (
+    """<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="generator" content="plate-inspect">
 <title>%%TITLE%%</title>
-<style>""" + CSS + """</style>
+<style>"""
+    + CSS
+    + """</style>
 <script>%%PLOTLY_JS%%</script>
 </head>
 <body>
@@ -275,7 +278,10 @@ placeholder="filter: words match name/type; or k<200, energy>1e-3, layer=3" aria
 </section>
 </main>
 <script type="application/json" id="report-data">%%DATA%%</script>
-<script>""" + SCRIPT + """</script>
+<script>"""
+    + SCRIPT
+    + """</script>
 </body>
 </html>
 """
+)

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 .venv/bin/ruff check plate_inspect cli reports tests benchmarks
+.venv/bin/ruff format --check plate_inspect cli reports tests benchmarks
 .venv/bin/python -m pytest -q "$@"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from plate_inspect.synthetic import write_bert, write_gpt2, write_llama_like
+from plate_inspect.testing.synthetic import write_bert, write_gpt2, write_llama_like
 
 
 @pytest.fixture(scope="session")

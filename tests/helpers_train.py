@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from plate_inspect import digits, scan
+from plate_inspect import scan
+from plate_inspect.experiments import digits
 
 BACKBONE = ["fc1", "fc2", "fc3"]
 

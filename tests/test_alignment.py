@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from plate_inspect.alignment import (
+from plate_inspect.analysis.alignment import (
     alignment_from_moments,
     collect_input_moments,
     hf_text_alignment,

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from plate_inspect.bundle import MANIFEST
 from plate_inspect.cli.main import cli
-from plate_inspect.synthetic import write_llama_like
+from plate_inspect.testing.synthetic import write_llama_like
 
 
 def run_cli(*args: str):

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from plate_inspect.bundle import Bundle
 from plate_inspect.cli.main import cli
-from plate_inspect.continual import METHODS, RECORD_KEYS, symmetric_kl, validate_records
 from plate_inspect.errors import ConfigError
+from plate_inspect.experiments.continual import METHODS, RECORD_KEYS, symmetric_kl, validate_records
 
 
 @pytest.fixture(scope="module")

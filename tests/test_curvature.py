@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from torch import nn
 from torch.func import functional_call
 
-from plate_inspect.curvature import (
+from plate_inspect.analysis.curvature import (
     OldTaskProblem,
     UpdateFamily,
     analyze_family,
@@ -298,7 +298,7 @@ def test_plate_variants_from_a_scanned_bundle(tmp_path):
     from safetensors.torch import save_file
 
     import plate_inspect
-    from plate_inspect.digits import DigitsMLP
+    from plate_inspect.experiments.digits import DigitsMLP
 
     torch.manual_seed(0)
     model = DigitsMLP()
@@ -373,7 +373,7 @@ def test_curvature_cli_rejects_unknown_family():
 
 
 def test_custom_forward_sees_replaced_parameters():
-    from plate_inspect.digits import DigitsMLP
+    from plate_inspect.experiments.digits import DigitsMLP
 
     torch.manual_seed(0)
     model = DigitsMLP().double()

@@ -20,7 +20,7 @@ from plate_inspect.geometry import (
     random_rows,
     redundancy_scores,
 )
-from plate_inspect.synthetic import structured_weight
+from plate_inspect.testing.synthetic import structured_weight
 
 
 def test_k_for_tau_hand_computed():

@@ -16,7 +16,7 @@ from torch import nn
 
 from plate_inspect.errors import BundleError
 from plate_inspect.geometry import random_orthonormal, random_rows
-from plate_inspect.layer import (
+from plate_inspect.train.layer import (
     PlateLinear,
     apply_bundle,
     load_adapter,

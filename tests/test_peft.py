@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from peft import PeftModel, get_peft_model  # noqa: E402
 
-import plate_inspect.peft as plate_peft  # noqa: E402
+import plate_inspect.train.peft as plate_peft  # noqa: E402
 from plate_inspect import scan  # noqa: E402
 from plate_inspect.errors import BundleError  # noqa: E402
-from plate_inspect.peft import PlateConfig, PlateLayer  # noqa: E402
+from plate_inspect.train.peft import PlateConfig, PlateLayer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

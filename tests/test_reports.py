@@ -32,8 +32,12 @@ QWEN7B_TYPES = {  # module type -> [d_out, d_in] of Qwen2.5-7B
     "mlp.up_proj": (18944, 3584),
     "mlp.down_proj": (3584, 18944),
 }
-SMALL_TYPES = {"self_attn.q_proj": (48, 40), "self_attn.v_proj": (16, 40), "mlp.up_proj": (96, 40),
-               "mlp.down_proj": (40, 96)}
+SMALL_TYPES = {
+    "self_attn.q_proj": (48, 40),
+    "self_attn.v_proj": (16, 40),
+    "mlp.up_proj": (96, 40),
+    "mlp.down_proj": (40, 96),
+}
 
 
 def write_fake_bundle(
@@ -114,6 +118,7 @@ def write_fake_bundle(
         writer.finalize({"wall_seconds": wall_seconds, "device": "cpu"} if wall_seconds is not None else None)
     return path
 
+
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def small_bundle(tmp_path_factory) -> Bundle:
@@ -179,8 +184,17 @@ def test_q_memory_in_bf16_is_half(tmp_path):
 def test_header_html_shows_numbers(small_bundle):
     html = render_report([small_bundle])
     s = D.bundle_summary(small_bundle)
-    for text in (f"{s.plate_params:,}", f"{s.lora_params:,}", f"{s.q_bytes:,} bytes", "12.5 s", "tau=0.9",
-                 "max_rank=32", "seed=0", plate_inspect.__version__, "/models/fake-0"):
+    for text in (
+        f"{s.plate_params:,}",
+        f"{s.lora_params:,}",
+        f"{s.q_bytes:,} bytes",
+        "12.5 s",
+        "tau=0.9",
+        "max_rank=32",
+        "seed=0",
+        plate_inspect.__version__,
+        "/models/fake-0",
+    ):
         assert text in html, text
 
 
@@ -204,8 +218,11 @@ def test_heatmap_cells_match_records(small_bundle, metric):
     fig = F.heatmap_figure(hm)
     z = fig["data"][0]["z"]
     if metric == "captured_energy":  # drawn on a log10 colour scale
-        assert all(z[i][j] is None or math.isclose(z[i][j], math.log10(max(hm.z[i][j], F.ENERGY_FLOOR)))
-                   for i in range(len(z)) for j in range(len(z[0])))
+        assert all(
+            z[i][j] is None or math.isclose(z[i][j], math.log10(max(hm.z[i][j], F.ENERGY_FLOOR)))
+            for i in range(len(z))
+            for j in range(len(z[0]))
+        )
     else:
         assert z == hm.z
 

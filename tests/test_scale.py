@@ -12,7 +12,7 @@ import torch
 from conftest import dense_oracle, load_all
 
 import plate_inspect
-from plate_inspect.synthetic import write_llama_like
+from plate_inspect.testing.synthetic import write_llama_like
 
 pytestmark = pytest.mark.slow
 

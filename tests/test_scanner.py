@@ -182,7 +182,7 @@ def test_resume_after_kill_gives_identical_bundle(tmp_path, qwen_ckpt, how):
 def test_verify_detects_other_weights(tmp_path, qwen_ckpt):
     bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R)
     assert verify(bundle, qwen_ckpt.path).ok
-    other = plate_inspect.synthetic.write_llama_like(tmp_path / "other", layers=2, seed=1)
+    other = plate_inspect.testing.synthetic.write_llama_like(tmp_path / "other", layers=2, seed=1)
     report = verify(bundle, other.path)
     assert not report.ok and len(report.problems) == 14
     assert "fingerprint" in report.problems[0]

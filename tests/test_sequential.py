@@ -19,12 +19,13 @@ from helpers_train import (
 )
 from safetensors import safe_open
 
-from plate_inspect import digits, scan
+from plate_inspect import scan
 from plate_inspect.bundle import Bundle
 from plate_inspect.cli.main import cli
 from plate_inspect.errors import BundleError, CheckpointError
-from plate_inspect.layer import apply_bundle, save_adapter
-from plate_inspect.sequential import merge_checkpoint, sequential_step
+from plate_inspect.experiments import digits
+from plate_inspect.train.layer import apply_bundle, save_adapter
+from plate_inspect.train.sequential import merge_checkpoint, sequential_step
 
 
 def _train_adapter(model, bundle, task, task_id, seed):

@@ -9,8 +9,8 @@ from helpers_train import BACKBONE, digits_bundle, digits_checkpoint, load_digit
 
 from plate_inspect.bundle import Bundle
 from plate_inspect.errors import BundleError, ConfigError
-from plate_inspect.layer import apply_bundle
-from plate_inspect.variants import VARIANTS, make_variant, make_variants
+from plate_inspect.train.layer import apply_bundle
+from plate_inspect.train.variants import VARIANTS, make_variant, make_variants
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from plate_inspect.bundle import Bundle
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import BundleError, CheckpointError
-from plate_inspect.layer import plate_digest, read_adapter
+from plate_inspect.train.layer import plate_digest, read_adapter
 
 _COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")  # config, index, tokenizer files
 

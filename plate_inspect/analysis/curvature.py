@@ -580,7 +580,7 @@ def digits_stage1(
 
     from safetensors.torch import save_file
 
-    from plate_inspect import digits
+    from plate_inspect.experiments import digits
     from plate_inspect.scanner import scan
 
     out_dir = Path(out_dir)

@@ -2,9 +2,10 @@
 
 Per seed: stage 1 trains the backbone (fc1, fc2, fc3) and head 1 on digits 0-4, saves the checkpoint as
 safetensors and scans it with :func:`plate_inspect.scan` (one bundle per (r, tau)); the matched-capacity
-ablations are bundles written by :mod:`plate_inspect.variants`. Stage 2, per method and config, restores the
+ablations are bundles written by :mod:`plate_inspect.train.variants`. Stage 2, per method and config, restores the
 checkpoint, freezes head 1 and trains the method's parameters plus head 2 on digits 5-9: Full FT (whole backbone),
-LoRA via peft (alpha/r = 0.5, on fc1/fc2/fc3), PLATE and its ablations via :func:`plate_inspect.layer.apply_bundle`.
+LoRA via peft (alpha/r = 0.5, on fc1/fc2/fc3), PLATE and its ablations via
+:func:`plate_inspect.train.layer.apply_bundle`.
 
 Measured per run: task-1 test accuracy before/after stage 2, task-2 test accuracy, trainable backbone parameters
 (head 2's 1,285 parameters train in every method and are not counted) and their % of the backbone's 148,224, and
@@ -26,8 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from plate_inspect import digits
 from plate_inspect.errors import ConfigError
+from plate_inspect.experiments import digits
 
 BACKBONE = ("fc1", "fc2", "fc3")
 METHODS = (
@@ -169,7 +170,7 @@ def prepare_method(
         for p in model.head2.parameters():
             p.requires_grad_(True)
         return peft_model, adapter + list(model.head2.parameters()), sum(p.numel() for p in adapter)
-    from plate_inspect.layer import apply_bundle
+    from plate_inspect.train.layer import apply_bundle
 
     adapter = apply_bundle(model, bundle_path, rho=s.rho)
     for p in model.head2.parameters():
@@ -196,7 +197,7 @@ def _bundle_dir(seed_dir: Path, r: int, tau: float) -> Path:
 def run_seed(out_dir: Path, seed: int, s: ContinualSettings, tasks: tuple[digits.Task, digits.Task], advance=None):
     """Stage 1, scans and ablation bundles, then every stage-2 run, for one seed."""
     from plate_inspect.scanner import scan
-    from plate_inspect.variants import make_variant
+    from plate_inspect.train.variants import make_variant
 
     task1, task2 = tasks
     seed_dir = out_dir / f"seed{seed}"

@@ -1,0 +1,1 @@
+"""Experiments: the continual-learning benchmark and its data sets."""

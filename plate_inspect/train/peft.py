@@ -1,0 +1,291 @@
+"""PLATE as a PEFT method: ``get_peft_model(model, PlateConfig(bundle="bundles/mine"))``.
+
+Importing this module registers the method ``plate`` with peft's ``register_peft_method``. peft 0.21 only accepts
+names that are members of its ``PeftType`` enum, so a ``PLATE`` member is added to that enum first (the one
+intrusion into peft; it changes nothing else). After that ``get_peft_model``, ``print_trainable_parameters``,
+``save_pretrained`` / ``PeftModel.from_pretrained`` (import ``plate_inspect.train.peft`` before loading),
+``merge_and_unload`` and the transformers ``Trainer`` work as for LoRA.
+
+The adapter layer keeps B and Q as non-persistent buffers read from the bundle, so a saved adapter holds only the
+A's (``adapter_model.safetensors``) and ``adapter_config.json`` records the bundle path, its source signature and
+a digest of every module's weight fingerprint and B/Q: loading refuses a bundle or base model that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft.config import PeftConfig
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge
+from peft.utils import PeftType, register_peft_method
+from torch import nn
+
+from plate_inspect.bundle import Bundle
+from plate_inspect.errors import BundleError
+from plate_inspect.train.layer import (
+    check_module_against_record,
+    delta_rows,
+    layout_of,
+    oriented_shape,
+    plate_delta,
+    plate_digest,
+    resolve_module_names,
+    scatter_add_rows,
+)
+
+PEFT_NAME = "plate"
+
+
+def _ensure_peft_type() -> PeftType:
+    """Add ``PLATE`` to peft's PeftType enum (peft 0.21's registration only accepts enum members)."""
+    if "PLATE" in PeftType.__members__:
+        return PeftType.PLATE
+    member = str.__new__(PeftType, "PLATE")
+    member._name_ = "PLATE"
+    member._value_ = "PLATE"
+    if hasattr(PeftType, "_add_member_"):  # Python >= 3.13
+        PeftType._add_member_("PLATE", member)
+    else:
+        type.__setattr__(PeftType, "PLATE", member)
+        PeftType._member_map_["PLATE"] = member
+    if "PLATE" not in PeftType._member_names_:  # iteration (list(PeftType)) walks _member_names_
+        PeftType._member_names_.append("PLATE")
+    PeftType._value2member_map_["PLATE"] = member
+    return member
+
+
+PLATE_TYPE = _ensure_peft_type()
+
+
+@dataclass
+class PlateConfig(PeftConfig):
+    """Configuration of a PLATE adapter: the bundle it is built from, rho, and optionally a subset of its modules."""
+
+    bundle: str | None = field(default=None, metadata={"help": "Path of the PLATE init bundle (from scan)."})
+    rho: float = field(default=0.5, metadata={"help": "Scale of the update: W' = W + rho B A Q^T."})
+    target_modules: list[str] | str | None = field(
+        default=None,
+        metadata={"help": "Subset of the bundle's modules to adapt (names or suffixes); default: all of them."},
+    )
+    check_fingerprints: bool = field(
+        default=True, metadata={"help": "Refuse a model whose weights differ from the ones the bundle was made for."}
+    )
+    modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Other modules to train and save fully (e.g. a new task head)."}
+    )
+    bundle_signature: str | None = field(
+        default=None, metadata={"help": "Filled in when the adapter is created: the bundle's source signature."}
+    )
+    bundle_digest: str | None = field(
+        default=None, metadata={"help": "Filled in when the adapter is created: digest of fingerprints and B/Q."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = PLATE_TYPE
+        if not self.bundle:
+            raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
+        self.bundle = str(Path(self.bundle).expanduser().resolve())
+        if not float(self.rho) > 0:
+            raise BundleError(f"rho must be positive, got {self.rho!r}")
+        if isinstance(self.target_modules, (list, tuple)):
+            self.target_modules = set(self.target_modules)
+
+
+class PlateLayer(nn.Module, BaseTunerLayer):
+    """A Linear/Conv1D with one PLATE branch per adapter name: y = base(x) + sum_a rho_a scatter_B((x Q_a) A_a^T)."""
+
+    adapter_layer_names = ("plate_A",)
+    other_param_names = ("plate_B_idx", "plate_Q", "plate_rho")
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, b_idx: torch.Tensor, q: torch.Tensor, rho: float):
+        super().__init__()
+        BaseTunerLayer.__init__(self)
+        self.base_layer = base_layer
+        self.layout = layout_of(base_layer)
+        self.out_features, self.in_features = oriented_shape(base_layer)
+        self.plate_A = nn.ParameterDict({})
+        self.plate_B_idx = BufferDict({}, persistent=False)
+        self.plate_Q = BufferDict({}, persistent=False)
+        self.plate_rho: dict[str, float] = {}
+        self._saved_rows: dict[str, torch.Tensor] = {}
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, b_idx, q, rho)
+
+    def update_layer(self, adapter_name: str, b_idx: torch.Tensor, q: torch.Tensor, rho: float) -> None:
+        """Add (or replace) one adapter: zero A [r, k], B indices, frozen Q."""
+        dev = self.get_base_layer().weight.device
+        b_idx = torch.as_tensor(b_idx, dtype=torch.int64).flatten()
+        if q.shape[0] != self.in_features:
+            raise BundleError(f"Q has {q.shape[0]} rows but the layer has d_in={self.in_features}")
+        self.plate_B_idx[adapter_name] = b_idx.to(dev)
+        self.plate_Q[adapter_name] = q.detach().to(dev, torch.float32).contiguous()
+        self.plate_A[adapter_name] = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=dev))
+        self.plate_rho[adapter_name] = float(rho)
+        self.set_adapter(self.active_adapters)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return result
+        for name in self.active_adapters:
+            if name not in self.plate_A:
+                continue
+            delta = plate_delta(x, self.plate_Q[name], self.plate_A[name], self.plate_rho[name])
+            result = scatter_add_rows(result, self.plate_B_idx[name], delta)
+        return result
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """Dense rho B A Q^T in the base weight's stored layout ([d_out, d_in], or [d_in, d_out] for Conv1D)."""
+        d = delta_rows(self.plate_A[adapter], self.plate_Q[adapter], self.plate_rho[adapter])
+        full = torch.zeros(self.out_features, self.in_features, dtype=d.dtype, device=d.device)
+        full[self.plate_B_idx[adapter]] = d
+        return full.t() if self.layout == "conv1d" else full
+
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """W[B] += rho A Q^T for each active adapter; the replaced rows are kept so unmerge() is exact."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        w = self.get_base_layer().weight
+        for name in adapter_names:
+            if name not in self.plate_A:
+                continue
+            b = self.plate_B_idx[name]
+            d = delta_rows(self.plate_A[name], self.plate_Q[name], self.plate_rho[name])
+            old = w[b] if self.layout == "linear" else w[:, b]
+            new = (old.to(d.dtype) + (d if self.layout == "linear" else d.t())).to(w.dtype)
+            if safe_merge and not torch.isfinite(new).all():
+                raise ValueError(f"NaNs detected in the merged weights; the adapter {name} seems to be broken")
+            self._saved_rows[name] = old.clone()
+            if self.layout == "linear":
+                w[b] = new
+            else:
+                w[:, b] = new
+            self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo merge() exactly (restores the saved rows, last merged first)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+            return
+        w = self.get_base_layer().weight
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            b = self.plate_B_idx[name]
+            if self.layout == "linear":
+                w[b] = self._saved_rows.pop(name)
+            else:
+                w[:, b] = self._saved_rows.pop(name)
+
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "plate." + super().__repr__()
+
+
+def _bundle_digest(bundle: Bundle, names: list[str]) -> str:
+    h = hashlib.sha256()
+    for n in sorted(names):
+        h.update(f"{n}|{bundle.record(n).fingerprint}|{plate_digest(bundle.b_idx(n), bundle.q(n))}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+class PlateModel(BaseTuner):
+    """The PEFT tuner that replaces a bundle's modules by PlateLayers."""
+
+    prefix: str = "plate_"
+    tuner_layer_cls = PlateLayer
+    target_module_mapping: dict[str, list[str]] = {}
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        self._prepare_plate(model, adapter_name)
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+
+    def _prepare_plate(self, model: nn.Module, adapter_name: str) -> None:
+        """Load the bundle, map its modules onto the model, check weights and the recorded bundle identity."""
+        config: PlateConfig = self.peft_config[adapter_name]
+        bundle = Bundle.load(config.bundle)
+        mapping = resolve_module_names(model, bundle.modules)  # bundle name -> model name
+        inverse = {v: k for k, v in mapping.items()}
+        if config.target_modules is None:
+            config.target_modules = set(mapping.values())
+        chosen = [m for m in mapping.values() if BaseTuner._check_target_module_exists(config, m)]
+        if not chosen:
+            raise BundleError(f"target_modules {config.target_modules} match none of the bundle's modules")
+        if not config.check_fingerprints:
+            warnings.warn("PlateConfig: fingerprint check skipped", stacklevel=3)
+        for m in chosen:
+            check_module_against_record(model.get_submodule(m), m, bundle.record(inverse[m]), config.check_fingerprints)
+        names = [inverse[m] for m in chosen]
+        digest = _bundle_digest(bundle, names)
+        sig = bundle.manifest.source_signature
+        if config.bundle_digest is not None and config.bundle_digest != digest:
+            raise BundleError(
+                f"{config.bundle}: this adapter was trained with another bundle or other base weights "
+                "(bundle digest differs); load it with the bundle and base model it was made for"
+            )
+        if config.bundle_signature is not None and config.bundle_signature != sig:
+            raise BundleError(f"{config.bundle}: bundle source signature differs from the one the adapter recorded")
+        config.bundle_digest, config.bundle_signature = digest, sig
+        if not hasattr(self, "_plate"):
+            self._plate: dict[str, tuple[Bundle, dict[str, str]]] = {}
+        self._plate[adapter_name] = (bundle, inverse)
+
+    def _create_and_replace(
+        self,
+        peft_config: PlateConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **kwargs: Any,
+    ) -> None:
+        bundle, inverse = self._plate[adapter_name]
+        if current_key not in inverse:
+            raise BundleError(f"module '{current_key}' matches target_modules but the bundle has no geometry for it")
+        name = inverse[current_key]
+        b_idx, q = bundle.b_idx(name), bundle.q(name)
+        if isinstance(target, PlateLayer):
+            target.update_layer(adapter_name, b_idx, q, peft_config.rho)
+        else:
+            new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho)
+            if adapter_name not in self.active_adapters:
+                new_module.requires_grad_(False)
+            self._replace_module(parent, target_name, new_module, target)
+
+    def _prepare_adapter_config(self, peft_config: PlateConfig, model_config: dict) -> PlateConfig:
+        return peft_config
+
+
+def _register() -> None:
+    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+
+    if PEFT_TYPE_TO_TUNER_MAPPING.get(PLATE_TYPE) is PlateModel:
+        return
+    register_peft_method(name=PEFT_NAME, config_cls=PlateConfig, model_cls=PlateModel, prefix="plate_")
+
+
+_register()
+
+
+def plate_peft_model(model: nn.Module, bundle: str | os.PathLike, rho: float = 0.5, **config: Any):
+    """Shorthand: ``get_peft_model(model, PlateConfig(bundle=..., rho=..., **config))``."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, PlateConfig(bundle=str(bundle), rho=rho, **config))
