@@ -227,6 +227,13 @@ class Checkpoint:
             return torch.empty(info.shape, dtype=dtype), fingerprint
         return torch.frombuffer(raw, dtype=dtype).reshape(info.shape), fingerprint
 
+    def read_weight(self, name: str) -> tuple[torch.Tensor, str]:
+        """A weight as a floating tensor of its logical shape, and the fingerprint of the bytes it came from.
+
+        The one read path of the scanner: quantized storage (FP8 with scales, MXFP4 blocks) dequantizes here.
+        """
+        return self.read(name)
+
     def signature(self) -> str:
         """A cheap identity of the checkpoint: names, dtypes, shapes, byte ranges and file sizes."""
         h = hashlib.sha256()

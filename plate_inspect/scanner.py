@@ -23,7 +23,7 @@ from plate_inspect.bundle import Q_DTYPES, Bundle, BundleWriter, Manifest, Modul
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.errors import CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, module_seed, plate_geometry, validate_settings
-from plate_inspect.targets import TargetModule, select_targets
+from plate_inspect.targets import TargetModule, load_target, select_targets
 
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
 
@@ -160,14 +160,14 @@ def run_scan(
     # one extra stored weight in memory, and disk time overlaps compute.
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read")
     try:
-        upcoming = reader.submit(ckpt.read, todo[0][1].tensor.name) if todo else None
+        upcoming = reader.submit(load_target, ckpt, todo[0][1]) if todo else None
         tensors: dict[str, torch.Tensor] = {}
         records: list[ModuleRecord] = []
         for i, (part, target) in enumerate(todo):
-            stored, fingerprint = upcoming.result()
-            upcoming = reader.submit(ckpt.read, todo[i + 1][1].tensor.name) if i + 1 < len(todo) else None
-            record, module_tensors = _scan_module(stored, fingerprint, target, settings, dev, part)
-            del stored
+            oriented, fingerprint = upcoming.result()
+            upcoming = reader.submit(load_target, ckpt, todo[i + 1][1]) if i + 1 < len(todo) else None
+            record, module_tensors = _scan_module(oriented, fingerprint, target, settings, dev, part)
+            del oriented
             records.append(record)
             tensors.update(module_tensors)
             progress.module_done(target.name, target.tensor.nbytes)
@@ -191,17 +191,16 @@ def run_scan(
 
 
 def _scan_module(
-    stored: torch.Tensor,
+    oriented: torch.Tensor,
     fingerprint: str,
     target: TargetModule,
     settings: ScanSettings,
     device: torch.device,
     part: str,
 ) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
-    """Geometry and bundle record of one module from its stored weight (consumed: freed here)."""
-    oriented = stored.T if target.layout == "conv1d" else stored
+    """Geometry and bundle record of one module from its d_out x d_in weight (consumed: freed here)."""
     weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
-    del stored, oriented
+    del oriented
     # a sum is non-finite if any element is (or on overflow, where the exact check below clears it)
     if not math.isfinite(float(weight.sum())) and not bool(torch.isfinite(weight).all()):
         raise CheckpointError(

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from plate_inspect.checkpoint import Checkpoint, TensorInfo
 from plate_inspect.errors import CheckpointError, ConfigError, UnsupportedWeightError
 
@@ -47,6 +49,12 @@ class TargetModule:
         """[d_out, d_in], whatever the stored layout."""
         a, b = self.tensor.shape
         return (b, a) if self.layout == "conv1d" else (a, b)
+
+
+def load_target(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, str]:
+    """The target's weight oriented d_out x d_in (a view, stored or dequantized dtype) and its fingerprint."""
+    stored, fingerprint = ckpt.read_weight(target.tensor.name)
+    return (stored.T if target.layout == "conv1d" else stored), fingerprint
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
