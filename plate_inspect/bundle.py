@@ -3,18 +3,24 @@
 Per module (keyed by its checkpoint name, e.g. ``model.layers.0.self_attn.q_proj``) a part file holds
 ``<module>.plate_B_idx`` (int64 [r], ascending), ``<module>.plate_Q`` ([d_in, k]), ``<module>.redundancy``
 (float32 [d_out]) and ``<module>.spectrum`` (float32, descending). The manifest carries the source, the
-settings and one :class:`ModuleRecord` per module. Parts are written atomically as they finish; the
-manifest says ``complete: true`` only after the last one, so a killed scan resumes where it stopped.
+settings and one :class:`ModuleRecord` per module. Each part file also carries, in its safetensors header, the
+records of its own modules and the digest of the settings that made them: a part is self-describing, so a
+rescan or a resumed (possibly distributed) scan decides from the part headers and the weights' fingerprints
+which modules are still valid. The manifest says ``complete: true`` only after the last part is written.
+
+A bundle's identity (:func:`content_identity`) is its settings, its variant (for ablation bundles) and, per
+module, the sha256 fingerprint of the weight's stored bytes with its dtype, shape and layout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,14 +30,15 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
+from plate_inspect.atomic import atomic_write
 from plate_inspect.errors import BundleError, PlateInspectError
 
 FORMAT_NAME = "plate-init-bundle"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATS = "scan_stats.json"
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+#: The one metadata key of a part file's safetensors header (one key: safetensors orders several at random).
+PART_METADATA_KEY = "plate_part"
 Q_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,6 +63,10 @@ class ScanSettings:
         for key in ("target_modules", "layers", "tau_grid"):
             d[key] = list(d[key]) if d[key] is not None else None
         return d
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of these settings."""
+        return _digest(self.to_json())
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ScanSettings:
@@ -114,6 +125,8 @@ class Manifest:
     source_signature: str = ""
     model_type: str | None = None
     selection_note: str = ""
+    variant: dict[str, Any] | None = None  # {"kind", "seed", "base_identity"} for ablation bundles
+    identity: str = ""  # content_identity(), written when the bundle completes
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     tool_version: str = __version__
@@ -124,6 +137,8 @@ class Manifest:
             "format_version": self.format_version,
             "tool_version": self.tool_version,
             "complete": self.complete,
+            "identity": self.identity,
+            "variant": self.variant,
             "source": self.source,
             "source_signature": self.source_signature,
             "model_type": self.model_type,
@@ -152,10 +167,31 @@ class Manifest:
                 source_signature=d.get("source_signature", ""),
                 model_type=d.get("model_type"),
                 selection_note=d.get("selection", ""),
+                variant=d.get("variant"),
+                identity=d.get("identity", ""),
                 tool_version=d.get("tool_version", ""),
             )
         except (KeyError, TypeError) as e:
             raise BundleError(f"{where}: corrupt manifest ({e})") from None
+
+    def content_identity(self) -> str:
+        """The identity of this bundle's content: settings, variant, and every module's weight fingerprint."""
+        return content_identity(self.settings, self.variant, self.modules.values())
+
+
+def _digest(obj: Any) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def weight_key(rec: ModuleRecord) -> tuple[str, str, tuple[int, ...], str]:
+    """What a module's result depends on besides the settings: its weight's bytes, dtype, shape and layout."""
+    return (rec.fingerprint, rec.dtype, tuple(rec.shape), rec.layout)
+
+
+def content_identity(settings: ScanSettings, variant: dict[str, Any] | None, records: Iterable[ModuleRecord]) -> str:
+    """sha256 over the settings, the variant and (name, fingerprint, dtype, shape, layout) of every module."""
+    modules = sorted([rec.name, *weight_key(rec)] for rec in records)
+    return _digest({"settings": settings.to_json(), "variant": variant, "modules": modules})
 
 
 @dataclass
@@ -187,6 +223,8 @@ class Bundle:
         except (OSError, json.JSONDecodeError) as e:
             raise BundleError(f"{mpath}: unreadable manifest ({e})") from None
         manifest = Manifest.from_json(data, mpath)
+        if not manifest.complete:  # the finished modules of an unfinished scan are recorded in the part headers
+            manifest.modules = finished_modules(path, manifest)
         if require_complete and not manifest.complete:
             done, total = len(manifest.modules), len(manifest.planned)
             raise BundleError(
@@ -257,21 +295,70 @@ class Bundle:
             return {}
 
 
-# --------------------------------------------------------------------------- writing
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same directory and rename, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+# --------------------------------------------------------------------------- part files
+def encode_part(
+    records: list[ModuleRecord],
+    tensors: dict[str, torch.Tensor],
+    settings: ScanSettings,
+    variant: dict[str, Any] | None,
+) -> bytes:
+    """A part file's bytes: the tensors, and in the header the records and the settings/variant that made them."""
+    meta = {
+        "format": FORMAT_NAME,
+        "settings": settings.digest(),
+        "variant": variant,
+        "records": [asdict(rec) for rec in records],
+    }
+    header = {PART_METADATA_KEY: json.dumps(meta, sort_keys=True)}
+    return safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata=header)
+
+
+def part_records(path: Path, settings: ScanSettings, variant: dict[str, Any] | None) -> dict[str, ModuleRecord]:
+    """The records a part file's header vouches for, if it was made with these settings and variant (else none).
+
+    Reads the header only. A missing, foreign, corrupt or older-format part vouches for nothing.
+    """
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise _io_error(path, e) from None
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(PART_METADATA_KEY)
+            keys = set(f.keys())
+        meta = json.loads(raw) if raw else None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+            return {}
+        if meta.get("settings") != settings.digest() or meta.get("variant") != variant:
+            return {}
+        records = [ModuleRecord(**r) for r in meta["records"]]
+    except Exception:  # a part that cannot be read is a part to rewrite, never an error
+        return {}
+    kinds = ("plate_B_idx", "plate_Q", "redundancy", "spectrum")
+    return {r.name: r for r in records if r.file == path.name and all(f"{r.name}.{kind}" in keys for kind in kinds)}
+
+
+def finished_modules(path: Path, manifest: Manifest) -> dict[str, ModuleRecord]:
+    """Planned modules whose part files (made with the manifest's settings and variant) are already written."""
+    found: dict[str, ModuleRecord] = {}
+    for part in sorted(path.glob("*.safetensors")):
+        found.update(part_records(part, manifest.settings, manifest.variant))
+    return {n: found[n] for n in manifest.planned if n in found}
+
+
+def read_part_tensors(path: Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Every stored tensor of the given modules from one part file (to carry them into a rewritten part)."""
+    wanted = tuple(f"{n}." for n in names)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if k.startswith(wanted)}  # noqa: SIM118
+    except Exception as e:  # safetensors raises its own error types
+        raise BundleError(f"{path}: cannot read part file ({e}); rerun with --overwrite") from None
+
+
+# --------------------------------------------------------------------------- writing
+def describe_variant(variant: dict[str, Any] | None) -> str:
+    """'a scanned bundle' or 'the random_q ablation (seed 1) of bundle sha256:0123abcd...'."""
+    if not variant:
+        return "a scanned bundle"
+    base = str(variant.get("base_identity", ""))
+    return f"the {variant.get('kind')} ablation (seed {variant.get('seed')}) of bundle {base[:15]}..."
 
 
 def _io_error(path: Path, e: OSError) -> PlateInspectError:
@@ -282,17 +369,29 @@ def _io_error(path: Path, e: OSError) -> PlateInspectError:
     return BundleError(f"{path}: cannot write ({e.strerror or e})")
 
 
+def write_file(path: Path, data: bytes | str) -> None:
+    """Atomic write of one bundle file, with the bundle's wording for I/O errors."""
+    try:
+        atomic_write(path, data)
+    except OSError as e:
+        raise _io_error(path, e) from None
+
+
 class BundleWriter:
-    """Writes a bundle part by part; resumes a matching incomplete bundle; refuses to clobber others."""
+    """Writes a bundle part by part into a directory that is new, resumable, or replaced with ``overwrite``.
+
+    :meth:`open` refuses a directory holding a bundle of other settings, other modules or another variant; it
+    marks the manifest incomplete until :meth:`finalize`. Part files are written atomically and carry their own
+    records, so whether an existing part can be kept is decided per module by :meth:`reusable`.
+    """
 
     def __init__(self, path: str | os.PathLike, manifest: Manifest, overwrite: bool = False):
         self.path = Path(path)
         self.manifest = manifest
         self.overwrite = overwrite
-        self.resumed_modules: set[str] = set()
 
     def open(self) -> Manifest:
-        """Prepare the directory. Returns the manifest to continue from (with finished modules, if resuming)."""
+        """Check and prepare the directory; returns the (incomplete) manifest the scan fills in."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-probe-"):
@@ -307,44 +406,55 @@ class BundleWriter:
                 raise BundleError(
                     f"{self.path}: holds something that is not a matching bundle; pass --overwrite to replace it"
                 ) from None
-            same = (
-                old.settings == self.manifest.settings
-                and old.source_signature == self.manifest.source_signature
-                and old.planned == self.manifest.planned
-            )
-            if not same:
-                state = "a finished" if old.complete else "an unfinished"
-                raise BundleError(
-                    f"{self.path}: holds {state} bundle made with other settings or weights; "
-                    "pass --overwrite to replace it, or choose another --out"
-                )
-            kept = {n: m for n, m in old.modules.items() if (self.path / m.file).exists()}
-            self.manifest.modules = kept
-            self.manifest.complete = old.complete and len(kept) == len(old.modules)
-            self.resumed_modules = set(kept)
+            self._refuse_other(old)
         elif self.overwrite:
             for p in list(self.path.glob("*.safetensors")) + [existing, self.path / STATS]:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
-        if not self.manifest.complete:
-            self._write_manifest()
+        self.manifest.modules, self.manifest.complete, self.manifest.identity = {}, False, ""
+        self._write_manifest()
         return self.manifest
 
+    def _refuse_other(self, old: Manifest) -> None:
+        """Refuse a directory whose bundle differs in anything but weights (weights changes are rescanned)."""
+        state = "a finished" if old.complete else "an unfinished"
+        if old.variant != self.manifest.variant:
+            raise BundleError(
+                f"{self.path}: holds {state} bundle that is {describe_variant(old.variant)}, not "
+                f"{describe_variant(self.manifest.variant)}; pass --overwrite to replace it, or choose another --out"
+            )
+        if old.settings != self.manifest.settings or old.planned != self.manifest.planned:
+            raise BundleError(
+                f"{self.path}: holds {state} bundle made with other settings or target modules; "
+                "pass --overwrite to replace it, or choose another --out"
+            )
+
+    def reusable(self, part: str) -> dict[str, ModuleRecord]:
+        """Records of an existing part file that were made with this bundle's settings and variant."""
+        return part_records(self.path / part, self.manifest.settings, self.manifest.variant)
+
     def write_part(self, part: str, records: list[ModuleRecord], tensors: dict[str, torch.Tensor]) -> None:
-        """Atomically write one part file, then record its modules in the (still incomplete) manifest."""
-        data = safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": FORMAT_NAME})
-        atomic_write_bytes(self.path / part, data)
+        """Atomically write one part file (tensors + its records in the header) and keep its records."""
+        data = encode_part(records, tensors, self.manifest.settings, self.manifest.variant)
+        write_file(self.path / part, data)
+        self.add_records(records)
+
+    def add_records(self, records: Iterable[ModuleRecord]) -> None:
+        """Records of modules whose part is written (by this process or, in a distributed scan, by another rank)."""
         for rec in records:
             self.manifest.modules[rec.name] = rec
-        self._write_manifest()
 
     def finalize(self, stats: dict[str, Any] | None = None) -> None:
+        """Mark the bundle complete once every planned module has a record; write the run statistics."""
+        missing = [n for n in self.manifest.planned if n not in self.manifest.modules]
+        if missing:
+            raise BundleError(f"{self.path}: {len(missing)} planned modules were not written (first: {missing[0]})")
         self.manifest.modules = {n: self.manifest.modules[n] for n in self.manifest.planned}
+        self.manifest.identity = self.manifest.content_identity()
         self.manifest.complete = True
         self._write_manifest()
         if stats is not None:
-            atomic_write_bytes(self.path / STATS, (json.dumps(stats, indent=2) + "\n").encode())
+            write_file(self.path / STATS, json.dumps(stats, indent=2) + "\n")
 
     def _write_manifest(self) -> None:
-        text = json.dumps(self.manifest.to_json(), indent=2, sort_keys=False) + "\n"
-        atomic_write_bytes(self.path / MANIFEST, text.encode())
+        write_file(self.path / MANIFEST, json.dumps(self.manifest.to_json(), indent=2) + "\n")

@@ -1,8 +1,11 @@
 """The streaming scanner: checkpoint in, PLATE init bundle out, one weight in memory at a time.
 
-For each target module it reads the weight's stored bytes once (fingerprint + tensor), upcasts to the
-compute precision, runs :func:`plate_inspect.geometry.plate_geometry`, and frees it. Modules of one layer
-are written together as one part file; a killed scan resumes from the last finished part.
+For each target module it reads the weight's stored bytes once (fingerprint + tensor). If the existing part
+file already holds this module's result for these exact bytes, the module is kept; otherwise the same bytes are
+upcast to the compute precision, run through :func:`plate_inspect.geometry.plate_geometry`, and freed. Modules of
+one layer are written together as one part file, so a killed scan resumes from the last finished part and a
+rescan of changed weights recomputes exactly the changed modules. Under torchrun each rank scans its share of
+the parts (:mod:`plate_inspect.distributed`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import math
 import os
 import resource
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +22,17 @@ from typing import Any
 
 import torch
 
-from plate_inspect.bundle import Q_DTYPES, Bundle, BundleWriter, Manifest, ModuleRecord, ScanSettings
+from plate_inspect import distributed
+from plate_inspect.bundle import (
+    Q_DTYPES,
+    Bundle,
+    BundleWriter,
+    Manifest,
+    ModuleRecord,
+    ScanSettings,
+    read_part_tensors,
+    weight_key,
+)
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.errors import CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, module_seed, plate_geometry, validate_settings
@@ -103,18 +116,56 @@ def scan(
     source: str | os.PathLike,
     out: str | os.PathLike,
     *,
+    r: int = 64,
+    tau: float = 0.9,
+    max_rank: int = 512,
+    seed: int = 0,
+    sketch_dim: int | None = None,
+    anchors: int = 256,
+    target_modules: Iterable[str] | None = None,
+    layers: Iterable[int] | None = None,
+    precision: str = "float32",
+    q_dtype: str = "float32",
+    tau_grid: Iterable[float] = DEFAULT_TAU_GRID,
+    revision: str | None = None,
+    offline: bool | None = None,
     overwrite: bool = False,
     device: str = "cpu",
+    devices: str | Sequence[str] | None = None,
     progress: ScanProgress | None = None,
-    **settings: Any,
 ) -> Bundle:
     """Scan a checkpoint (local dir, .safetensors file or hub repo id) and write a PLATE init bundle.
 
-    ``settings`` are those of :func:`plan_scan` (r, tau, max_rank, seed, sketch_dim, anchors,
-    target_modules, layers, precision, q_dtype, tau_grid, revision, offline). Rerunning the same call
-    after an interruption resumes; a finished bundle with the same settings is returned as is.
+    Settings are those of :func:`plan_scan`. Rerunning the same call resumes an interrupted scan and rescans a
+    finished one incrementally: every target weight is read and hashed once, and only modules whose weights
+    changed are recomputed. ``devices`` (e.g. ``"cuda:0,cuda:1"`` or ``"all"``) runs one worker per device;
+    under torchrun each rank scans its share (see :mod:`plate_inspect.distributed`).
     """
-    return run_scan(plan_scan(source, **settings), out, overwrite=overwrite, device=device, progress=progress)
+    plan = plan_scan(
+        source,
+        r=r,
+        tau=tau,
+        max_rank=max_rank,
+        seed=seed,
+        sketch_dim=sketch_dim,
+        anchors=anchors,
+        target_modules=target_modules,
+        layers=layers,
+        precision=precision,
+        q_dtype=q_dtype,
+        tau_grid=tau_grid,
+        revision=revision,
+        offline=offline,
+    )
+    return run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
+
+
+@dataclass
+class ShareResult:
+    """What one process did: the records of its parts (kept or computed) and its run statistics."""
+
+    records: list[ModuleRecord]
+    stats: dict[str, Any]
 
 
 def run_scan(
@@ -123,11 +174,18 @@ def run_scan(
     *,
     overwrite: bool = False,
     device: str = "cpu",
+    devices: str | Sequence[str] | None = None,
     progress: ScanProgress | None = None,
 ) -> Bundle:
-    """Execute a :class:`ScanPlan`, writing the bundle to ``out``."""
+    """Execute a :class:`ScanPlan`, writing the bundle to ``out`` (alone, as a torchrun rank, or on ``devices``)."""
+    if devices is not None:
+        names = distributed.parse_devices(devices)
+        if len(names) > 1:
+            if distributed.rank_from_env().world_size > 1:
+                raise ConfigError("--devices starts its own workers; under torchrun give --device instead")
+            return distributed.scan_on_devices(plan, out, names, overwrite=overwrite, progress=progress)
+        device = names[0]
     progress = progress or ScanProgress()
-    dev = _resolve_device(device)
     ckpt, settings = plan.checkpoint, plan.settings
     source = ckpt.source.to_json() if ckpt.source else {"kind": "local", "id": str(ckpt.root)}
     manifest = Manifest(
@@ -139,41 +197,81 @@ def run_scan(
         selection_note=plan.selection_note,
     )
     writer = BundleWriter(out, manifest, overwrite=overwrite)
-    manifest = writer.open()
-    if manifest.complete:
-        return Bundle.load(out)
+    with distributed.join() as group:
+        dev = distributed.rank_device(_resolve_device(device), group.info)
+        group.on_root(writer.open)  # the directory is checked (and cleared with overwrite) before any rank writes
+        parts = parts_of(plan.targets)
+        costs = [(part, sum(distributed.module_cost(*t.shape) for t in members)) for part, members in parts.items()]
+        mine = distributed.assign_parts(costs, group.world_size)[group.rank]
+        result = _scan_share(ckpt, {p: parts[p] for p in mine}, writer, dev, progress)
+        results = group.gather(result)
+        group.on_root(lambda: _finish(writer, results or [], group.world_size))
+    return Bundle.load(out)
 
-    started = time.perf_counter()
-    total_bytes = sum(t.tensor.nbytes for t in plan.targets)
-    done_bytes = sum(t.tensor.nbytes for t in plan.targets if t.name in manifest.modules)
-    progress.start(len(plan.targets), total_bytes, len(manifest.modules), done_bytes)
+
+def parts_of(targets: list[TargetModule]) -> dict[str, list[TargetModule]]:
+    """Targets grouped by part file, in plan order."""
     groups: dict[str, list[TargetModule]] = {}
-    for t in plan.targets:
+    for t in targets:
         groups.setdefault(part_name(t), []).append(t)
-    todo = [
-        (part, t)
-        for part, members in groups.items()
-        if not all(m.name in manifest.modules for m in members)
-        for t in members
-    ]
-    # One reader thread keeps the next weight's bytes coming from disk while this one is computed: at most
-    # one extra stored weight in memory, and disk time overlaps compute.
+    return groups
+
+
+def _scan_share(
+    ckpt: Checkpoint,
+    parts: dict[str, list[TargetModule]],
+    writer: BundleWriter,
+    device: torch.device,
+    progress: ScanProgress,
+) -> ShareResult:
+    """Scan this process's parts: read and hash every weight once; compute only modules no part header vouches for.
+
+    A module is kept when its existing part file (same settings) holds a record whose weight fingerprint, dtype,
+    shape and layout equal the weight just read; a part is rewritten only if one of its modules was computed.
+    """
+    started = time.perf_counter()
+    todo = [t for members in parts.values() for t in members]
+    progress.start(len(todo), sum(t.tensor.nbytes for t in todo), 0, 0)
+    computed = reused = changed = 0
+    records_out: list[ModuleRecord] = []
+    # One reader thread reads and hashes the next weight while this one is computed: at most one extra stored
+    # weight in memory, and disk time and hashing overlap compute.
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read")
     try:
-        upcoming = reader.submit(load_target, ckpt, todo[0][1]) if todo else None
-        tensors: dict[str, torch.Tensor] = {}
-        records: list[ModuleRecord] = []
-        for i, (part, target) in enumerate(todo):
-            oriented, fingerprint = upcoming.result()
-            upcoming = reader.submit(load_target, ckpt, todo[i + 1][1]) if i + 1 < len(todo) else None
-            record, module_tensors = _scan_module(oriented, fingerprint, target, settings, dev, part)
-            del oriented
-            records.append(record)
-            tensors.update(module_tensors)
-            progress.module_done(target.name, target.tensor.nbytes)
-            if i + 1 == len(todo) or todo[i + 1][0] != part:
+        upcoming = reader.submit(load_target, ckpt, todo[0]) if todo else None
+        i = 0
+        for part, members in parts.items():
+            old = writer.reusable(part)
+            records: list[ModuleRecord] = []
+            tensors: dict[str, torch.Tensor] = {}
+            kept: list[str] = []
+            for target in members:
+                oriented, fingerprint = upcoming.result()
+                i += 1
+                upcoming = reader.submit(load_target, ckpt, todo[i]) if i < len(todo) else None
+                prior = old.get(target.name)
+                now = (fingerprint, target.tensor.dtype, tuple(target.shape), target.layout)
+                if prior is not None and weight_key(prior) == now:
+                    records.append(prior)
+                    kept.append(target.name)
+                    del oriented
+                else:
+                    record, module_tensors = _scan_module(
+                        oriented, fingerprint, target, writer.manifest.settings, device, part
+                    )
+                    del oriented
+                    records.append(record)
+                    tensors.update(module_tensors)
+                    changed += prior is not None
+                progress.module_done(target.name, target.tensor.nbytes)
+            computed += len(members) - len(kept)
+            reused += len(kept)
+            if len(kept) == len(members) and set(old) == set(kept):
+                writer.add_records(records)  # the part on disk is exactly this part: leave it alone
+            else:
+                tensors.update(read_part_tensors(writer.path / part, kept) if kept else {})
                 writer.write_part(part, records, tensors)
-                tensors, records = {}, []
+            records_out.extend(records)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
         progress.finish()
@@ -181,13 +279,39 @@ def run_scan(
         "wall_seconds": round(time.perf_counter() - started, 3),
         "bytes_read": ckpt.bytes_read,
         "peak_rss_bytes": peak_rss_bytes(),
-        "modules_scanned": len(plan.targets) - len(writer.resumed_modules),
-        "modules_resumed": len(writer.resumed_modules),
-        "device": str(dev),
+        "modules_scanned": computed,
+        "modules_resumed": reused,
+        "modules_changed": changed,
+        "device": str(device),
         "torch_threads": torch.get_num_threads(),
+        "blas_threads": blas_threads(),
     }
+    return ShareResult(records_out, stats)
+
+
+def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -> None:
+    """Rank 0, after every rank's parts are written: the complete manifest and the merged run statistics."""
+    for result in results:
+        writer.add_records(result.records)
+    ranks = [r.stats for r in results]
+    stats = dict(ranks[0])
+    for key in ("bytes_read", "modules_scanned", "modules_resumed", "modules_changed"):
+        stats[key] = sum(s[key] for s in ranks)
+    stats["wall_seconds"] = max(s["wall_seconds"] for s in ranks)
+    stats["peak_rss_bytes"] = max(s["peak_rss_bytes"] for s in ranks)
+    stats["modules_total"] = len(writer.manifest.planned)
+    if world_size > 1:
+        stats["world_size"] = world_size
+        stats["ranks"] = ranks
     writer.finalize(stats)
-    return Bundle.load(out)
+
+
+def blas_threads() -> list[dict[str, Any]]:
+    """Thread pools that decide the bits of the linear algebra (OpenBLAS/MKL/OpenMP as loaded), via threadpoolctl."""
+    from threadpoolctl import threadpool_info
+
+    keys = ("user_api", "internal_api", "num_threads", "version", "prefix")
+    return [{k: pool.get(k) for k in keys} for pool in threadpool_info()]
 
 
 def _scan_module(

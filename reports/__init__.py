@@ -12,12 +12,11 @@ The data behind every plot comes from :func:`report_data` (pure; see :mod:`plate
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from plate_inspect.atomic import atomic_write
 from plate_inspect.bundle import Bundle
 from plate_inspect.errors import PlateInspectError
 from plate_inspect.reports.data import (
@@ -90,22 +89,10 @@ def write_report(
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, text)
     except OSError as e:
-        raise ReportError(f"{path}: cannot write the report ({e.strerror or e}); choose another -o") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise ReportError(f"{path}: cannot write the report ({e.strerror or e}); choose another -o") from None
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,12 +14,19 @@ import numpy as np
 import pytest
 import torch
 from conftest import dense_oracle, load_all
+from safetensors.torch import load_file, save_file
 
 import plate_inspect
+import plate_inspect.scanner as scanner_mod
 from plate_inspect import Bundle, verify
-from plate_inspect.checkpoint import fingerprint_tensor
+from plate_inspect.checkpoint import Checkpoint
 
 R, TAU, MAX_RANK = 8, 0.9, 48
+
+
+def sha256_of(stored: torch.Tensor) -> str:
+    """Oracle fingerprint: sha256 of the tensor's bytes as safetensors' own loader returns them."""
+    return "sha256:" + hashlib.sha256(stored.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def check_bundle_against_oracle(bundle: Bundle, tensors: dict[str, torch.Tensor], conv1d: bool = False, r=R):
@@ -26,7 +35,7 @@ def check_bundle_against_oracle(bundle: Bundle, tensors: dict[str, torch.Tensor]
         w = (stored.T if conv1d else stored).double().numpy()
         scores, b, evals, k, gram = dense_oracle(w, r, TAU, MAX_RANK)
         assert rec.shape == list(w.shape)
-        assert rec.fingerprint == fingerprint_tensor(stored)
+        assert rec.fingerprint == sha256_of(stored)
         assert bundle.b_idx(rec.name).tolist() == b.tolist(), rec.name
         assert rec.k == k, rec.name
         np.testing.assert_allclose(bundle.redundancy(rec.name).numpy(), scores, rtol=1e-4, atol=1e-5)
@@ -167,8 +176,10 @@ def test_resume_after_kill_gives_identical_bundle(tmp_path, qwen_ckpt, how):
         [sys.executable, str(script), str(qwen_ckpt.path), str(out), "10", how], capture_output=True, text=True
     )
     assert proc.returncode != 0
-    partial = json.loads((out / "manifest.json").read_text())
-    assert partial["complete"] is False and len(partial["modules"]) == 7
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+    partial = Bundle.load(out, require_complete=False)  # finished modules come from the part headers
+    assert partial.modules == [n for n in reference.modules if ".layers.0." in n]
+    assert (out / "layer-00000.safetensors").exists() and not (out / "layer-00001.safetensors").exists()
     with pytest.raises(plate_inspect.BundleError, match="incomplete"):
         Bundle.load(out)
     resumed = plate_inspect.scan(qwen_ckpt.path, out, r=R)
@@ -209,3 +220,107 @@ def test_hub_repo_id_resolves_from_local_cache_offline(tmp_path, qwen_ckpt, monk
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert "acme/absent" in out.stderr and "hf download acme/absent" in out.stderr
+
+
+# --------------------------------------------------------------------------- identity: a bundle never goes stale
+def same_files(a, b) -> None:
+    """Every bundle file (all but the run statistics) byte-identical in two directories."""
+    names = sorted(p.name for p in a.iterdir() if p.name != "scan_stats.json")
+    assert names == sorted(p.name for p in b.iterdir() if p.name != "scan_stats.json")
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def change_one_weight(src, dst, module: str, scale: float = 1.5) -> None:
+    """A copy of a checkpoint dir with one weight's values changed, every name, dtype, shape and offset unchanged."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shard = dst / index["weight_map"][f"{module}.weight"]
+    tensors = load_file(str(shard))
+    tensors[f"{module}.weight"] = (tensors[f"{module}.weight"].float() * scale).to(torch.bfloat16)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+@pytest.fixture
+def geometry_calls(monkeypatch):
+    """Names of the modules the scanner computes (a spy around the real plate_geometry, nothing replaced)."""
+    seen: list[int] = []
+    real = scanner_mod.plate_geometry
+
+    def spy(weight, *args, **kwargs):
+        seen.append(tuple(weight.shape))
+        return real(weight, *args, **kwargs)
+
+    monkeypatch.setattr(scanner_mod, "plate_geometry", spy)
+    return seen
+
+
+def test_rescan_after_weights_change_recomputes_exactly_the_changed_module(tmp_path, qwen_ckpt, geometry_calls):
+    changed = "model.layers.1.mlp.up_proj"
+    model = tmp_path / "model"
+    shutil.copytree(qwen_ckpt.path, model)
+    out = tmp_path / "b"
+    plate_inspect.scan(model, out, r=R, max_rank=MAX_RANK)
+    assert len(geometry_calls) == 14
+    layer0 = (out / "layer-00000.safetensors").stat().st_ino
+    before = Checkpoint.open(model).signature()
+    shutil.rmtree(model)
+    change_one_weight(qwen_ckpt.path, model, changed)
+    assert Checkpoint.open(model).signature() == before  # the layout is the same: only the content tells
+
+    geometry_calls.clear()
+    rescanned = plate_inspect.scan(model, out, r=R, max_rank=MAX_RANK)
+    assert geometry_calls == [(176, 64)]  # one up_proj computed, nothing else
+    stats = rescanned.stats()
+    assert (stats["modules_scanned"], stats["modules_changed"], stats["modules_resumed"]) == (1, 1, 13)
+    assert stats["bytes_read"] == sum(
+        t.numel() * t.element_size() for n, t in load_all(model).items() if n[:-7] in rescanned
+    )
+    assert (out / "layer-00000.safetensors").stat().st_ino == layer0  # an unchanged part is not rewritten
+    assert rescanned.record(changed).fingerprint == sha256_of(load_all(model)[f"{changed}.weight"])
+    check_bundle_against_oracle(rescanned, load_all(model))
+    assert verify(rescanned, model).ok
+
+    fresh = plate_inspect.scan(model, tmp_path / "fresh", r=R, max_rank=MAX_RANK)
+    same_files(out, fresh.path)
+    assert rescanned.manifest.identity == fresh.manifest.identity != ""
+
+
+def test_rescan_of_unchanged_weights_computes_nothing_and_reads_each_weight_once(tmp_path, qwen_ckpt, geometry_calls):
+    out = tmp_path / "b"
+    first = plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    inodes = {p.name: p.stat().st_ino for p in out.glob("*.safetensors")}
+    geometry_calls.clear()
+    again = plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    assert geometry_calls == []
+    stats = again.stats()
+    assert (stats["modules_scanned"], stats["modules_changed"], stats["modules_resumed"]) == (0, 0, 14)
+    targets = sum(t.numel() * t.element_size() for n, t in load_all(qwen_ckpt.path).items() if n[:-7] in again)
+    assert stats["bytes_read"] == targets  # the check is one read of every target weight, nothing more
+    assert {p.name: p.stat().st_ino for p in out.glob("*.safetensors")} == inodes
+    assert again.manifest.to_json() == first.manifest.to_json()
+
+
+def test_identity_covers_every_module_fingerprint_and_the_settings(tmp_path, qwen_ckpt):
+    a = plate_inspect.scan(qwen_ckpt.path, tmp_path / "a", r=R)
+    m = a.manifest
+    stored = load_all(qwen_ckpt.path)
+    fingerprints = sorted(
+        [n, sha256_of(stored[n + ".weight"]), "BF16", [*stored[n + ".weight"].shape], "linear"] for n in a.modules
+    )
+    oracle = {"settings": json.loads(json.dumps(m.settings.to_json())), "variant": None, "modules": fingerprints}
+    expected = "sha256:" + hashlib.sha256(json.dumps(oracle, sort_keys=True).encode()).hexdigest()
+    assert m.identity == expected
+    b = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R, seed=1)
+    assert b.manifest.identity != m.identity
+
+
+def test_scan_stats_record_blas_thread_pools(tmp_path, qwen_ckpt):
+    from threadpoolctl import threadpool_info
+
+    stats = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R, layers=[0]).stats()
+    pools = {(p["internal_api"], p["prefix"]): p["num_threads"] for p in threadpool_info()}
+    recorded = {(p["internal_api"], p["prefix"]): p["num_threads"] for p in stats["blas_threads"]}
+    assert recorded and recorded.items() <= pools.items()
+    assert any(api in ("openblas", "mkl", "blis") for api, _ in recorded)  # the BLAS numpy/scipy use
+    assert stats["torch_threads"] == torch.get_num_threads()

@@ -1,0 +1,293 @@
+"""Scans on many processes: torchrun ranks on many machines, or one spawned worker per device on one machine.
+
+Every rank plans the same scan, takes a deterministic, cost-balanced share of the part files
+(:func:`assign_parts`), and writes its own parts into the shared output directory; rank 0 prepares the directory
+before anyone writes and writes the manifest after everyone is done. Only small Python objects (a verdict, the
+module records, run statistics) cross ranks, over a gloo process group: no tensor is ever communicated, so the
+bundle's bytes are those of a single-process scan with the same threads per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import heapq
+import multiprocessing
+import os
+import queue as queue_mod
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
+
+if TYPE_CHECKING:
+    from plate_inspect.bundle import Bundle
+    from plate_inspect.scanner import ScanPlan, ScanProgress
+
+T = TypeVar("T")
+#: How long a rank waits for the others at a collective (a rank may finish its share long before the slowest).
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
+#: Relative cost of an eigensolve of the s x s Gram matrix per s^3, against forming it (s^2 * l multiply-adds).
+EIGENSOLVE_WEIGHT = 2.0
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in a distributed job, from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def rank_from_env() -> RankInfo:
+    """The job this process belongs to; a single process when WORLD_SIZE is unset or 1."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is not a rank of WORLD_SIZE={world}")
+    if world > 1 and "MASTER_ADDR" not in os.environ:
+        raise ConfigError("WORLD_SIZE > 1 but MASTER_ADDR is unset: launch distributed scans with torchrun")
+    return RankInfo(rank, world, local)
+
+
+class Coordinator:
+    """What a scan needs from a process group: the root's verdict for everyone, everyone's results at the root."""
+
+    def __init__(self, info: RankInfo):
+        self.info = info
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def is_root(self) -> bool:
+        return self.info.is_root
+
+    def on_root(self, fn: Callable[[], T]) -> T | None:
+        """Run ``fn`` on rank 0 only; every rank returns its result or raises its error (no rank is left waiting)."""
+        outcome: tuple[bool, Any] = (True, None)
+        if self.is_root:
+            try:
+                outcome = (True, fn())
+            except PlateInspectError as e:
+                outcome = (False, e)
+        if self.world_size > 1:
+            box = [outcome]
+            torch.distributed.broadcast_object_list(box, src=0)
+            outcome = box[0]
+        ok, value = outcome
+        if not ok:
+            raise value
+        return value
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` at rank 0 (in rank order); None elsewhere."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_root else None
+        torch.distributed.gather_object(obj, out, dst=0)
+        return out
+
+
+@contextlib.contextmanager
+def join() -> Iterator[Coordinator]:
+    """The process group of this job (created from torchrun's env:// variables if needed, torn down after)."""
+    info = rank_from_env()
+    created = False
+    if info.world_size > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+        created = True
+    try:
+        yield Coordinator(info)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+
+
+def rank_device(device: torch.device, info: RankInfo) -> torch.device:
+    """One GPU per rank: ``cuda`` under torchrun means ``cuda:LOCAL_RANK``; an explicit index is kept."""
+    if device.type != "cuda" or device.index is not None or info.world_size == 1:
+        return device
+    count = torch.cuda.device_count()
+    if info.local_rank >= count:
+        raise ConfigError(
+            f"rank {info.rank} has LOCAL_RANK={info.local_rank} but this machine shows {count} CUDA devices; "
+            "run at most one process per GPU (--nproc-per-node)"
+        )
+    return torch.device("cuda", info.local_rank)
+
+
+# --------------------------------------------------------------------------- sharing the work
+def module_cost(d_out: int, d_in: int) -> float:
+    """Relative compute of one module from its shape: the Gram matrix on the small side plus its eigensolve."""
+    small, large = min(d_out, d_in), max(d_out, d_in)
+    return float(small) * small * large + EIGENSOLVE_WEIGHT * float(small) ** 3
+
+
+def assign_parts(costs: Sequence[tuple[str, float]], world_size: int) -> list[list[str]]:
+    """Deterministic greedy bin-packing of whole part files onto ranks (largest cost first, to the least loaded).
+
+    Ties break by part order and by the lower rank, so every rank computes the same assignment. Each rank's
+    parts come back in the given order. The largest load is at most 4/3 of the optimum (LPT scheduling).
+    """
+    order = {name: i for i, (name, _) in enumerate(costs)}
+    loads = [(0.0, rank) for rank in range(world_size)]
+    heapq.heapify(loads)
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    for name, cost in sorted(costs, key=lambda nc: (-nc[1], order[nc[0]])):
+        load, rank = heapq.heappop(loads)
+        shares[rank].append(name)
+        heapq.heappush(loads, (load + cost, rank))
+    return [sorted(share, key=order.__getitem__) for share in shares]
+
+
+# --------------------------------------------------------------------------- one worker per device
+def parse_devices(spec: str | Sequence[str]) -> list[str]:
+    """'cuda:0,cuda:1' or 'all' (every visible GPU) -> device names; repeated 'cpu' entries run CPU workers."""
+    if isinstance(spec, str):
+        if spec.strip() == "all":
+            count = torch.cuda.device_count()
+            if count == 0:
+                raise ConfigError("--devices all: no CUDA device is visible; use --device cpu")
+            return [f"cuda:{i}" for i in range(count)]
+        spec = [d.strip() for d in spec.split(",") if d.strip()]
+    devices = list(spec)
+    if not devices:
+        raise ConfigError("--devices is empty; give e.g. cuda:0,cuda:1 or all")
+    cuda = [d for d in devices if d != "cpu"]
+    if len(set(cuda)) != len(cuda):
+        raise ConfigError(f"--devices names a GPU twice ({', '.join(devices)}); give each GPU once")
+    for d in cuda:
+        dev = torch.device(d)
+        if dev.type != "cuda" or dev.index is None:
+            raise ConfigError(f"--devices: '{d}' is not cpu or cuda:N")
+        if dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--devices: {d} is not visible (this machine shows {torch.cuda.device_count()} GPUs)")
+    return devices
+
+
+def scan_on_devices(
+    plan: ScanPlan,
+    out: str | os.PathLike,
+    devices: Sequence[str],
+    *,
+    overwrite: bool = False,
+    progress: ScanProgress | None = None,
+) -> Bundle:
+    """Run a scan as one spawned worker process per device (a local torchrun without torchrun), then load it.
+
+    Workers get RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT and, unless already set, an equal share of
+    the CPU cores as OMP/OpenBLAS/MKL threads. If a worker fails, the others are stopped and the error is raised
+    here; rerunning resumes from the part files already written.
+    """
+    from plate_inspect.bundle import Bundle
+
+    ctx = multiprocessing.get_context("spawn")
+    messages = ctx.Queue()
+    n = len(devices)
+    port = _free_port()
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n)}
+    env.update({var: threads for var in _THREAD_VARS if var not in os.environ})
+    if progress is not None:
+        progress.start(len(plan.targets), sum(t.tensor.nbytes for t in plan.targets), 0, 0)
+    procs = []
+    try:
+        for rank, device in enumerate(devices):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)}
+            with _environ(rank_env):  # spawned children copy the environment when they start
+                proc = ctx.Process(
+                    target=_device_worker, args=(plan, str(out), device, overwrite, messages), name=f"plate-scan-{rank}"
+                )
+                proc.start()
+            procs.append(proc)
+        error = _watch(procs, messages, progress)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+        if progress is not None:
+            progress.finish()
+    if error is not None:
+        raise error
+    return Bundle.load(out)
+
+
+def _watch(procs: list, messages: Any, progress: ScanProgress | None) -> PlateInspectError | None:
+    """Relay progress until every worker exits; the first failure (its own error, or its exit code) is returned."""
+    error: PlateInspectError | None = None
+    while True:
+        try:
+            kind, payload = messages.get(timeout=0.2)
+        except queue_mod.Empty:
+            kind, payload = None, None
+        if kind == "module" and progress is not None:
+            progress.module_done(*payload)
+        elif kind == "error" and error is None:
+            error = payload
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead and error is None and kind is None:
+            p = dead[0]
+            error = BundleError(
+                f"scan worker {p.name} died (exit code {p.exitcode}); finished parts are kept: rerun to resume"
+            )
+        if error is not None:
+            return error
+        if kind is None and all(p.exitcode == 0 for p in procs):
+            return None
+
+
+def _device_worker(plan: ScanPlan, out: str, device: str, overwrite: bool, messages: Any) -> None:
+    from plate_inspect.scanner import ScanProgress, run_scan
+
+    class QueueProgress(ScanProgress):
+        """This worker's progress, relayed to the parent process."""
+
+        def module_done(self, name: str, nbytes: int) -> None:
+            messages.put(("module", (name, nbytes)))
+
+    try:
+        run_scan(plan, out, overwrite=overwrite, device=device, progress=QueueProgress())
+    except PlateInspectError as e:
+        messages.put(("error", e))
+        raise SystemExit(2) from None
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
