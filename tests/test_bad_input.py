@@ -160,7 +160,7 @@ def test_output_dir_not_writable(tmp_path, model):
 def test_disk_full_is_a_clear_error_and_bundle_stays_incomplete(tmp_path, model, monkeypatch):
     import plate_inspect.bundle as bundle_mod
 
-    real = bundle_mod.atomic_write_bytes
+    real = bundle_mod.write_file
     calls = {"n": 0}
 
     def full_after_first_part(path, data):
@@ -170,7 +170,7 @@ def test_disk_full_is_a_clear_error_and_bundle_stays_incomplete(tmp_path, model,
                 raise bundle_mod._io_error(path, OSError(errno.ENOSPC, "No space left on device"))
         return real(path, data)
 
-    monkeypatch.setattr(bundle_mod, "atomic_write_bytes", full_after_first_part)
+    monkeypatch.setattr(bundle_mod, "write_file", full_after_first_part)
     assert_user_error(scan_args(model, tmp_path), "disk full", "resume")
     manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert manifest["complete"] is False

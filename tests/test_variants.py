@@ -94,3 +94,36 @@ def test_variant_refusals(variants, tmp_path):
     b = make_variant(plate, ckpt, "random_q", tmp_path / "s1b", seed=1)
     c = make_variant(plate, ckpt, "random_q", tmp_path / "s2", seed=2)
     assert torch.equal(a.q("fc2"), b.q("fc2")) and not torch.equal(a.q("fc2"), c.q("fc2"))
+
+
+def test_variant_identity_refuses_another_kind_seed_or_base(variants, tmp_path):
+    ckpt, plate, _ = variants
+    out = tmp_path / "v"
+    first = make_variant(plate, ckpt, "random_q", out, seed=1)
+    assert first.manifest.variant == {"kind": "random_q", "seed": 1, "base_identity": plate.manifest.identity}
+    assert first.manifest.identity not in ("", plate.manifest.identity)
+    q_before = (out / first.record("fc2").file).stat().st_ino
+    again = make_variant(plate, ckpt, "random_q", out, seed=1)  # the same ablation: kept as is
+    assert (out / first.record("fc2").file).stat().st_ino == q_before
+    assert again.manifest.to_json() == first.manifest.to_json()
+    with pytest.raises(BundleError, match="seed 1.*--overwrite"):
+        make_variant(plate, ckpt, "random_q", out, seed=2)
+    with pytest.raises(BundleError, match="random_q ablation.*--overwrite"):
+        make_variant(plate, ckpt, "random_b", out, seed=1)
+    rebuilt = make_variant(plate, ckpt, "random_b", out, seed=1, overwrite=True)
+    assert rebuilt.manifest.variant["kind"] == "random_b" and {r.variant for r in rebuilt} == {"random_b"}
+    fresh = make_variant(plate, ckpt, "random_b", tmp_path / "fresh", seed=1)
+    for p in fresh.path.glob("*.safetensors"):
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    # a scanned bundle's directory is not an ablation's, and the other way round
+    with pytest.raises(BundleError, match="a scanned bundle.*--overwrite"):
+        make_variant(plate, ckpt, "random_q", plate.path, seed=1)
+
+
+def test_variant_of_a_rebuilt_base_bundle_is_refused(variants, tmp_path):
+    ckpt, plate, _ = variants
+    out = tmp_path / "v"
+    make_variant(plate, ckpt, "random_q", out, seed=0)
+    other_base = digits_bundle(ckpt, tmp_path / "base2", r=16, tau=0.9)
+    with pytest.raises(BundleError, match="of bundle sha256:"):
+        make_variant(other_base, ckpt, "random_q", out, seed=0)

@@ -35,7 +35,8 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp
 
 from plate_inspect.errors import ConfigError, PlateInspectError
-from plate_inspect.geometry import high_energy_basis, module_seed, random_orthonormal, random_rows
+from plate_inspect.geometry import module_seed
+from plate_inspect.train.variants import variant_geometry
 
 Params = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -211,16 +212,8 @@ def plate_family(
                 f"{m}: bundle made for shape {bundle.record(m).shape}, the model's weight is {list(w.shape)}"
             )
         d_out, d_in = w.shape
-        r, k = int(b_idx.numel()), int(q.shape[1])
-        s = module_seed(seed, m)
-        if variant == "random_b":
-            b_idx = random_rows(d_out, r, s)
-        elif variant == "random_q":
-            q = random_orthonormal(d_in, k, s, dtype=torch.float64)
-        elif variant == "high_energy_q":
-            keep = torch.ones(d_out, dtype=torch.bool)
-            keep[b_idx] = False
-            q = high_energy_basis(w[keep], k)
+        if variant != "plate":
+            b_idx, q = variant_geometry(variant, w, b_idx, q, bundle.redundancy(m), module_seed(seed, m))
         blocks.append(selector_basis_block(pname, (d_out, d_in), b_idx, q))
     return UpdateFamily(variant, blocks, {"variant": variant})
 

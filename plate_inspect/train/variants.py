@@ -12,17 +12,20 @@ k per module (so A has exactly PLATE's parameter count) and a different B and/or
 Keeping PLATE's Q for the B ablations follows the paper: it compares B choices "at the same fixed Q and parameter
 count" and calls Random-B and Least-red.-B the "Q-preserving variants", so only B changes. (Recomputing Q from the
 new frozen rows would change two things at once.) Every variant goes through the same trainer path as PLATE
-(``apply_bundle`` / the PEFT method), and its manifest records ``variant`` per module.
+(``apply_bundle`` / the PEFT method), and its manifest records ``variant`` per module and, at the top, the
+ablation's identity (kind, seed, identity of the base bundle): a second ablation or seed into the same directory
+is refused unless ``overwrite``.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from plate_inspect.bundle import Bundle, BundleWriter, Manifest
+from plate_inspect.bundle import Bundle, BundleWriter, Manifest, ModuleRecord, read_part_tensors, weight_key
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.geometry import (
@@ -62,6 +65,11 @@ def variant_geometry(
     raise ConfigError(f"unknown variant '{variant}'; choose one of {', '.join(VARIANTS)}")
 
 
+def variant_identity(base: Bundle, variant: str, seed: int) -> dict[str, object]:
+    """What makes an ablation bundle what it is: its kind, its seed and the identity of the bundle it derives from."""
+    return {"kind": variant, "seed": seed, "base_identity": base.manifest.identity or base.manifest.content_identity()}
+
+
 def make_variant(
     bundle: Bundle | str | os.PathLike,
     checkpoint: str | os.PathLike,
@@ -70,13 +78,15 @@ def make_variant(
     seed: int = 0,
     overwrite: bool = False,
 ) -> Bundle:
-    """Write the ``variant`` ablation of a scanned bundle to ``out`` (needs the checkpoint for W and fingerprints)."""
+    """Write the ``variant`` ablation of a scanned bundle to ``out`` (needs the checkpoint for W and fingerprints).
+
+    ``out`` may hold an unfinished or finished build of the same ablation (same kind, seed and base bundle): it is
+    resumed or kept. Another ablation, seed or base bundle there is refused unless ``overwrite``.
+    """
     if variant not in VARIANTS:
         raise ConfigError(f"unknown variant '{variant}'; choose one of {', '.join(VARIANTS)}")
     src = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
     ckpt = Checkpoint.open(checkpoint)
-    if src.manifest.source_signature and ckpt.signature() != src.manifest.source_signature:
-        raise BundleError(f"{src.path}: was scanned from other weights than {checkpoint} (source signature differs)")
     m = src.manifest
     manifest = Manifest(
         source=m.source,
@@ -85,45 +95,62 @@ def make_variant(
         source_signature=m.source_signature,
         model_type=m.model_type,
         selection_note=f"{m.selection_note}; ablation {variant} (seed {seed}) of {src.path}",
+        variant=variant_identity(src, variant, seed),
     )
     writer = BundleWriter(out, manifest, overwrite=overwrite)
-    manifest = writer.open()
-    if manifest.complete:
-        return Bundle.load(out)
+    writer.open()
     parts: dict[str, list[str]] = {}
     for rec in src:
         parts.setdefault(rec.file, []).append(rec.name)
     for part, names in parts.items():
-        if all(n in manifest.modules for n in names):
-            continue
-        tensors: dict[str, torch.Tensor] = {}
+        old = writer.reusable(part)
         records = []
+        tensors: dict[str, torch.Tensor] = {}
         for name in names:
             rec = src.record(name)
             stored, fp = ckpt.read(f"{name}.weight")
             if fp != rec.fingerprint:
                 raise BundleError(f"{src.path}: module '{name}' was scanned from other weights than {checkpoint}")
+            if name in old and weight_key(old[name]) == weight_key(rec):
+                records.append(old[name])
+                continue
             w = (stored.T if rec.layout == "conv1d" else stored).to(torch.float64)
-            b_idx, q = variant_geometry(
-                variant, w, src.b_idx(name), src.q(name, dtype=None), src.redundancy(name), module_seed(seed, name)
-            )
-            new = type(rec)(**{**rec.__dict__, "variant": variant})
-            new.r, new.k = int(b_idx.numel()), int(q.shape[1])
-            keep = torch.ones(w.shape[0], dtype=torch.bool)
-            keep[b_idx] = False
-            total = float((w[keep] ** 2).sum())
-            new.total_energy = total
-            new.captured_energy = float(((w[keep] @ q.to(torch.float64)) ** 2).sum()) / total if total > 0 else 0.0
-            if (new.r, new.k) != (rec.r, rec.k):  # pragma: no cover - the helpers keep shapes by construction
-                raise BundleError(f"{name}: variant {variant} changed r/k")
+            new, module_tensors = _variant_module(src, rec, w, variant, seed)
             records.append(new)
-            tensors[f"{name}.plate_B_idx"] = b_idx.to(torch.int64).contiguous()
-            tensors[f"{name}.plate_Q"] = q.contiguous()
-            tensors[f"{name}.redundancy"] = src.redundancy(name)
-            tensors[f"{name}.spectrum"] = src.spectrum(name)
+            tensors.update(module_tensors)
+        if len(tensors) == 0 and set(old) == set(names):
+            writer.add_records(records)
+            continue
+        kept = [n for n in names if f"{n}.plate_Q" not in tensors]
+        tensors.update(read_part_tensors(writer.path / part, kept) if kept else {})
         writer.write_part(part, records, tensors)
     writer.finalize({"variant": variant, "seed": seed, "from": str(Path(src.path).resolve())})
     return Bundle.load(out)
+
+
+def _variant_module(
+    src: Bundle, rec: ModuleRecord, w: torch.Tensor, variant: str, seed: int
+) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
+    """The ablation's record and tensors for one module of ``src`` (``w`` is its float64 d_out x d_in weight)."""
+    name = rec.name
+    b_idx, q = variant_geometry(
+        variant, w, src.b_idx(name), src.q(name, dtype=None), src.redundancy(name), module_seed(seed, name)
+    )
+    new = replace(rec, variant=variant, r=int(b_idx.numel()), k=int(q.shape[1]))
+    keep = torch.ones(w.shape[0], dtype=torch.bool)
+    keep[b_idx] = False
+    total = float((w[keep] ** 2).sum())
+    new.total_energy = total
+    new.captured_energy = float(((w[keep] @ q.to(torch.float64)) ** 2).sum()) / total if total > 0 else 0.0
+    if (new.r, new.k) != (rec.r, rec.k):  # pragma: no cover - the helpers keep shapes by construction
+        raise BundleError(f"{name}: variant {variant} changed r/k")
+    tensors = {
+        f"{name}.plate_B_idx": b_idx.to(torch.int64).contiguous(),
+        f"{name}.plate_Q": q.contiguous(),
+        f"{name}.redundancy": src.redundancy(name),
+        f"{name}.spectrum": src.spectrum(name),
+    }
+    return new, tensors
 
 
 def make_variants(
