@@ -18,6 +18,7 @@ from rich.table import Table
 
 from plate_inspect.bundle import Bundle, ModuleRecord
 from plate_inspect.cli.common import console, err_console, human_bytes
+from plate_inspect.distributed import rank_from_env
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 from plate_inspect.scanner import ScanProgress, default_out_dir, plan_scan, run_scan
 from plate_inspect.targets import parse_layers
@@ -119,8 +120,24 @@ def print_summary(bundle: Bundle) -> None:
         console.print(
             f"scan: {stats.get('wall_seconds', 0):.1f} s, read {human_bytes(stats.get('bytes_read', 0))}, "
             f"peak RSS {human_bytes(stats.get('peak_rss_bytes', 0))}, device {stats.get('device')}"
-            + (f", resumed {stats['modules_resumed']} modules" if stats.get("modules_resumed") else "")
+            + (f" x {stats['world_size']} processes" if stats.get("world_size") else "")
         )
+        console.print(reuse_line(stats))
+
+
+def reuse_line(stats: dict) -> str:
+    """'computed 14 of 14 modules' or '1 of 14 modules changed: recomputed 1, kept 13' from a scan's statistics."""
+    total = stats.get("modules_total", stats.get("modules_scanned", 0) + stats.get("modules_resumed", 0))
+    computed, kept, changed = (
+        stats.get("modules_scanned", 0),
+        stats.get("modules_resumed", 0),
+        stats.get("modules_changed", 0),
+    )
+    if not kept:
+        return f"computed {computed} of {total} modules"
+    if changed or not computed:
+        return f"{changed} of {total} modules changed since the bundle was made: recomputed {computed}, kept {kept}"
+    return f"resumed: kept {kept} finished modules, computed {computed} (of {total})"
 
 
 @click.command("scan")
@@ -136,7 +153,12 @@ def print_summary(bundle: Bundle) -> None:
 @click.option("--layers", default=None, help="Layer indices, e.g. '0-3,7'.")
 @click.option("--precision", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--q-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda (under torchrun: cuda:LOCAL_RANK).")
+@click.option(
+    "--devices",
+    default=None,
+    help="One worker process per device, e.g. cuda:0,cuda:1 or 'all' (every visible GPU); without torchrun.",
+)
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--offline", is_flag=True, help="Never contact the hub (also HF_HUB_OFFLINE=1).")
 @click.option("--overwrite", is_flag=True, help="Replace a bundle made with other settings or weights.")
@@ -156,6 +178,7 @@ def scan_command(
     precision,
     q_dtype,
     device,
+    devices,
     revision,
     offline,
     overwrite,
@@ -167,10 +190,16 @@ def scan_command(
     MODEL is a local HF-style directory, a single .safetensors file, or a hub repo id (HF cache first).
     Without MODEL, the embedded all-MiniLM-L6-v2 is scanned. Memory stays bounded by the largest module.
 
+    Rerunning into the same --out resumes an interrupted scan and rescans a finished one: every target weight
+    is read and hashed once and only modules whose weights changed are recomputed. Under torchrun each rank
+    scans its share of the layers (give torchrun's options, then --, then the command).
+
     \b
     Examples:
       plate-inspect scan
       plate-inspect scan ./my-model-dir --tau 0.8 --out bundles/mine
+      plate-inspect scan ./big-model --devices cuda:0,cuda:1 --out bundles/big
+      torchrun --nnodes 2 --nproc-per-node 8 --no-python -- plate-inspect scan ./big-model --device cuda --out /shared/b
       plate-inspect scan Qwen/Qwen2.5-7B --tau 0.9 --r 64 --max-rank 512 --out bundles/qwen7b
       plate-inspect scan model.safetensors --target-modules q_proj,v_proj --layers 0-3
     """
@@ -194,8 +223,13 @@ def scan_command(
         revision=revision,
         offline=True if offline else None,
     )
-    err_console.print(f"{len(plan.targets)} target modules ({plan.selection_note}) -> {out}")
-    bundle = run_scan(plan, out, overwrite=overwrite, device=device, progress=None if quiet else RichScanProgress())
+    root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
+    if root:
+        err_console.print(f"{len(plan.targets)} target modules ({plan.selection_note}) -> {out}")
+    progress = None if quiet or not root else RichScanProgress()
+    bundle = run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
+    if not root:
+        return
     print_summary(bundle)
     if make_report:
         from plate_inspect.reports import write_report

@@ -177,9 +177,10 @@ def parse_devices(spec: str | Sequence[str]) -> list[str]:
     if len(set(cuda)) != len(cuda):
         raise ConfigError(f"--devices names a GPU twice ({', '.join(devices)}); give each GPU once")
     for d in cuda:
-        dev = torch.device(d)
-        if dev.type != "cuda" or dev.index is None:
+        head, _, index = d.partition(":")
+        if head != "cuda" or not index.isdigit():
             raise ConfigError(f"--devices: '{d}' is not cpu or cuda:N")
+        dev = torch.device(d)
         if dev.index >= torch.cuda.device_count():
             raise ConfigError(f"--devices: {d} is not visible (this machine shows {torch.cuda.device_count()} GPUs)")
     return devices

@@ -370,7 +370,10 @@ def _scan_module(
 
 
 def _resolve_device(device: str) -> torch.device:
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was requested but no CUDA device is available; use --device cpu")
     if dev.type not in ("cpu", "cuda"):

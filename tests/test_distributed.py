@@ -1,0 +1,151 @@
+"""Distributed scans: torchrun ranks and spawned device workers give the single-process bundle, byte for byte."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import plate_inspect
+from plate_inspect.distributed import assign_parts, module_cost, parse_devices, rank_from_env
+from plate_inspect.errors import BundleError, ConfigError
+from plate_inspect.testing.synthetic import write_llama_like
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+EXE = shutil.which("plate-inspect", path=str(Path(sys.executable).parent))
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A sharded bf16 Qwen2-layout checkpoint with 4 layers (4 part files to share out)."""
+    return write_llama_like(tmp_path_factory.mktemp("dist") / "model", layers=4, max_shard_bytes=150_000, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(four_layers, tmp_path_factory):
+    """The single-process bundle with one thread per process (the threads every rank below uses)."""
+    out = tmp_path_factory.mktemp("ref") / "b"
+    run([EXE, "scan", str(four_layers.path), "--out", str(out), "--r", "8", "--quiet"])
+    return out
+
+
+def run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run(cmd, env={**env, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+
+
+def assert_same_bundle(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir() if p.name != "scan_stats.json")
+    assert names == sorted(p.name for p in b.iterdir() if p.name != "scan_stats.json")
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+# --------------------------------------------------------------------------- sharing the work
+def test_assign_parts_is_a_partition_within_the_lpt_bound_of_the_optimum():
+    costs = [("a", 7.0), ("b", 5.0), ("c", 4.0), ("d", 4.0), ("e", 3.0), ("f", 3.0), ("g", 2.0)]
+    for world in (1, 2, 3):
+        shares = assign_parts(costs, world)
+        assert shares == assign_parts(costs, world)  # deterministic
+        assert sorted(itertools.chain(*shares)) == sorted(n for n, _ in costs)  # every part exactly once
+        cost = dict(costs)
+        for share in shares:  # each rank's parts in plan order
+            assert share == sorted(share)
+        worst = max(sum(cost[n] for n in share) for share in shares)
+        # brute force: the best possible largest load over every assignment of parts to ranks
+        best = min(
+            max(sum(c for (_, c), r in zip(costs, ranks, strict=True) if r == k) for k in range(world))
+            for ranks in itertools.product(range(world), repeat=len(costs))
+        )
+        assert worst <= best * 4 / 3
+    # by hand: a7->0, b5->1, c4->1 (9), d4->0 (11), e3->1 (12), f3->0 (14), g2->1 (14)
+    assert assign_parts(costs, 2) == [["a", "d", "f"], ["b", "c", "e", "g"]]
+    assert assign_parts([("x", 1.0)], 3) == [["x"], [], []]
+
+
+def test_module_cost_counts_the_small_side():
+    assert module_cost(100, 400) == module_cost(400, 100) == 100 * 100 * 400 + 2 * 100**3
+
+
+def test_rank_from_env_and_devices_refuse_nonsense(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ConfigError, match="RANK=2"):
+        rank_from_env()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        rank_from_env()
+    with pytest.raises(ConfigError, match="not cpu or cuda"):
+        parse_devices("cpu,tpu:0")
+    with pytest.raises(ConfigError, match="twice"):
+        parse_devices(["cuda:0", "cuda:0"])
+    assert parse_devices("cpu, cpu") == ["cpu", "cpu"]
+
+
+# --------------------------------------------------------------------------- end to end
+def test_torchrun_two_ranks_write_the_single_process_bundle(four_layers, reference, tmp_path):
+    out = tmp_path / "b"
+    # torchrun's own parser would take "--r" as an abbreviation of its options: everything after -- is ours
+    run(torchrun("--no-python", "--", EXE, "scan", str(four_layers.path), "--out", str(out), "--r", "8", "--quiet"))
+    assert_same_bundle(reference, out)
+    stats = json.loads((out / "scan_stats.json").read_text())
+    assert stats["world_size"] == 2 and len(stats["ranks"]) == 2
+    assert sorted(s["modules_scanned"] for s in stats["ranks"]) == [14, 14]  # equal shapes: two layers each
+    assert stats["bytes_read"] == sum(s["bytes_read"] for s in stats["ranks"])
+
+
+@pytest.mark.slow
+def test_devices_workers_write_the_single_process_bundle(four_layers, reference, tmp_path):
+    out = tmp_path / "b"
+    run([sys.executable, "-m", "plate_inspect", "scan", str(four_layers.path), "--out", str(out), "--r", "8",
+         "--devices", "cpu,cpu", "--quiet"])  # fmt: skip
+    assert_same_bundle(reference, out)
+
+
+_KILL_RANK_1 = textwrap.dedent(
+    """
+    import os, signal, sys
+    import plate_inspect
+    from plate_inspect.scanner import ScanProgress
+
+    class KillRank1(ScanProgress):
+        n = 0
+        def module_done(self, name, nbytes):
+            self.n += 1
+            if os.environ["RANK"] == "1" and self.n == 9:  # in its second part: its first part is written
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    plate_inspect.scan(sys.argv[1], sys.argv[2], r=8, progress=KillRank1())
+    """
+)
+
+
+@pytest.mark.slow
+def test_killed_rank_resumes_to_the_same_bundle(four_layers, reference, tmp_path):
+    out = tmp_path / "b"
+    script = tmp_path / "kill_rank_1.py"
+    script.write_text(_KILL_RANK_1)
+    died = run(torchrun(str(script), str(four_layers.path), str(out)), check=False)
+    assert died.returncode != 0
+    with pytest.raises(BundleError, match="incomplete"):
+        plate_inspect.Bundle.load(out)
+    assert (out / "layer-00001.safetensors").exists()  # rank 1's first part survived its death
+    run(torchrun("--no-python", "--", EXE, "scan", str(four_layers.path), "--out", str(out), "--r", "8", "--quiet"))
+    assert_same_bundle(reference, out)
+    stats = json.loads((out / "scan_stats.json").read_text())
+    assert stats["modules_resumed"] >= 7 and stats["modules_resumed"] + stats["modules_scanned"] == 28
