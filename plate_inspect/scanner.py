@@ -205,8 +205,9 @@ def run_scan(
         mine = distributed.assign_parts(costs, group.world_size)[group.rank]
         result = _scan_share(ckpt, {p: parts[p] for p in mine}, writer, dev, progress)
         results = group.gather(result)
-        group.on_root(lambda: _finish(writer, results or [], group.world_size))
-    return Bundle.load(out)
+        # every rank gets the final manifest from rank 0 (no rank re-reads a file another node just wrote)
+        final = group.on_root(lambda: _finish(writer, results or [], group.world_size))
+    return Bundle(Path(out), final)
 
 
 def parts_of(targets: list[TargetModule]) -> dict[str, list[TargetModule]]:
@@ -289,7 +290,7 @@ def _scan_share(
     return ShareResult(records_out, stats)
 
 
-def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -> None:
+def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -> Manifest:
     """Rank 0, after every rank's parts are written: the complete manifest and the merged run statistics."""
     for result in results:
         writer.add_records(result.records)
@@ -304,6 +305,7 @@ def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -
         stats["world_size"] = world_size
         stats["ranks"] = ranks
     writer.finalize(stats)
+    return writer.manifest
 
 
 def blas_threads() -> list[dict[str, Any]]:

@@ -33,12 +33,15 @@ def verify(
 ) -> VerifyReport:
     """Validate a bundle's tensors; with ``source``, also check every module's weight fingerprint.
 
-    Structural checks per module: B indices sorted, unique, in range, of length r; Q of shape [d_in, k] with
-    orthonormal columns (max |Q^T Q - I| <= tol; bf16 Q needs a looser tol); spectrum descending, >= 0.
+    The manifest's identity must match its settings and fingerprints. Structural checks per module: B indices
+    sorted, unique, in range, of length r; Q of shape [d_in, k] with orthonormal columns (max |Q^T Q - I| <= tol;
+    bf16 Q needs a looser tol); spectrum descending, >= 0.
     """
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
     report = VerifyReport(str(b.path), str(source) if source is not None else None)
     ckpt = Checkpoint.open(source, revision=revision) if source is not None else None
+    if b.manifest.identity and b.manifest.identity != b.manifest.content_identity():
+        report.problems.append("manifest: identity does not match its settings and module fingerprints (edited?)")
     for rec in b:
         report.modules_checked += 1
         where = f"module '{rec.name}'"

@@ -324,3 +324,13 @@ def test_scan_stats_record_blas_thread_pools(tmp_path, qwen_ckpt):
     assert recorded and recorded.items() <= pools.items()
     assert any(api in ("openblas", "mkl", "blis") for api, _ in recorded)  # the BLAS numpy/scipy use
     assert stats["torch_threads"] == torch.get_num_threads()
+
+
+def test_verify_notices_an_edited_manifest(tmp_path, qwen_ckpt):
+    out = tmp_path / "b"
+    plate_inspect.scan(qwen_ckpt.path, out, r=R, layers=[0])
+    data = json.loads((out / "manifest.json").read_text())
+    data["modules"]["model.layers.0.mlp.up_proj"]["fingerprint"] = "sha256:" + "0" * 64
+    (out / "manifest.json").write_text(json.dumps(data))
+    report = verify(out)
+    assert not report.ok and "identity" in report.problems[0]
