@@ -6,8 +6,9 @@
 
 Prints the wall time of each run (whole command, startup included, and the scan itself from scan_stats.json),
 the ratio 1-process / N-ranks, and checks that the two bundles are byte-identical. Then it times
-``plate_geometry`` on a few shapes with one thread, fits seconds = a * s^2 * l + b * s^3 (s, l: small and large
-side of a weight), and projects single-thread and N-rank times for Qwen2.5-72B and DeepSeek-V3 (a projection:
+``plate_geometry`` on quarter-scale copies of the target shapes with one thread, fits
+seconds = a * s^2 * l + b * s^3 + c * s * l * 512 (s, l: small and large side of a weight), and projects
+single-thread and N-rank times for Qwen2.5-72B and DeepSeek-V3 (a projection:
 extrapolated from these shapes on this machine).
 """
 
@@ -38,7 +39,9 @@ DEEPSEEK_V3 = {
     "expert gate/up (58 x 257)": ((2048, 7168), 2 * 58 * 257),
     "expert down (58 x 257)": ((7168, 2048), 58 * 257),
 }
-FIT_SHAPES = [(512, 2048), (2048, 512), (1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (1536, 6144)]
+# Quarter-scale copies of the target shapes above (same aspect ratios), plus squares: what the fit is made of.
+FIT_SHAPES = [(2048, 2048), (256, 2048), (7392, 2048), (2048, 7392), (384, 1792), (6144, 384), (1792, 4096),
+              (512, 1792), (1792, 512), (1024, 1024), (3072, 3072)]  # fmt: skip
 
 _GEOMETRY_TIMES = """
 import json, sys, time, torch
@@ -108,21 +111,28 @@ def compare(args: argparse.Namespace) -> None:
           f"{same_bundle(single, multi)}")  # fmt: skip
 
 
+def features(d_out: int, d_in: int) -> list[float]:
+    """Per-module work terms: the Gram matrix on the small side, its eigensolve, products with a 512-wide basis."""
+    small, large = min(d_out, d_in), max(d_out, d_in)
+    return [float(small) ** 2 * large, float(small) ** 3, float(small) * large * 512]
+
+
 def project(args: argparse.Namespace) -> None:
     import numpy as np
+    from scipy.optimize import nnls
 
     proc = subprocess.run([sys.executable, "-c", _GEOMETRY_TIMES, json.dumps(FIT_SHAPES)], env=env_one_thread(),
                           capture_output=True, text=True, check=True)  # fmt: skip
     rows = json.loads(proc.stdout)
-    feats = np.array([[min(o, i) ** 2 * max(o, i), min(o, i) ** 3] for o, i, _ in rows], dtype=float)
+    feats = np.array([features(o, i) for o, i, _ in rows])
     secs = np.array([t for *_, t in rows])
-    (a, b), *_ = np.linalg.lstsq(feats / secs[:, None], np.ones(len(rows)), rcond=None)  # relative-error fit
+    coef, _ = nnls(feats / secs[:, None], np.ones(len(rows)))  # non-negative, fit on relative error
     print("\nper-module plate_geometry, 1 thread (this machine):")
     for (o, i, t), f in zip(rows, feats, strict=True):
-        print(f"  {o:>5} x {i:<5} {t:7.2f} s   fit {a * f[0] + b * f[1]:7.2f} s")
-    print(f"fit: seconds = {a:.3e} * s^2*l + {b:.3e} * s^3")
+        print(f"  {o:>5} x {i:<5} {t:7.2f} s   fit {float(coef @ f):7.2f} s")
+    print(f"fit: seconds = {coef[0]:.3e} * s^2*l + {coef[1]:.3e} * s^3 + {coef[2]:.3e} * s*l*512")
     for name, model in (("Qwen2.5-72B", QWEN25_72B), ("DeepSeek-V3 (bf16-dequantized)", DEEPSEEK_V3)):
-        total = sum(n * (a * min(s) ** 2 * max(s) + b * min(s) ** 3) for s, n in model.values())
+        total = sum(n * float(coef @ features(*s)) for s, n in model.values())
         modules = sum(n for _, n in model.values())
         print(f"PROJECTION {name}: {modules} modules, {total / 3600:.1f} single-thread CPU hours; "
               f"{total / 3600 / args.project_ranks:.2f} h on {args.project_ranks} one-thread ranks")  # fmt: skip

@@ -334,3 +334,15 @@ def test_verify_notices_an_edited_manifest(tmp_path, qwen_ckpt):
     (out / "manifest.json").write_text(json.dumps(data))
     report = verify(out)
     assert not report.ok and "identity" in report.problems[0]
+
+
+def test_atomic_write_gives_the_umask_mode_and_leaves_the_umask_alone(tmp_path):
+    code = (
+        "import os, sys; os.umask(0o027); import plate_inspect.bundle, plate_inspect.reports, plate_inspect.scanner; "
+        "from plate_inspect.atomic import atomic_write; atomic_write(sys.argv[1], 'x'); print(oct(os.umask(0o022)))"
+    )
+    target = tmp_path / "f.json"
+    out = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0o27"  # nothing changed the process umask, at import or while writing
+    assert target.stat().st_mode & 0o777 == 0o640 and target.read_text() == "x"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]  # no temp file left behind
