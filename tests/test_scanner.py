@@ -346,3 +346,20 @@ def test_atomic_write_gives_the_umask_mode_and_leaves_the_umask_alone(tmp_path):
     assert out.stdout.strip() == "0o27"  # nothing changed the process umask, at import or while writing
     assert target.stat().st_mode & 0o777 == 0o640 and target.read_text() == "x"
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]  # no temp file left behind
+
+
+def test_cli_says_how_many_modules_changed(tmp_path, qwen_ckpt):
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+
+    model = tmp_path / "model"
+    shutil.copytree(qwen_ckpt.path, model)
+    args = ["scan", str(model), "--out", str(tmp_path / "b"), "--r", "8", "--layers", "0", "--quiet"]
+    first = CliRunner().invoke(cli, args)
+    assert first.exit_code == 0 and "computed 7 of 7 modules" in first.output
+    shutil.rmtree(model)
+    change_one_weight(qwen_ckpt.path, model, "model.layers.0.self_attn.v_proj")
+    again = CliRunner().invoke(cli, args)
+    assert again.exit_code == 0
+    assert "1 of 7 modules changed since the bundle was made: recomputed 1, kept 6" in again.output
