@@ -11,16 +11,17 @@ from plate_inspect import __version__
 from plate_inspect.cli.common import err_console
 from plate_inspect.errors import PlateInspectError
 
-# command name -> "module:attribute" under plate_inspect.cli
-COMMANDS = {
-    "scan": "scan:scan_command",
-    "info": "scan:info_command",
-    "verify": "scan:verify_command",
-    "report": "report:report_command",
-    "merge": "train:merge_command",
-    "experiment": "experiment:experiment_group",
-    "align": "analyze:align_command",
-    "curvature": "analyze:curvature_command",
+# command name -> ("module:attribute" under plate_inspect.cli, one-line help shown by `plate-inspect --help`).
+# The help lives here so that listing the commands imports none of them (no torch: `--help` stays instant).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "scan": ("scan:scan_command", "Compute redundancy, B, energy spectra, k(tau) and Q; write a PLATE init bundle."),
+    "info": ("scan:info_command", "Summarise a PLATE init bundle (settings, per-type k and energy)."),
+    "verify": ("scan:verify_command", "Check a bundle's tensors, and that it was made for a model's weights."),
+    "report": ("report:report_command", "Write one self-contained HTML report of one or more bundles."),
+    "merge": ("train:merge_command", "Write a checkpoint with a PLATE adapter merged in: W[B] += rho A Q^T."),
+    "experiment": ("experiment:experiment_group", "Run the paper's experiments on data that ships offline."),
+    "align": ("analyze:align_command", "Weight geometry vs. activation geometry of every target module."),
+    "curvature": ("analyze:curvature_command", "Restricted curvature, drift radius and Gauss-Newton share."),
 }
 
 
@@ -28,17 +29,20 @@ class LazyGroup(click.Group):
     """Imports a subcommand's module only when it runs (keeps --help fast); turns user errors into one line."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return [name for name in COMMANDS if self._load(name) is not None]
+        return list(COMMANDS)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         return self._load(name)
 
     @staticmethod
     def _load(name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
-        if target is None:
+        if name not in COMMANDS:
             return None
-        module, attr = target.split(":")
+        module, attr = COMMANDS[name][0].split(":")
         try:
             mod = importlib.import_module(f"plate_inspect.cli.{module}")
         except ModuleNotFoundError as e:

@@ -11,11 +11,22 @@ Main entry points::
 
 __version__ = "0.1.0"
 
-from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings  # noqa: E402
-from plate_inspect.errors import BundleError, CheckpointError, ConfigError, PlateInspectError  # noqa: E402
-from plate_inspect.scanner import scan  # noqa: E402
-from plate_inspect.train.layer import apply_bundle  # noqa: E402
-from plate_inspect.verify import verify  # noqa: E402
+from typing import TYPE_CHECKING
+
+# The public API, imported on first use (PEP 562) so that `import plate_inspect` and `plate-inspect --help` do not
+# pay for torch: name -> module that defines it.
+_LAZY = {
+    "Bundle": "plate_inspect.bundle",
+    "ModuleRecord": "plate_inspect.bundle",
+    "ScanSettings": "plate_inspect.bundle",
+    "BundleError": "plate_inspect.errors",
+    "CheckpointError": "plate_inspect.errors",
+    "ConfigError": "plate_inspect.errors",
+    "PlateInspectError": "plate_inspect.errors",
+    "apply_bundle": "plate_inspect.train.layer",
+    "scan": "plate_inspect.scanner",
+    "verify": "plate_inspect.verify",
+}
 
 __all__ = [
     "Bundle",
@@ -30,3 +41,25 @@ __all__ = [
     "scan",
     "verify",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'plate_inspect' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # static analysers and IDEs see the real objects
+    from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings
+    from plate_inspect.errors import BundleError, CheckpointError, ConfigError, PlateInspectError
+    from plate_inspect.scanner import scan
+    from plate_inspect.train.layer import apply_bundle
+    from plate_inspect.verify import verify
