@@ -139,6 +139,9 @@ def print_summary(bundle: Bundle) -> None:
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--offline", is_flag=True, help="Never contact the hub (also HF_HUB_OFFLINE=1).")
+@click.option(
+    "--include-mtp", is_flag=True, help="Also scan DeepSeek's multi-token-prediction layer (skipped by default)."
+)
 @click.option("--overwrite", is_flag=True, help="Replace a bundle made with other settings or weights.")
 @click.option("--report", "make_report", is_flag=True, help="Also write <out>/report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -158,6 +161,7 @@ def scan_command(
     device,
     revision,
     offline,
+    include_mtp,
     overwrite,
     make_report,
     quiet,
@@ -193,6 +197,7 @@ def scan_command(
         q_dtype=q_dtype,
         revision=revision,
         offline=True if offline else None,
+        include_mtp=include_mtp,
     )
     err_console.print(f"{len(plan.targets)} target modules ({plan.selection_note}) -> {out}")
     bundle = run_scan(plan, out, overwrite=overwrite, device=device, progress=None if quiet else RichScanProgress())

@@ -69,6 +69,7 @@ def plan_scan(
     tau_grid: Iterable[float] = DEFAULT_TAU_GRID,
     revision: str | None = None,
     offline: bool | None = None,
+    include_mtp: bool = False,
 ) -> ScanPlan:
     """Validate settings, open the checkpoint lazily and choose target modules."""
     validate_settings(r=r, tau=tau, max_rank=max_rank, n_anchors=anchors, sketch_dim=sketch_dim)
@@ -93,7 +94,9 @@ def plan_scan(
         tau_grid=grid,
     )
     ckpt = Checkpoint.open(source, revision=revision, offline=offline)
-    targets, note = select_targets(ckpt, list(settings.target_modules or []) or None, settings.layers)
+    targets, note = select_targets(
+        ckpt, list(settings.target_modules or []) or None, settings.layers, include_mtp=include_mtp
+    )
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(target.tensor)
     return ScanPlan(ckpt, targets, note, settings)
@@ -111,7 +114,7 @@ def scan(
     """Scan a checkpoint (local dir, .safetensors file or hub repo id) and write a PLATE init bundle.
 
     ``settings`` are those of :func:`plan_scan` (r, tau, max_rank, seed, sketch_dim, anchors,
-    target_modules, layers, precision, q_dtype, tau_grid, revision, offline). Rerunning the same call
+    target_modules, layers, precision, q_dtype, tau_grid, revision, offline, include_mtp). Rerunning the same call
     after an interruption resumes; a finished bundle with the same settings is returned as is.
     """
     return run_scan(plan_scan(source, **settings), out, overwrite=overwrite, device=device, progress=progress)
@@ -144,8 +147,8 @@ def run_scan(
         return Bundle.load(out)
 
     started = time.perf_counter()
-    total_bytes = sum(t.tensor.nbytes for t in plan.targets)
-    done_bytes = sum(t.tensor.nbytes for t in plan.targets if t.name in manifest.modules)
+    total_bytes = sum(t.nbytes for t in plan.targets)
+    done_bytes = sum(t.nbytes for t in plan.targets if t.name in manifest.modules)
     progress.start(len(plan.targets), total_bytes, len(manifest.modules), done_bytes)
     groups: dict[str, list[TargetModule]] = {}
     for t in plan.targets:
@@ -170,7 +173,7 @@ def run_scan(
             del oriented
             records.append(record)
             tensors.update(module_tensors)
-            progress.module_done(target.name, target.tensor.nbytes)
+            progress.module_done(target.name, target.nbytes)
             if i + 1 == len(todo) or todo[i + 1][0] != part:
                 writer.write_part(part, records, tensors)
                 tensors, records = {}, []

@@ -56,6 +56,85 @@ def _save_single(tensors: dict[str, torch.Tensor], out: Path) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+class ShardedWriter:
+    """Collects tensors and writes them as one ``model.safetensors`` or, with ``max_shard_bytes``, as shards
+    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (memory: about one shard)."""
+
+    def __init__(self, out: Path, max_shard_bytes: int | None = None):
+        self.out = out
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.weight_map: dict[str, str] = {}
+        self.shards: list[str] = []
+        self.total_bytes = 0
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.pending[name] = tensor.contiguous()
+
+    def flush(self, force: bool = False) -> None:
+        """Write the pending tensors as the next shard once they reach max_shard_bytes (or when forced)."""
+        size = sum(t.numel() * t.element_size() for t in self.pending.values())
+        if not self.max_shard_bytes or not self.pending or not (force or size >= self.max_shard_bytes):
+            return
+        fname = f"model-{len(self.shards) + 1:05d}.safetensors"
+        save_file(dict(self.pending), str(self.out / fname), metadata={"format": "pt"})
+        self.weight_map.update({n: fname for n in self.pending})
+        self.shards.append(fname)
+        self.total_bytes += size
+        self.pending.clear()
+
+    def close(self) -> int:
+        """Write what is left (and the index when sharded); returns the bytes of tensor data."""
+        if not self.max_shard_bytes:
+            self.total_bytes = _save_single(self.pending, self.out)
+            return self.total_bytes
+        self.flush(force=True)
+        n = len(self.shards)
+        renamed = {}
+        for i, fname in enumerate(self.shards, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            (self.out / fname).rename(self.out / final)
+            renamed[fname] = final
+        index = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": {k: renamed[v] for k, v in self.weight_map.items()},
+        }
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return self.total_bytes
+
+
+def llama_config(
+    model_type: str, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, dtype
+) -> dict:
+    """config.json of a Qwen2/Llama-layout model."""
+    return {
+        "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "rms_norm_eps": 1e-6,
+    }
+
+
+def llama_layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """[d_out, d_in] of the seven projections of one Llama-layout decoder layer."""
+    return {
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (intermediate, hidden),
+        "mlp.up_proj": (intermediate, hidden),
+        "mlp.down_proj": (hidden, intermediate),
+    }
+
+
 def write_llama_like(
     out: str | Path,
     *,
@@ -78,84 +157,28 @@ def write_llama_like(
     needs no more memory than one layer.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    head_dim = hidden // heads
-    config = {
-        "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "vocab_size": vocab,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "rms_norm_eps": 1e-6,
-    }
+    config = llama_config(model_type, layers, hidden, intermediate, heads, kv_heads, vocab, dtype)
     gen = torch.Generator().manual_seed(seed)
-    shapes = {
-        "self_attn.q_proj": (heads * head_dim, hidden),
-        "self_attn.k_proj": (kv_heads * head_dim, hidden),
-        "self_attn.v_proj": (kv_heads * head_dim, hidden),
-        "self_attn.o_proj": (hidden, heads * head_dim),
-        "mlp.gate_proj": (intermediate, hidden),
-        "mlp.up_proj": (intermediate, hidden),
-        "mlp.down_proj": (hidden, intermediate),
-    }
+    shapes = llama_layer_shapes(hidden, intermediate, heads, kv_heads, hidden // heads)
     ckpt = SyntheticCheckpoint(out, config)
-    pending: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype)
-    }
-    weight_map: dict[str, str] = {}
-    shard_files: list[str] = []
-
-    def flush(force: bool = False) -> None:
-        """Write the pending tensors as the next shard once they reach max_shard_bytes (or when forced)."""
-        size = sum(t.numel() * t.element_size() for t in pending.values())
-        if pending and (force or (max_shard_bytes and size >= max_shard_bytes)):
-            fname = f"model-{len(shard_files) + 1:05d}.safetensors"
-            save_file(dict(pending), str(out / fname), metadata={"format": "pt"})
-            weight_map.update({n: fname for n in pending})
-            shard_files.append(fname)
-            ckpt.total_bytes += size
-            pending.clear()
-
+    writer = ShardedWriter(out, max_shard_bytes)
+    writer.add("model.embed_tokens.weight", (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype))
     for layer in range(layers):
         prefix = f"model.layers.{layer}"
         for suffix, (d_out, d_in) in shapes.items():
             w, rows = structured_weight(d_out, d_in, gen, planted=round(planted_fraction * d_out))
-            name = f"{prefix}.{suffix}"
-            pending[f"{name}.weight"] = w.to(dtype)
+            writer.add(f"{prefix}.{suffix}.weight", w.to(dtype))
             if rows:
-                ckpt.planted_rows[name] = rows
-        pending[f"{prefix}.input_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
-        pending[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+                ckpt.planted_rows[f"{prefix}.{suffix}"] = rows
+        writer.add(f"{prefix}.input_layernorm.weight", torch.ones(hidden, dtype=dtype))
+        writer.add(f"{prefix}.post_attention_layernorm.weight", torch.ones(hidden, dtype=dtype))
         if model_type == "qwen2":
-            for proj, n in (
-                ("q_proj", heads * head_dim),
-                ("k_proj", kv_heads * head_dim),
-                ("v_proj", kv_heads * head_dim),
-            ):
-                pending[f"{prefix}.self_attn.{proj}.bias"] = torch.zeros(n, dtype=dtype)
-        if max_shard_bytes:
-            flush()
-    pending["model.norm.weight"] = torch.ones(hidden, dtype=dtype)
-    pending["lm_head.weight"] = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype)
-    if max_shard_bytes:
-        flush(force=True)
-        n = len(shard_files)
-        renamed = {}
-        for i, fname in enumerate(shard_files, start=1):
-            final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            (out / fname).rename(out / final)
-            renamed[fname] = final
-        index = {
-            "metadata": {"total_size": ckpt.total_bytes},
-            "weight_map": {k: renamed[v] for k, v in weight_map.items()},
-        }
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    else:
-        ckpt.total_bytes = _save_single(pending, out)
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                writer.add(f"{prefix}.self_attn.{proj}.bias", torch.zeros(shapes[f"self_attn.{proj}"][0], dtype=dtype))
+        writer.flush()
+    writer.add("model.norm.weight", torch.ones(hidden, dtype=dtype))
+    writer.add("lm_head.weight", (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype))
+    ckpt.total_bytes = writer.close()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return ckpt
 
