@@ -398,7 +398,7 @@ def _attention(c: dict[str, Any]) -> dict[str, tuple[int, int]]:
     }
 
 
-def _mla(c: dict[str, Any]) -> dict[str, tuple[int, int]]:
+def _mla(c: dict[str, Any]) -> dict[str, tuple[int, int] | None]:
     """DeepSeek's multi-head latent attention (q_lora_rank None: a plain q_proj)."""
     h, heads, kv_rank, nope, rope, v = _ints(
         c, "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"
@@ -411,14 +411,15 @@ def _mla(c: dict[str, Any]) -> dict[str, tuple[int, int]]:
         "eh_proj": (h, 2 * h),
     }
     if c.get("q_lora_rank") is None:
-        shapes["self_attn.q_proj"] = (heads * qk, h)
+        shapes.update({"self_attn.q_proj": (heads * qk, h), "self_attn.q_a_proj": None, "self_attn.q_b_proj": None})
     else:
         q_rank = int(c["q_lora_rank"])
         shapes.update({"self_attn.q_a_proj": (q_rank, h), "self_attn.q_b_proj": (heads * qk, q_rank)})
+        shapes["self_attn.q_proj"] = None
     return shapes
 
 
-def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int]]:
+def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
     if model_type == "gpt2":
         e = int(c["n_embd"])
         inner = int(c.get("n_inner") or 4 * e)
@@ -477,9 +478,10 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
     return {**shapes, **_glu("mlp", int(c["intermediate_size"]), h)}
 
 
-def expected_shapes(config: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int]]:
+def expected_shapes(config: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
     """[d_out, d_in] implied by config.json (``text_config`` for multimodal wrappers) for each default module
-    type of a known family; empty when the family is unknown or config.json lacks a dimension."""
+    type of a known family (None: config.json says the module does not exist, e.g. q_a_proj without
+    q_lora_rank); empty when the family is unknown or config.json lacks a dimension."""
     if model_type not in FAMILY_TARGETS:
         return {}
     try:
@@ -509,7 +511,7 @@ def expected_experts(config: dict[str, Any], model_type: str | None) -> int | No
 
 
 def check_shape_against_config(
-    t: TargetModule, shapes: dict[str, tuple[int, int]], n_experts: int | None = None
+    t: TargetModule, shapes: dict[str, tuple[int, int] | None], n_experts: int | None = None
 ) -> None:
     """Refuse a weight whose shape (or expert count) contradicts config.json (a wrong or mixed-up checkpoint)."""
     where = f"{t.tensor.file.name}: tensor '{t.tensor.name}'"
@@ -520,6 +522,11 @@ def check_shape_against_config(
         raise CheckpointError(
             f"{where} stacks {t.logical_shape[0]} experts but config.json says {n_experts}; "
             "the weights and config.json do not match"
+        )
+    if t.module_type in shapes and shapes[t.module_type] is None:
+        raise CheckpointError(
+            f"{where} is a {t.module_type} weight, which config.json says this model does not have "
+            "(e.g. q_a_proj without q_lora_rank); the weights and config.json do not match"
         )
     want = shapes.get(t.module_type)
     if want is None or tuple(t.shape) == want:
