@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from plate_inspect.batched import DEFAULT_GROUP_SIZE, batched_plate_geometry, expert_groups
 from plate_inspect.bundle import Q_DTYPES, Bundle, BundleWriter, Manifest, ModuleRecord, ScanSettings
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.errors import CheckpointError, ConfigError
-from plate_inspect.geometry import DEFAULT_TAU_GRID, module_seed, plate_geometry, validate_settings
+from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, module_seed, plate_geometry, validate_settings
 from plate_inspect.targets import TargetModule, load_target, select_targets
 
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
@@ -127,8 +128,12 @@ def run_scan(
     overwrite: bool = False,
     device: str = "cpu",
     progress: ScanProgress | None = None,
+    expert_group: int | None = None,
 ) -> Bundle:
-    """Execute a :class:`ScanPlan`, writing the bundle to ``out``."""
+    """Execute a :class:`ScanPlan`, writing the bundle to ``out``.
+
+    ``expert_group``: experts of one projection solved per batched eigensolve (default: 64 on CUDA, 1 on CPU).
+    """
     progress = progress or ScanProgress()
     dev = _resolve_device(device)
     ckpt, settings = plan.checkpoint, plan.settings
@@ -160,21 +165,27 @@ def run_scan(
         for t in members
     ]
     # One reader thread keeps the next weight's bytes coming from disk while this one is computed: at most
-    # one extra stored weight in memory, and disk time overlaps compute.
+    # one extra work item in memory, and disk time overlaps compute. On CUDA, experts of one projection are
+    # solved in groups with one batched eigensolve (plate_inspect.batched).
+    items = expert_groups(todo, _group_size(dev, expert_group))
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read")
     try:
-        upcoming = reader.submit(load_target, ckpt, todo[0][1]) if todo else None
+        upcoming = reader.submit(_load_all, ckpt, items[0][1]) if items else None
         tensors: dict[str, torch.Tensor] = {}
         records: list[ModuleRecord] = []
-        for i, (part, target) in enumerate(todo):
-            oriented, fingerprint = upcoming.result()
-            upcoming = reader.submit(load_target, ckpt, todo[i + 1][1]) if i + 1 < len(todo) else None
-            record, module_tensors = _scan_module(oriented, fingerprint, target, settings, dev, part)
-            del oriented
-            records.append(record)
-            tensors.update(module_tensors)
-            progress.module_done(target.name, target.nbytes)
-            if i + 1 == len(todo) or todo[i + 1][0] != part:
+        for i, (part, members) in enumerate(items):
+            loaded = upcoming.result()
+            upcoming = reader.submit(_load_all, ckpt, items[i + 1][1]) if i + 1 < len(items) else None
+            if len(members) == 1:
+                outputs = [_scan_module(loaded[0][0], loaded[0][1], members[0], settings, dev, part)]
+            else:
+                outputs = _scan_group(loaded, members, settings, dev, part)
+            del loaded
+            for target, (record, module_tensors) in zip(members, outputs, strict=True):
+                records.append(record)
+                tensors.update(module_tensors)
+                progress.module_done(target.name, target.nbytes)
+            if i + 1 == len(items) or items[i + 1][0] != part:
                 writer.write_part(part, records, tensors)
                 tensors, records = {}, []
     finally:
@@ -193,6 +204,31 @@ def run_scan(
     return Bundle.load(out)
 
 
+def _load_all(ckpt: Checkpoint, targets: list[TargetModule]) -> list[tuple[torch.Tensor, str]]:
+    return [load_target(ckpt, t) for t in targets]
+
+
+def _group_size(device: torch.device, expert_group: int | None) -> int:
+    """Experts per batched eigensolve: the given number, else DEFAULT_GROUP_SIZE on CUDA and 1 (none) on CPU."""
+    if expert_group is not None:
+        if expert_group < 1:
+            raise ConfigError(f"expert_group must be a positive integer, got {expert_group!r}")
+        return expert_group
+    return DEFAULT_GROUP_SIZE if device.type == "cuda" else 1
+
+
+def _compute_weight(oriented: torch.Tensor, target: TargetModule, settings: ScanSettings, device: torch.device):
+    """The weight upcast to the compute precision on the device; NaN/Inf refused."""
+    weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
+    # a sum is non-finite if any element is (or on overflow, where the exact check below clears it)
+    if not math.isfinite(float(weight.sum())) and not bool(torch.isfinite(weight).all()):
+        raise CheckpointError(
+            f"{target.tensor.file.name}: tensor '{target.tensor.name}' contains NaN or Inf values; "
+            "the checkpoint is corrupt or was saved after a diverged run"
+        )
+    return weight
+
+
 def _scan_module(
     oriented: torch.Tensor,
     fingerprint: str,
@@ -202,14 +238,8 @@ def _scan_module(
     part: str,
 ) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
     """Geometry and bundle record of one module from its d_out x d_in weight (consumed: freed here)."""
-    weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
+    weight = _compute_weight(oriented, target, settings, device)
     del oriented
-    # a sum is non-finite if any element is (or on overflow, where the exact check below clears it)
-    if not math.isfinite(float(weight.sum())) and not bool(torch.isfinite(weight).all()):
-        raise CheckpointError(
-            f"{target.tensor.file.name}: tensor '{target.tensor.name}' contains NaN or Inf values; "
-            "the checkpoint is corrupt or was saved after a diverged run"
-        )
     geo = plate_geometry(
         weight,
         settings.r,
@@ -222,6 +252,36 @@ def _scan_module(
         overwrite_input=True,
     )
     del weight
+    return module_outputs(target, geo, fingerprint, settings, part)
+
+
+def _scan_group(
+    loaded: list[tuple[torch.Tensor, str]],
+    targets: list[TargetModule],
+    settings: ScanSettings,
+    device: torch.device,
+    part: str,
+) -> list[tuple[ModuleRecord, dict[str, torch.Tensor]]]:
+    """Geometry and bundle records of same-shaped experts, solved together (one batched eigensolve)."""
+    weights = torch.stack([_compute_weight(w, t, settings, device) for (w, _), t in zip(loaded, targets, strict=True)])
+    geos = batched_plate_geometry(
+        weights,
+        settings.r,
+        settings.tau,
+        settings.max_rank,
+        seeds=[module_seed(settings.seed, t.name) for t in targets],
+        n_anchors=settings.anchors,
+        sketch_dim=settings.sketch_dim,
+        tau_grid=settings.tau_grid,
+    )
+    del weights
+    return [module_outputs(t, geo, fp, settings, part) for t, geo, (_, fp) in zip(targets, geos, loaded, strict=True)]
+
+
+def module_outputs(
+    target: TargetModule, geo: ModuleGeometry, fingerprint: str, settings: ScanSettings, part: str
+) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
+    """A module's manifest record and its bundle tensors (B, Q, redundancy, spectrum) from its geometry."""
     basis = geo.basis
     record = ModuleRecord(
         name=target.name,

@@ -294,3 +294,81 @@ def test_modules_by_name_finds_expert_slices(ckpts):
     t = found["language_model.model.layers.1.feed_forward.experts.down_proj.2"]
     assert t.expert == 2 and t.layout == "experts_in_major" and t.shape == (32, 24)
     assert "language_model.model.layers.1.feed_forward.router" in found  # every module, not only targets
+
+
+# --------------------------------------------------------------------------- batched eigensolves of experts
+def projector(q: torch.Tensor) -> torch.Tensor:
+    q = q.double()
+    return q @ q.T
+
+
+@pytest.mark.parametrize(("d_out", "d_in", "r"), [(48, 20, 6), (24, 40, 4), (16, 64, 4)])  # tall, wide, mostly null
+def test_batched_geometry_matches_per_module(d_out, d_in, r):
+    from plate_inspect.batched import batched_plate_geometry
+    from plate_inspect.geometry import plate_geometry
+    from plate_inspect.testing.synthetic import structured_weight
+
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.stack([structured_weight(d_out, d_in, gen, planted=5)[0] for _ in range(5)]).double()
+    seeds = [11 * e + 1 for e in range(5)]
+    batched = batched_plate_geometry(weights, r, 0.9, 12, seeds=seeds, n_anchors=16)
+    for e, got in enumerate(batched):
+        one = plate_geometry(weights[e].clone(), r, 0.9, 12, n_anchors=16, seed=seeds[e])
+        assert got.b_idx.tolist() == one.b_idx.tolist()
+        torch.testing.assert_close(got.redundancy, one.redundancy)
+        assert got.k == one.k and got.k_by_tau == one.k_by_tau
+        torch.testing.assert_close(got.basis.spectrum, one.basis.spectrum, rtol=1e-5, atol=1e-7)
+        assert got.basis.q.dtype == torch.float64 and got.basis.q.shape == (d_in, one.k)
+        torch.testing.assert_close(got.basis.q.T @ got.basis.q, torch.eye(one.k, dtype=torch.float64))
+        # the same subspace: bottom-k eigenvectors (and, for null directions, the same seeded Gaussian projected)
+        torch.testing.assert_close(projector(got.basis.q), projector(one.basis.q), atol=1e-8, rtol=0)
+        assert got.basis.captured_energy == pytest.approx(one.basis.captured_energy, abs=1e-12)
+
+
+def test_expert_groups_by_part_type_and_size(ckpts):
+    from plate_inspect.batched import expert_groups
+    from plate_inspect.scanner import part_name
+
+    targets, _ = select_targets(Checkpoint.open(ckpts["mixtral"].path))
+    todo = [(part_name(t), t) for t in targets]
+    items = expert_groups(todo, max_group=2)
+    assert [t.name for _, g in items for t in g] != [t.name for t in targets]  # experts regrouped by type ...
+    assert sorted(t.name for _, g in items for t in g) == sorted(t.name for t in targets)  # ... none lost
+    for part, group in items:
+        assert len(group) <= 2 and {part_name(t) for t in group} == {part}
+        assert len({(t.module_type, t.shape) for t in group}) == 1
+        assert len(group) == 1 or all(t.expert is not None for t in group)
+    parts = [p for p, _ in items]
+    assert parts == sorted(parts)  # parts stay contiguous
+    w1 = [[t.expert for t in g] for _, g in items if g[0].module_type == "block_sparse_moe.experts.w1"]
+    assert w1 == [[0, 1], [2], [0, 1], [2]]
+    assert all(len(g) == 1 for _, g in expert_groups(todo, max_group=1))
+    assert all(len(g) == 1 for _, g in expert_groups(todo, max_group=8, max_bytes=targets[-1].nbytes))
+
+
+@pytest.mark.parametrize("family", ["llama4", "mixtral"])
+def test_batched_scan_matches_per_module_scan(ckpts, family, tmp_path, monkeypatch):
+    """The scanner's batched path (forced on CPU with expert_group) against its per-module path and the oracle."""
+    from plate_inspect import scanner
+    from plate_inspect.scanner import plan_scan, run_scan
+
+    batch_sizes = []
+    real = scanner.batched_plate_geometry
+    monkeypatch.setattr(
+        scanner, "batched_plate_geometry", lambda w, *a, **kw: batch_sizes.append(len(w)) or real(w, *a, **kw)
+    )
+    path = ckpts[family].path
+    plan = dict(r=R, tau=TAU, max_rank=MAX_RANK, precision="float64")
+    one = run_scan(plan_scan(path, **plan), tmp_path / "one")
+    assert batch_sizes == []  # CPU default: one module at a time
+    grouped = run_scan(plan_scan(path, **plan), tmp_path / "grouped", expert_group=8)
+    n_experts = 3  # per MoE layer, both families' defaults
+    assert batch_sizes == [n_experts] * (2 if family == "llama4" else 6)  # one eigensolve per projection and layer
+    assert grouped.modules == one.modules
+    for rec in grouped:
+        other = one.record(rec.name)
+        assert (rec.k, rec.r, rec.fingerprint, rec.shape) == (other.k, other.r, other.fingerprint, other.shape)
+        assert grouped.b_idx(rec.name).tolist() == one.b_idx(rec.name).tolist()
+        torch.testing.assert_close(projector(grouped.q(rec.name)), projector(one.q(rec.name)), atol=1e-5, rtol=0)
+    experts = [n for n in grouped.modules if ".experts." in n]
+    check_against_oracle(grouped, load_all(path), family, experts[:4] + experts[-2:])
