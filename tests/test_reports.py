@@ -325,10 +325,33 @@ def test_spectrum_downsampled_and_says_so(small_bundle):
     v = D.spectrum_view(small_bundle, rec.name, max_points=16)
     assert v.downsampled and 16 <= len(v.index) <= 20
     assert v.index[0] == 1 and v.index[-1] == len(s)
-    assert v.m_tau in v.index and v.k_start in v.index or v.k_start > len(s)
+    assert v.m_tau in v.index  # the tau cut is always drawn
+    # Q's first direction lies past the stored spectrum here (a null direction): nothing to keep from it
+    assert v.k_start > len(s) and rec.d_in - len(s) == v.null_directions > 0
     np.testing.assert_allclose(v.values, s[np.array(v.index) - 1], rtol=1e-3)
     title = F.spectrum_figure([v], ["x"])["layout"]["title"]["text"]
     assert f"{len(v.index)} of {len(s)} eigenvalues" in title
+
+
+def test_downsampled_spectrum_keeps_tau_cut_and_q_start():
+    """A long stored spectrum where Q starts inside it: both the tau cut and Q's first direction are drawn."""
+
+    class Rec:
+        d_in, k = 1000, 300
+
+    class B:
+        settings = ScanSettings(tau=0.9)
+
+        def record(self, name):
+            return Rec()
+
+    s = np.exp(-np.linspace(0, 12, 1000))  # all 1000 directions stored; top m hold 90% of the energy
+    v = D.spectrum_view(B(), "m", max_points=20, spectrum=s)
+    m = int(np.argmax(np.cumsum(s) >= 0.9 * s.sum())) + 1
+    assert v.downsampled and v.m_tau == m and v.k_start == 701
+    assert m in v.index and m + 1 in v.index  # both sides of the cut
+    assert 700 in v.index and 701 in v.index  # both sides of Q's first direction
+    assert len(v.index) <= 20 + 4
 
 
 # --------------------------------------------------------------------------- score histograms
