@@ -10,7 +10,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from plate_inspect.reports.data import Heatmap, KTauCurve, ScoreHistogram, SpectrumView, _sig
+from plate_inspect.reports.data import (
+    HEATMAP_METRICS,
+    ExpertGroup,
+    Heatmap,
+    KTauCurve,
+    ScoreHistogram,
+    SpectrumView,
+    _sig,
+    distribution,
+)
 
 #: plotly's default qualitative palette: module types (k(tau)) and bundles (spectra, histograms).
 PALETTE = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880", "#ff97ff"]
@@ -418,3 +427,80 @@ def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
         "annotations": annotations,
     }
     return {"data": data, "layout": layout}
+
+
+# --------------------------------------------------------------------------- experts
+#: Record attribute -> ExpertGroup field, for the per-layer distributions over experts.
+EXPERT_METRICS = {"k": "k", "captured_energy": "energy", "mean_redundancy": "score"}
+
+
+def expert_box_figure(groups: list[ExpertGroup], metric: str) -> Figure:
+    """Per layer, the distribution over experts (min, quartiles, max, mean) of one metric; one box per module
+    type. Statistics are computed here, so the page carries 6 numbers per box, not one per expert."""
+    types: list[str] = []
+    for g in groups:
+        if g.module_type not in types:
+            types.append(g.module_type)
+    data = []
+    for t, mtype in enumerate(types):
+        members = [g for g in groups if g.module_type == mtype]
+        floor = ENERGY_FLOOR if metric == "captured_energy" else -math.inf  # log axis: exact zeros at the floor
+        stats = [distribution([max(v, floor) for v in getattr(g, EXPERT_METRICS[metric])]) for g in members]
+        data.append(
+            {
+                "type": "box",
+                "name": mtype,
+                "x": [str(g.layer) for g in members],
+                "lowerfence": [_sig(s["min"]) for s in stats],
+                "q1": [_sig(s["q1"]) for s in stats],
+                "median": [_sig(s["median"]) for s in stats],
+                "q3": [_sig(s["q3"]) for s in stats],
+                "upperfence": [_sig(s["max"]) for s in stats],
+                "mean": [_sig(s["mean"]) for s in stats],
+                "boxpoints": False,
+                "marker": {"color": color(t)},
+                "line": {"width": 1},
+            }
+        )
+    title = {"k": "k over experts", "captured_energy": "captured energy over experts (log)"}.get(
+        metric, "mean redundancy over experts"
+    )
+    layout = _base_layout(title, height=400)
+    layout.update(
+        boxmode="group",
+        xaxis={"type": "category", "title": {"text": "layer"}},
+        yaxis={"title": {"text": metric}, **({"type": "log"} if metric == "captured_energy" else {})},
+        legend={"orientation": "h", "y": -0.2, "font": {"size": 10}},
+    )
+    return {"data": data, "layout": layout}
+
+
+#: Drill-down into one expert group: the page fills x (expert index), y (k) and customdata per group.
+EXPERT_BARS_BASE: Figure = {
+    "data": [
+        {
+            "type": "bar",
+            "name": "k",
+            "marker": {"colorscale": "Viridis", "colorbar": {"title": {"text": "mean score"}, "thickness": 12}},
+            "hovertemplate": (
+                "expert %{x}<br>k = %{y}<br>captured energy = %{customdata[0]:.3e}"
+                "<br>mean redundancy = %{customdata[1]:.4f}<extra></extra>"
+            ),
+        }
+    ],
+    "layout": {
+        **_base_layout("", height=400),
+        "xaxis": {"title": {"text": "expert (click one for its spectrum)"}},
+        "yaxis": {"title": {"text": "k = dim Q"}, "rangemode": "tozero"},
+        "bargap": 0.05,
+    },
+}
+#: One expert's spectrum from its group's compact log10 values; the page fills x, y, the Q band and the title.
+EXPERT_SPECTRUM_BASE: Figure = {
+    "data": [{"type": "scatter", "mode": "lines+markers", "name": "eigenvalues", "marker": {"size": 4}}],
+    "layout": {
+        **SPECTRUM_BASE,
+        "showlegend": False,
+        "xaxis": {"title": {"text": "eigen-direction (descending eigenvalue)"}},
+    },
+}

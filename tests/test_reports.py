@@ -53,14 +53,26 @@ def write_fake_bundle(
     wall_seconds: float | None = 12.5,
     finalize: bool = True,
     extra: dict[str, tuple[int, int]] | None = None,
+    experts: dict[str, tuple[int, int]] | None = None,
+    n_experts: int = 0,
 ) -> Path:
     """A valid bundle with fake tensors: random scores with B = their top r, a random decaying spectrum with
-    k and k_by_tau derived from it as the scanner derives them, Q a random orthonormal d_in x k basis."""
+    k and k_by_tau derived from it as the scanner derives them, Q a random orthonormal d_in x k basis.
+
+    ``experts`` (projection -> shape) adds ``n_experts`` experts per layer, named as DeepSeek/Qwen-MoE name
+    them (``model.layers.N.mlp.experts.E.<proj>``, module type ``mlp.experts.<proj>``)."""
     gen = torch.Generator().manual_seed(seed)
     settings = ScanSettings(r=r, tau=tau, max_rank=max_rank, seed=seed, q_dtype=q_dtype)
     grid = sorted({*settings.tau_grid, tau})
     targets = [(f"model.layers.{i}.{t}", i, t, shp) for i in range(layers) for t, shp in types.items()]
+    targets += [
+        (f"model.layers.{i}.mlp.experts.{e}.{p}", i, f"mlp.experts.{p}", shp)
+        for i in range(layers)
+        for e in range(n_experts)
+        for p, shp in (experts or {}).items()
+    ]
     targets += [(name, None, name, shp) for name, shp in (extra or {}).items()]
+    bases: dict[int, torch.Tensor] = {}  # experts share one orthonormal basis per d_in (fast at 46k modules)
     manifest = Manifest(
         source={"kind": "local", "id": f"/models/fake-{seed}", "revision": None, "commit": None},
         settings=settings,
@@ -86,7 +98,12 @@ def write_fake_bundle(
             k = k_for_tau(spectrum, tau, d_in, max_rank)
             full = torch.cat([spectrum.double(), torch.zeros(d_in - n, dtype=torch.float64)])
             captured = float(full[d_in - k :].sum() / full.sum())
-            q = random_orthonormal(d_in, k, seed=len(records) + 7 * (layer or 0)).to(Q_DTYPES[q_dtype])
+            if ".experts." in name:
+                if d_in not in bases:
+                    bases[d_in] = random_orthonormal(d_in, d_in, seed=d_in)
+                q = bases[d_in][:, :k].to(Q_DTYPES[q_dtype]).contiguous()
+            else:
+                q = random_orthonormal(d_in, k, seed=len(records) + 7 * (layer or 0)).to(Q_DTYPES[q_dtype])
             records.append(
                 ModuleRecord(
                     name=name,
