@@ -11,7 +11,6 @@ import math
 from typing import Any
 
 from plate_inspect.reports.data import (
-    HEATMAP_METRICS,
     ExpertGroup,
     Heatmap,
     KTauCurve,
