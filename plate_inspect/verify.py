@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.checkpoint import Checkpoint, fingerprint_bytes
+from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.targets import load_target, modules_by_name
 
 
 @dataclass
@@ -39,6 +40,7 @@ def verify(
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
     report = VerifyReport(str(b.path), str(source) if source is not None else None)
     ckpt = Checkpoint.open(source, revision=revision) if source is not None else None
+    modules = modules_by_name(ckpt) if ckpt is not None else {}  # 3-D expert slices included
     for rec in b:
         report.modules_checked += 1
         where = f"module '{rec.name}'"
@@ -56,10 +58,10 @@ def verify(
         if spectrum.numel() and (bool((spectrum < 0).any()) or bool((spectrum[1:] > spectrum[:-1]).any())):
             report.problems.append(f"{where}: spectrum not descending and non-negative")
         if ckpt is not None:
-            weight_name = rec.name + ".weight"
-            if weight_name not in ckpt.tensors:
-                report.problems.append(f"{where}: the checkpoint has no tensor '{weight_name}'")
+            target = modules.get(rec.name)
+            if target is None:
+                report.problems.append(f"{where}: the checkpoint has no weight for this module")
                 continue
-            if fingerprint_bytes(ckpt.read_bytes(weight_name)) != rec.fingerprint:
+            if load_target(ckpt, target)[1] != rec.fingerprint:
                 report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
     return report

@@ -372,3 +372,23 @@ def test_batched_scan_matches_per_module_scan(ckpts, family, tmp_path, monkeypat
         torch.testing.assert_close(projector(grouped.q(rec.name)), projector(one.q(rec.name)), atol=1e-5, rtol=0)
     experts = [n for n in grouped.modules if ".experts." in n]
     check_against_oracle(grouped, load_all(path), family, experts[:4] + experts[-2:])
+
+
+def test_verify_finds_expert_slices(ckpts, tmp_path):
+    """verify checks every module's fingerprint, 3-D expert slices included; a changed expert is caught."""
+    from safetensors.torch import load_file, save_file
+
+    from plate_inspect import verify
+
+    src = ckpts["gpt_oss"].path
+    bundle = plate_inspect.scan(src, tmp_path / "b", r=R, tau=TAU, max_rank=MAX_RANK, layers=[0])
+    report = verify(bundle, src)
+    assert report.ok and report.modules_checked == len(bundle) == 4 + 6, report.problems
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.0.mlp.experts.down_proj"][1, 0, 0] += 1.0  # expert 1 only
+    save_file(tensors, str(changed / "model.safetensors"))
+    problems = verify(bundle, changed).problems
+    assert len(problems) == 1 and "mlp.experts.down_proj.1'" in problems[0] and "fingerprint differs" in problems[0]
