@@ -161,6 +161,9 @@ def reuse_line(stats: dict) -> str:
 )
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--offline", is_flag=True, help="Never contact the hub (also HF_HUB_OFFLINE=1).")
+@click.option(
+    "--include-mtp", is_flag=True, help="Also scan DeepSeek's multi-token-prediction layer (skipped by default)."
+)
 @click.option("--overwrite", is_flag=True, help="Replace a bundle made with other settings or weights.")
 @click.option("--report", "make_report", is_flag=True, help="Also write <out>/report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -181,6 +184,7 @@ def scan_command(
     devices,
     revision,
     offline,
+    include_mtp,
     overwrite,
     make_report,
     quiet,
@@ -222,6 +226,7 @@ def scan_command(
         q_dtype=q_dtype,
         revision=revision,
         offline=True if offline else None,
+        include_mtp=include_mtp,
     )
     root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if root:
@@ -241,15 +246,60 @@ def scan_command(
 @click.command("info")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--modules", "show_modules", is_flag=True, help="Also list every module.")
-def info_command(bundle, show_modules):
-    """Summarise a PLATE init bundle (settings, per-type k and energy, parameter budgets).
+@click.option("--expert-groups", "show_groups", is_flag=True, help="Also list every (layer, module type) expert group.")
+def info_command(bundle, show_modules, show_groups):
+    """Summarise a PLATE init bundle (settings, per-type k and energy, parameter budgets, expert groups).
+
+    Mixture-of-experts bundles also get one row per expert module type: how many layers x experts, and the
+    spread of k, captured energy and mean redundancy over all of them.
 
     \b
     Example:
       plate-inspect info bundles/qwen7b --modules
+      plate-inspect info bundles/deepseek-v3 --expert-groups
     """
+    from plate_inspect.reports.data import distribution, expert_groups
+
     b = Bundle.load(bundle, require_complete=False)
     print_summary(b)
+    groups = expert_groups(list(b))
+    if groups:
+        by_type: dict[str, list] = defaultdict(list)
+        for g in groups:
+            by_type[g.module_type].append(g)
+        table = Table(title="expert groups, per module type (over all experts)")
+        for col in ("expert module type", "layers x experts", "d_out x d_in", "k min/median/max", "Q energy", "score"):
+            table.add_column(col, justify="left" if col == "expert module type" else "right")
+        for mtype, members in by_type.items():
+            ks = distribution([k for g in members for k in g.k])
+            energy = distribution([x for g in members for x in g.energy])
+            score = distribution([x for g in members for x in g.score])
+            n_experts = sorted({len(g.names) for g in members})
+            table.add_row(
+                mtype,
+                f"{len(members)} x {'/'.join(map(str, n_experts))}",
+                f"{members[0].shape[0]}x{members[0].shape[1]}",
+                f"{ks['min']:.0f}/{ks['median']:.0f}/{ks['max']:.0f}",
+                f"{energy['median']:.2e}",
+                f"{score['median']:.4f}",
+            )
+        console.print(table)
+        console.print("[dim]Q energy and score: medians over the experts; --expert-groups lists every layer[/]")
+    if show_groups and groups:
+        table = Table(title="expert groups, per layer")
+        for col in ("layer", "module type", "experts", "k min/median/max", "Q energy (median)", "score (median)"):
+            table.add_column(col, justify="left" if col == "module type" else "right")
+        for g in groups:
+            ks, energy, score = distribution(g.k), distribution(g.energy), distribution(g.score)
+            table.add_row(
+                str(g.layer),
+                g.module_type,
+                str(len(g.names)),
+                f"{ks['min']:.0f}/{ks['median']:.0f}/{ks['max']:.0f}",
+                f"{energy['median']:.2e}",
+                f"{score['median']:.4f}",
+            )
+        console.print(table)
     if show_modules:
         table = Table(title="modules")
         for col in ("module", "d_out x d_in", "r", "k", "Q energy", "mean score"):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from plate_inspect import distributed
+from plate_inspect.batched import DEFAULT_GROUP_SIZE, batched_plate_geometry, expert_groups
 from plate_inspect.bundle import (
     Q_DTYPES,
     Bundle,
@@ -35,7 +36,7 @@ from plate_inspect.bundle import (
 )
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.errors import CheckpointError, ConfigError
-from plate_inspect.geometry import DEFAULT_TAU_GRID, module_seed, plate_geometry, validate_settings
+from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, module_seed, plate_geometry, validate_settings
 from plate_inspect.targets import TargetModule, load_target, select_targets
 
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
@@ -82,6 +83,7 @@ def plan_scan(
     tau_grid: Iterable[float] = DEFAULT_TAU_GRID,
     revision: str | None = None,
     offline: bool | None = None,
+    include_mtp: bool = False,
 ) -> ScanPlan:
     """Validate settings, open the checkpoint lazily and choose target modules."""
     validate_settings(r=r, tau=tau, max_rank=max_rank, n_anchors=anchors, sketch_dim=sketch_dim)
@@ -106,7 +108,9 @@ def plan_scan(
         tau_grid=grid,
     )
     ckpt = Checkpoint.open(source, revision=revision, offline=offline)
-    targets, note = select_targets(ckpt, list(settings.target_modules or []) or None, settings.layers)
+    targets, note = select_targets(
+        ckpt, list(settings.target_modules or []) or None, settings.layers, include_mtp=include_mtp
+    )
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(target.tensor)
     return ScanPlan(ckpt, targets, note, settings)
@@ -129,6 +133,7 @@ def scan(
     tau_grid: Iterable[float] = DEFAULT_TAU_GRID,
     revision: str | None = None,
     offline: bool | None = None,
+    include_mtp: bool = False,
     overwrite: bool = False,
     device: str = "cpu",
     devices: str | Sequence[str] | None = None,
@@ -156,6 +161,7 @@ def scan(
         tau_grid=tau_grid,
         revision=revision,
         offline=offline,
+        include_mtp=include_mtp,
     )
     return run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
 
@@ -176,8 +182,12 @@ def run_scan(
     device: str = "cpu",
     devices: str | Sequence[str] | None = None,
     progress: ScanProgress | None = None,
+    expert_group: int | None = None,
 ) -> Bundle:
-    """Execute a :class:`ScanPlan`, writing the bundle to ``out`` (alone, as a torchrun rank, or on ``devices``)."""
+    """Execute a :class:`ScanPlan`, writing the bundle to ``out`` (alone, as a torchrun rank, or on ``devices``).
+
+    ``expert_group``: experts of one projection solved per batched eigensolve (default: 64 on CUDA, 1 on CPU).
+    """
     if devices is not None:
         names = distributed.parse_devices(devices)
         if len(names) > 1:
@@ -203,7 +213,8 @@ def run_scan(
         parts = parts_of(plan.targets)
         costs = [(part, sum(distributed.module_cost(*t.shape) for t in members)) for part, members in parts.items()]
         mine = distributed.assign_parts(costs, group.world_size)[group.rank]
-        result = _scan_share(ckpt, {p: parts[p] for p in mine}, writer, dev, progress)
+        group_size = _group_size(dev, expert_group)
+        result = _scan_share(ckpt, {p: parts[p] for p in mine}, writer, dev, progress, group_size)
         results = group.gather(result)
         # every rank gets the final manifest from rank 0 (no rank re-reads a file another node just wrote)
         final = group.on_root(lambda: _finish(writer, results or [], group.world_size))
@@ -224,55 +235,75 @@ def _scan_share(
     writer: BundleWriter,
     device: torch.device,
     progress: ScanProgress,
+    group_size: int = 1,
 ) -> ShareResult:
     """Scan this process's parts: read and hash every weight once; compute only modules no part header vouches for.
 
     A module is kept when its existing part file (same settings) holds a record whose weight fingerprint, dtype,
     shape and layout equal the weight just read; a part is rewritten only if one of its modules was computed.
+    Same-shaped experts of a part are read and solved together in groups of ``group_size`` (plate_inspect.batched).
     """
     started = time.perf_counter()
-    todo = [t for members in parts.values() for t in members]
-    progress.start(len(todo), sum(t.tensor.nbytes for t in todo), 0, 0)
+    items = expert_groups([(part, t) for part, members in parts.items() for t in members], group_size)
+    progress.start(sum(len(m) for _, m in items), sum(t.nbytes for _, m in items for t in m), 0, 0)
+    settings = writer.manifest.settings
     computed = reused = changed = 0
     records_out: list[ModuleRecord] = []
-    # One reader thread reads and hashes the next weight while this one is computed: at most one extra stored
-    # weight in memory, and disk time and hashing overlap compute.
+    # One reader thread reads and hashes the next work item while this one is computed: at most one extra item
+    # in memory, and disk time and hashing overlap compute.
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read")
     try:
-        upcoming = reader.submit(load_target, ckpt, todo[0]) if todo else None
-        i = 0
-        for part, members in parts.items():
-            old = writer.reusable(part)
-            records: list[ModuleRecord] = []
-            tensors: dict[str, torch.Tensor] = {}
-            kept: list[str] = []
-            for target in members:
-                oriented, fingerprint = upcoming.result()
-                i += 1
-                upcoming = reader.submit(load_target, ckpt, todo[i]) if i < len(todo) else None
+        upcoming = reader.submit(_load_all, ckpt, items[0][1]) if items else None
+        old: dict[str, ModuleRecord] = {}
+        by_name: dict[str, ModuleRecord] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        kept: list[str] = []
+        for i, (part, members) in enumerate(items):
+            if i == 0 or items[i - 1][0] != part:
+                old, by_name, tensors, kept = writer.reusable(part), {}, {}, []
+            loaded = upcoming.result()
+            upcoming = reader.submit(_load_all, ckpt, items[i + 1][1]) if i + 1 < len(items) else None
+            todo: list[tuple[TargetModule, tuple[torch.Tensor, str]]] = []
+            for target, (oriented, fingerprint) in zip(members, loaded, strict=True):
                 prior = old.get(target.name)
-                now = (fingerprint, target.tensor.dtype, tuple(target.shape), target.layout)
-                if prior is not None and weight_key(prior) == now:
-                    records.append(prior)
+                if prior is not None and weight_key(prior) == (
+                    fingerprint,
+                    target.tensor.dtype,
+                    tuple(target.shape),
+                    target.layout,
+                ):
+                    by_name[target.name] = prior
                     kept.append(target.name)
-                    del oriented
                 else:
-                    record, module_tensors = _scan_module(
-                        oriented, fingerprint, target, writer.manifest.settings, device, part
-                    )
-                    del oriented
-                    records.append(record)
-                    tensors.update(module_tensors)
+                    todo.append((target, (oriented, fingerprint)))
                     changed += prior is not None
-                progress.module_done(target.name, target.tensor.nbytes)
-            computed += len(members) - len(kept)
-            reused += len(kept)
-            if len(kept) == len(members) and set(old) == set(kept):
-                writer.add_records(records)  # the part on disk is exactly this part: leave it alone
+            del loaded
+            if len(todo) == 1:
+                (target, (oriented, fingerprint)), todo = todo[0], []
+                outputs = [(target, _scan_module(oriented, fingerprint, target, settings, device, part))]
+                del oriented
+            elif todo:
+                targets = [t for t, _ in todo]
+                results = _scan_group([w for _, w in todo], targets, settings, device, part)
+                outputs = list(zip(targets, results, strict=True))
             else:
-                tensors.update(read_part_tensors(writer.path / part, kept) if kept else {})
-                writer.write_part(part, records, tensors)
-            records_out.extend(records)
+                outputs = []
+            del todo
+            for target, (record, module_tensors) in outputs:
+                by_name[target.name] = record
+                tensors.update(module_tensors)
+            for target in members:
+                progress.module_done(target.name, target.nbytes)
+            if i + 1 == len(items) or items[i + 1][0] != part:
+                records = [by_name[t.name] for t in parts[part]]
+                computed += len(records) - len(kept)
+                reused += len(kept)
+                if len(kept) == len(records) and set(old) == set(kept):
+                    writer.add_records(records)  # the part on disk is exactly this part: leave it alone
+                else:
+                    tensors.update(read_part_tensors(writer.path / part, kept) if kept else {})
+                    writer.write_part(part, records, tensors)
+                records_out.extend(records)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
         progress.finish()
@@ -316,6 +347,31 @@ def blas_threads() -> list[dict[str, Any]]:
     return [{k: pool.get(k) for k in keys} for pool in threadpool_info()]
 
 
+def _load_all(ckpt: Checkpoint, targets: list[TargetModule]) -> list[tuple[torch.Tensor, str]]:
+    return [load_target(ckpt, t) for t in targets]
+
+
+def _group_size(device: torch.device, expert_group: int | None) -> int:
+    """Experts per batched eigensolve: the given number, else DEFAULT_GROUP_SIZE on CUDA and 1 (none) on CPU."""
+    if expert_group is not None:
+        if expert_group < 1:
+            raise ConfigError(f"expert_group must be a positive integer, got {expert_group!r}")
+        return expert_group
+    return DEFAULT_GROUP_SIZE if device.type == "cuda" else 1
+
+
+def _compute_weight(oriented: torch.Tensor, target: TargetModule, settings: ScanSettings, device: torch.device):
+    """The weight upcast to the compute precision on the device; NaN/Inf refused."""
+    weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
+    # a sum is non-finite if any element is (or on overflow, where the exact check below clears it)
+    if not math.isfinite(float(weight.sum())) and not bool(torch.isfinite(weight).all()):
+        raise CheckpointError(
+            f"{target.tensor.file.name}: tensor '{target.tensor.name}' contains NaN or Inf values; "
+            "the checkpoint is corrupt or was saved after a diverged run"
+        )
+    return weight
+
+
 def _scan_module(
     oriented: torch.Tensor,
     fingerprint: str,
@@ -325,14 +381,8 @@ def _scan_module(
     part: str,
 ) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
     """Geometry and bundle record of one module from its d_out x d_in weight (consumed: freed here)."""
-    weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
+    weight = _compute_weight(oriented, target, settings, device)
     del oriented
-    # a sum is non-finite if any element is (or on overflow, where the exact check below clears it)
-    if not math.isfinite(float(weight.sum())) and not bool(torch.isfinite(weight).all()):
-        raise CheckpointError(
-            f"{target.tensor.file.name}: tensor '{target.tensor.name}' contains NaN or Inf values; "
-            "the checkpoint is corrupt or was saved after a diverged run"
-        )
     geo = plate_geometry(
         weight,
         settings.r,
@@ -345,6 +395,36 @@ def _scan_module(
         overwrite_input=True,
     )
     del weight
+    return module_outputs(target, geo, fingerprint, settings, part)
+
+
+def _scan_group(
+    loaded: list[tuple[torch.Tensor, str]],
+    targets: list[TargetModule],
+    settings: ScanSettings,
+    device: torch.device,
+    part: str,
+) -> list[tuple[ModuleRecord, dict[str, torch.Tensor]]]:
+    """Geometry and bundle records of same-shaped experts, solved together (one batched eigensolve)."""
+    weights = torch.stack([_compute_weight(w, t, settings, device) for (w, _), t in zip(loaded, targets, strict=True)])
+    geos = batched_plate_geometry(
+        weights,
+        settings.r,
+        settings.tau,
+        settings.max_rank,
+        seeds=[module_seed(settings.seed, t.name) for t in targets],
+        n_anchors=settings.anchors,
+        sketch_dim=settings.sketch_dim,
+        tau_grid=settings.tau_grid,
+    )
+    del weights
+    return [module_outputs(t, geo, fp, settings, part) for t, geo, (_, fp) in zip(targets, geos, loaded, strict=True)]
+
+
+def module_outputs(
+    target: TargetModule, geo: ModuleGeometry, fingerprint: str, settings: ScanSettings, part: str
+) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
+    """A module's manifest record and its bundle tensors (B, Q, redundancy, spectrum) from its geometry."""
     basis = geo.basis
     record = ModuleRecord(
         name=target.name,

@@ -1,22 +1,77 @@
-"""Which weights of a checkpoint PLATE adapts: default targets per model family, matching, layouts, shape checks."""
+"""Which weights of a checkpoint PLATE adapts: default targets per model family, matching, layouts, shape checks.
+
+A target is one d_out x d_in matrix. Most are a 2-D ``<module>.weight`` tensor. Mixture-of-experts checkpoints
+that store all experts of a projection as one 3-D tensor (Llama-4, gpt-oss, transformers-5 fused layouts) give
+one target per expert, named ``<tensor>.<e>`` (e.g. ``model.layers.3.feed_forward.experts.gate_up_proj.17``);
+checkpoints with one tensor per expert (Mixtral, Qwen-MoE, DeepSeek) keep their own names. Routers and gates
+are never default targets; name them with ``target_modules`` to scan them.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from plate_inspect.checkpoint import Checkpoint, TensorInfo
+from plate_inspect.checkpoint import Checkpoint, TensorInfo, fingerprint_bytes, require_float_dtype
 from plate_inspect.errors import CheckpointError, ConfigError, UnsupportedWeightError
 
-_LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
+#: [experts, d_out, d_in] (experts_out_major) or [experts, d_in, d_out] (experts_in_major).
+LAYOUTS = ("linear", "conv1d", "experts_out_major", "experts_in_major")
+EXPERT_LAYOUTS = frozenset({"experts_out_major", "experts_in_major"})
 
-#: Default target module suffixes by ``config.json`` ``model_type``.
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_GLU = ("gate_proj", "up_proj", "down_proj")
+_LLAMA_LIKE = (*_ATTENTION, *(f"mlp.{p}" for p in _GLU))
+_MLA = (
+    "self_attn.q_a_proj",
+    "self_attn.q_b_proj",
+    "self_attn.q_proj",
+    "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_b_proj",
+    "self_attn.o_proj",
+)
+_QWEN3_MOE = (*_LLAMA_LIKE, *(f"mlp.experts.{p}" for p in _GLU), "mlp.experts.gate_up_proj")
+_DEEPSEEK = (
+    *_MLA,
+    *(f"mlp.{p}" for p in _GLU),
+    *(f"mlp.experts.{p}" for p in _GLU),
+    *(f"mlp.shared_experts.{p}" for p in _GLU),
+    "mlp.experts.gate_up_proj",
+    "eh_proj",  # only in the multi-token-prediction layer
+)
+_LLAMA4 = (
+    *_ATTENTION,
+    *(f"feed_forward.{p}" for p in _GLU),
+    *(f"feed_forward.shared_expert.{p}" for p in _GLU),
+    "feed_forward.experts.gate_up_proj",
+    "feed_forward.experts.down_proj",
+)
+
+#: Default target module types (the module name after its layer index, expert index removed) by model_type.
 FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
-    **{t: _LLAMA_LIKE for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "olmo2")},
-    "phi3": ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"),
+    **{
+        t: _LLAMA_LIKE
+        for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gemma3_text", "olmo", "olmo2")
+    },
+    "phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+    "mixtral": (
+        *_ATTENTION,
+        *(f"block_sparse_moe.experts.{w}" for w in ("w1", "w2", "w3")),
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj",
+    ),
+    "qwen2_moe": (*_QWEN3_MOE, *(f"mlp.shared_expert.{p}" for p in _GLU)),
+    "qwen3_moe": _QWEN3_MOE,
+    "deepseek_v2": _DEEPSEEK,
+    "deepseek_v3": _DEEPSEEK,
+    "llama4": _LLAMA4,
+    "llama4_text": _LLAMA4,
+    "gpt_oss": (*_ATTENTION, "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
     "bert": (
         "attention.self.query",
@@ -27,34 +82,92 @@ FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
         "output.dense",
     ),
 }
-#: Families whose weights are stored as [d_in, d_out] (GPT-2's Conv1D).
+#: Families whose 2-D weights are stored as [d_in, d_out] (GPT-2's Conv1D).
 CONV1D_FAMILIES = frozenset({"gpt2"})
+#: Families whose plain 3-D expert tensors are [experts, d_in, d_out] (they multiply x @ W[e]); the others'
+#: (transformers' fused gate_up_proj/down_proj parameters) are [experts, d_out, d_in]. MXFP4 ``*_blocks`` are
+#: always [experts, d_out, d_in / 32, 16]: output rows first.
+EXPERTS_IN_MAJOR_FAMILIES = frozenset({"llama4", "llama4_text", "gpt_oss"})
+#: Router / gate weights: never targets unless named explicitly.
+ROUTER = re.compile(r"(^|\.)(gate|router|shared_expert_gate)$")
 _NEVER_BY_DEFAULT = re.compile(r"(embed|lm_head|wte|wpe|norm|ln_|layernorm|pooler|classifier|score|head)", re.I)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+_PER_EXPERT = re.compile(r"((?:^|\.)experts)\.(\d+)(?=\.)")  # mlp.experts.7.gate_proj
+_STACK_SLICE = re.compile(r"^(.*(?:^|\.)experts\.[^.]+)\.(\d+)$")  # mlp.experts.gate_up_proj.7
 _REGEX_CHARS = re.compile(r"[\\^$*+?()\[\]{}|]")
+#: Tensors that are never weights of their own: quantization companions, biases, router score biases.
+_COMPANION = re.compile(r"(_scale_inv|_scales|\.scales|_bias|\.bias|\.qzeros|\.g_idx|_zeros|\.input_scale)$")
 
 
 @dataclass(frozen=True)
 class TargetModule:
-    """One weight matrix that PLATE adapts, oriented as d_out x d_in."""
+    """One weight matrix that PLATE adapts, oriented as d_out x d_in (one expert's slice of a 3-D stack)."""
 
-    name: str  # module name, e.g. model.layers.0.self_attn.q_proj
-    tensor: TensorInfo  # the stored ``<name>.weight``
-    layout: str  # "linear" ([d_out, d_in] stored) | "conv1d" ([d_in, d_out] stored)
+    name: str  # module name, e.g. model.layers.0.self_attn.q_proj, or <tensor>.<e> for a 3-D expert slice
+    tensor: TensorInfo  # the stored tensor holding the weight (MXFP4: its *_blocks)
+    layout: str  # one of LAYOUTS
     layer: int | None
-    module_type: str  # name after the layer index, e.g. self_attn.q_proj
+    module_type: str  # name after the layer index, expert index removed, e.g. mlp.experts.gate_proj
+    expert: int | None = None  # expert index (per-expert tensors and 3-D slices); None for dense modules
+    weight_name: str = ""  # logical weight passed to Checkpoint.read_weight ('' = tensor.name)
+    weight_shape: tuple[int, ...] = ()  # logical (dequantized) shape of that weight (() = tensor.shape)
+
+    @property
+    def logical_name(self) -> str:
+        return self.weight_name or self.tensor.name
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        return tuple(self.weight_shape or self.tensor.shape)
 
     @property
     def shape(self) -> tuple[int, int]:
         """[d_out, d_in], whatever the stored layout."""
-        a, b = self.tensor.shape
-        return (b, a) if self.layout == "conv1d" else (a, b)
+        a, b = self.logical_shape[-2:]
+        return (b, a) if self.layout in ("conv1d", "experts_in_major") else (a, b)
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of this module (one expert's share of a 3-D stack)."""
+        return self.tensor.nbytes // self.logical_shape[0] if self.layout in EXPERT_LAYOUTS else self.tensor.nbytes
 
 
 def load_target(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, str]:
-    """The target's weight oriented d_out x d_in (a view, stored or dequantized dtype) and its fingerprint."""
-    stored, fingerprint = ckpt.read_weight(target.tensor.name)
-    return (stored.T if target.layout == "conv1d" else stored), fingerprint
+    """The target's weight oriented d_out x d_in (a view, stored or dequantized dtype) and its fingerprint.
+
+    For an expert of a 3-D stack only that expert's bytes are read, and the fingerprint covers them alone.
+    """
+    if target.layout in EXPERT_LAYOUTS:
+        # TODO(inputs): ckpt.read_weight(target.logical_name, expert=target.expert) once it lands (also MXFP4/FP8)
+        stored, fingerprint = _read_expert(ckpt, target)
+    else:
+        stored, fingerprint = ckpt.read_weight(target.logical_name)
+    return (stored.T if target.layout in ("conv1d", "experts_in_major") else stored), fingerprint
+
+
+def _read_expert(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, str]:
+    """One expert's [a, b] slice of a plain-float 3-D tensor, read by byte range (experts are contiguous)."""
+    info = target.tensor
+    dtype = require_float_dtype(info)
+    n_experts, a, b = info.shape
+    if target.expert is None or not 0 <= target.expert < n_experts:
+        raise ConfigError(f"expert index {target.expert} out of range for tensor '{info.name}' ({n_experts} experts)")
+    size = info.nbytes // n_experts
+    start = info.start + target.expert * size
+    buf = bytearray(size)
+    try:
+        with open(info.file, "rb") as f:
+            f.seek(start)
+            got = f.readinto(buf)
+    except OSError as e:
+        raise CheckpointError(f"{info.file}: cannot read tensor '{info.name}': {e.strerror or e}") from None
+    if got != size:
+        raise CheckpointError(f"{info.file}: file is truncated while reading tensor '{info.name}'")
+    ckpt.bytes_read += size
+    fingerprint = fingerprint_bytes(buf)
+    if size == 0:
+        return torch.empty((a, b), dtype=dtype), fingerprint
+    return torch.frombuffer(buf, dtype=dtype).reshape(a, b), fingerprint
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
@@ -74,13 +187,32 @@ def parse_layers(spec: str | None) -> list[int] | None:
     return sorted(out)
 
 
+def split_expert(module_type: str) -> tuple[str, int | None]:
+    """('mlp.experts.7.gate_proj' | 'mlp.experts.gate_up_proj.7') -> ('mlp.experts.gate_proj' | ..., 7)."""
+    if "experts" not in module_type:
+        return module_type, None
+    m = _PER_EXPERT.search(module_type)
+    if m is not None:
+        return module_type[: m.end(1)] + module_type[m.end() :], int(m.group(2))
+    m = _STACK_SLICE.match(module_type)
+    return (m.group(1), int(m.group(2))) if m else (module_type, None)
+
+
 def module_type_of(name: str) -> str:
-    """The part of a module name after its layer index ('model.layers.3.mlp.up_proj' -> 'mlp.up_proj')."""
+    """The part of a module name after its layer index, expert index removed ('model.layers.3.mlp.up_proj' ->
+    'mlp.up_proj'; 'model.layers.3.mlp.experts.7.up_proj' -> 'mlp.experts.up_proj')."""
     m = _LAYER_INDEX.search(name + ".")
-    return name[m.end() :] if m else name
+    return split_expert(name[m.end() :] if m else name)[0]
+
+
+def expert_of(name: str) -> int | None:
+    """The expert index in a module name, or None for a dense module."""
+    m = _LAYER_INDEX.search(name + ".")
+    return split_expert(name[m.end() :] if m else name)[1]
 
 
 def layer_of(name: str) -> int | None:
+    """The first numeric path component of a module name (its layer index), or None."""
     m = _LAYER_INDEX.search(name + ".")
     return int(m.group(1)) if m else None
 
@@ -91,12 +223,102 @@ def _matches(module: str, pattern: str) -> bool:
     return module == pattern or module.endswith("." + pattern)
 
 
+# --------------------------------------------------------------------------- logical weights
+@dataclass(frozen=True)
+class _Weight:
+    """A weight as the scanner sees it: its logical name and shape, and the tensor whose bytes hold it."""
+
+    module: str  # module name (logical name without '.weight')
+    name: str  # logical weight name for Checkpoint.read_weight
+    shape: tuple[int, ...]
+    tensor: TensorInfo
+
+
+def logical_weights(ckpt: Checkpoint) -> list[_Weight]:
+    """Every 2-D or 3-D weight of the checkpoint; quantization companions (scales), biases and 1-D tensors left out.
+
+    MXFP4 ``X_blocks`` [..., rows, groups, 16] (with ``X_scales``) is the logical weight X of shape [..., rows,
+    groups * 32]. Plain 3-D tensors count only under an ``experts`` module (stacked experts).
+    """
+    out = []
+    for name, info in ckpt.tensors.items():
+        if _COMPANION.search(name):
+            continue
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            if base + "_scales" in ckpt.tensors and len(info.shape) in (3, 4):
+                shape = (*info.shape[:-2], info.shape[-2] * info.shape[-1] * 2)
+                out.append(_Weight(base, base, shape, info))
+            continue
+        module = name.removesuffix(".weight")
+        plain = len(info.shape) == 2 and name.endswith(".weight")
+        stacked = len(info.shape) == 3 and ".experts." in name
+        if plain or stacked:
+            out.append(_Weight(module, name, tuple(info.shape), info))
+    return out
+
+
+# --------------------------------------------------------------------------- selection
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: ``text_config`` of a multimodal wrapper (Gemma-3, Llama-4), else config."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+def mtp_layers(config: dict[str, Any]) -> set[int]:
+    """Layer indices of DeepSeek's multi-token-prediction layers (num_hidden_layers, ...), empty otherwise."""
+    c = text_config(config)
+    n_mtp = c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 0)) or 0
+    n_layers = c.get("num_hidden_layers")
+    if not isinstance(n_layers, int) or not isinstance(n_mtp, int):
+        return set()
+    return set(range(n_layers, n_layers + n_mtp))
+
+
+def _expert_layout(model_type: str | None, weight: _Weight) -> str:
+    if weight.tensor.name.endswith("_blocks"):
+        return "experts_out_major"
+    return "experts_in_major" if model_type in EXPERTS_IN_MAJOR_FAMILIES else "experts_out_major"
+
+
+def _modules_of(weight: _Weight, model_type: str | None) -> list[TargetModule]:
+    """The target modules one weight holds: itself, or one per expert of a 3-D stack."""
+    layer = layer_of(weight.module)
+    weight_name = weight.name if weight.name != weight.tensor.name else ""
+    weight_shape = weight.shape if weight.shape != tuple(weight.tensor.shape) else ()
+    if len(weight.shape) == 3:
+        layout = _expert_layout(model_type, weight)
+        mtype = module_type_of(weight.module)
+        return [
+            TargetModule(f"{weight.module}.{e}", weight.tensor, layout, layer, mtype, e, weight_name, weight_shape)
+            for e in range(weight.shape[0])
+        ]
+    layout = "conv1d" if model_type in CONV1D_FAMILIES else "linear"
+    mtype = module_type_of(weight.module)
+    return [
+        TargetModule(
+            weight.module, weight.tensor, layout, layer, mtype, expert_of(weight.module), weight_name, weight_shape
+        )
+    ]
+
+
+def _natural_key(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
 def select_targets(
     ckpt: Checkpoint,
     target_modules: list[str] | None = None,
-    layers: list[int] | None = None,
+    layers: Iterable[int] | None = None,
+    include_mtp: bool = False,
 ) -> tuple[list[TargetModule], str]:
-    """Target modules in a deterministic order (layer, then name), and a note on how they were chosen."""
+    """Target modules in a deterministic order (layer, then name with numbers in numeric order), and a note on
+    how they were chosen.
+
+    Defaults come from config.json's model_type (:data:`FAMILY_TARGETS`); multimodal wrappers contribute only
+    their language model's modules. Routers/gates are never default targets. DeepSeek's multi-token-prediction
+    layer is left out unless ``include_mtp``.
+    """
     model_type = str(ckpt.config.get("model_type", "")) or None
     packed = sorted(n for n in ckpt.tensors if n.endswith((".qweight", ".qzeros", ".g_idx")))
     if packed:
@@ -104,91 +326,220 @@ def select_targets(
             f"tensor '{packed[0]}' is a packed quantized weight (GPTQ/AWQ), which is not supported: "
             "scan the unquantized base model instead"
         )
-    candidates = {
-        n[: -len(".weight")]: info for n, info in ckpt.tensors.items() if n.endswith(".weight") and len(info.shape) == 2
-    }
+    weights = logical_weights(ckpt)
+    candidates = [m for w in weights for m in _modules_of(w, model_type)]
     if target_modules:
         note = f"--target-modules {','.join(target_modules)}"
-        chosen = {m: i for m, i in candidates.items() if any(_matches(m, p) for p in target_modules)}
+        chosen = [
+            t
+            for t in candidates
+            if any(_matches(t.name, p) or _matches(t.logical_name.removesuffix(".weight"), p) for p in target_modules)
+        ]
     elif model_type in FAMILY_TARGETS:
-        patterns, note = FAMILY_TARGETS[model_type], f"defaults for model_type '{model_type}'"
-        chosen = {
-            m: i
-            for m, i in candidates.items()
-            if any(_matches(m, p) for p in patterns) and not _NEVER_BY_DEFAULT.search(m)
-        }
+        wanted = set(FAMILY_TARGETS[model_type])
+        note = f"defaults for model_type '{model_type}'"
+        chosen = [t for t in candidates if t.module_type in wanted and t.layer is not None]
+        if isinstance(ckpt.config.get("text_config"), dict) and any("language_model." in t.name for t in chosen):
+            chosen = [t for t in chosen if "language_model." in t.name]
+            note += " (language model only)"
     else:
         why = f"unknown model_type '{model_type}'" if model_type else "no model_type in config.json"
-        note = f"{why}: every 2-D weight except embeddings, norms and heads"
-        chosen = {m: i for m, i in candidates.items() if not _NEVER_BY_DEFAULT.search(m)}
+        note = f"{why}: every 2-D weight except embeddings, norms, heads and routers"
+        chosen = [
+            t
+            for t in candidates
+            if t.layout not in EXPERT_LAYOUTS and not _NEVER_BY_DEFAULT.search(t.name) and not ROUTER.search(t.name)
+        ]
+    mtp = mtp_layers(ckpt.config)
+    if mtp and not include_mtp:
+        chosen = [t for t in chosen if t.layer not in mtp]
+        note += f"; multi-token-prediction layer {', '.join(map(str, sorted(mtp)))} skipped (include_mtp to scan it)"
     if layers is not None:
-        wanted = set(layers)
-        chosen = {m: i for m, i in chosen.items() if layer_of(m) in wanted}
+        layer_set = set(layers)
+        chosen = [t for t in chosen if t.layer in layer_set]
     if not chosen:
-        sample = sorted({module_type_of(m) for m in candidates})[:30]
+        sample = sorted({t.module_type for t in candidates})[:30]
         raise ConfigError(
             f"no target modules matched ({note}"
-            + (f", layers {layers}" if layers is not None else "")
-            + f"); 2-D weights in this checkpoint have types: {', '.join(sample) or 'none'}"
+            + (f", layers {sorted(set(layers))}" if layers is not None else "")
+            + f"); weights in this checkpoint have types: {', '.join(sample) or 'none'}"
         )
-    layout = "conv1d" if model_type in CONV1D_FAMILIES else "linear"
-    out = [TargetModule(m, info, layout, layer_of(m), module_type_of(m)) for m, info in chosen.items()]
-    out.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, t.name))
-    for t in out:
-        check_shape_against_config(t, ckpt.config, model_type)
-    return out, note
+    chosen.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, _natural_key(t.name)))
+    shapes = expected_shapes(ckpt.config, model_type)
+    experts = expected_experts(ckpt.config, model_type)
+    for t in chosen:
+        check_shape_against_config(t, shapes, experts)
+    return chosen, note
 
 
-def expected_shapes(config: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int]]:
-    """[d_out, d_in] implied by config.json for each default module suffix of a known family."""
-    c = config
-    try:
-        if model_type in ("gpt2",):
-            e = int(c["n_embd"])
-            inner = int(c.get("n_inner") or 4 * e)
-            return {"attn.c_attn": (3 * e, e), "attn.c_proj": (e, e), "mlp.c_fc": (inner, e), "mlp.c_proj": (e, inner)}
-        if model_type == "bert":
-            h, i = int(c["hidden_size"]), int(c["intermediate_size"])
-            return {
-                "attention.self.query": (h, h),
-                "attention.self.key": (h, h),
-                "attention.self.value": (h, h),
-                "attention.output.dense": (h, h),
-                "intermediate.dense": (i, h),
-                "output.dense": (h, i),
-            }
-        if model_type in FAMILY_TARGETS:
-            h, i = int(c["hidden_size"]), int(c["intermediate_size"])
-            heads = int(c["num_attention_heads"])
-            kv = int(c.get("num_key_value_heads") or heads)
-            hd = int(c.get("head_dim") or h // heads)
-            shapes = {
-                "q_proj": (heads * hd, h),
-                "k_proj": (kv * hd, h),
-                "v_proj": (kv * hd, h),
-                "o_proj": (h, heads * hd),
-                "gate_proj": (i, h),
-                "up_proj": (i, h),
-                "down_proj": (h, i),
-            }
-            if model_type == "phi3":
-                shapes.update({"qkv_proj": ((heads + 2 * kv) * hd, h), "gate_up_proj": (2 * i, h)})
-            return shapes
-    except (KeyError, TypeError, ValueError):
+# --------------------------------------------------------------------------- shape checks
+def _ints(c: dict[str, Any], *keys: str) -> list[int]:
+    return [int(c[k]) for k in keys]
+
+
+def _glu(prefix: str, inter: int, hidden: int, names: tuple[str, str, str] = _GLU) -> dict[str, tuple[int, int]]:
+    gate, up, down = names
+    return {f"{prefix}.{gate}": (inter, hidden), f"{prefix}.{up}": (inter, hidden), f"{prefix}.{down}": (hidden, inter)}
+
+
+def _fused(prefix: str, inter: int, hidden: int) -> dict[str, tuple[int, int]]:
+    return {f"{prefix}.gate_up_proj": (2 * inter, hidden), f"{prefix}.down_proj": (hidden, inter)}
+
+
+def _attention(c: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    h, heads = _ints(c, "hidden_size", "num_attention_heads")
+    kv = int(c.get("num_key_value_heads") or heads)
+    hd = int(c.get("head_dim") or h // heads)
+    return {
+        "self_attn.q_proj": (heads * hd, h),
+        "self_attn.k_proj": (kv * hd, h),
+        "self_attn.v_proj": (kv * hd, h),
+        "self_attn.o_proj": (h, heads * hd),
+    }
+
+
+def _mla(c: dict[str, Any]) -> dict[str, tuple[int, int] | None]:
+    """DeepSeek's multi-head latent attention (q_lora_rank None: a plain q_proj)."""
+    h, heads, kv_rank, nope, rope, v = _ints(
+        c, "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"
+    )
+    qk = nope + rope
+    shapes = {
+        "self_attn.kv_a_proj_with_mqa": (kv_rank + rope, h),
+        "self_attn.kv_b_proj": (heads * (nope + v), kv_rank),
+        "self_attn.o_proj": (h, heads * v),
+        "eh_proj": (h, 2 * h),
+    }
+    if c.get("q_lora_rank") is None:
+        shapes.update({"self_attn.q_proj": (heads * qk, h), "self_attn.q_a_proj": None, "self_attn.q_b_proj": None})
+    else:
+        q_rank = int(c["q_lora_rank"])
+        shapes.update({"self_attn.q_a_proj": (q_rank, h), "self_attn.q_b_proj": (heads * qk, q_rank)})
+        shapes["self_attn.q_proj"] = None
+    return shapes
+
+
+def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
+    if model_type == "gpt2":
+        e = int(c["n_embd"])
+        inner = int(c.get("n_inner") or 4 * e)
+        return {"attn.c_attn": (3 * e, e), "attn.c_proj": (e, e), "mlp.c_fc": (inner, e), "mlp.c_proj": (e, inner)}
+    if model_type == "bert":
+        h, i = _ints(c, "hidden_size", "intermediate_size")
+        return {
+            "attention.self.query": (h, h),
+            "attention.self.key": (h, h),
+            "attention.self.value": (h, h),
+            "attention.output.dense": (h, h),
+            "intermediate.dense": (i, h),
+            "output.dense": (h, i),
+        }
+    h = int(c["hidden_size"])
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        moe = int(c["moe_intermediate_size"])
+        shared = moe * int(c.get("n_shared_experts") or 1)
+        return {
+            **_mla(c),
+            **_glu("mlp", int(c["intermediate_size"]), h),
+            **_glu("mlp.experts", moe, h),
+            **_fused("mlp.experts", moe, h),
+            **_glu("mlp.shared_experts", shared, h),
+        }
+    shapes = _attention(c)
+    if model_type == "phi3":
+        heads, kv = shapes["self_attn.q_proj"][0], shapes["self_attn.k_proj"][0]
+        shapes = {"self_attn.qkv_proj": (heads + 2 * kv, h), "self_attn.o_proj": shapes["self_attn.o_proj"]}
+        return {**shapes, **_fused("mlp", int(c["intermediate_size"]), h)}
+    if model_type == "mixtral":
+        i = int(c["intermediate_size"])
+        return {
+            **shapes,
+            **_glu("block_sparse_moe.experts", i, h, ("w1", "w3", "w2")),
+            **_fused("mlp.experts", i, h),
+        }
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        moe = int(c["moe_intermediate_size"])
+        shapes.update({**_glu("mlp", int(c["intermediate_size"]), h), **_glu("mlp.experts", moe, h)})
+        shapes.update(_fused("mlp.experts", moe, h))
+        if c.get("shared_expert_intermediate_size"):
+            shapes.update(_glu("mlp.shared_expert", int(c["shared_expert_intermediate_size"]), h))
+        return shapes
+    if model_type in ("llama4", "llama4_text"):
+        i = int(c["intermediate_size"])
+        dense = int(c.get("intermediate_size_mlp") or i)
+        return {
+            **shapes,
+            **_glu("feed_forward", dense, h),
+            **_glu("feed_forward.shared_expert", i, h),
+            **_fused("feed_forward.experts", i, h),
+        }
+    if model_type == "gpt_oss":
+        return {**shapes, **_fused("mlp.experts", int(c["intermediate_size"]), h)}
+    return {**shapes, **_glu("mlp", int(c["intermediate_size"]), h)}
+
+
+def expected_shapes(config: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
+    """[d_out, d_in] implied by config.json (``text_config`` for multimodal wrappers) for each default module
+    type of a known family (None: config.json says the module does not exist, e.g. q_a_proj without
+    q_lora_rank); empty when the family is unknown or config.json lacks a dimension."""
+    if model_type not in FAMILY_TARGETS:
         return {}
-    return {}
+    try:
+        return _family_shapes(text_config(config), model_type)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return {}
 
 
-def check_shape_against_config(t: TargetModule, config: dict[str, Any], model_type: str | None) -> None:
-    """Refuse a weight whose shape contradicts config.json (a wrong or mixed-up checkpoint)."""
-    if len(t.tensor.shape) != 2:
-        raise CheckpointError(f"tensor '{t.tensor.name}' is not 2-D: shape {list(t.tensor.shape)}")
-    shapes = expected_shapes(config, model_type)
-    for suffix in sorted(shapes, key=len, reverse=True):
-        if t.name.endswith("." + suffix):
-            if tuple(t.shape) != shapes[suffix]:
-                raise CheckpointError(
-                    f"{t.tensor.file.name}: tensor '{t.tensor.name}' has [d_out, d_in] = {list(t.shape)} but "
-                    f"config.json implies {list(shapes[suffix])}; the weights and config.json do not match"
-                )
-            return
+#: config.json key holding the number of routed experts, by family.
+EXPERT_COUNT_KEYS = {
+    "mixtral": "num_local_experts",
+    "qwen2_moe": "num_experts",
+    "qwen3_moe": "num_experts",
+    "deepseek_v2": "n_routed_experts",
+    "deepseek_v3": "n_routed_experts",
+    "llama4": "num_local_experts",
+    "llama4_text": "num_local_experts",
+    "gpt_oss": "num_local_experts",
+}
+
+
+def expected_experts(config: dict[str, Any], model_type: str | None) -> int | None:
+    """Number of routed experts per MoE layer from config.json, or None."""
+    key = EXPERT_COUNT_KEYS.get(model_type or "")
+    value = text_config(config).get(key) if key else None
+    return int(value) if isinstance(value, int) else None
+
+
+def check_shape_against_config(
+    t: TargetModule, shapes: dict[str, tuple[int, int] | None], n_experts: int | None = None
+) -> None:
+    """Refuse a weight whose shape (or expert count) contradicts config.json (a wrong or mixed-up checkpoint)."""
+    where = f"{t.tensor.file.name}: tensor '{t.tensor.name}'"
+    ndim = 3 if t.layout in EXPERT_LAYOUTS else 2
+    if len(t.logical_shape) != ndim:
+        raise CheckpointError(f"{where} is not {ndim}-D: shape {list(t.logical_shape)}")
+    if ndim == 3 and n_experts is not None and t.logical_shape[0] != n_experts:
+        raise CheckpointError(
+            f"{where} stacks {t.logical_shape[0]} experts but config.json says {n_experts}; "
+            "the weights and config.json do not match"
+        )
+    if t.module_type in shapes and shapes[t.module_type] is None:
+        raise CheckpointError(
+            f"{where} is a {t.module_type} weight, which config.json says this model does not have "
+            "(e.g. q_a_proj without q_lora_rank); the weights and config.json do not match"
+        )
+    want = shapes.get(t.module_type)
+    if want is None or tuple(t.shape) == want:
+        return
+    hint = " (stored transposed?)" if tuple(reversed(t.shape)) == want else ""
+    raise CheckpointError(
+        f"{where} has [d_out, d_in] = {list(t.shape)} for module type {t.module_type} but config.json implies "
+        f"{list(want)}{hint}; the weights and config.json do not match"
+    )
+
+
+def modules_by_name(ckpt: Checkpoint) -> dict[str, TargetModule]:
+    """Every module a checkpoint holds (targets or not), by the name a bundle records: how verify and variant
+    scans find a recorded module's weight, 3-D expert slices included."""
+    model_type = str(ckpt.config.get("model_type", "")) or None
+    return {t.name: t for w in logical_weights(ckpt) for t in _modules_of(w, model_type)}

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.checkpoint import Checkpoint, fingerprint_bytes
+from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.targets import load_target, modules_by_name
 
 
 @dataclass
@@ -42,6 +43,7 @@ def verify(
     ckpt = Checkpoint.open(source, revision=revision) if source is not None else None
     if b.manifest.identity and b.manifest.identity != b.manifest.content_identity():
         report.problems.append("manifest: identity does not match its settings and module fingerprints (edited?)")
+    modules = modules_by_name(ckpt) if ckpt is not None else {}  # 3-D expert slices included
     for rec in b:
         report.modules_checked += 1
         where = f"module '{rec.name}'"
@@ -59,10 +61,10 @@ def verify(
         if spectrum.numel() and (bool((spectrum < 0).any()) or bool((spectrum[1:] > spectrum[:-1]).any())):
             report.problems.append(f"{where}: spectrum not descending and non-negative")
         if ckpt is not None:
-            weight_name = rec.name + ".weight"
-            if weight_name not in ckpt.tensors:
-                report.problems.append(f"{where}: the checkpoint has no tensor '{weight_name}'")
+            target = modules.get(rec.name)
+            if target is None:
+                report.problems.append(f"{where}: the checkpoint has no weight for this module")
                 continue
-            if fingerprint_bytes(ckpt.read_bytes(weight_name)) != rec.fingerprint:
+            if load_target(ckpt, target)[1] != rec.fingerprint:
                 report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
     return report

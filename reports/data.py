@@ -20,6 +20,7 @@ from plate_inspect import __version__
 from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord
 from plate_inspect.errors import BundleError
 from plate_inspect.geometry import energy_rank
+from plate_inspect.targets import expert_of
 
 #: Metrics drawn as layer x module-type heatmaps: record attribute -> (title, number format for hover).
 HEATMAP_METRICS: dict[str, tuple[str, str]] = {
@@ -31,6 +32,8 @@ HEATMAP_METRICS: dict[str, tuple[str, str]] = {
 DEFAULT_MAX_POINTS = 300
 #: Bins of the per-module redundancy score histograms.
 DEFAULT_BINS = 40
+#: Eigenvalues kept per expert for the drill-down spectrum (evenly spaced; experts can number tens of thousands).
+EXPERT_SPECTRUM_POINTS = 24
 OTHER_LAYER = "other"
 
 
@@ -192,24 +195,51 @@ def module_hover(rec: ModuleRecord) -> str:
     )
 
 
+def group_id(layer: int | None, module_type: str) -> str:
+    """The id of a (layer, module type) expert group, as heatmap cells and table rows refer to it."""
+    return f"experts:{layer_label(layer)}:{module_type}"
+
+
 def heatmap(records: list[ModuleRecord], metric: str, axes: tuple[list[str], list[str]] | None = None) -> Heatmap:
-    """Layer x module-type grid of one record metric (mean_redundancy | k | captured_energy)."""
+    """Layer x module-type grid of one record metric (mean_redundancy | k | captured_energy).
+
+    A cell holding several modules (the experts of one layer) shows their mean, the hover their spread, and
+    its name is the expert group's id (see :func:`group_id`).
+    """
     if metric not in HEATMAP_METRICS:
         raise ValueError(f"unknown heatmap metric {metric!r}; one of {sorted(HEATMAP_METRICS)}")
     rows, cols = axes or grid_axes(records)
+    cells: dict[tuple[int, int], list[ModuleRecord]] = defaultdict(list)
+    for rec in records:
+        cells[rows.index(layer_label(rec.layer)), cols.index(rec.module_type)].append(rec)
     z: list[list[float | None]] = [[None] * len(cols) for _ in rows]
     names: list[list[str | None]] = [[None] * len(cols) for _ in rows]
     hover = [[""] * len(cols) for _ in rows]
-    for rec in records:
-        i, j = rows.index(layer_label(rec.layer)), cols.index(rec.module_type)
-        if names[i][j] is not None:  # two modules share a cell (e.g. unnumbered modules of one type)
-            hover[i][j] += "<br>(+ " + rec.name + ")"
+    for (i, j), recs in cells.items():
+        values = [float(getattr(rec, metric)) for rec in recs]
+        if len(recs) == 1:
+            z[i][j] = int(values[0]) if metric == "k" else values[0]
+            names[i][j], hover[i][j] = recs[0].name, module_hover(recs[0])
             continue
-        value = getattr(rec, metric)
-        z[i][j] = int(value) if metric == "k" else float(value)
-        names[i][j] = rec.name
-        hover[i][j] = module_hover(rec)
+        z[i][j] = float(np.mean(values))
+        experts = all(expert_of(rec.name) is not None for rec in recs)
+        names[i][j] = group_id(recs[0].layer, recs[0].module_type) if experts else recs[0].name
+        hover[i][j] = group_hover(recs, metric, values)
     return Heatmap(metric, HEATMAP_METRICS[metric][0], rows, cols, z, names, hover)
+
+
+def group_hover(recs: list[ModuleRecord], metric: str, values: list[float]) -> str:
+    """Hover text of a cell holding several modules (experts): their number and the metric's spread."""
+    fmt = HEATMAP_METRICS[metric][1]
+    q = np.quantile(values, [0, 0.5, 1])
+    what = "experts" if all(expert_of(rec.name) is not None for rec in recs) else "modules"
+    head = f"<b>layer {layer_label(recs[0].layer)} · {recs[0].module_type}</b>: {len(recs)} {what}"
+    return (
+        f"{head}<br>[d_out, d_in] = [{recs[0].d_out}, {recs[0].d_in}]<br>{HEATMAP_METRICS[metric][0]}: "
+        f"mean {np.mean(values):{fmt if fmt != 'd' else '.1f'}}, min {q[0]:{fmt if fmt != 'd' else '.0f'}}, "
+        f"median {q[1]:{fmt if fmt != 'd' else '.0f'}}, max {q[2]:{fmt if fmt != 'd' else '.0f'}}"
+        + ("<br>click: the experts of this layer" if what == "experts" else "")
+    )
 
 
 def heatmap_difference(a: Heatmap, b: Heatmap) -> Heatmap:
@@ -422,6 +452,147 @@ def b_overlap(a: np.ndarray, b: np.ndarray) -> float:
     return len(sa & sb) / max(len(sa), len(sb), 1)
 
 
+# --------------------------------------------------------------------------- experts
+@dataclass
+class ExpertGroup:
+    """The experts of one layer and module type: one value per expert (in expert order) and compact spectra.
+
+    Mixture-of-experts bundles hold tens of thousands of expert modules, so reports show experts per group:
+    the distribution of k, captured energy and redundancy over the experts, and one expert at a time on
+    drill-down (its spectrum from ``EXPERT_SPECTRUM_POINTS`` evenly spaced eigenvalues, as log10).
+    """
+
+    id: str
+    layer: int | None
+    module_type: str
+    label: str  # the member names with the expert index as '*'
+    shape: list[int]
+    r: int
+    names: list[str]
+    experts: list[int]
+    k: list[int]
+    energy: list[float]
+    score: list[float]
+    spectrum_index: list[int] = field(default_factory=list)  # 1-based directions drawn (shared by the group)
+    spectra: list[list[float | None]] = field(default_factory=list)  # log10 eigenvalues there (None: zero)
+
+    @property
+    def d_in(self) -> int:
+        return self.shape[1]
+
+
+def distribution(values: list[float]) -> dict[str, float]:
+    """min, quartiles, max and mean of a list of numbers (a box plot's statistics)."""
+    q = np.quantile(np.asarray(values, dtype=np.float64), [0, 0.25, 0.5, 0.75, 1])
+    return {
+        "min": float(q[0]),
+        "q1": float(q[1]),
+        "median": float(q[2]),
+        "q3": float(q[3]),
+        "max": float(q[4]),
+        "mean": float(np.mean(values)),
+    }
+
+
+def group_label(name: str, expert: int) -> str:
+    """'model.layers.3.mlp.experts.7.gate_proj' -> 'model.layers.3.mlp.experts.*.gate_proj' (also '<tensor>.7')."""
+    if name.endswith(f".{expert}") and ".experts." in name[: -len(str(expert)) - 1]:
+        return name[: -len(str(expert))] + "*"
+    return name.replace(f".experts.{expert}.", ".experts.*.", 1)
+
+
+def expert_groups(records: list[ModuleRecord]) -> list[ExpertGroup]:
+    """Records with an expert index, grouped by (layer, module type) in first-seen order, experts sorted."""
+    groups: dict[tuple[int | None, str], list[tuple[int, ModuleRecord]]] = {}
+    for rec in records:
+        e = expert_of(rec.name)
+        if e is not None:
+            groups.setdefault((rec.layer, rec.module_type), []).append((e, rec))
+    out = []
+    for (layer, mtype), members in groups.items():
+        members.sort(key=lambda m: m[0])
+        first_e, first = members[0]
+        out.append(
+            ExpertGroup(
+                id=group_id(layer, mtype),
+                layer=layer,
+                module_type=mtype,
+                label=group_label(first.name, first_e),
+                shape=list(first.shape),
+                r=first.r,
+                names=[rec.name for _, rec in members],
+                experts=[e for e, _ in members],
+                k=[rec.k for _, rec in members],
+                energy=[rec.captured_energy for _, rec in members],
+                score=[rec.mean_redundancy for _, rec in members],
+            )
+        )
+    return out
+
+
+def add_expert_spectra(group: ExpertGroup, spectra: list[np.ndarray], points: int = EXPERT_SPECTRUM_POINTS) -> None:
+    """Attach each expert's spectrum at ``points`` evenly spaced directions, as log10 with 3 digits."""
+    n = max((len(s) for s in spectra), default=0)
+    idx = display_indices(n, points)
+    group.spectrum_index = (idx + 1).tolist()
+    group.spectra = [
+        [round(math.log10(v), 2) if v > 0 else None for v in np.asarray(s, dtype=np.float64)[idx[idx < len(s)]]]
+        for s in spectra
+    ]
+
+
+def read_tensors(bundle: Bundle, names: list[str], kind: str) -> dict[str, np.ndarray]:
+    """One stored tensor kind (spectrum | redundancy | plate_B_idx) of many modules, opening each part file once."""
+    from safetensors import safe_open
+
+    by_part: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        by_part[bundle.record(name).file].append(name)
+    out: dict[str, np.ndarray] = {}
+    for part, members in by_part.items():
+        path = Path(bundle.path) / part
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in members:
+                    out[name] = f.get_tensor(f"{name}.{kind}").double().numpy()
+        except FileNotFoundError:
+            raise BundleError(f"{path}: part file missing (module '{members[0]}')") from None
+        except Exception as e:  # safetensors raises its own error types for corrupt files / missing keys
+            raise BundleError(f"{path}: cannot read '{kind}' tensors: {e}") from None
+    return out
+
+
+def group_row(groups: list[ExpertGroup], b_overlaps: list[float] | None = None) -> dict[str, Any]:
+    """One table row for an expert group (one group per bundle): means over experts, totals of parameters."""
+    g = groups[0]
+    n = len(g.names)
+    row = {
+        "name": f"{g.label} [{n} experts]",
+        "type": g.module_type,
+        "layer": g.layer,
+        "shape": f"{g.shape[0]}x{g.shape[1]}",
+        "r": g.r,
+        "k": round(float(np.mean(g.k)), 2),
+        "energy": float(np.mean(g.energy)),
+        "score": float(np.mean(g.score)),
+        "plate": g.r * int(sum(g.k)),
+        "lora": g.r * (g.shape[0] + g.shape[1]) * n,
+        "group": g.id,
+    }
+    if len(groups) > 1:
+        row["per_bundle"] = [
+            {
+                "r": x.r,
+                "k": round(float(np.mean(x.k)), 2),
+                "energy": float(np.mean(x.energy)),
+                "score": float(np.mean(x.score)),
+                "b_overlap": b_overlaps[j] if b_overlaps else 1.0,
+            }
+            for j, x in enumerate(groups)
+        ]
+    return row
+
+
 # --------------------------------------------------------------------------- everything
 @dataclass
 class ModuleData:
@@ -457,6 +628,7 @@ class ReportData:
     histograms: dict[str, list[ScoreHistogram]]
     table: list[dict[str, Any]]
     max_points: int
+    expert_groups: list[list[ExpertGroup]] = field(default_factory=list)  # per group: one per bundle
 
 
 def report_data(
@@ -466,17 +638,25 @@ def report_data(
     bins: int = DEFAULT_BINS,
     progress: Any = None,
 ) -> ReportData:
-    """Check the bundles and compute the data of every view. ``progress(done, total, name)`` is called per module."""
+    """Check the bundles and compute the data of every view. ``progress(done, total, name)`` is called per module.
+
+    Modules outside expert groups get full spectra and score histograms; experts are aggregated per (layer,
+    module type) group, with compact per-expert spectra for drill-down (see :class:`ExpertGroup`).
+    """
     modules = check_bundles(bundles)
     labels = bundle_labels(bundles, labels)
     summaries = [bundle_summary(b, lab) for b, lab in zip(bundles, labels, strict=True)]
     per_bundle_records = [[b.record(n) for n in modules] for b in bundles]
     axes = grid_axes(per_bundle_records[0])
     heatmaps = [{m: heatmap(recs, m, axes) for m in HEATMAP_METRICS} for recs in per_bundle_records]
+    groups = list(zip(*(expert_groups(recs) for recs in per_bundle_records), strict=True))
+    in_groups = {n for g in groups for n in g[0].names}
+    dense = [n for n in modules if n not in in_groups]
     spectra: dict[str, list[SpectrumView]] = {}
     histograms: dict[str, list[ScoreHistogram]] = {}
-    table = []
-    for i, name in enumerate(modules):
+    rows: dict[str, dict[str, Any]] = {}
+    done = 0
+    for name in dense:
         md = read_module(bundles, name)
         spectra[name] = [spectrum_view(b, name, max_points, s) for b, s in zip(bundles, md.spectra, strict=True)]
         edges = score_edges(md.scores, bins)
@@ -493,9 +673,22 @@ def report_data(
                 }
                 for j, b in enumerate(bundles)
             ]
-        table.append(row)
+        rows[name] = row
+        done += 1
         if progress is not None:
-            progress(i + 1, len(modules), name)
+            progress(done, len(modules), name)
+    for group in groups:
+        ref = group[0]
+        stored = read_tensors(bundles[0], ref.names, "spectrum")
+        add_expert_spectra(ref, [stored[n] for n in ref.names])
+        overlaps = None
+        if len(bundles) > 1:
+            b_sets = [read_tensors(b, ref.names, "plate_B_idx") for b in bundles]
+            overlaps = [float(np.mean([b_overlap(b_sets[0][n], bs[n]) for n in ref.names])) for bs in b_sets]
+        rows[ref.names[0]] = group_row(list(group), overlaps)
+        done += len(ref.names)
+        if progress is not None:
+            progress(done, len(modules), ref.id)
     shown = set(modules)
     return ReportData(
         labels=labels,
@@ -508,8 +701,9 @@ def report_data(
         taus=[b.settings.tau for b in bundles],
         spectra=spectra,
         histograms=histograms,
-        table=table,
+        table=[rows[n] for n in modules if n in rows],
         max_points=max_points,
+        expert_groups=[list(g) for g in groups],
     )
 
 

@@ -10,7 +10,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from plate_inspect.reports.data import Heatmap, KTauCurve, ScoreHistogram, SpectrumView, _sig
+from plate_inspect.reports.data import (
+    ExpertGroup,
+    Heatmap,
+    KTauCurve,
+    ScoreHistogram,
+    SpectrumView,
+    _sig,
+    distribution,
+)
 
 #: plotly's default qualitative palette: module types (k(tau)) and bundles (spectra, histograms).
 PALETTE = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880", "#ff97ff"]
@@ -230,128 +238,135 @@ SPECTRUM_BASE: dict[str, Any] = {
 }
 
 
+def _spectrum_traces(v: SpectrumView, col: str, label: str, multi: bool) -> list[dict[str, Any]]:
+    """Eigenvalues (log axis) and cumulative energy (right axis) of one bundle's view."""
+    suffix = f" ({label})" if multi else ""
+    return [
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "eigenvalues" + suffix,
+            "x": v.index,
+            "y": v.values,
+            "line": {"color": col, "width": 2},
+            "hovertemplate": "direction %{x}<br>eigenvalue %{y:.4e}<extra>" + (label if multi else "") + "</extra>",
+        },
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "cumulative energy" + suffix,
+            "x": v.index,
+            "y": v.cum_energy,
+            "yaxis": "y2",
+            "line": {"color": col, "width": 1, "dash": "dot"},
+            "hovertemplate": "directions 1..%{x} hold %{y:.4f} of the energy<extra></extra>",
+        },
+    ]
+
+
+def _tau_cut(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The tau cut (the top m_tau directions hold >= tau of the energy): a vertical line after direction m_tau,
+    a horizontal one at tau on the cumulative axis, and its label."""
+    shapes = [
+        _vline(v.m_tau + 0.5, col, "dash"),
+        {
+            "type": "line",
+            "xref": "paper",
+            "yref": "y2",
+            "x0": 0,
+            "x1": 1,
+            "y0": v.tau,
+            "y1": v.tau,
+            "line": {"color": col, "width": 1, "dash": "dot"},
+        },
+    ]
+    label = {
+        "x": v.m_tau + 0.5,
+        "y": 1.0 - 0.08 * b,
+        "xref": "x",
+        "yref": "paper",
+        "text": f" tau={v.tau:g} cut: top {v.m_tau} directions hold {v.tau:g} of the energy " + suffix,
+        "showarrow": False,
+        "xanchor": "left" if v.m_tau < 0.5 * v.d_in else "right",
+        "yanchor": "top",
+        "bgcolor": "rgba(255,255,255,0.8)",
+        "font": {"size": 10, "color": col},
+    }
+    return shapes, label
+
+
+def _q_band(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Q's directions d_in-k+1 .. d_in: a solid strip at the bottom (one row per bundle), a faint full-height
+    shade, and its label."""
+
+    def rect(y0: float, y1: float, opacity: float) -> dict[str, Any]:
+        return {
+            "type": "rect",
+            "xref": "x",
+            "yref": "paper",
+            "x0": v.k_start - 0.5,
+            "x1": v.d_in + 0.5,
+            "y0": y0,
+            "y1": y1,
+            "fillcolor": col,
+            "opacity": opacity,
+            "line": {"width": 0},
+        }
+
+    label = {
+        "x": v.d_in + 0.5,
+        "y": 0.04 * (b + 1) + 0.06 * b,
+        "xref": "x",
+        "yref": "paper",
+        "text": f"Q: bottom k={v.k} directions ({v.k_start}..{v.d_in})" + suffix,
+        "showarrow": False,
+        "xanchor": "right",
+        "yanchor": "bottom",
+        "bgcolor": "rgba(255,255,255,0.8)",
+        "font": {"size": 10, "color": col},
+    }
+    return [rect(0.04 * b, 0.04 * (b + 1), 0.35), rect(0, 1, 0.06)], label
+
+
+def _spectrum_note(v: SpectrumView) -> str:
+    """What the plot leaves out: downsampling, null directions, zero eigenvalues (log axis)."""
+    parts = []
+    if v.downsampled:
+        parts.append(f"display downsampled: {len(v.index)} of {v.n_stored:,} eigenvalues (evenly spaced)")
+    if v.null_directions:
+        parts.append(f"{v.null_directions} null directions (eigenvalue 0) at {v.n_stored + 1}..{v.d_in} not drawn")
+    if v.zero_eigenvalues:
+        parts.append(f"{v.zero_eigenvalues} stored zero eigenvalues not drawn (log axis)")
+    return "<br>".join(parts)
+
+
 def spectrum_figure(views: list[SpectrumView], labels: list[str]) -> Figure:
     """Log-scale spectrum (+ cumulative energy) of one module, tau cut and Q's bottom-k directions marked.
 
     Returns only the module-specific layout keys; merge over :data:`SPECTRUM_BASE` to draw.
     """
     multi = len(views) > 1
-    data, shapes, annotations = [], [], []
-    notes = []
+    data, shapes, annotations, notes = [], [], [], []
     for b, (v, label) in enumerate(zip(views, labels, strict=True)):
-        col = color(b)
-        suffix = f" ({label})" if multi else ""
-        data.append(
-            {
-                "type": "scatter",
-                "mode": "lines",
-                "name": "eigenvalues" + suffix,
-                "x": v.index,
-                "y": v.values,
-                "line": {"color": col, "width": 2},
-                "hovertemplate": "direction %{x}<br>eigenvalue %{y:.4e}<extra>" + (label if multi else "") + "</extra>",
-            }
-        )
-        data.append(
-            {
-                "type": "scatter",
-                "mode": "lines",
-                "name": "cumulative energy" + suffix,
-                "x": v.index,
-                "y": v.cum_energy,
-                "yaxis": "y2",
-                "line": {"color": col, "width": 1, "dash": "dot"},
-                "hovertemplate": "directions 1..%{x} hold %{y:.4f} of the energy<extra></extra>",
-            }
-        )
-        # tau cut: the top m_tau directions hold >= tau of the energy.
-        shapes.append(_vline(v.m_tau + 0.5, col, "dash"))
-        shapes.append(
-            {
-                "type": "line",
-                "xref": "paper",
-                "yref": "y2",
-                "x0": 0,
-                "x1": 1,
-                "y0": v.tau,
-                "y1": v.tau,
-                "line": {"color": col, "width": 1, "dash": "dot"},
-            }
-        )
-        annotations.append(
-            {
-                "x": v.m_tau + 0.5,
-                "y": 1.0 - 0.08 * b,
-                "xref": "x",
-                "yref": "paper",
-                "text": f" tau={v.tau:g} cut: top {v.m_tau} directions hold {v.tau:g} of the energy " + suffix,
-                "showarrow": False,
-                "xanchor": "left" if v.m_tau < 0.5 * v.d_in else "right",
-                "yanchor": "top",
-                "bgcolor": "rgba(255,255,255,0.8)",
-                "font": {"size": 10, "color": col},
-            }
-        )
-        # Q spans the bottom k directions d_in-k+1 .. d_in.
-        shapes.append(
-            {
-                "type": "rect",
-                "xref": "x",
-                "yref": "paper",
-                "x0": v.k_start - 0.5,
-                "x1": v.d_in + 0.5,
-                "y0": 0.0 + 0.04 * b,
-                "y1": 0.04 * (b + 1),
-                "fillcolor": col,
-                "opacity": 0.35,
-                "line": {"width": 0},
-            }
-        )
-        shapes.append(
-            {
-                "type": "rect",
-                "xref": "x",
-                "yref": "paper",
-                "x0": v.k_start - 0.5,
-                "x1": v.d_in + 0.5,
-                "y0": 0,
-                "y1": 1,
-                "fillcolor": col,
-                "opacity": 0.06,
-                "line": {"width": 0},
-            }
-        )
-        annotations.append(
-            {
-                "x": v.d_in + 0.5,
-                "y": 0.04 * (b + 1) + 0.06 * b,
-                "xref": "x",
-                "yref": "paper",
-                "text": f"Q: bottom k={v.k} directions ({v.k_start}..{v.d_in})" + suffix,
-                "showarrow": False,
-                "xanchor": "right",
-                "yanchor": "bottom",
-                "bgcolor": "rgba(255,255,255,0.8)",
-                "font": {"size": 10, "color": col},
-            }
-        )
-        parts = []
-        if v.downsampled:
-            parts.append(f"display downsampled: {len(v.index)} of {v.n_stored:,} eigenvalues (evenly spaced)")
-        if v.null_directions:
-            parts.append(f"{v.null_directions} null directions (eigenvalue 0) at {v.n_stored + 1}..{v.d_in} not drawn")
-        if v.zero_eigenvalues:
-            parts.append(f"{v.zero_eigenvalues} stored zero eigenvalues not drawn (log axis)")
-        if parts:
-            notes.append((f"{label}: " if multi else "") + "<br>".join(parts))
-    name = views[0].name
+        col, suffix = color(b), (f" ({label})" if multi else "")
+        data += _spectrum_traces(v, col, label, multi)
+        for marks, text in (_tau_cut(v, b, col, suffix), _q_band(v, b, col, suffix)):
+            shapes += marks
+            annotations.append(text)
+        note = _spectrum_note(v)
+        if note:
+            notes.append((f"{label}: " if multi else "") + note)
     sub = "<br>".join(notes)
-    title = f"Energy spectrum: {name}" + (f"<br><span style='font-size:11px;color:#666'>{sub}</span>" if sub else "")
-    d_in = max(v.d_in for v in views)
+    title = f"Energy spectrum: {views[0].name}"
+    if sub:
+        title += f"<br><span style='font-size:11px;color:#666'>{sub}</span>"
     layout = {
         "title": {"text": title},
         "margin": {"t": 78 + 15 * (sub.count("<br>") + 1 if sub else 0)},
-        "xaxis": {"title": {"text": "eigen-direction (descending eigenvalue)"}, "range": [0.5, d_in + 0.5]},
+        "xaxis": {
+            "title": {"text": "eigen-direction (descending eigenvalue)"},
+            "range": [0.5, max(v.d_in for v in views) + 0.5],
+        },
         "shapes": shapes,
         "annotations": annotations,
     }
@@ -411,3 +426,80 @@ def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
         "annotations": annotations,
     }
     return {"data": data, "layout": layout}
+
+
+# --------------------------------------------------------------------------- experts
+#: Record attribute -> ExpertGroup field, for the per-layer distributions over experts.
+EXPERT_METRICS = {"k": "k", "captured_energy": "energy", "mean_redundancy": "score"}
+
+
+def expert_box_figure(groups: list[ExpertGroup], metric: str) -> Figure:
+    """Per layer, the distribution over experts (min, quartiles, max, mean) of one metric; one box per module
+    type. Statistics are computed here, so the page carries 6 numbers per box, not one per expert."""
+    types: list[str] = []
+    for g in groups:
+        if g.module_type not in types:
+            types.append(g.module_type)
+    data = []
+    for t, mtype in enumerate(types):
+        members = [g for g in groups if g.module_type == mtype]
+        floor = ENERGY_FLOOR if metric == "captured_energy" else -math.inf  # log axis: exact zeros at the floor
+        stats = [distribution([max(v, floor) for v in getattr(g, EXPERT_METRICS[metric])]) for g in members]
+        data.append(
+            {
+                "type": "box",
+                "name": mtype,
+                "x": [str(g.layer) for g in members],
+                "lowerfence": [_sig(s["min"]) for s in stats],
+                "q1": [_sig(s["q1"]) for s in stats],
+                "median": [_sig(s["median"]) for s in stats],
+                "q3": [_sig(s["q3"]) for s in stats],
+                "upperfence": [_sig(s["max"]) for s in stats],
+                "mean": [_sig(s["mean"]) for s in stats],
+                "boxpoints": False,
+                "marker": {"color": color(t)},
+                "line": {"width": 1},
+            }
+        )
+    title = {"k": "k over experts", "captured_energy": "captured energy over experts (log)"}.get(
+        metric, "mean redundancy over experts"
+    )
+    layout = _base_layout(title, height=400)
+    layout.update(
+        boxmode="group",
+        xaxis={"type": "category", "title": {"text": "layer"}},
+        yaxis={"title": {"text": metric}, **({"type": "log"} if metric == "captured_energy" else {})},
+        legend={"orientation": "h", "y": -0.2, "font": {"size": 10}},
+    )
+    return {"data": data, "layout": layout}
+
+
+#: Drill-down into one expert group: the page fills x (expert index), y (k) and customdata per group.
+EXPERT_BARS_BASE: Figure = {
+    "data": [
+        {
+            "type": "bar",
+            "name": "k",
+            "marker": {"colorscale": "Viridis", "colorbar": {"title": {"text": "mean score"}, "thickness": 12}},
+            "hovertemplate": (
+                "expert %{x}<br>k = %{y}<br>captured energy = %{customdata[0]:.3e}"
+                "<br>mean redundancy = %{customdata[1]:.4f}<extra></extra>"
+            ),
+        }
+    ],
+    "layout": {
+        **_base_layout("", height=400),
+        "xaxis": {"title": {"text": "expert (click one for its spectrum)"}},
+        "yaxis": {"title": {"text": "k = dim Q"}, "rangemode": "tozero"},
+        "bargap": 0.05,
+    },
+}
+#: One expert's spectrum from its group's compact log10 values; the page fills x, y, the Q band and the title.
+EXPERT_SPECTRUM_BASE: Figure = {
+    "data": [{"type": "scatter", "mode": "lines+markers", "name": "eigenvalues", "marker": {"size": 4}}],
+    "layout": {
+        **SPECTRUM_BASE,
+        "showlegend": False,
+        "xaxis": {"title": {"text": "eigen-direction (descending eigenvalue)"}},
+    },
+}

@@ -11,8 +11,8 @@ from typing import Any
 from plate_inspect import __version__
 from plate_inspect.formatting import human_bytes
 from plate_inspect.reports import figures as F
-from plate_inspect.reports.data import HEATMAP_METRICS, ReportData, heatmap_difference, overlap_heatmap
-from plate_inspect.reports.template import PAGE
+from plate_inspect.reports.data import HEATMAP_METRICS, ReportData, _sig, heatmap_difference, overlap_heatmap
+from plate_inspect.reports.template import EXPERT_SECTION, PAGE
 
 
 def _clean(x: Any) -> Any:
@@ -79,6 +79,39 @@ def page_model(rd: ReportData) -> dict[str, Any]:
         "spectra": {n: F.spectrum_figure(v, rd.labels) for n, v in rd.spectra.items()},
         "histograms": {n: F.histogram_figure(h, rd.labels) for n, h in rd.histograms.items()},
         "table": table_model(rd),
+        **expert_model(rd),
+    }
+
+
+def expert_model(rd: ReportData) -> dict[str, Any]:
+    """The page's expert views (reference bundle): per-layer distributions, and per group the per-expert values
+    and compact spectra the drill-down draws. Member names are the group label with '*' replaced by the expert."""
+    ref = [g[0] for g in rd.expert_groups]
+    if not ref:
+        return {"expertGroups": [], "expertBoxes": []}
+    groups = [
+        {
+            "id": g.id,
+            "layer": g.layer,
+            "type": g.module_type,
+            "label": g.label,
+            "shape": g.shape,
+            "r": g.r,
+            "experts": g.experts,
+            "k": g.k,
+            "energy": [_sig(v, 3) for v in g.energy],
+            "score": [_sig(v, 3) for v in g.score],
+            "specIndex": g.spectrum_index,
+            "spectra": g.spectra,
+        }
+        for g in ref
+    ]
+    boxes = [{"id": f"experts-box-{m}", "figure": F.expert_box_figure(ref, m)} for m in F.EXPERT_METRICS]
+    return {
+        "expertGroups": groups,
+        "expertBoxes": boxes,
+        "expertBarsBase": F.EXPERT_BARS_BASE,
+        "expertSpectrumBase": F.EXPERT_SPECTRUM_BASE,
     }
 
 
@@ -101,7 +134,7 @@ def table_model(rd: ReportData) -> dict[str, Any]:
             {"key": "lora", "label": "LoRA r*(d_in+d_out)", "fmt": "int"},
         ]
         rows = [[row[c["key"]] for c in cols] for row in rd.table]
-        return {"columns": cols, "rows": rows}
+        return {"columns": cols, "rows": rows, "groups": _row_groups(rd)}
     for b, label in enumerate(rd.labels):
         cols += [
             {"key": f"r{b}", "label": f"r [{label}]", "fmt": "int"},
@@ -122,7 +155,12 @@ def table_model(rd: ReportData) -> dict[str, Any]:
         for b in range(1, len(rd.labels)):
             vals += [row["per_bundle"][b]["k"] - row["per_bundle"][0]["k"], row["per_bundle"][b]["b_overlap"]]
         rows.append(vals)
-    return {"columns": cols, "rows": rows}
+    return {"columns": cols, "rows": rows, "groups": _row_groups(rd)}
+
+
+def _row_groups(rd: ReportData) -> dict[str, str]:
+    """Table row name -> expert group id, for rows that stand for a group of experts."""
+    return {row["name"]: row["group"] for row in rd.table if "group" in row}
 
 
 def page_title(rd: ReportData) -> str:
@@ -175,10 +213,15 @@ def header_html(rd: ReportData) -> str:
             for s in S
         ],
     )
+    n_groups = len(rd.expert_groups)
+    n_experts = sum(len(g[0].names) for g in rd.expert_groups)
+    experts = f" <span class='dim'>({n_experts:,} experts in {n_groups} layer groups)</span>" if n_groups else ""
     add(
         "modules",
         [
-            _fmt_int(s.modules) + (f" <span class='warn'>({len(lo)} not in the comparison)</span>" if lo else "")
+            _fmt_int(s.modules)
+            + experts
+            + (f" <span class='warn'>({len(lo)} not in the comparison)</span>" if lo else "")
             for s, lo in zip(S, rd.left_out, strict=True)
         ],
     )
@@ -221,6 +264,19 @@ def heatmap_divs(model: dict[str, Any]) -> str:
     return "".join(f"<div class='plot heat' id='{h['id']}'></div>" for h in model["heatmaps"])
 
 
+def expert_section(model: dict[str, Any], rd: ReportData) -> str:
+    """The experts section (empty without expert groups)."""
+    if not model["expertGroups"]:
+        return ""
+    boxes = "".join(f"<div class='plot' id='{b['id']}'></div>" for b in model["expertBoxes"])
+    n = sum(len(g["experts"]) for g in model["expertGroups"])
+    note = f"{n:,} expert modules in {len(model['expertGroups'])} groups (layer x module type)"
+    if len(rd.labels) > 1:
+        note += f"; distributions and drill-down show {rd.labels[0]}, heatmaps and table compare"
+    note += "."
+    return EXPERT_SECTION.replace("%%EXPERT_BOXES%%", boxes).replace("%%EXPERT_NOTE%%", html.escape(note))
+
+
 def render_page(rd: ReportData, plotly_js: str) -> str:
     """The full HTML document."""
     model = page_model(rd)
@@ -238,6 +294,7 @@ def render_page(rd: ReportData, plotly_js: str) -> str:
         ),
         "%%HEADER%%": header_html(rd),
         "%%HEATMAPS%%": heatmap_divs(model),
+        "%%EXPERTS%%": expert_section(model, rd),
         "%%HEATMAP_INTRO%%": html.escape(intro),
         "%%DOWNSAMPLE_NOTE%%": html.escape(
             f"Spectra longer than {rd.max_points} eigenvalues are drawn from {rd.max_points} evenly spaced "

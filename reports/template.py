@@ -97,6 +97,72 @@ SCRIPT = r"""
   document.getElementById("module-prev").addEventListener("click", function () { step(-1); });
   document.getElementById("module-next").addEventListener("click", function () { step(1); });
 
+  // ------------------------------------------------------------ experts: per-layer groups, drill-down
+  var G = D.expertGroups, groupIndex = {}, currentGroup = null, barsBound = false;
+  var groupSelect = document.getElementById("group-select");
+  var expertSelect = document.getElementById("expert-select");
+  G.forEach(function (g, i) {
+    groupIndex[g.id] = i;
+    var o = document.createElement("option");
+    o.value = g.id; o.textContent = g.label + " (" + g.experts.length + " experts)"; groupSelect.appendChild(o);
+  });
+  D.expertBoxes.forEach(function (b) { draw(b.id, b.figure); });
+  function sub(text) { return "<br><span style='font-size:11px;color:#666'>" + text + "</span>"; }
+  function showExpert(g, pos) {
+    var idx = g.specIndex, vals = g.spectra[pos], x = [], y = [], dIn = g.shape[1], k = g.k[pos];
+    for (var i = 0; i < vals.length; i++) {
+      if (vals[i] !== null) { x.push(idx[i]); y.push(Math.pow(10, vals[i])); }
+    }
+    var base = D.expertSpectrumBase, start = dIn - k + 1;
+    var trace = merge(base.data[0], { x: x, y: y,
+      hovertemplate: "direction %{x}<br>eigenvalue %{y:.3e}<extra></extra>" });
+    var layout = merge(base.layout, {
+      title: { text: "Expert spectrum: " + g.label.replace("*", String(g.experts[pos])) +
+        sub("k = " + k + ", captured energy " + Number(g.energy[pos]).toExponential(2) + "; " + x.length +
+            " evenly spaced eigenvalues drawn" + (vals.length < dIn ? "; directions past " + idx[idx.length - 1] +
+            " are null" : "")) },
+      xaxis: { range: [0.5, dIn + 0.5] },
+      shapes: [{ type: "rect", xref: "x", yref: "paper", x0: start - 0.5, x1: dIn + 0.5, y0: 0, y1: 1,
+                 fillcolor: "#636efa", opacity: 0.12, line: { width: 0 } }],
+      annotations: [{ x: dIn + 0.5, y: 0.02, xref: "x", yref: "paper", showarrow: false, xanchor: "right",
+                      yanchor: "bottom", text: "Q: bottom k=" + k + " directions (" + start + ".." + dIn + ")",
+                      font: { size: 10 } }]
+    });
+    expertSelect.value = String(pos);
+    return Plotly.react("expert-spectrum-plot", [trace], layout, CONFIG);
+  }
+  function showGroup(id) {
+    var g = G[groupIndex[id]], bars = D.expertBarsBase;
+    currentGroup = g;
+    groupSelect.value = id;
+    var frag = document.createDocumentFragment();
+    g.experts.forEach(function (e, i) {
+      var o = document.createElement("option"); o.value = String(i); o.textContent = "expert " + e; frag.appendChild(o);
+    });
+    expertSelect.replaceChildren(frag);
+    var trace = merge(bars.data[0], { x: g.experts, y: g.k,
+      customdata: g.energy.map(function (v, i) { return [v, g.score[i]]; }),
+      marker: merge(bars.data[0].marker, { color: g.score }) });
+    var layout = merge(bars.layout, { title: { text: "k per expert: " + g.label +
+      sub("[d_out, d_in] = [" + g.shape.join(", ") + "], r = " + g.r + "; colour: mean redundancy") } });
+    var p = Plotly.react("expert-bars-plot", [trace], layout, CONFIG).then(function (el) {
+      if (!barsBound) {
+        barsBound = true;
+        el.on("plotly_click", function (ev) { showExpert(currentGroup, ev.points[0].pointIndex); });
+      }
+    });
+    return Promise.all([p, showExpert(g, 0)]);
+  }
+  function selectGroup(id, scroll) {
+    if (!(id in groupIndex)) { return; }
+    showGroup(id);
+    if (scroll) { document.getElementById("experts").scrollIntoView({ behavior: "smooth" }); }
+  }
+  if (groupSelect) {
+    groupSelect.addEventListener("change", function () { showGroup(groupSelect.value); });
+    expertSelect.addEventListener("change", function () { showExpert(currentGroup, Number(expertSelect.value)); });
+  }
+
   // ------------------------------------------------------------ heatmaps, k(tau)
   D.heatmaps.forEach(function (h) {
     draw(h.id, h.figure).then(function (el) {
@@ -104,7 +170,7 @@ SCRIPT = r"""
         var p = ev.points[0], tr = h.figure.data[0];
         var i = tr.y.indexOf(String(p.y)), j = tr.x.indexOf(String(p.x));
         var name = (i >= 0 && j >= 0 && h.names[i]) ? h.names[i][j] : null;
-        if (name) { selectModule(name, true); }
+        if (name && name in groupIndex) { selectGroup(name, true); } else if (name) { selectModule(name, true); }
       });
     });
   });
@@ -210,11 +276,16 @@ SCRIPT = r"""
   filterBox.addEventListener("input", renderTable);
   tbody.addEventListener("click", function (ev) {
     var tr = ev.target.closest("tr");
-    if (tr && tr.dataset.module) { selectModule(tr.dataset.module, true); }
+    if (!tr || !tr.dataset.module) { return; }
+    if (T.groups && tr.dataset.module in T.groups) { selectGroup(T.groups[tr.dataset.module], true); }
+    else { selectModule(tr.dataset.module, true); }
   });
   renderTable();
 
-  pending.push(showModule(D.modules[0]));
+  if (D.modules.length) { pending.push(showModule(D.modules[0])); }
+  else { document.getElementById("explorer").remove(); }
+  if (G.length) { pending.push(showGroup(G[0].id)); }
+  else { var link = document.querySelector("nav a[href='#experts']"); if (link) { link.remove(); } }
   Promise.all(pending).then(function () {
     window.__reportReady = true;
     document.body.setAttribute("data-ready", "1");
@@ -224,6 +295,19 @@ SCRIPT = r"""
   });
 })();
 """
+
+#: The experts section, filled in by :func:`plate_inspect.reports.html.expert_section` when a bundle has experts.
+EXPERT_SECTION = """<section id="experts"><h2>Experts</h2>
+<p class="note">%%EXPERT_NOTE%% Per layer, the distribution over experts (box: quartiles; whiskers: min and max;
+dashed: mean) of k, the captured energy and the mean redundancy. Pick a group (or click a heatmap cell or table
+row of experts) to see each expert's k, coloured by its mean redundancy; click an expert for its spectrum, drawn
+from a few evenly spaced eigenvalues.</p>
+<div class="grid">%%EXPERT_BOXES%%</div>
+<div class="controls"><label for="group-select">expert group</label> <select id="group-select"></select>
+<label for="expert-select">expert</label> <select id="expert-select"></select></div>
+<div class="grid2"><div class="plot" id="expert-bars-plot"></div>
+<div class="plot" id="expert-spectrum-plot"></div></div>
+</section>"""
 
 PAGE = (
     """<!DOCTYPE html>
@@ -241,7 +325,7 @@ PAGE = (
 <body>
 <header class="top"><h1>%%TITLE%%</h1><div class="gen">%%GENERATED%%</div></header>
 <nav><a href="#summary">summary</a><a href="#heatmaps">layer x type</a><a href="#ktau">k(tau)</a>
-<a href="#explorer">module explorer</a><a href="#modules">module table</a></nav>
+<a href="#experts">experts</a><a href="#explorer">module explorer</a><a href="#modules">module table</a></nav>
 <main>
 <section id="summary"><h2>Bundle</h2>
 %%HEADER%%
@@ -260,6 +344,7 @@ rows hold a tau fraction of their energy: larger tau, smaller k. Curves come fro
 stars mark the bundle's tau.</p>
 <div class="grid2"><div class="plot" id="ktau-plot"></div><div class="plot" id="params-plot"></div></div>
 </section>
+%%EXPERTS%%
 <section id="explorer"><h2>Module explorer</h2>
 <p class="note">Energy spectrum of W<sub>frozen</sub><sup>T</sup>W<sub>frozen</sub> (log scale; dotted: cumulative
 energy, right axis) with the tau cut and Q's bottom-k directions shaded; and the distribution of redundancy scores

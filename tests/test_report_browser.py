@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_reports import QWEN7B_TYPES, write_fake_bundle
+from test_reports import MOE_DENSE, MOE_EXPERTS, QWEN7B_TYPES, write_fake_bundle
 
 import plate_inspect
 from plate_inspect.bundle import Bundle
@@ -144,6 +144,74 @@ def test_7b_shaped_report_is_interactive(chromium, tmp_path, artifacts):
     assert expected  # scores are uniform around 0.12: some pass
     assert got["afterClick"] == got["filtered"][0] and got["svgs"] > 0
     assert got["afterHeatmapClick"] == "model.layers.27.mlp.down_proj"  # heatmap cell -> that module
+
+
+EXPERT_PLOTS = {f"experts-box-{m}" for m in METRICS[::-1]} | {"expert-bars-plot", "expert-spectrum-plot"}
+
+# Drives the expert views: pick a group, click an expert bar, click a heatmap group cell and a group table row.
+EXPERT_INTERACT = """
+(async () => {
+  const wait = ms => new Promise(r => setTimeout(r, ms));
+  const out = {};
+  const gs = document.getElementById("group-select"), es = document.getElementById("expert-select");
+  out.groups = gs.options.length;
+  gs.value = gs.options[gs.options.length - 1].value;
+  gs.dispatchEvent(new Event("change"));
+  await wait(400);
+  out.group = gs.value;
+  out.bars = document.querySelectorAll("#expert-bars-plot .point").length;
+  document.getElementById("expert-bars-plot").emit("plotly_click", { points: [{ pointIndex: 5 }] });
+  await wait(400);
+  out.expert = es.value;
+  out.spectrumTitle = document.querySelector("#expert-spectrum-plot .gtitle").textContent;
+  const layer = document.getElementById("heatmap-k-0").data[0].y[1];
+  document.getElementById("heatmap-k-0").emit("plotly_click", { points: [{ x: "mlp.experts.down_proj", y: layer }] });
+  await wait(400);
+  out.afterHeatmapClick = gs.value;
+  const row = [...document.querySelectorAll("#module-table tbody tr")].find(r => r.dataset.module.includes("*"));
+  row.click();
+  await wait(400);
+  out.rowClicked = row.dataset.module;
+  out.afterRowClick = gs.value;
+  return out;
+})()
+"""
+
+
+def test_moe_report_drill_down(chromium, tmp_path, artifacts):
+    """A DeepSeek-style MoE bundle: the expert views render, and group / expert / cell / row clicks work."""
+    bundle = Bundle.load(
+        write_fake_bundle(tmp_path / "moe", 3, MOE_DENSE, r=8, max_rank=16, experts=MOE_EXPERTS, n_experts=8)
+    )
+    html = write_report([bundle], tmp_path / "moe.html")
+    check = open_report(html, screenshot=artifacts / "report-moe.png", script=EXPERT_INTERACT)
+    assert_clean(check, STATIC_PLOTS | EXPERT_PLOTS | {f"heatmap-{m}-0" for m in METRICS})
+    got = check.details["script"]
+    assert got["groups"] == 6 and got["group"] == "experts:2:mlp.experts.down_proj" and got["bars"] == 8
+    assert got["expert"] == "5"
+    assert got["spectrumTitle"].startswith("Expert spectrum: model.layers.2.mlp.experts.5.down_proj")
+    assert f"k = {bundle.record('model.layers.2.mlp.experts.5.down_proj').k}," in got["spectrumTitle"]
+    assert got["afterHeatmapClick"] == "experts:1:mlp.experts.down_proj"
+    assert got["rowClicked"] == "model.layers.0.mlp.experts.*.gate_proj [8 experts]"
+    assert got["afterRowClick"] == "experts:0:mlp.experts.gate_proj"
+
+
+@pytest.mark.slow
+def test_60_layer_256_expert_report_renders(chromium, tmp_path, artifacts):
+    """DeepSeek-V3-shaped bundle (60 layers x 256 experts x 3 + 8 dense per layer): renders, no console errors."""
+    attn = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    dense = {f"self_attn.{p}": (96, 128) for p in attn}
+    dense |= {f"mlp.shared_experts.{p}": (64, 128) for p in ("gate_proj", "up_proj", "down_proj")}
+    experts = {"gate_proj": (48, 64), "up_proj": (48, 64), "down_proj": (64, 48)}
+    bundle = Bundle.load(
+        write_fake_bundle(tmp_path / "ds", 60, dense, r=8, max_rank=16, experts=experts, n_experts=256)
+    )
+    html = write_report([bundle], tmp_path / "ds.html")
+    assert html.stat().st_size < 25_000_000
+    check = open_report(html, screenshot=artifacts / "report-60x256.png", script=EXPERT_INTERACT, timeout=180)
+    assert_clean(check, STATIC_PLOTS | EXPERT_PLOTS | {f"heatmap-{m}-0" for m in METRICS})
+    got = check.details["script"]
+    assert got["groups"] == 180 and got["bars"] == 256 and got["expert"] == "5"
 
 
 def test_checker_sees_errors_network_and_missing_plots(chromium, tmp_path):

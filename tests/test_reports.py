@@ -53,14 +53,26 @@ def write_fake_bundle(
     wall_seconds: float | None = 12.5,
     finalize: bool = True,
     extra: dict[str, tuple[int, int]] | None = None,
+    experts: dict[str, tuple[int, int]] | None = None,
+    n_experts: int = 0,
 ) -> Path:
     """A valid bundle with fake tensors: random scores with B = their top r, a random decaying spectrum with
-    k and k_by_tau derived from it as the scanner derives them, Q a random orthonormal d_in x k basis."""
+    k and k_by_tau derived from it as the scanner derives them, Q a random orthonormal d_in x k basis.
+
+    ``experts`` (projection -> shape) adds ``n_experts`` experts per layer, named as DeepSeek/Qwen-MoE name
+    them (``model.layers.N.mlp.experts.E.<proj>``, module type ``mlp.experts.<proj>``)."""
     gen = torch.Generator().manual_seed(seed)
     settings = ScanSettings(r=r, tau=tau, max_rank=max_rank, seed=seed, q_dtype=q_dtype)
     grid = sorted({*settings.tau_grid, tau})
     targets = [(f"model.layers.{i}.{t}", i, t, shp) for i in range(layers) for t, shp in types.items()]
+    targets += [
+        (f"model.layers.{i}.mlp.experts.{e}.{p}", i, f"mlp.experts.{p}", shp)
+        for i in range(layers)
+        for e in range(n_experts)
+        for p, shp in (experts or {}).items()
+    ]
     targets += [(name, None, name, shp) for name, shp in (extra or {}).items()]
+    bases: dict[int, torch.Tensor] = {}  # experts share one orthonormal basis per d_in (fast at 46k modules)
     manifest = Manifest(
         source={"kind": "local", "id": f"/models/fake-{seed}", "revision": None, "commit": None},
         settings=settings,
@@ -86,7 +98,12 @@ def write_fake_bundle(
             k = k_for_tau(spectrum, tau, d_in, max_rank)
             full = torch.cat([spectrum.double(), torch.zeros(d_in - n, dtype=torch.float64)])
             captured = float(full[d_in - k :].sum() / full.sum())
-            q = random_orthonormal(d_in, k, seed=len(records) + 7 * (layer or 0)).to(Q_DTYPES[q_dtype])
+            if ".experts." in name:
+                if d_in not in bases:
+                    bases[d_in] = random_orthonormal(d_in, d_in, seed=d_in)
+                q = bases[d_in][:, :k].to(Q_DTYPES[q_dtype]).contiguous()
+            else:
+                q = random_orthonormal(d_in, k, seed=len(records) + 7 * (layer or 0)).to(Q_DTYPES[q_dtype])
             records.append(
                 ModuleRecord(
                     name=name,
@@ -325,10 +342,33 @@ def test_spectrum_downsampled_and_says_so(small_bundle):
     v = D.spectrum_view(small_bundle, rec.name, max_points=16)
     assert v.downsampled and 16 <= len(v.index) <= 20
     assert v.index[0] == 1 and v.index[-1] == len(s)
-    assert v.m_tau in v.index and v.k_start in v.index or v.k_start > len(s)
+    assert v.m_tau in v.index  # the tau cut is always drawn
+    # Q's first direction lies past the stored spectrum here (a null direction): nothing to keep from it
+    assert v.k_start > len(s) and rec.d_in - len(s) == v.null_directions > 0
     np.testing.assert_allclose(v.values, s[np.array(v.index) - 1], rtol=1e-3)
     title = F.spectrum_figure([v], ["x"])["layout"]["title"]["text"]
     assert f"{len(v.index)} of {len(s)} eigenvalues" in title
+
+
+def test_downsampled_spectrum_keeps_tau_cut_and_q_start():
+    """A long stored spectrum where Q starts inside it: both the tau cut and Q's first direction are drawn."""
+
+    class Rec:
+        d_in, k = 1000, 300
+
+    class B:
+        settings = ScanSettings(tau=0.9)
+
+        def record(self, name):
+            return Rec()
+
+    s = np.exp(-np.linspace(0, 12, 1000))  # all 1000 directions stored; top m hold 90% of the energy
+    v = D.spectrum_view(B(), "m", max_points=20, spectrum=s)
+    m = int(np.argmax(np.cumsum(s) >= 0.9 * s.sum())) + 1
+    assert v.downsampled and v.m_tau == m and v.k_start == 701
+    assert m in v.index and m + 1 in v.index  # both sides of the cut
+    assert 700 in v.index and 701 in v.index  # both sides of Q's first direction
+    assert len(v.index) <= 20 + 4
 
 
 # --------------------------------------------------------------------------- score histograms
@@ -475,3 +515,120 @@ def test_scan_with_report_flag(tmp_path, gpt2_ckpt):
     assert res.exit_code == 0, res.output
     data = extract_data((out / "report.html").read_text())
     assert data["modules"] == Bundle.load(out).modules
+
+
+# --------------------------------------------------------------------------- experts (MoE bundles)
+MOE_DENSE = {"self_attn.q_a_proj": (48, 64), "mlp.shared_experts.up_proj": (40, 64)}
+MOE_EXPERTS = {"gate_proj": (40, 64), "down_proj": (64, 40)}
+
+
+@pytest.fixture(scope="module")
+def moe_bundle(tmp_path_factory) -> Bundle:
+    """3 layers: 2 dense modules and 6 experts x 2 projections each (DeepSeek-style names)."""
+    path = tmp_path_factory.mktemp("rep") / "moe"
+    write_fake_bundle(path, 3, MOE_DENSE, r=8, max_rank=16, experts=MOE_EXPERTS, n_experts=6)
+    return Bundle.load(path)
+
+
+def test_expert_groups_match_manifest(moe_bundle):
+    man = manifest_json(moe_bundle)["modules"]
+    rd = report_data([moe_bundle])
+    groups = [g[0] for g in rd.expert_groups]
+    assert [(g.layer, g.module_type) for g in groups] == [
+        (i, f"mlp.experts.{p}") for i in range(3) for p in ("gate_proj", "down_proj")
+    ]
+    tensors = raw_tensors(moe_bundle)
+    for g in groups:
+        names = [f"model.layers.{g.layer}.{g.module_type.replace('experts.', f'experts.{e}.')}" for e in range(6)]
+        assert g.names == names and g.experts == list(range(6))
+        assert g.label == f"model.layers.{g.layer}.{g.module_type.replace('experts.', 'experts.*.')}"
+        assert g.k == [man[n]["k"] for n in names]
+        assert g.energy == [man[n]["captured_energy"] for n in names]
+        assert g.score == [man[n]["mean_redundancy"] for n in names]
+        for n, logs in zip(names, g.spectra, strict=True):  # compact spectra: log10 at the shared directions
+            s = tensors[f"{n}.spectrum"].double().numpy()
+            np.testing.assert_allclose(logs, np.log10(s[np.array(g.spectrum_index) - 1]), atol=0.006)
+        assert len(g.spectrum_index) == D.EXPERT_SPECTRUM_POINTS and g.spectrum_index[0] == 1
+    # experts leave the per-module views; dense modules keep theirs
+    assert set(rd.spectra) == {f"model.layers.{i}.{t}" for i in range(3) for t in MOE_DENSE}
+    # heatmap: a group's cell is the mean over its experts, named by the group id
+    hm = rd.heatmaps[0]["k"]
+    for g in groups:
+        i, j = hm.rows.index(str(g.layer)), hm.cols.index(g.module_type)
+        assert hm.z[i][j] == pytest.approx(np.mean([man[n]["k"] for n in g.names]))
+        assert hm.names[i][j] == g.id and "6 experts" in hm.hover[i][j]
+    # table: one row per group, means and totals over its experts
+    rows = {row["name"]: row for row in rd.table}
+    for g in groups:
+        row = rows[f"{g.label} [6 experts]"]
+        assert row["group"] == g.id
+        assert row["k"] == pytest.approx(np.mean(g.k), abs=0.01)
+        assert row["plate"] == sum(man[n]["r"] * man[n]["k"] for n in g.names)
+        assert row["lora"] == sum(man[n]["r"] * sum(man[n]["shape"]) for n in g.names)
+    assert len(rd.table) == 6 + 6
+
+
+def test_expert_box_statistics(moe_bundle):
+    man = manifest_json(moe_bundle)["modules"]
+    groups = [g[0] for g in report_data([moe_bundle]).expert_groups]
+    fig = F.expert_box_figure(groups, "mean_redundancy")
+    assert [t["name"] for t in fig["data"]] == ["mlp.experts.gate_proj", "mlp.experts.down_proj"]
+    for trace in fig["data"]:
+        for layer, lo, med, hi, mean in zip(
+            trace["x"], trace["lowerfence"], trace["median"], trace["upperfence"], trace["mean"], strict=True
+        ):
+            vals = [
+                m["mean_redundancy"]
+                for n, m in man.items()
+                if m["layer"] == int(layer) and m["module_type"] == trace["name"]
+            ]
+            assert len(vals) == 6
+            assert (lo, med, hi) == pytest.approx((min(vals), float(np.median(vals)), max(vals)), rel=1e-3)
+            assert mean == pytest.approx(sum(vals) / 6, rel=1e-3)
+
+
+def test_expert_page_model_and_info(moe_bundle, tmp_path):
+    data = extract_data(write_report([moe_bundle], tmp_path / "moe.html").read_text())
+    assert len(data["expertGroups"]) == 6 and [b["id"] for b in data["expertBoxes"]] == [
+        "experts-box-k",
+        "experts-box-captured_energy",
+        "experts-box-mean_redundancy",
+    ]
+    g = data["expertGroups"][0]
+    names = [g["label"].replace("*", str(e)) for e in g["experts"]]  # how the page names experts
+    assert names == [f"model.layers.0.mlp.experts.{e}.gate_proj" for e in range(6)]
+    assert all(n in moe_bundle for n in names)
+    assert data["table"]["groups"] == {f"{x['label']} [6 experts]": x["id"] for x in data["expertGroups"]}
+    res = CliRunner().invoke(cli, ["info", str(moe_bundle.path)])
+    assert res.exit_code == 0, res.output
+    man = manifest_json(moe_bundle)["modules"]
+    ks = [m["k"] for m in man.values() if m["module_type"] == "mlp.experts.down_proj"]
+    assert "expert groups" in res.output and "mlp.experts.down_proj" in res.output
+    line = next(x for x in res.output.splitlines() if "mlp.experts.down_proj" in x and "3 x 6" in x)
+    assert f"{min(ks)}/{np.median(ks):.0f}/{max(ks)}" in line
+
+
+def test_dense_bundle_has_no_expert_section(small_bundle):
+    html = render_report([small_bundle])
+    assert 'id="experts"' not in html and extract_data(html)["expertGroups"] == []
+
+
+@pytest.mark.slow
+def test_60_layer_256_expert_report_stays_small(tmp_path):
+    """DeepSeek-V3-shaped bundle: 60 layers x (8 dense + 256 experts x 3) = 46,560 modules; report < 25 MB."""
+    dense = {
+        **{f"self_attn.{p}": (96, 128) for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")},
+        **{f"mlp.shared_experts.{p}": (64, 128) for p in ("gate_proj", "up_proj", "down_proj")},
+    }
+    experts = {"gate_proj": (48, 64), "up_proj": (48, 64), "down_proj": (64, 48)}
+    bundle = Bundle.load(
+        write_fake_bundle(tmp_path / "ds", 60, dense, r=8, max_rank=16, experts=experts, n_experts=256)
+    )
+    assert len(bundle) == 60 * (8 + 256 * 3)
+    out = write_report([bundle], tmp_path / "ds.html")
+    size = out.stat().st_size
+    print(f"60x256-expert report: {size / 1e6:.1f} MB")
+    assert size < 25_000_000, size
+    data = extract_data(out.read_text())
+    assert len(data["expertGroups"]) == 180 and len(data["spectra"]) == 480
+    assert len(data["table"]["rows"]) == 480 + 180

@@ -1,0 +1,394 @@
+"""Model families: default targets (exact sets, routers never), orientation of stacked experts, config shape
+checks, and B/k/Q of scanned modules against dense float64 oracles on the weights read by safetensors' loader."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import dense_oracle, load_all
+
+import plate_inspect
+from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header
+from plate_inspect.cli.main import cli
+from plate_inspect.errors import CheckpointError
+from plate_inspect.targets import load_target, modules_by_name, select_targets
+from plate_inspect.testing.synthetic import FAMILY_DEFAULTS, write_family
+
+R, TAU, MAX_RANK = 4, 0.9, 16
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+GLU = ("gate_proj", "up_proj", "down_proj")
+MLA_Q_LORA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def names(prefix: str, *suffixes: str) -> set[str]:
+    return {f"{prefix}.{s}" for s in suffixes}
+
+
+def expected_targets(family: str, layers: int = 2) -> set[str]:
+    """Every default target of the generated checkpoint, written out from the families' naming conventions."""
+    c = FAMILY_DEFAULTS[family]
+    out: set[str] = set()
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        if family in ("llama", "mistral", "qwen3", "olmo2"):
+            out |= names(f"{p}.self_attn", *ATTN) | names(f"{p}.mlp", *GLU)
+        elif family == "gemma3":
+            p = f"language_model.model.layers.{i}"
+            out |= names(f"{p}.self_attn", *ATTN) | names(f"{p}.mlp", *GLU)
+        elif family == "phi3":
+            out |= names(f"{p}.self_attn", "qkv_proj", "o_proj") | names(f"{p}.mlp", "gate_up_proj", "down_proj")
+        elif family == "mixtral":
+            out |= names(f"{p}.self_attn", *ATTN)
+            for e in range(c["num_local_experts"]):
+                out |= names(f"{p}.block_sparse_moe.experts.{e}", "w1", "w2", "w3")
+        elif family in ("qwen2_moe", "qwen3_moe"):
+            out |= names(f"{p}.self_attn", *ATTN)
+            if i in c["mlp_only_layers"]:
+                out |= names(f"{p}.mlp", *GLU)
+                continue
+            for e in range(c["num_experts"]):
+                out |= names(f"{p}.mlp.experts.{e}", *GLU)
+            if family == "qwen2_moe":
+                out |= names(f"{p}.mlp.shared_expert", *GLU)
+        elif family.startswith("deepseek"):
+            q = MLA_Q_LORA if c["q_lora_rank"] else ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+            out |= names(f"{p}.self_attn", *q)
+            if i < c["first_k_dense_replace"]:
+                out |= names(f"{p}.mlp", *GLU)
+                continue
+            for e in range(c["n_routed_experts"]):
+                out |= names(f"{p}.mlp.experts.{e}", *GLU)
+            out |= names(f"{p}.mlp.shared_experts", *GLU)
+        elif family == "llama4":
+            p = f"language_model.model.layers.{i}"
+            out |= names(f"{p}.self_attn", *ATTN)
+            if i % 2 == 0:  # interleave_moe_layer_step 2: layers 1, 3, ... are MoE
+                out |= names(f"{p}.feed_forward", *GLU)
+                continue
+            out |= names(f"{p}.feed_forward.shared_expert", *GLU)
+            for e in range(c["num_local_experts"]):
+                out |= names(f"{p}.feed_forward.experts", f"gate_up_proj.{e}", f"down_proj.{e}")
+        elif family == "gpt_oss":
+            out |= names(f"{p}.self_attn", *ATTN)
+            for e in range(c["num_local_experts"]):
+                out |= names(f"{p}.mlp.experts", f"gate_up_proj.{e}", f"down_proj.{e}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("families")
+    return {f: write_family(base / f, f) for f in FAMILY_DEFAULTS}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_DEFAULTS))
+def test_default_targets_exact(ckpts, family):
+    targets, note = select_targets(Checkpoint.open(ckpts[family].path))
+    got = [t.name for t in targets]
+    assert set(got) == expected_targets(family) and len(got) == len(set(got))
+    assert f"model_type '{family}'" in note
+    for t in targets:  # routers, router biases, vision towers, embeddings, heads: never
+        assert not any(x in t.name for x in (".gate.", "router", "shared_expert_gate", "vision", "lm_head", "embed"))
+        assert not t.name.endswith(".gate")
+
+
+def oriented_weight(tensors: dict[str, torch.Tensor], name: str, family: str) -> torch.Tensor:
+    """A module's [d_out, d_in] weight by hand: per-expert tensors as stored; 3-D stacks [E, d_in, d_out] sliced."""
+    if name + ".weight" in tensors:
+        return tensors[name + ".weight"]
+    stack, expert = name.rsplit(".", 1)
+    assert family in ("llama4", "gpt_oss")  # the families that store [experts, d_in, d_out]
+    return tensors[stack][int(expert)].T
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_DEFAULTS))
+def test_load_target_orientation_and_fingerprint(ckpts, family):
+    ckpt = Checkpoint.open(ckpts[family].path)
+    tensors = load_all(ckpts[family].path)
+    for t in select_targets(ckpt)[0]:
+        before = ckpt.bytes_read
+        w, fingerprint = load_target(ckpt, t)
+        want = oriented_weight(tensors, t.name, family)
+        assert torch.equal(w, want), t.name
+        assert tuple(w.shape) == t.shape
+        stored_bytes = want.T.contiguous() if t.layout == "experts_in_major" else want.contiguous()
+        assert ckpt.bytes_read - before == stored_bytes.numel() * stored_bytes.element_size() == t.nbytes
+        assert fingerprint == "sha256:" + hashlib.sha256(stored_bytes.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def check_against_oracle(bundle, tensors, family, modules):
+    for name in modules:
+        rec = bundle.record(name)
+        w = oriented_weight(tensors, name, family).double().numpy()
+        scores, b, evals, k, gram = dense_oracle(w, R, TAU, MAX_RANK)
+        assert rec.shape == list(w.shape)
+        assert bundle.b_idx(name).tolist() == b.tolist(), name
+        assert rec.k == k, name
+        np.testing.assert_allclose(bundle.redundancy(name).numpy(), scores, rtol=1e-4, atol=1e-5)
+        q = bundle.q(name, torch.float64).numpy()
+        np.testing.assert_allclose(q.T @ q, np.eye(k), atol=2e-5)
+        # Q captures the optimum: the k smallest eigenvalues of G = W_f^T W_f
+        assert np.trace(q.T @ gram @ q) <= 1.01 * evals[:k].sum() + 1e-6 * evals.sum(), name
+
+
+SAMPLES = {  # a few modules per family: attention, dense and expert MLPs, 3-D expert slices
+    "mixtral": ["model.layers.0.self_attn.k_proj", "model.layers.1.block_sparse_moe.experts.2.w2"],
+    "qwen2_moe": [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.experts.3.up_proj",
+        "model.layers.1.mlp.shared_expert.gate_proj",
+    ],
+    "qwen3_moe": ["model.layers.1.self_attn.o_proj", "model.layers.0.mlp.experts.1.down_proj"],
+    "deepseek_v3": [
+        "model.layers.0.self_attn.q_b_proj",
+        "model.layers.1.self_attn.kv_a_proj_with_mqa",
+        "model.layers.1.self_attn.kv_b_proj",
+        "model.layers.1.mlp.experts.0.gate_proj",
+        "model.layers.1.mlp.shared_experts.down_proj",
+    ],
+    "deepseek_v2": ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.2.down_proj"],
+    "llama4": [
+        "language_model.model.layers.1.feed_forward.experts.gate_up_proj.2",
+        "language_model.model.layers.1.feed_forward.experts.down_proj.0",
+        "language_model.model.layers.0.feed_forward.up_proj",
+    ],
+    "gpt_oss": ["model.layers.0.mlp.experts.gate_up_proj.1", "model.layers.1.mlp.experts.down_proj.2"],
+    "gemma3": ["language_model.model.layers.1.self_attn.q_proj"],
+    "phi3": ["model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"],
+    "olmo2": ["model.layers.0.mlp.down_proj"],
+    "qwen3": ["model.layers.1.self_attn.k_proj"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(SAMPLES))
+def test_scan_matches_dense_oracle(ckpts, family, tmp_path):
+    ckpt = ckpts[family]
+    bundle = plate_inspect.scan(ckpt.path, tmp_path / "b", r=R, tau=TAU, max_rank=MAX_RANK)
+    assert set(bundle.modules) == expected_targets(family)
+    tensors = load_all(ckpt.path)
+    check_against_oracle(bundle, tensors, family, SAMPLES[family])
+    for rec in bundle:  # module types carry no expert index; the expert sits in the name
+        assert rec.module_type.split(".")[-1].isdigit() is False
+    layouts = {rec.layout for rec in bundle}
+    assert layouts == ({"linear", "experts_in_major"} if family in ("llama4", "gpt_oss") else {"linear"})
+
+
+def test_deepseek_mtp_layer_only_when_asked(ckpts, tmp_path):
+    ckpt = Checkpoint.open(ckpts["deepseek_v3"].path)
+    default, note = select_targets(ckpt)
+    assert all(t.layer != 2 for t in default) and "multi-token-prediction layer 2 skipped" in note
+    with_mtp, _ = select_targets(ckpt, include_mtp=True)
+    extra = {t.name for t in with_mtp} - {t.name for t in default}
+    mtp = "model.layers.2"
+    want = names(f"{mtp}.self_attn", *MLA_Q_LORA) | names(f"{mtp}.mlp.shared_experts", *GLU) | {f"{mtp}.eh_proj"}
+    for e in range(4):
+        want |= names(f"{mtp}.mlp.experts.{e}", *GLU)
+    assert extra == want
+    assert {t.name: t.shape for t in with_mtp}[f"{mtp}.eh_proj"] == (32, 64)
+    out = tmp_path / "mtp"
+    res = CliRunner().invoke(
+        cli,
+        ["scan", str(ckpts["deepseek_v3"].path), "-o", str(out), "--r", "4", "--max-rank", "8", "--layers", "2",
+         "--include-mtp", "-q"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert set(plate_inspect.Bundle.load(out).modules) == want
+
+
+def test_routers_only_when_named(ckpts):
+    ckpt = Checkpoint.open(ckpts["qwen2_moe"].path)
+    chosen, _ = select_targets(ckpt, ["mlp.gate", "shared_expert_gate"])
+    assert {t.name for t in chosen} == {"model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"}
+    gpt, _ = select_targets(Checkpoint.open(ckpts["gpt_oss"].path), ["mlp.router"])
+    assert [t.name for t in gpt] == ["model.layers.0.mlp.router", "model.layers.1.mlp.router"]
+
+
+def test_unknown_family_fallback_skips_routers_and_stacks(tmp_path):
+    ckpt = write_family(tmp_path / "m", "mixtral")
+    config = json.loads((ckpt.path / "config.json").read_text())
+    (ckpt.path / "config.json").write_text(json.dumps({**config, "model_type": "mystery-moe"}))
+    chosen, note = select_targets(Checkpoint.open(ckpt.path))
+    assert "unknown model_type" in note
+    assert {t.name for t in chosen} == expected_targets("mixtral")  # gate (router) left out
+
+
+@pytest.mark.parametrize(
+    ("family", "override", "tensor"),
+    [
+        ("qwen2_moe", {"moe_intermediate_size": 20}, "mlp.experts.0.down_proj.weight"),
+        ("mixtral", {"intermediate_size": 40}, "block_sparse_moe.experts.0.w1.weight"),
+        ("deepseek_v3", {"kv_lora_rank": 12}, "self_attn.kv_a_proj_with_mqa.weight"),
+        ("deepseek_v3", {"q_lora_rank": None}, "self_attn.q_a_proj.weight"),
+        ("qwen3", {"head_dim": 8}, "self_attn.k_proj.weight"),
+        ("gemma3", {"num_key_value_heads": 2}, "self_attn.k_proj.weight"),
+        ("llama4", {"intermediate_size_mlp": 48}, "feed_forward.down_proj.weight"),
+        ("gpt_oss", {"intermediate_size": 16}, "mlp.experts.down_proj"),
+    ],
+)
+def test_config_shape_checks(tmp_path, family, override, tensor):
+    """Weights written with the defaults, config.json saying otherwise: refused, naming the first such tensor."""
+    ckpt = write_family(tmp_path / "m", family)
+    config = json.loads((ckpt.path / "config.json").read_text())
+    inner = config.get("text_config", config)
+    inner.update(override)
+    (ckpt.path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"tensor '[^']*{tensor}'"):
+        select_targets(Checkpoint.open(ckpt.path))
+
+
+def test_expert_count_and_transposed_stack_refused(tmp_path):
+    ckpt = write_family(tmp_path / "m", "llama4")
+    config = json.loads((ckpt.path / "config.json").read_text())
+    config["text_config"]["num_local_experts"] = 5
+    (ckpt.path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="stacks 3 experts but config.json says 5"):
+        select_targets(Checkpoint.open(ckpt.path))
+    # a gpt-oss stack stored [E, d_out, d_in] where the family stores [E, d_in, d_out]
+    from safetensors.torch import load_file, save_file
+
+    g = write_family(tmp_path / "g", "gpt_oss")
+    tensors = load_file(str(g.path / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.down_proj"
+    tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(g.path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"stored transposed\?"):
+        select_targets(Checkpoint.open(g.path))
+
+
+def open_quantized(path) -> Checkpoint:
+    """A quantized release opened from its headers and config.json (dequantizing reads are the inputs layer's)."""
+    tensors, _ = parse_safetensors_header(path / "model.safetensors")
+    return Checkpoint(path, [path / "model.safetensors"], tensors, json.loads((path / "config.json").read_text()))
+
+
+def test_fp8_scale_companions_never_targets(tmp_path):
+    plain = {t.name for t in select_targets(Checkpoint.open(write_family(tmp_path / "bf16", "deepseek_v3").path))[0]}
+    ckpt = open_quantized(write_family(tmp_path / "fp8", "deepseek_v3", fp8=True).path)
+    assert any(n.endswith("weight_scale_inv") for n in ckpt.tensors)
+    targets, _ = select_targets(ckpt)
+    assert {t.name for t in targets} == plain
+    assert all(t.tensor.dtype == "F8_E4M3" for t in targets)
+
+
+def test_mxfp4_experts_named_and_oriented(tmp_path):
+    """gpt-oss's release: *_blocks [E, d_out, d_in/32, 16] + *_scales: one logical weight, output-major slices."""
+    ckpt = open_quantized(write_family(tmp_path / "mx", "gpt_oss", mxfp4=True).path)
+    targets = {t.name: t for t in select_targets(ckpt)[0]}
+    assert set(targets) == expected_targets("gpt_oss")
+    t = targets["model.layers.1.mlp.experts.gate_up_proj.2"]
+    assert t.tensor.name == "model.layers.1.mlp.experts.gate_up_proj_blocks" and t.expert == 2
+    assert t.logical_name == "model.layers.1.mlp.experts.gate_up_proj"
+    assert t.layout == "experts_out_major" and t.logical_shape == (3, 64, 96) and t.shape == (64, 96)
+    assert targets["model.layers.0.mlp.experts.down_proj.0"].shape == (96, 32)
+    assert not any("scales" in n or n.endswith("_bias") for n in targets)
+
+
+def test_modules_by_name_finds_expert_slices(ckpts):
+    ckpt = Checkpoint.open(ckpts["llama4"].path)
+    found = modules_by_name(ckpt)
+    t = found["language_model.model.layers.1.feed_forward.experts.down_proj.2"]
+    assert t.expert == 2 and t.layout == "experts_in_major" and t.shape == (32, 24)
+    assert "language_model.model.layers.1.feed_forward.router" in found  # every module, not only targets
+
+
+# --------------------------------------------------------------------------- batched eigensolves of experts
+def projector(q: torch.Tensor) -> torch.Tensor:
+    q = q.double()
+    return q @ q.T
+
+
+@pytest.mark.parametrize(("d_out", "d_in", "r"), [(48, 20, 6), (24, 40, 4), (16, 64, 4)])  # tall, wide, mostly null
+def test_batched_geometry_matches_per_module(d_out, d_in, r):
+    from plate_inspect.batched import batched_plate_geometry
+    from plate_inspect.geometry import plate_geometry
+    from plate_inspect.testing.synthetic import structured_weight
+
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.stack([structured_weight(d_out, d_in, gen, planted=5)[0] for _ in range(5)]).double()
+    seeds = [11 * e + 1 for e in range(5)]
+    batched = batched_plate_geometry(weights, r, 0.9, 12, seeds=seeds, n_anchors=16)
+    for e, got in enumerate(batched):
+        one = plate_geometry(weights[e].clone(), r, 0.9, 12, n_anchors=16, seed=seeds[e])
+        assert got.b_idx.tolist() == one.b_idx.tolist()
+        torch.testing.assert_close(got.redundancy, one.redundancy)
+        assert got.k == one.k and got.k_by_tau == one.k_by_tau
+        torch.testing.assert_close(got.basis.spectrum, one.basis.spectrum, rtol=1e-5, atol=1e-7)
+        assert got.basis.q.dtype == torch.float64 and got.basis.q.shape == (d_in, one.k)
+        torch.testing.assert_close(got.basis.q.T @ got.basis.q, torch.eye(one.k, dtype=torch.float64))
+        # the same subspace: bottom-k eigenvectors (and, for null directions, the same seeded Gaussian projected)
+        torch.testing.assert_close(projector(got.basis.q), projector(one.basis.q), atol=1e-8, rtol=0)
+        assert got.basis.captured_energy == pytest.approx(one.basis.captured_energy, abs=1e-12)
+
+
+def test_expert_groups_by_part_type_and_size(ckpts):
+    from plate_inspect.batched import expert_groups
+    from plate_inspect.scanner import part_name
+
+    targets, _ = select_targets(Checkpoint.open(ckpts["mixtral"].path))
+    todo = [(part_name(t), t) for t in targets]
+    items = expert_groups(todo, max_group=2)
+    assert [t.name for _, g in items for t in g] != [t.name for t in targets]  # experts regrouped by type ...
+    assert sorted(t.name for _, g in items for t in g) == sorted(t.name for t in targets)  # ... none lost
+    for part, group in items:
+        assert len(group) <= 2 and {part_name(t) for t in group} == {part}
+        assert len({(t.module_type, t.shape) for t in group}) == 1
+        assert len(group) == 1 or all(t.expert is not None for t in group)
+    parts = [p for p, _ in items]
+    assert parts == sorted(parts)  # parts stay contiguous
+    w1 = [[t.expert for t in g] for _, g in items if g[0].module_type == "block_sparse_moe.experts.w1"]
+    assert w1 == [[0, 1], [2], [0, 1], [2]]
+    assert all(len(g) == 1 for _, g in expert_groups(todo, max_group=1))
+    assert all(len(g) == 1 for _, g in expert_groups(todo, max_group=8, max_bytes=targets[-1].nbytes))
+
+
+@pytest.mark.parametrize("family", ["llama4", "mixtral"])
+def test_batched_scan_matches_per_module_scan(ckpts, family, tmp_path, monkeypatch):
+    """The scanner's batched path (forced on CPU with expert_group) against its per-module path and the oracle."""
+    from plate_inspect import scanner
+    from plate_inspect.scanner import plan_scan, run_scan
+
+    batch_sizes = []
+    real = scanner.batched_plate_geometry
+    monkeypatch.setattr(
+        scanner, "batched_plate_geometry", lambda w, *a, **kw: batch_sizes.append(len(w)) or real(w, *a, **kw)
+    )
+    path = ckpts[family].path
+    plan = dict(r=R, tau=TAU, max_rank=MAX_RANK, precision="float64")
+    one = run_scan(plan_scan(path, **plan), tmp_path / "one")
+    assert batch_sizes == []  # CPU default: one module at a time
+    grouped = run_scan(plan_scan(path, **plan), tmp_path / "grouped", expert_group=8)
+    n_experts = 3  # per MoE layer, both families' defaults
+    assert batch_sizes == [n_experts] * (2 if family == "llama4" else 6)  # one eigensolve per projection and layer
+    assert grouped.modules == one.modules
+    for rec in grouped:
+        other = one.record(rec.name)
+        assert (rec.k, rec.r, rec.fingerprint, rec.shape) == (other.k, other.r, other.fingerprint, other.shape)
+        assert grouped.b_idx(rec.name).tolist() == one.b_idx(rec.name).tolist()
+        torch.testing.assert_close(projector(grouped.q(rec.name)), projector(one.q(rec.name)), atol=1e-5, rtol=0)
+    experts = [n for n in grouped.modules if ".experts." in n]
+    check_against_oracle(grouped, load_all(path), family, experts[:4] + experts[-2:])
+
+
+def test_verify_finds_expert_slices(ckpts, tmp_path):
+    """verify checks every module's fingerprint, 3-D expert slices included; a changed expert is caught."""
+    from safetensors.torch import load_file, save_file
+
+    from plate_inspect import verify
+
+    src = ckpts["gpt_oss"].path
+    bundle = plate_inspect.scan(src, tmp_path / "b", r=R, tau=TAU, max_rank=MAX_RANK, layers=[0])
+    report = verify(bundle, src)
+    assert report.ok and report.modules_checked == len(bundle) == 4 + 6, report.problems
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.0.mlp.experts.down_proj"][1, 0, 0] += 1.0  # expert 1 only
+    save_file(tensors, str(changed / "model.safetensors"))
+    problems = verify(bundle, changed).problems
+    assert len(problems) == 1 and "mlp.experts.down_proj.1'" in problems[0] and "fingerprint differs" in problems[0]
