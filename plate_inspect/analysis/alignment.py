@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plate_inspect.errors import CheckpointError, ConfigError, PlateInspectError
+from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh
 from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches
 
@@ -35,9 +35,6 @@ from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches
 #: written by the scikit-learn authors, shipped inside the scikit-learn wheel, which plate-inspect depends on).
 SKLEARN_TEXT_SOURCE = "sklearn/datasets/descr/*.rst (shipped with scikit-learn)"
 
-
-class AlignmentError(PlateInspectError):
-    """The alignment analysis cannot run on the given model, inputs or settings."""
 
 
 # --------------------------------------------------------------------------- records

@@ -34,7 +34,7 @@ from scipy.sparse.linalg import LinearOperator, eigsh
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp
 
-from plate_inspect.errors import ConfigError, PlateInspectError
+from plate_inspect.errors import ConfigError, CurvatureError
 from plate_inspect.geometry import high_energy_basis, module_seed, random_orthonormal, random_rows
 
 Params = dict[str, torch.Tensor]
@@ -47,9 +47,6 @@ DENSE_MAX_DIM = 64
 #: Names of the PLATE-family variants accepted by :func:`plate_family`.
 PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q")
 
-
-class CurvatureError(PlateInspectError):
-    """A curvature analysis cannot run with the given model, family or data."""
 
 
 # --------------------------------------------------------------------------- update families
