@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
+from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, PlateInspectError
 
 FORMAT_NAME = "plate-init-bundle"
@@ -32,7 +33,6 @@ MANIFEST = "manifest.json"
 STATS = "scan_stats.json"
 _UMASK = os.umask(0)
 os.umask(_UMASK)
-Q_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)

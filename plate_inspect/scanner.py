@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from plate_inspect.bundle import Q_DTYPES, Bundle, BundleWriter, Manifest, ModuleRecord, ScanSettings
+from plate_inspect.bundle import Bundle, BundleWriter, Manifest, ModuleRecord, ScanSettings
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
+from plate_inspect.dtypes import PRECISIONS, Q_DTYPES
 from plate_inspect.errors import CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, module_seed, plate_geometry, validate_settings
 from plate_inspect.targets import TargetModule, load_target, select_targets
-
-PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
 
 
 class ScanProgress:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.checkpoint import Checkpoint, fingerprint_bytes
+from plate_inspect.checkpoint import Checkpoint
 
 
 @dataclass
@@ -60,6 +60,6 @@ def verify(
             if weight_name not in ckpt.tensors:
                 report.problems.append(f"{where}: the checkpoint has no tensor '{weight_name}'")
                 continue
-            if fingerprint_bytes(ckpt.read_bytes(weight_name)) != rec.fingerprint:
+            if ckpt.weight_fingerprint(weight_name) != rec.fingerprint:
                 report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
     return report

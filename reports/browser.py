@@ -38,7 +38,6 @@ CHROMIUM_FLAGS = [
 ]
 
 
-
 def find_chromium() -> str | None:
     """Path of a Chromium binary: $CHROMIUM, /usr/bin/chromium, or chromium/chromium-browser on PATH."""
     for cand in (os.environ.get("CHROMIUM"), "/usr/bin/chromium"):

@@ -36,7 +36,6 @@ from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches
 SKLEARN_TEXT_SOURCE = "sklearn/datasets/descr/*.rst (shipped with scikit-learn)"
 
 
-
 # --------------------------------------------------------------------------- records
 @dataclass
 class AlignmentRecord:

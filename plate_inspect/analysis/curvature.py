@@ -48,7 +48,6 @@ DENSE_MAX_DIM = 64
 PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q")
 
 
-
 # --------------------------------------------------------------------------- update families
 @dataclass
 class Block:
