@@ -674,7 +674,8 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path}: config.json is not a JSON object")
     quant = config.get("quantization_config")
     if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        method = method if isinstance(method, str) else "unknown"
         if method not in SUPPORTED_QUANT_METHODS:
             raise UnsupportedWeightError(
                 f"{path}: the checkpoint is quantized with '{method}' (packed integer storage), which plate-inspect "

@@ -26,7 +26,15 @@ from __future__ import annotations
 
 
 class PlateInspectError(Exception):
-    """Base class: the message says what went wrong, where (file/tensor), and what to do."""
+    """Base class: the message says what went wrong, where (file/tensor), and what to do.
+
+    The message is always one printable line: control characters that came from the input (a tensor name with a
+    newline in a corrupt header) are shown escaped.
+    """
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class ConfigError(PlateInspectError):
