@@ -254,3 +254,25 @@ def test_truncated_single_file_header(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(struct.pack("<Q", 10_000) + b"{}")
     assert_user_error(["scan", f, "--out", tmp_path / "o"], "model.safetensors", "truncated")
+
+
+def test_align_k_larger_than_the_embedded_minilm_layers(tmp_path):
+    """The embedded MiniLM's attention layers have d_in = 384: k = 512 is a settings error, before any forward pass."""
+    text = tmp_path / "t.txt"
+    text.write_text("A few words of English text. " * 20, encoding="utf-8")
+    assert_user_error(["align", "--k", "8,512", "--text", text, "--quiet"], "k=512", "d_in=384", "choose k <= 384")
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--r", "300"], "--r must be at most 256"),
+        (["--lora-rank", "65"], "--lora-rank must be at most 64"),
+        (["--rho", "0,nan"], "finite"),
+        (["--rho", "1,inf"], "finite"),
+        (["--families", "plate,nope"], "--families"),
+        (["--probes", "-1"], "--probes"),
+    ],
+)
+def test_curvature_settings_out_of_range(extra, needle):
+    assert_user_error(["curvature", "--quiet", *extra], needle)
