@@ -767,6 +767,10 @@ def _hub_error(
     """One message per cause: huggingface_hub's error types, then the HTTP status, then connection failures."""
     from huggingface_hub import errors as hf
 
+    # snapshot_download wraps some hub answers (403, 5xx) in LocalEntryNotFoundError: classify the cause
+    cause = e.__cause__ if isinstance(e, hf.LocalEntryNotFoundError) and e.__cause__ is not None else e
+    if isinstance(cause, (hf.GatedRepoError, hf.RepositoryNotFoundError, hf.RevisionNotFoundError, hf.HfHubHTTPError)):
+        e = cause
     status = getattr(getattr(e, "response", None), "status_code", None)
     rev = revision or "main"
     if isinstance(e, hf.GatedRepoError):
