@@ -632,7 +632,7 @@ def _fp8_weight(info: TensorInfo, scale: TensorInfo, block: tuple[int, int] | No
     def with_block(block: tuple[int, int] | None) -> LogicalWeight:
         return LogicalWeight(info.name, shape, info.dtype, "fp8", (info.name, scale.name), info.file, block)
 
-    if math.prod(s_shape) == 1 and len(s_shape) <= 1:
+    if math.prod(s_shape) == 1:
         return with_block(None)  # one scale for the whole tensor
     rest = s_shape[len(lead) :]
     if s_shape[: len(lead)] == lead:
