@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def _float_list(value: str, what: str) -> list[float]:
         raise ConfigError(f"{what}: expected comma-separated numbers, got '{value}'") from None
     if not out:
         raise ConfigError(f"{what}: expected at least one number")
+    if not all(math.isfinite(v) for v in out):
+        raise ConfigError(f"{what}: expected finite numbers, got '{value}'")
     return out
 
 
@@ -211,6 +214,7 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
             raise ConfigError(f"{name} must be a positive integer, got {value}")
     if probes < 0:
         raise ConfigError(f"--probes must be >= 0, got {probes}")
+    _check_digits_ranks(r, lora_rank)
 
     tmp = None
     if out is None:
@@ -255,6 +259,19 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
         f"PLATE r={r} tau={tau} k={ks}, beta={records[0].beta:.4g}, {probes} probes per family"
     )
     print_curvature_table(records)
+
+
+def _check_digits_ranks(r: int, lora_rank: int) -> None:
+    """Ranks that fit the digits MLP's fc1/fc2/fc3, checked before the minute of stage-1 training."""
+    from plate_inspect.experiments.digits import DigitsMLP
+
+    layers = [getattr(DigitsMLP(), name) for name in ("fc1", "fc2", "fc3")]
+    min_out = min(m.out_features for m in layers)
+    min_side = min(min(m.out_features, m.in_features) for m in layers)
+    if r > min_out:
+        raise ConfigError(f"--r must be at most {min_out} (the output dimension of the digits MLP's layers), got {r}")
+    if lora_rank > min_side:
+        raise ConfigError(f"--lora-rank must be at most {min_side} (min(d_out, d_in) of fc1), got {lora_rank}")
 
 
 def print_curvature_table(records) -> None:

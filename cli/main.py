@@ -6,6 +6,7 @@ import importlib
 import sys
 
 import click
+from rich.markup import escape
 
 from plate_inspect import __version__
 from plate_inspect.cli.common import err_console
@@ -55,7 +56,7 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except PlateInspectError as e:
-            err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # names in e are not markup
             sys.exit(2)
         except KeyboardInterrupt:
             err_console.print("[yellow]interrupted[/]: finished work is saved; rerun the same command to resume")

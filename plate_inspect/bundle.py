@@ -31,6 +31,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
 from plate_inspect.atomic import atomic_write
+from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, PlateInspectError
 
 FORMAT_NAME = "plate-init-bundle"
@@ -39,7 +40,6 @@ MANIFEST = "manifest.json"
 STATS = "scan_stats.json"
 #: The one metadata key of a part file's safetensors header (one key: safetensors orders several at random).
 PART_METADATA_KEY = "plate_part"
-Q_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)

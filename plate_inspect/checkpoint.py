@@ -1,8 +1,10 @@
-"""Read safetensors checkpoints lazily: resolve a source, parse shard headers, read one tensor's bytes at a time.
+"""Read safetensors checkpoints lazily: resolve a source, validate shard headers, read one weight at a time.
 
 Nothing here loads a model. A :class:`Checkpoint` knows every tensor's file, dtype, shape and byte range from
-the shard headers alone; :meth:`Checkpoint.read` reads exactly one tensor's stored bytes. Pickle files
-(``.bin``/``.pt``) are never opened.
+the shard headers alone (validated as strictly as safetensors itself validates them);
+:meth:`Checkpoint.read_weight` reads exactly one weight's bytes (or one expert's slice of them) and dequantizes
+FP8 (per-tensor, per-row or block scales) and MXFP4 storage to float32. Pickle files (``.bin``/``.pt``) are
+never opened; packed integer formats (GPTQ, AWQ, bitsandbytes) are refused with a message saying what to do.
 """
 
 from __future__ import annotations
@@ -19,47 +21,68 @@ from typing import Any
 
 import torch
 
-from plate_inspect.errors import CheckpointError, UnsupportedWeightError
+from plate_inspect.dtypes import DTYPES, FLOAT_DTYPES
+from plate_inspect.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    HubError,
+    HubGatedRepoError,
+    HubOfflineError,
+    HubRepoNotFoundError,
+    HubRevisionNotFoundError,
+    HubUnauthorizedError,
+    UnsupportedWeightError,
+)
 
-#: safetensors dtype names plate-inspect analyses, with their torch dtypes.
-FLOAT_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
-_ITEM_SIZE = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "U16": 2,
-    "U32": 4,
-    "U64": 8,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "F4": 1,
-    "F6_E2M3": 1,
-    "F6_E3M2": 1,
-    "C64": 8,
-}
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
+__all__ = [
+    "FLOAT_DTYPES",
+    "Checkpoint",
+    "LogicalWeight",
+    "SourceRef",
+    "TensorInfo",
+    "fingerprint_bytes",
+    "fingerprint_tensor",
+    "parse_safetensors_header",
+    "require_float_dtype",
+    "resolve_hub_snapshot",
+]
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_INDEX = 1 << 64  # offsets, dims and sizes beyond u64 cannot describe a real file
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _CONVERT_HINT = (
     "convert it once with transformers: AutoModel.from_pretrained(DIR).save_pretrained(OUT, safe_serialization=True)"
 )
+_DEQUANTIZE_HINT = (
+    "scan the unquantized base model it was made from, or dequantize it to bf16 first "
+    "(transformers: AutoModelForCausalLM.from_pretrained(DIR, torch_dtype=torch.bfloat16).dequantize()"
+    ".save_pretrained(OUT))"
+)
+#: quantization_config.quant_method values whose storage plate-inspect reads (dequantizing on read).
+SUPPORTED_QUANT_METHODS = frozenset({"fp8", "fbgemm_fp8", "mxfp4"})
+#: FP8 element formats dequantized on read (OCP FP8: E4M3 "fn" with NaN only at S.1111.111, E5M2 IEEE-like).
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+#: Tensor-name endings of packed integer formats, with the format they belong to.
+_PACKED_SUFFIXES = {
+    ".qweight": "GPTQ/AWQ",
+    ".qzeros": "GPTQ/AWQ",
+    ".g_idx": "GPTQ",
+    ".absmax": "bitsandbytes 4-bit",
+    ".quant_map": "bitsandbytes 4-bit",
+    ".nested_absmax": "bitsandbytes 4-bit",
+    ".quant_state.bitsandbytes__nf4": "bitsandbytes 4-bit (nf4)",
+    ".quant_state.bitsandbytes__fp4": "bitsandbytes 4-bit (fp4)",
+    ".SCB": "bitsandbytes 8-bit",
+    ".weight_packed": "compressed-tensors packed integers",
+}
+#: FP4 E2M1 values by 4-bit code (OCP Microscaling Formats v1.0, section 5.3.3): sign, 2 exponent bits, 1 mantissa.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+# --------------------------------------------------------------------------- records
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor's bytes live, from the shard header."""
+    """Where one stored tensor's bytes live, from the shard header."""
 
     name: str
     dtype: str
@@ -71,6 +94,34 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class LogicalWeight:
+    """A weight as a model sees it: logical name and shape, and the stored tensors it is decoded from.
+
+    ``format`` is ``"dense"`` (F64/F32/F16/BF16, read as stored), ``"fp8"`` (F8_E4M3/F8_E5M2 times a scale:
+    per tensor, per expert, per row or per block), ``"mxfp4"`` (``<name>_blocks`` + ``<name>_scales``) or
+    ``"other"`` (integer/bool/unsupported storage: reading it raises :class:`UnsupportedWeightError`).
+    ``parts`` are the stored tensor names (the weight first, then its scales); ``block`` is the FP8 scale block
+    [rows, cols] (None for per-tensor scales). ``dtype`` and ``file`` mirror :class:`TensorInfo`.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    stored_dtype: str  # the weight part's dtype ("BF16", "F8_E4M3", ...) or "MXFP4"
+    format: str
+    parts: tuple[str, ...]
+    file: Path
+    block: tuple[int, int] | None = None
+
+    @property
+    def dtype(self) -> str:
+        return self.stored_dtype
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.format in ("fp8", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -86,53 +137,146 @@ class SourceRef:
         return {"kind": self.kind, "id": self.id, "revision": self.revision, "commit": self.commit}
 
 
+# --------------------------------------------------------------------------- header validation
 def parse_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate one safetensors file's header; detects truncation and inconsistent offsets."""
+    """Parse and validate one safetensors file's header as strictly as safetensors does.
+
+    Every entry needs a known dtype, a shape of non-negative integers and two integer ``data_offsets``; sizes
+    are computed in bits (F4, F6 are not whole bytes); the byte ranges, sorted, must be contiguous from 0 and
+    cover the data section exactly (no gap, no overlap, no trailing bytes). Raises
+    :class:`CorruptCheckpointError` naming the file and tensor.
+    """
+    path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(f"{path}: file is truncated ({size} bytes): not a safetensors file")
+                raise CorruptCheckpointError(f"{path}: file is truncated ({size} bytes): not a safetensors file")
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER_BYTES or n > size - 8:
-                raise CheckpointError(
-                    f"{path}: corrupt or truncated safetensors header (header length {n}, file size {size})"
+                raise CorruptCheckpointError(
+                    f"{path}: corrupt or truncated safetensors header (header length {n}, file size {size}); "
+                    "re-download this file"
                 )
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header (invalid JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
-    data_start = 8 + n
-    entries: dict[str, TensorInfo] = {}
-    for name, spec in header.items():
-        try:
-            dtype, shape, (begin, end) = spec["dtype"], tuple(int(s) for s in spec["shape"]), spec["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}'") from None
-        expected = math.prod(shape) * _ITEM_SIZE.get(dtype, 1)
-        if dtype in _ITEM_SIZE and end - begin != expected:
-            raise CheckpointError(
-                f"{path}: tensor '{name}' has {end - begin} bytes but {dtype}{list(shape)} needs {expected}"
-            )
-        if data_start + end > size:
-            raise CheckpointError(
-                f"{path}: file is truncated: tensor '{name}' ends at byte {data_start + end} but the file "
-                f"has {size} bytes; re-download this shard"
-            )
-        entries[name] = TensorInfo(name, dtype, shape, path, data_start + begin, data_start + end)
+    header = _parse_header_json(path, raw)
+    metadata = _header_metadata(path, header.pop("__metadata__", None))
+    data_start, data_len = 8 + n, size - 8 - n
+    entries = {name: _header_entry(path, name, spec, data_start) for name, spec in header.items()}
+    _check_layout(path, entries, data_start, data_len)
     return entries, metadata
 
 
+def _corrupt(path: Path, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: corrupt safetensors header: {what}; re-download or re-save this file")
+
+
+def _parse_header_json(path: Path, raw: bytes) -> dict[str, Any]:
+    if not raw.startswith(b"{"):
+        raise _corrupt(path, "the header does not start with '{'")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise _corrupt(path, f"key '{key}' appears twice")
+            out[key] = value
+        return out
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
+        raise _corrupt(path, f"invalid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "not a JSON object")
+    return header
+
+
+def _header_metadata(path: Path, metadata: Any) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _corrupt(path, "__metadata__ must map strings to strings")
+    return metadata
+
+
+def _is_index(value: Any) -> bool:
+    """A JSON integer in [0, 2^64): not a bool, float or string."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_INDEX
+
+
+def _header_entry(path: Path, name: str, spec: Any, data_start: int) -> TensorInfo:
+    where = f"tensor '{name}'"
+    if not isinstance(spec, dict):
+        raise _corrupt(path, f"{where}: entry is {type(spec).__name__}, not an object")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in spec]
+    if missing:
+        raise _corrupt(path, f"{where}: entry lacks {', '.join(missing)}")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _corrupt(path, f"{where}: unknown dtype {dtype!r} (safetensors defines {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
+        raise _corrupt(path, f"{where}: shape must be a list of non-negative integers, got {shape!r:.100}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(o) for o in offsets):
+        raise _corrupt(path, f"{where}: data_offsets must be two non-negative integers, got {offsets!r:.100}")
+    begin, end = offsets
+    if end < begin:
+        raise _corrupt(path, f"{where}: data_offsets [{begin}, {end}] end before they begin")
+    n_bits = DTYPES[dtype].bits
+    for d in shape:  # checked arithmetic: stop as soon as the size cannot fit in a file
+        n_bits *= d
+        if n_bits >= _MAX_INDEX * 8:
+            raise _corrupt(path, f"{where}: {dtype}{shape} is too large to be stored (size overflows)")
+    if n_bits % 8:
+        raise _corrupt(path, f"{where}: {dtype}{shape} is {n_bits} bits, not a whole number of bytes")
+    if end - begin != n_bits // 8:
+        raise _corrupt(path, f"{where}: has {end - begin} bytes but {dtype}{shape} needs {n_bits // 8}")
+    return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
+
+
+def _check_layout(path: Path, entries: dict[str, TensorInfo], data_start: int, data_len: int) -> None:
+    """Byte ranges sorted by offset must tile [0, data_len) exactly: no overlap, no gap, nothing after the last."""
+    cursor, previous = 0, None
+    for info in sorted(entries.values(), key=lambda t: (t.start, t.end)):
+        begin = info.start - data_start
+        if begin < cursor:
+            raise _corrupt(path, f"tensor '{info.name}' overlaps tensor '{previous}' (bytes {begin} < {cursor})")
+        if begin > cursor:
+            after = f"after tensor '{previous}'" if previous else "before the first tensor"
+            raise _corrupt(path, f"a gap of {begin - cursor} bytes {after}, before tensor '{info.name}'")
+        cursor, previous = info.end - data_start, info.name
+    if cursor > data_len:
+        raise CorruptCheckpointError(
+            f"{path}: file is truncated: tensor '{previous}' ends at byte {data_start + cursor} but the file "
+            f"has {data_start + data_len} bytes; re-download this file"
+        )
+    if cursor < data_len:
+        raise _corrupt(path, f"{data_len - cursor} bytes after the last tensor's data are not described")
+
+
+# --------------------------------------------------------------------------- fingerprints
 def fingerprint_bytes(data: bytes | bytearray | memoryview) -> str:
     """Identity of a weight: sha256 of its stored bytes (dtype and layout as in the checkpoint)."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def fingerprint_parts(parts: list[bytes | bytearray]) -> str:
+    """Identity of a weight stored in several tensors (FP8 + scales, MXFP4 blocks + scales): length-prefixed sha256.
+
+    A single part gives the same value as :func:`fingerprint_bytes`, so dense weights keep their fingerprint.
+    """
+    if len(parts) == 1:
+        return fingerprint_bytes(parts[0])
+    h = hashlib.sha256()
+    for data in parts:
+        h.update(struct.pack("<Q", len(data)))
+        h.update(data)
+    return "sha256:" + h.hexdigest()
 
 
 def fingerprint_tensor(tensor: torch.Tensor) -> str:
@@ -141,9 +285,44 @@ def fingerprint_tensor(tensor: torch.Tensor) -> str:
     return fingerprint_bytes(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
+# --------------------------------------------------------------------------- dequantization (pure functions)
+def decode_fp8(raw: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """FP8 bytes (F8_E4M3 or F8_E5M2) -> float32 values of the given shape (exact: every FP8 value is a float32)."""
+    torch_dtype = DTYPES[dtype].torch
+    if torch_dtype is None:
+        raise UnsupportedWeightError(f"this torch build has no {dtype} dtype; upgrade torch to read FP8 weights")
+    if not raw:
+        return torch.empty(shape, dtype=torch.float32)
+    return torch.frombuffer(bytearray(raw), dtype=torch_dtype).reshape(shape).to(torch.float32)
+
+
+def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """A [ceil(rows/br), ceil(cols/bc)] block scale grid -> the [rows, cols] per-element scale (edges cut off)."""
+    br, bc = block
+    return scale.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
+
+
+def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale codes (uint8) -> float32 2^(code - 127); code 255 is NaN (OCP MX v1.0, section 5.4)."""
+    exponent = codes.to(torch.int32) - 127
+    out = torch.ldexp(torch.ones(codes.shape, dtype=torch.float32), exponent)
+    return out.masked_fill(codes == 255, float("nan"))
+
+
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``[..., G, B]`` uint8 blocks (two E2M1 codes per byte, low nibble first) and ``[..., G]`` E8M0 scales
+    -> float32 ``[..., G * 2B]``: element = E2M1 value x 2^(scale - 127)."""
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int64)  # low nibble is the earlier element
+    values = lut[codes].flatten(-2)  # [..., G, 2B]
+    out = values * decode_e8m0(scales).unsqueeze(-1)  # power-of-two scaling: exact unless it over/underflows
+    return out.flatten(-2)
+
+
+# --------------------------------------------------------------------------- the checkpoint
 @dataclass
 class Checkpoint:
-    """A safetensors checkpoint opened lazily: headers parsed, no tensor data read yet."""
+    """A safetensors checkpoint opened lazily: headers parsed and validated, no tensor data read yet."""
 
     root: Path
     files: list[Path]
@@ -151,11 +330,21 @@ class Checkpoint:
     config: dict[str, Any] = field(default_factory=dict)
     source: SourceRef | None = None
     bytes_read: int = 0
+    _logical: dict[str, LogicalWeight] | None = field(default=None, init=False, repr=False)
 
     # ----------------------------------------------------------------- construction
     @classmethod
     def open(cls, source: str | os.PathLike, revision: str | None = None, offline: bool | None = None) -> Checkpoint:
-        """Open a local dir, a single ``.safetensors`` file, or a Hugging Face repo id (cache first)."""
+        """Open a local dir, a single ``.safetensors`` file, or a Hugging Face repo id (cache first).
+
+        Args:
+            source: a directory with ``*.safetensors`` (+ ``model.safetensors.index.json``), one file, or ``org/name``.
+            revision: hub branch, tag or commit (hub sources only).
+            offline: never contact the hub (default: ``HF_HUB_OFFLINE``).
+
+        Returns:
+            The checkpoint with every header validated. Raises a :class:`CheckpointError` subclass on bad input.
+        """
         path = Path(source).expanduser()
         if path.exists():
             ckpt = cls._open_local(path)
@@ -179,60 +368,146 @@ class Checkpoint:
                     )
                 raise CheckpointError(f"{path}: not a .safetensors file")
             tensors, _ = parse_safetensors_header(path)
-            config = _read_config(path.parent / "config.json")
-            return cls(path.parent, [path], tensors, config)
-        root = path
-        index_path = root / "model.safetensors.index.json"
-        if index_path.exists():
-            files, tensors = _open_sharded(root, index_path)
+            ckpt = cls(path.parent, [path], tensors, _read_config(path.parent / "config.json"))
         else:
-            files = sorted(p for p in root.glob("*.safetensors"))
-            if not files:
-                pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
-                if pickles:
-                    raise UnsupportedWeightError(
-                        f"{root}: only pickle weights found ({', '.join(pickles)}); plate-inspect reads "
-                        f"safetensors only and never unpickles; " + _CONVERT_HINT
-                    )
-                raise CheckpointError(f"{root}: no .safetensors files found")
-            tensors = {}
-            for f in files:
-                entries, _ = parse_safetensors_header(f)
-                tensors.update(entries)
-        return cls(root, files, tensors, _read_config(root / "config.json"))
+            root = path
+            index_path = root / "model.safetensors.index.json"
+            if index_path.exists():
+                files, tensors = _open_sharded(root, index_path)
+            else:
+                files = sorted(p for p in root.glob("*.safetensors"))
+                if not files:
+                    pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+                    if pickles:
+                        raise UnsupportedWeightError(
+                            f"{root}: only pickle weights found ({', '.join(pickles)}); plate-inspect reads "
+                            f"safetensors only and never unpickles; " + _CONVERT_HINT
+                        )
+                    raise CheckpointError(f"{root}: no .safetensors files found")
+                tensors = {}
+                for f in files:
+                    entries, _ = parse_safetensors_header(f)
+                    twice = sorted(set(entries) & set(tensors))
+                    if twice:
+                        raise CorruptCheckpointError(
+                            f"{f}: tensor '{twice[0]}' is also in {tensors[twice[0]].file.name}; "
+                            "a directory must hold one checkpoint"
+                        )
+                    tensors.update(entries)
+            ckpt = cls(root, files, tensors, _read_config(root / "config.json"))
+        _refuse_packed(ckpt)
+        return ckpt
+
+    # ----------------------------------------------------------------- logical weights
+    def logical_weights(self) -> dict[str, LogicalWeight]:
+        """Every weight by its logical name, with logical (dequantized) shape and storage format.
+
+        FP8 scales (``<name>_scale_inv``, ``<name>_scale``) and MXFP4 ``<name>_blocks``/``<name>_scales`` are
+        folded into the weight they belong to and never appear on their own.
+        """
+        if self._logical is None:
+            self._logical = _logical_weights(self.tensors, _fp8_block_size(self.config))
+        return self._logical
+
+    def logical_weight(self, name: str) -> LogicalWeight:
+        """The logical weight named ``name`` (a companion scale/blocks tensor name is refused with a hint)."""
+        weights = self.logical_weights()
+        if name in weights:
+            return weights[name]
+        owner = next((w.name for w in weights.values() if name in w.parts), None)
+        if owner is not None:
+            raise CheckpointError(f"tensor '{name}' is part of the quantized weight '{owner}'; read '{owner}'")
+        raise CheckpointError(f"{self.root}: the checkpoint has no weight named '{name}'")
 
     # ----------------------------------------------------------------- reading
-    def read_bytes(self, name: str) -> bytearray:
-        """Read one tensor's stored bytes (exactly its byte range, nothing else)."""
-        info = self.tensors[name]
-        buf = bytearray(info.nbytes)
+    def read_bytes(self, name: str, start: int = 0, length: int | None = None) -> bytearray:
+        """Read one stored tensor's bytes (its whole byte range, or ``length`` bytes from ``start`` within it)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.root}: the checkpoint has no tensor named '{name}'")
+        length = info.nbytes - start if length is None else length
+        if start < 0 or length < 0 or start + length > info.nbytes:
+            raise CheckpointError(f"tensor '{name}': byte range [{start}, {start + length}) is outside the tensor")
+        buf = bytearray(length)
         try:
             with open(info.file, "rb") as f:
-                f.seek(info.start)
+                f.seek(info.start + start)
                 got = f.readinto(buf)
         except OSError as e:
             raise CheckpointError(f"{info.file}: cannot read tensor '{name}': {e.strerror or e}") from None
-        if got != info.nbytes:
-            raise CheckpointError(f"{info.file}: file is truncated while reading tensor '{name}'")
-        self.bytes_read += info.nbytes
+        if got != length:
+            raise CorruptCheckpointError(f"{info.file}: file is truncated while reading tensor '{name}'")
+        self.bytes_read += length
         return buf
 
     def read(self, name: str) -> tuple[torch.Tensor, str]:
-        """One tensor in its stored dtype (a view of freshly read bytes) and its fingerprint."""
-        info = self.tensors[name]
-        dtype = require_float_dtype(info)
+        """One stored floating tensor in its stored dtype (a view of freshly read bytes) and its fingerprint."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.root}: the checkpoint has no tensor named '{name}'")
+        dtype = require_float_dtype(info, dequantized=False)
         raw = self.read_bytes(name)
-        fingerprint = fingerprint_bytes(raw)
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=dtype), fingerprint
-        return torch.frombuffer(raw, dtype=dtype).reshape(info.shape), fingerprint
+        return _view(raw, dtype, info.shape), fingerprint_bytes(raw)
 
-    def read_weight(self, name: str) -> tuple[torch.Tensor, str]:
+    def read_weight(self, name: str, expert: int | None = None) -> tuple[torch.Tensor, str]:
         """A weight as a floating tensor of its logical shape, and the fingerprint of the bytes it came from.
 
-        The one read path of the scanner: quantized storage (FP8 with scales, MXFP4 blocks) dequantizes here.
+        The one read path of the scanner. Dense weights come in their stored dtype; FP8 and MXFP4 weights are
+        dequantized exactly to float32 (the fingerprint covers the stored bytes and the scales).
+
+        Args:
+            name: the logical weight name (see :meth:`logical_weights`).
+            expert: for a weight with experts on its first dimension (3-D or more), read only expert ``expert``'s
+                slice (and its scales): the result has the logical shape without the first dimension.
         """
-        return self.read(name)
+        weight = self.logical_weight(name)
+        if expert is not None:
+            _check_expert(weight, expert)
+        if weight.format == "fp8":
+            return self._read_fp8(weight, expert)
+        if weight.format == "mxfp4":
+            return self._read_mxfp4(weight, expert)
+        info = self.tensors[weight.parts[0]]
+        dtype = require_float_dtype(info, dequantized=False)
+        raw = self._read_slice(info, expert)
+        return _view(raw, dtype, _sliced(info.shape, expert)), fingerprint_bytes(raw)
+
+    def weight_fingerprint(self, name: str, expert: int | None = None) -> str:
+        """The fingerprint :meth:`read_weight` returns, computed from the stored bytes alone (no decoding)."""
+        weight = self.logical_weight(name)
+        if expert is not None:
+            _check_expert(weight, expert)
+        return fingerprint_parts(
+            [self._read_slice(self.tensors[p], _part_expert(weight, p, expert)) for p in weight.parts]
+        )
+
+    def _read_slice(self, info: TensorInfo, expert: int | None) -> bytearray:
+        """A stored tensor's bytes, or only the byte range of slice ``expert`` along its first dimension."""
+        if expert is None:
+            return self.read_bytes(info.name)
+        per_expert = info.nbytes // info.shape[0]
+        return self.read_bytes(info.name, expert * per_expert, per_expert)
+
+    def _read_fp8(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, str]:
+        info = self.tensors[weight.parts[0]]
+        raw = self._read_slice(info, expert)
+        shape = _sliced(info.shape, expert)
+        values = decode_fp8(raw, info.dtype, shape)
+        if len(weight.parts) == 1:
+            return values, fingerprint_bytes(raw)
+        scale_info = self.tensors[weight.parts[1]]
+        scale_raw = self._read_slice(scale_info, _part_expert(weight, scale_info.name, expert))
+        scale = _view(scale_raw, FLOAT_DTYPES[scale_info.dtype], (len(scale_raw) * 8 // DTYPES[scale_info.dtype].bits,))
+        values = values * _broadcast_scale(scale.to(torch.float32), shape, weight.block)
+        return values, fingerprint_parts([raw, scale_raw])
+
+    def _read_mxfp4(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, str]:
+        blocks_info, scales_info = (self.tensors[p] for p in weight.parts)
+        blocks_raw = self._read_slice(blocks_info, expert)
+        scales_raw = self._read_slice(scales_info, expert)
+        blocks = _view(blocks_raw, torch.uint8, _sliced(blocks_info.shape, expert))
+        scales = _view(scales_raw, torch.uint8, _sliced(scales_info.shape, expert))
+        return decode_mxfp4(blocks, scales), fingerprint_parts([blocks_raw, scales_raw])
 
     def signature(self) -> str:
         """A cheap identity of the checkpoint: names, dtypes, shapes, byte ranges and file sizes."""
@@ -248,15 +523,144 @@ class Checkpoint:
         return iter(self.tensors.values())
 
 
-def require_float_dtype(info: TensorInfo) -> torch.dtype:
-    """The torch dtype of a floating weight, or a clear error for quantized/integer/fp8 storage."""
+def _view(raw: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _sliced(shape: tuple[int, ...], expert: int | None) -> tuple[int, ...]:
+    return shape if expert is None else shape[1:]
+
+
+def _check_expert(weight: LogicalWeight, expert: int) -> None:
+    """Expert slices index the first dimension of a weight with 3+ dims."""
+    if len(weight.shape) < 3:
+        raise CheckpointError(
+            f"weight '{weight.name}' has shape {list(weight.shape)}: expert slices need experts on the first of 3+ dims"
+        )
+    if isinstance(expert, bool) or not isinstance(expert, int) or not 0 <= expert < weight.shape[0]:
+        raise CheckpointError(f"weight '{weight.name}': expert {expert!r} out of range (it has {weight.shape[0]})")
+
+
+def _part_expert(weight: LogicalWeight, part: str, expert: int | None) -> int | None:
+    """The expert index to slice a part with: a per-tensor FP8 scale (no block) is shared by all experts."""
+    if weight.format == "fp8" and part != weight.parts[0] and weight.block is None:
+        return None
+    return expert
+
+
+def _broadcast_scale(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] | None) -> torch.Tensor:
+    """A flat FP8 scale broadcast to the weight's shape: one scalar, or a grid of [br, bc] blocks (edges cut off)."""
+    if block is None:
+        return scale.reshape(())
+    rows, cols = shape[-2:]
+    grid = shape[:-2] + (-(-rows // block[0]), -(-cols // block[1]))
+    return expand_block_scale(scale.reshape(grid), rows, cols, block)
+
+
+def require_float_dtype(info: TensorInfo | LogicalWeight, dequantized: bool = True) -> torch.dtype:
+    """The torch dtype a weight is read as, or a clear error for storage plate-inspect does not analyse.
+
+    With ``dequantized`` (the default, for :meth:`Checkpoint.read_weight`), FP8 and MXFP4 storage reads as float32.
+    """
     if info.dtype in FLOAT_DTYPES:
         return FLOAT_DTYPES[info.dtype]
-    kind = "fp8" if info.dtype.startswith("F8") else "integer/quantized"
+    if dequantized and (info.dtype in FP8_DTYPES or info.dtype == "MXFP4"):
+        return torch.float32
+    kind = DTYPES[info.dtype].kind if info.dtype in DTYPES else "unknown"
+    file = info.file.name if info.file else "?"
     raise UnsupportedWeightError(
-        f"{info.file.name}: tensor '{info.name}' is stored as {info.dtype} ({kind}), which is not supported: "
-        "plate-inspect analyses bf16/fp16/fp32/fp64 weights; dequantize the checkpoint to bf16 first"
+        f"{file}: tensor '{info.name}' is stored as {info.dtype} ({kind}), which plate-inspect does not analyse "
+        "(not supported: it reads bf16/fp16/fp32/fp64, and FP8 E4M3/E5M2 or MXFP4 with their scales); "
+        + _DEQUANTIZE_HINT
     )
+
+
+# --------------------------------------------------------------------------- quantized layouts
+def _fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("weight_block_size") is None:
+        return None
+    block = quant["weight_block_size"]
+    if not (isinstance(block, list) and len(block) == 2 and all(_is_index(b) and b > 0 for b in block)):
+        raise CorruptCheckpointError(
+            f"config.json: quantization_config.weight_block_size must be two positive integers, got {block!r:.80}"
+        )
+    return int(block[0]), int(block[1])
+
+
+def _logical_weights(tensors: dict[str, TensorInfo], block: tuple[int, int] | None) -> dict[str, LogicalWeight]:
+    """Fold FP8 scales and MXFP4 blocks/scales into the weights they belong to; every other tensor stands alone."""
+    out: dict[str, LogicalWeight] = {}
+    companions: set[str] = set()
+    for name, info in tensors.items():
+        if name.endswith("_blocks") and info.dtype == "U8" and len(info.shape) >= 2:
+            base = name[: -len("_blocks")]
+            scales = tensors.get(base + "_scales")
+            if scales is not None and scales.dtype in ("U8", "F8_E8M0") and scales.shape == info.shape[:-1]:
+                shape = info.shape[:-2] + (info.shape[-2] * info.shape[-1] * 2,)
+                out[base] = LogicalWeight(base, shape, "MXFP4", "mxfp4", (name, scales.name), info.file)
+                companions.update((name, scales.name))
+    for name, info in tensors.items():
+        if info.dtype not in FP8_DTYPES:  # FNUZ variants stay "other": refused on read
+            continue
+        scale = next((tensors[s] for s in (name + "_scale_inv", name + "_scale") if s in tensors), None)
+        if scale is None:
+            out[name] = LogicalWeight(name, info.shape, info.dtype, "fp8", (name,), info.file)
+            continue
+        out[name] = _fp8_weight(info, scale, block)
+        companions.add(scale.name)
+    for name, info in tensors.items():
+        if name in out or name in companions:
+            continue
+        fmt = "dense" if info.dtype in FLOAT_DTYPES else "other"
+        out[name] = LogicalWeight(name, info.shape, info.dtype, fmt, (name,), info.file)
+    return out
+
+
+def _fp8_weight(info: TensorInfo, scale: TensorInfo, block: tuple[int, int] | None) -> LogicalWeight:
+    """An FP8 weight with its scale: per tensor ([] / [1]), per expert ([E]), per row ([.., rows, 1]) or block grid."""
+    where = f"{scale.file.name}: tensor '{scale.name}' (scale of '{info.name}')"
+    if scale.dtype not in FLOAT_DTYPES:
+        raise UnsupportedWeightError(f"{where} is stored as {scale.dtype}; FP8 scales must be F32/BF16/F16")
+    shape, s_shape = info.shape, scale.shape
+    if len(shape) < 2:
+        raise CorruptCheckpointError(f"{where}: the FP8 weight has shape {list(shape)}, scales need 2+ dims")
+    lead, (rows, cols) = shape[:-2], shape[-2:]
+
+    def with_block(block: tuple[int, int] | None) -> LogicalWeight:
+        return LogicalWeight(info.name, shape, info.dtype, "fp8", (info.name, scale.name), info.file, block)
+
+    if math.prod(s_shape) == 1:
+        return with_block(None)  # one scale for the whole tensor
+    rest = s_shape[len(lead) :]
+    if s_shape[: len(lead)] == lead:
+        if lead and math.prod(rest) == 1 and len(rest) <= 2:
+            return with_block((rows, cols))  # one scale per expert
+        if rest in ((rows,), (rows, 1)):
+            return with_block((1, cols))  # one scale per output row
+        if len(rest) == 2 and block is not None:
+            expected = (-(-rows // block[0]), -(-cols // block[1]))
+            if rest == expected:
+                return with_block(block)
+            raise CorruptCheckpointError(
+                f"{where}: scale grid {list(s_shape)} does not match weight {list(shape)} with "
+                f"quantization_config.weight_block_size {list(block)} (expected {list(lead + expected)})"
+            )
+    hint = "" if block is not None else "; block scales need quantization_config.weight_block_size in config.json"
+    raise CorruptCheckpointError(f"{where}: scale shape {list(s_shape)} does not fit weight {list(shape)}{hint}")
+
+
+def _refuse_packed(ckpt: Checkpoint) -> None:
+    """Packed integer formats (GPTQ, AWQ, bitsandbytes, ...) are refused up front, naming the format."""
+    for name in sorted(ckpt.tensors):
+        for suffix, fmt in _PACKED_SUFFIXES.items():
+            if name.endswith(suffix):
+                raise UnsupportedWeightError(
+                    f"tensor '{name}' is a packed quantized weight ({fmt}), which plate-inspect does not read; "
+                    + _DEQUANTIZE_HINT
+                )
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -264,26 +668,30 @@ def _read_config(path: Path) -> dict[str, Any]:
         return {}
     try:
         config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot parse config.json: {e}") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{path}: cannot parse config.json: {e}") from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: config.json is not a JSON object")
+        raise CorruptCheckpointError(f"{path}: config.json is not a JSON object")
     quant = config.get("quantization_config")
     if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise UnsupportedWeightError(
-            f"{path}: the checkpoint is quantized ({method}); plate-inspect analyses bf16/fp16/fp32 weights: "
-            "scan the unquantized base model instead"
-        )
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        method = method if isinstance(method, str) else "unknown"
+        if method not in SUPPORTED_QUANT_METHODS:
+            raise UnsupportedWeightError(
+                f"{path}: the checkpoint is quantized with '{method}' (packed integer storage), which plate-inspect "
+                f"does not read (it reads FP8 with scales and MXFP4); " + _DEQUANTIZE_HINT
+            )
     return config
 
 
 def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
     try:
         index = json.loads(index_path.read_text())
-        weight_map: dict[str, str] = index["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index_path}: corrupt index ({e})") from None
+        weight_map = index["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{index_path}: corrupt index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise CorruptCheckpointError(f"{index_path}: corrupt index (weight_map must map tensor names to file names)")
     root_norm = os.path.normpath(root)
     shard_names = sorted(set(weight_map.values()))
     files: list[Path] = []
@@ -294,7 +702,7 @@ def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
         if os.path.isabs(shard) or not shard_norm.startswith(root_norm + os.sep):
             raise CheckpointError(f"{index_path}: shard '{shard}' points outside the model directory; refusing")
         shard_path = Path(shard_norm)
-        if not shard_path.exists():
+        if not shard_path.is_file():
             raise CheckpointError(f"{index_path}: names shard '{shard}', which is missing; re-download it")
         files.append(shard_path)
         headers[shard], _ = parse_safetensors_header(shard_path)
@@ -307,42 +715,90 @@ def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
     return files, tensors
 
 
+# --------------------------------------------------------------------------- the hub
 def _looks_like_repo_id(s: str) -> bool:
     parts = s.split("/")
     return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
 
 
 def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: bool | None = None) -> tuple[Path, str]:
-    """Local snapshot dir of a hub repo: the HF cache first; download ``*.safetensors`` + ``*.json`` if allowed."""
+    """Local snapshot dir of a hub repo and its commit: the HF cache first; download ``*.safetensors`` + ``*.json``.
+
+    Raises one :class:`HubError` subclass per cause, each a one-line message: repository not found, gated,
+    revision not found, unauthorized (401/403), and offline (by setting or no connection) with the files missing.
+    """
+    from huggingface_hub import constants as hf_constants
     from huggingface_hub import snapshot_download
-    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
     patterns = ["*.safetensors", "*.json"]
-    fetch_hint = f"fetch them on a connected machine with: hf download {repo_id} --include '*.safetensors' '*.json'" + (
-        f" --revision {revision}" if revision else ""
+    rev = f" --revision {revision}" if revision else ""
+    fetch_hint = (
+        f"fetch them on a connected machine with: hf download {repo_id} --include '*.safetensors' '*.json'{rev}"
     )
-    try:
-        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True)
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
-        path = None
-    if path is not None and _snapshot_complete(Path(path)):
-        return Path(path), Path(path).name
-    if offline if offline is not None else HF_HUB_OFFLINE:
-        missing = _missing_files(Path(path)) if path else ["the whole repo"]
-        raise CheckpointError(
-            f"{repo_id}: not fully in the local Hugging Face cache ({HF_HUB_CACHE}; missing: "
+    cached = _cached_snapshot(repo_id, revision, patterns)
+    if cached is not None and _snapshot_complete(cached):
+        return cached, cached.name
+    is_offline = offline if offline is not None else bool(hf_constants.HF_HUB_OFFLINE)
+    if is_offline:
+        missing = _missing_files(cached) if cached else ["the whole repo"]
+        raise HubOfflineError(
+            f"{repo_id}: not fully in the local Hugging Face cache ({hf_constants.HF_HUB_CACHE}; missing: "
             f"{', '.join(missing)}) and offline mode is on; {fetch_hint}"
         )
     try:
-        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
-    except Exception as e:  # network errors come in many types; the message is what matters
-        missing = _missing_files(Path(path)) if path else ["the whole repo"]
-        raise CheckpointError(
-            f"{repo_id}: not in the local Hugging Face cache ({HF_HUB_CACHE}; missing: {', '.join(missing)}) "
-            f"and the hub cannot be reached ({type(e).__name__}); {fetch_hint}"
-        ) from None
-    return Path(path), Path(path).name
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except Exception as e:  # noqa: BLE001 - mapped to one message per cause; the rest is "cannot reach"
+        raise _hub_error(e, repo_id, revision, cached, fetch_hint, hf_constants.HF_HUB_CACHE) from None
+    return path, path.name
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path | None:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True))
+    except Exception:  # noqa: BLE001 - anything that is not a cache hit is a miss
+        return None
+
+
+def _hub_error(
+    e: Exception, repo_id: str, revision: str | None, cached: Path | None, hint: str, cache: str
+) -> HubError:
+    """One message per cause: huggingface_hub's error types, then the HTTP status, then connection failures."""
+    from huggingface_hub import errors as hf
+
+    # snapshot_download wraps some hub answers (403, 5xx) in LocalEntryNotFoundError: classify the cause
+    cause = e.__cause__ if isinstance(e, hf.LocalEntryNotFoundError) and e.__cause__ is not None else e
+    if isinstance(cause, (hf.GatedRepoError, hf.RepositoryNotFoundError, hf.RevisionNotFoundError, hf.HfHubHTTPError)):
+        e = cause
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    rev = revision or "main"
+    if isinstance(e, hf.GatedRepoError):
+        return HubGatedRepoError(
+            f"{repo_id}: the repository is gated: accept its terms on https://huggingface.co/{repo_id} and log in "
+            "(hf auth login, or set HF_TOKEN)"
+        )
+    if isinstance(e, hf.RepositoryNotFoundError):
+        return HubRepoNotFoundError(
+            f"{repo_id}: repository not found on the hub (check the name; a private repo needs a token with access: "
+            "hf auth login or HF_TOKEN)"
+        )
+    if isinstance(e, hf.RevisionNotFoundError):
+        return HubRevisionNotFoundError(
+            f"{repo_id}: revision '{rev}' not found (the repository exists; check the branch, tag or commit)"
+        )
+    if status in (401, 403):
+        return HubUnauthorizedError(
+            f"{repo_id}: the hub refused access (HTTP {status}): the token is missing, invalid or lacks access to "
+            "this repository; log in (hf auth login) or set HF_TOKEN"
+        )
+    if isinstance(e, hf.HfHubHTTPError) and status is not None:
+        return HubError(f"{repo_id}: the hub answered HTTP {status} for revision '{rev}'; try again later")
+    missing = _missing_files(cached) if cached else ["the whole repo"]
+    return HubOfflineError(
+        f"{repo_id}: not in the local Hugging Face cache ({cache}; missing: {', '.join(missing)}) and the hub "
+        f"cannot be reached ({type(e).__name__}); {hint}"
+    )
 
 
 def _snapshot_complete(path: Path) -> bool:
@@ -354,7 +810,8 @@ def _missing_files(path: Path) -> list[str]:
     if not index.exists():
         return [] if any(path.glob("*.safetensors")) else ["*.safetensors"]
     try:
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-    except (OSError, json.JSONDecodeError, KeyError):
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = {s for s in weight_map.values() if isinstance(s, str)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ["model.safetensors.index.json (corrupt)"]
     return sorted(s for s in shards if not (path / s).exists())

@@ -1,23 +1,105 @@
-"""Errors that describe a user mistake or bad input; the CLI prints them on one line, without a traceback."""
+"""Every error plate-inspect raises for a user mistake or bad input; the CLI prints one line (exit 2), no traceback.
+
+One hierarchy, grouped by domain, so callers can catch broadly (``PlateInspectError``) or precisely
+(``HubRepoNotFoundError``)::
+
+    PlateInspectError
+    ├── ConfigError                     a setting is out of range or inconsistent (every command, every API)
+    ├── CheckpointError                 a checkpoint cannot be found or read, or is not what it claims to be
+    │   ├── CorruptCheckpointError      a safetensors header/index/config that breaks the format's rules
+    │   ├── UnsupportedWeightError      storage plate-inspect does not analyse (GPTQ/AWQ/bnb, integer, pickle)
+    │   └── HubError                    the Hugging Face hub could not provide the files
+    │       ├── HubRepoNotFoundError    no such repository (or it is private and no token grants access)
+    │       ├── HubGatedRepoError       the repository is gated: accept its terms, log in
+    │       ├── HubRevisionNotFoundError  the repository exists, the revision does not
+    │       ├── HubUnauthorizedError    the token is missing, invalid or lacks access
+    │       └── HubOfflineError         offline (by setting or no connection) and not in the local cache
+    ├── BundleError                     a bundle is missing, incomplete, corrupt, or made for other weights
+    ├── AnalysisError                   an analysis cannot run on the given model or data
+    │   ├── AlignmentError
+    │   └── CurvatureError
+    └── ReportError                     the report cannot be written
+        └── BrowserError                Chromium is missing, failed to start, or did not answer
+"""
 
 from __future__ import annotations
 
 
 class PlateInspectError(Exception):
-    """Base class: the message says what went wrong, where (file/tensor), and what to do."""
+    """Base class: the message says what went wrong, where (file/tensor), and what to do.
 
+    The message is always one printable line: control characters that came from the input (a tensor name with a
+    newline in a corrupt header) are shown escaped.
+    """
 
-class CheckpointError(PlateInspectError):
-    """The checkpoint cannot be found, read, or is not what it claims to be."""
-
-
-class UnsupportedWeightError(CheckpointError):
-    """A weight is stored in a form plate-inspect does not analyse (quantized, integer, fp8, pickle)."""
-
-
-class BundleError(PlateInspectError):
-    """A bundle is missing, incomplete, corrupt, or made for other weights or settings."""
+    def __str__(self) -> str:
+        text = super().__str__()
+        return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class ConfigError(PlateInspectError):
     """A setting is out of range or inconsistent."""
+
+
+# --------------------------------------------------------------------------- checkpoints
+class CheckpointError(PlateInspectError):
+    """The checkpoint cannot be found, read, or is not what it claims to be."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A safetensors header, shard index or config.json that breaks the format's rules (or a truncated file)."""
+
+
+class UnsupportedWeightError(CheckpointError):
+    """A weight is stored in a form plate-inspect does not analyse (packed quantized, integer, pickle)."""
+
+
+class HubError(CheckpointError):
+    """The Hugging Face hub could not provide the checkpoint's files."""
+
+
+class HubRepoNotFoundError(HubError):
+    """The repository does not exist (or is private and the token does not grant access)."""
+
+
+class HubGatedRepoError(HubError):
+    """The repository is gated: its terms must be accepted on the hub, with a token."""
+
+
+class HubRevisionNotFoundError(HubError):
+    """The repository exists but the requested revision (branch, tag, commit) does not."""
+
+
+class HubUnauthorizedError(HubError):
+    """The hub refused the token (missing, invalid, or without access)."""
+
+
+class HubOfflineError(HubError):
+    """Offline (by setting or because the hub cannot be reached) and the files are not all in the local cache."""
+
+
+# --------------------------------------------------------------------------- bundles
+class BundleError(PlateInspectError):
+    """A bundle is missing, incomplete, corrupt, or made for other weights or settings."""
+
+
+# --------------------------------------------------------------------------- analyses
+class AnalysisError(PlateInspectError):
+    """An analysis cannot run on the given model, data or bundle."""
+
+
+class AlignmentError(AnalysisError):
+    """The alignment analysis cannot run on the given model, inputs or settings."""
+
+
+class CurvatureError(AnalysisError):
+    """A curvature analysis cannot run with the given model, family or data."""
+
+
+# --------------------------------------------------------------------------- reports
+class ReportError(PlateInspectError):
+    """The report cannot be written (bad output path, unwritable directory)."""
+
+
+class BrowserError(ReportError):
+    """Chromium is missing, failed to start, or did not answer."""

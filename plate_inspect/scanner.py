@@ -25,7 +25,6 @@ import torch
 from plate_inspect import distributed
 from plate_inspect.batched import DEFAULT_GROUP_SIZE, batched_plate_geometry, expert_groups
 from plate_inspect.bundle import (
-    Q_DTYPES,
     Bundle,
     BundleWriter,
     Manifest,
@@ -35,11 +34,10 @@ from plate_inspect.bundle import (
     weight_key,
 )
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
+from plate_inspect.dtypes import PRECISIONS, Q_DTYPES
 from plate_inspect.errors import CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, module_seed, plate_geometry, validate_settings
 from plate_inspect.targets import TargetModule, load_target, select_targets
-
-PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
 
 
 class ScanProgress:
@@ -112,7 +110,7 @@ def plan_scan(
         ckpt, list(settings.target_modules or []) or None, settings.layers, include_mtp=include_mtp
     )
     for target in targets:  # fail before any work, not halfway through a long scan
-        require_float_dtype(target.tensor)
+        require_float_dtype(ckpt.logical_weight(target.logical_name))
     return ScanPlan(ckpt, targets, note, settings)
 
 

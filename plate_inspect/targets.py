@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from plate_inspect.checkpoint import Checkpoint, TensorInfo, fingerprint_bytes, require_float_dtype
+from plate_inspect.checkpoint import Checkpoint, TensorInfo
 from plate_inspect.errors import CheckpointError, ConfigError, UnsupportedWeightError
 
 #: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
@@ -137,37 +137,9 @@ def load_target(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, s
 
     For an expert of a 3-D stack only that expert's bytes are read, and the fingerprint covers them alone.
     """
-    if target.layout in EXPERT_LAYOUTS:
-        # TODO(inputs): ckpt.read_weight(target.logical_name, expert=target.expert) once it lands (also MXFP4/FP8)
-        stored, fingerprint = _read_expert(ckpt, target)
-    else:
-        stored, fingerprint = ckpt.read_weight(target.logical_name)
+    expert = target.expert if target.layout in EXPERT_LAYOUTS else None
+    stored, fingerprint = ckpt.read_weight(target.logical_name, expert=expert)
     return (stored.T if target.layout in ("conv1d", "experts_in_major") else stored), fingerprint
-
-
-def _read_expert(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, str]:
-    """One expert's [a, b] slice of a plain-float 3-D tensor, read by byte range (experts are contiguous)."""
-    info = target.tensor
-    dtype = require_float_dtype(info)
-    n_experts, a, b = info.shape
-    if target.expert is None or not 0 <= target.expert < n_experts:
-        raise ConfigError(f"expert index {target.expert} out of range for tensor '{info.name}' ({n_experts} experts)")
-    size = info.nbytes // n_experts
-    start = info.start + target.expert * size
-    buf = bytearray(size)
-    try:
-        with open(info.file, "rb") as f:
-            f.seek(start)
-            got = f.readinto(buf)
-    except OSError as e:
-        raise CheckpointError(f"{info.file}: cannot read tensor '{info.name}': {e.strerror or e}") from None
-    if got != size:
-        raise CheckpointError(f"{info.file}: file is truncated while reading tensor '{info.name}'")
-    ckpt.bytes_read += size
-    fingerprint = fingerprint_bytes(buf)
-    if size == 0:
-        return torch.empty((a, b), dtype=dtype), fingerprint
-    return torch.frombuffer(buf, dtype=dtype).reshape(a, b), fingerprint
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
@@ -235,26 +207,25 @@ class _Weight:
 
 
 def logical_weights(ckpt: Checkpoint) -> list[_Weight]:
-    """Every 2-D or 3-D weight of the checkpoint; quantization companions (scales), biases and 1-D tensors left out.
+    """Every 2-D or 3-D weight of the checkpoint, from :meth:`Checkpoint.logical_weights` (quantization companions
+    already folded in: MXFP4 ``X_blocks`` + ``X_scales`` is the weight X), biases and 1-D tensors left out.
 
-    MXFP4 ``X_blocks`` [..., rows, groups, 16] (with ``X_scales``) is the logical weight X of shape [..., rows,
-    groups * 32]. Plain 3-D tensors count only under an ``experts`` module (stacked experts).
+    Plain 3-D tensors count only under an ``experts`` module (stacked experts).
     """
     out = []
-    for name, info in ckpt.tensors.items():
+    for name, weight in ckpt.logical_weights().items():
         if _COMPANION.search(name):
             continue
-        if name.endswith("_blocks"):
-            base = name[: -len("_blocks")]
-            if base + "_scales" in ckpt.tensors and len(info.shape) in (3, 4):
-                shape = (*info.shape[:-2], info.shape[-2] * info.shape[-1] * 2)
-                out.append(_Weight(base, base, shape, info))
+        info = ckpt.tensors[weight.parts[0]]
+        if weight.format == "mxfp4":
+            if len(weight.shape) in (2, 3):
+                out.append(_Weight(name, name, tuple(weight.shape), info))
             continue
         module = name.removesuffix(".weight")
-        plain = len(info.shape) == 2 and name.endswith(".weight")
-        stacked = len(info.shape) == 3 and ".experts." in name
+        plain = len(weight.shape) == 2 and name.endswith(".weight")
+        stacked = len(weight.shape) == 3 and ".experts." in name
         if plain or stacked:
-            out.append(_Weight(module, name, tuple(info.shape), info))
+            out.append(_Weight(module, name, tuple(weight.shape), info))
     return out
 
 

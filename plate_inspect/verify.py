@@ -9,7 +9,7 @@ import torch
 
 from plate_inspect.bundle import Bundle
 from plate_inspect.checkpoint import Checkpoint
-from plate_inspect.targets import load_target, modules_by_name
+from plate_inspect.targets import EXPERT_LAYOUTS, modules_by_name
 
 
 @dataclass
@@ -65,6 +65,11 @@ def verify(
             if target is None:
                 report.problems.append(f"{where}: the checkpoint has no weight for this module")
                 continue
-            if load_target(ckpt, target)[1] != rec.fingerprint:
+            if (
+                ckpt.weight_fingerprint(
+                    target.logical_name, expert=target.expert if target.layout in EXPERT_LAYOUTS else None
+                )
+                != rec.fingerprint
+            ):
                 report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
     return report

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from plate_inspect.atomic import atomic_write
 from plate_inspect.bundle import Bundle
-from plate_inspect.errors import PlateInspectError
+from plate_inspect.errors import ConfigError, ReportError
 from plate_inspect.reports.data import (
     DEFAULT_BINS,
     DEFAULT_MAX_POINTS,
@@ -36,10 +36,6 @@ from plate_inspect.reports.data import (
     score_histogram,
     spectrum_view,
 )
-
-
-class ReportError(PlateInspectError):
-    """The report cannot be written (bad output path, unwritable directory)."""
 
 
 def plotly_js() -> str:
@@ -60,9 +56,9 @@ def render_report(
     from plate_inspect.reports.html import render_page
 
     if max_points < 16:
-        raise ReportError(f"max_points must be at least 16, got {max_points}")
+        raise ConfigError(f"max_points must be at least 16, got {max_points}")
     if bins < 2:
-        raise ReportError(f"bins must be at least 2, got {bins}")
+        raise ConfigError(f"bins must be at least 2, got {bins}")
     rd = report_data(list(bundles), labels=labels, max_points=max_points, bins=bins, progress=progress)
     return render_page(rd, plotly_js())
 

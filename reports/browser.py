@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plate_inspect.errors import PlateInspectError
+from plate_inspect.errors import BrowserError
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -36,10 +36,6 @@ CHROMIUM_FLAGS = [
     "--hide-scrollbars",
     "--mute-audio",
 ]
-
-
-class BrowserError(PlateInspectError):
-    """Chromium is missing, failed to start, or did not answer."""
 
 
 def find_chromium() -> str | None:

@@ -131,7 +131,7 @@ def test_errors_are_one_line_plate_inspect_errors():
     with pytest.raises(PlateInspectError, match="no target linear layers"):
         weight_activation_alignment(model, [torch.randn(2, 4)], target_modules=["nope"])
     with pytest.raises(PlateInspectError, match="saw no input"):
-        weight_activation_alignment(model, [])
+        weight_activation_alignment(model, [], ks=[2])
     with pytest.raises(PlateInspectError, match="k values"):
         weight_activation_alignment(model, [torch.randn(2, 4)], ks=[0])
     with pytest.raises(PlateInspectError, match="not a directory"):
@@ -207,3 +207,12 @@ def test_align_cli_errors(minilm_dir, tmp_path):
     assert res.exit_code == 2 and "--k" in res.output
     res = CliRunner().invoke(cli, ["align", str(tmp_path)])
     assert res.exit_code == 2 and "config.json" in res.output
+
+
+def test_k_larger_than_a_target_layer_is_a_config_error():
+    from plate_inspect.errors import ConfigError
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 5))
+    with pytest.raises(ConfigError, match=r"k=4 exceeds the input dimension d_in=3 of 1 target layers \(e.g. 2\)"):
+        weight_activation_alignment(model, [torch.randn(2, 4)], ks=[2, 4])
+    assert len(weight_activation_alignment(model, [torch.randn(6, 4)], ks=[1, 3], n_random=1)) == 4

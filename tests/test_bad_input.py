@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -152,29 +152,79 @@ def test_settings_out_of_range(tmp_path, model, extra, needle):
     assert_user_error(["scan", model, "--out", tmp_path / "out", *extra], needle)
 
 
-def test_output_dir_not_writable(tmp_path, model):
+def test_output_path_under_a_file(tmp_path, model):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     assert_user_error(["scan", model, "--out", blocker / "bundle", "--quiet"], "cannot write")
 
 
-def test_disk_full_is_a_clear_error_and_bundle_stays_incomplete(tmp_path, model, monkeypatch):
-    import plate_inspect.bundle as bundle_mod
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    """Mount a small tmpfs at ``path`` (root with mount permission only); False where this machine cannot."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    return proc.returncode == 0
 
-    real = bundle_mod.write_file
-    calls = {"n": 0}
 
-    def full_after_first_part(path, data):
-        if path.suffix == ".safetensors":
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise bundle_mod._io_error(path, OSError(errno.ENOSPC, "No space left on device"))
-        return real(path, data)
+@pytest.fixture
+def mounts():
+    """Mount points made by a test, unmounted afterwards (lazily, so a failing test cannot leave one behind)."""
+    made: list[Path] = []
+    yield made
+    for path in reversed(made):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
-    monkeypatch.setattr(bundle_mod, "write_file", full_after_first_part)
-    assert_user_error(scan_args(model, tmp_path), "disk full", "resume")
-    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
-    assert manifest["complete"] is False
+
+def _leftovers(out: Path) -> list[str]:
+    """Temp files, or part files that safetensors cannot read completely: what a failed write must not leave."""
+    from safetensors import safe_open
+
+    bad = [p.name for p in out.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
+    for part in out.glob("*.safetensors"):
+        try:
+            with safe_open(str(part), "pt") as f:
+                names = f.keys()
+                for name in names:
+                    f.get_tensor(name)
+        except Exception:  # noqa: BLE001 - any failure to read means a partial file
+            bad.append(part.name)
+    return bad
+
+
+def test_output_dir_not_writable(tmp_path, model, mounts):
+    """A really unwritable directory: chmod where it binds (not root), a read-only tmpfs where we are root."""
+    target = tmp_path / "ro"
+    if os.geteuid() != 0:
+        target.mkdir()
+        target.chmod(0o555)
+    elif _mount_tmpfs(target, "ro,size=64k"):
+        mounts.append(target)
+    else:
+        pytest.skip("running as root (chmod does not stop root's writes) and mounting a read-only tmpfs is refused")
+    try:
+        assert_user_error(["scan", model, "--out", target / "bundle", "--quiet"], "not writable", "--out")
+        assert_user_error(["scan", model, "--out", target, "--quiet"], "not writable", "--out")
+    finally:
+        if os.geteuid() != 0:
+            target.chmod(0o755)  # so pytest can clean up
+
+
+def test_disk_full_is_a_clear_error_nothing_partial_and_resumes(tmp_path, model, mounts):
+    """A real full filesystem (256 KiB tmpfs, the bundle needs ~370 KiB): one line, no partial file, then resume."""
+    out = tmp_path / "small"
+    if not _mount_tmpfs(out, "size=256k"):
+        pytest.skip("a full filesystem needs a tmpfs mount (root with mount permission); this machine refuses it")
+    mounts.append(out)
+    assert_user_error(scan_args(model, tmp_path, "--out", out), "disk full", "resume")
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["complete"] is False and 0 < len(Bundle.load(out, require_complete=False).modules) < 14
+    assert _leftovers(out) == []
+    subprocess.run(["mount", "-o", "remount,size=2m", str(out)], check=True)
+    code, output = run_cli(*scan_args(model, tmp_path, "--out", out))
+    assert code == 0, output
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["complete"] is True and len(manifest["modules"]) == 14 and _leftovers(out) == []
 
 
 def test_foreign_bundle_dir_refused_without_overwrite(tmp_path, model):
@@ -205,3 +255,25 @@ def test_truncated_single_file_header(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(struct.pack("<Q", 10_000) + b"{}")
     assert_user_error(["scan", f, "--out", tmp_path / "o"], "model.safetensors", "truncated")
+
+
+def test_align_k_larger_than_the_embedded_minilm_layers(tmp_path):
+    """The embedded MiniLM's attention layers have d_in = 384: k = 512 is a settings error, before any forward pass."""
+    text = tmp_path / "t.txt"
+    text.write_text("A few words of English text. " * 20, encoding="utf-8")
+    assert_user_error(["align", "--k", "8,512", "--text", text, "--quiet"], "k=512", "d_in=384", "choose k <= 384")
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--r", "300"], "--r must be at most 256"),
+        (["--lora-rank", "65"], "--lora-rank must be at most 64"),
+        (["--rho", "0,nan"], "finite"),
+        (["--rho", "1,inf"], "finite"),
+        (["--families", "plate,nope"], "--families"),
+        (["--probes", "-1"], "--probes"),
+    ],
+)
+def test_curvature_settings_out_of_range(extra, needle):
+    assert_user_error(["curvature", "--quiet", *extra], needle)

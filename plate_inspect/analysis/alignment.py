@@ -27,17 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from plate_inspect.errors import CheckpointError, ConfigError, PlateInspectError
+from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh
 from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches
 
 #: The text used for the README's MiniLM table: scikit-learn's bundled dataset descriptions (real English prose
 #: written by the scikit-learn authors, shipped inside the scikit-learn wheel, which plate-inspect depends on).
 SKLEARN_TEXT_SOURCE = "sklearn/datasets/descr/*.rst (shipped with scikit-learn)"
-
-
-class AlignmentError(PlateInspectError):
-    """The alignment analysis cannot run on the given model, inputs or settings."""
 
 
 # --------------------------------------------------------------------------- records
@@ -246,7 +242,7 @@ def weight_activation_alignment(
     forward: Callable[[nn.Module, Any], Any] | None = None,
 ) -> list[AlignmentRecord]:
     """VE_k / AL_k records for every target linear layer of any torch model, fed an iterable of inputs."""
-    ks = _check_ks(ks)
+    ks = _check_ks(ks, select_linear_modules(model, target_modules))
     moments = collect_input_moments(model, inputs, target_modules, forward=forward)
     modules = dict(model.named_modules())
     records: list[AlignmentRecord] = []
@@ -258,10 +254,20 @@ def weight_activation_alignment(
     return records
 
 
-def _check_ks(ks: Sequence[int]) -> list[int]:
+def _check_ks(ks: Sequence[int], modules: dict[str, nn.Module] | None = None) -> list[int]:
+    """Positive k values, each at most the input dimension of every target layer (when the layers are known)."""
     ks = [int(k) for k in ks]
     if not ks or any(k < 1 for k in ks):
         raise ConfigError(f"k values must be positive integers, got {ks}")
+    if modules:
+        d_ins = {name: linear_weight(m).shape[1] for name, m in modules.items()}
+        smallest = min(d_ins.values())
+        if max(ks) > smallest:
+            narrow = [n for n, d in d_ins.items() if d < max(ks)]
+            raise ConfigError(
+                f"k={max(ks)} exceeds the input dimension d_in={smallest} of {len(narrow)} target layers "
+                f"(e.g. {narrow[0]}); choose k <= {smallest} or narrow --target-modules"
+            )
     return sorted(set(ks))
 
 
@@ -364,6 +370,7 @@ def hf_text_alignment(
     """Alignment records for a local HF model dir run on ``text`` (unpadded windows, so no pad tokens count)."""
     ks = _check_ks(ks)
     model, tokenizer = load_hf_model(model_dir)
+    _check_ks(ks, select_linear_modules(model, target_modules))  # before any forward pass
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos:
         seq_len = min(seq_len, int(max_pos))

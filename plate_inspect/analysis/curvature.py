@@ -34,7 +34,7 @@ from scipy.sparse.linalg import LinearOperator, eigsh
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp
 
-from plate_inspect.errors import ConfigError, PlateInspectError
+from plate_inspect.errors import ConfigError, CurvatureError
 from plate_inspect.geometry import module_seed
 from plate_inspect.train.variants import variant_geometry
 
@@ -47,10 +47,6 @@ DEFAULT_RHOS: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 DENSE_MAX_DIM = 64
 #: Names of the PLATE-family variants accepted by :func:`plate_family`.
 PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q")
-
-
-class CurvatureError(PlateInspectError):
-    """A curvature analysis cannot run with the given model, family or data."""
 
 
 # --------------------------------------------------------------------------- update families

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.checkpoint import FLOAT_DTYPES, fingerprint_tensor
+from plate_inspect.checkpoint import fingerprint_tensor
+from plate_inspect.dtypes import FLOAT_DTYPES
 from plate_inspect.errors import BundleError, ConfigError
 
 ADAPTER_FORMAT = "plate-adapter"

@@ -28,7 +28,7 @@ from peft.utils import PeftType, register_peft_method
 from torch import nn
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.errors import BundleError
+from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.train.layer import (
     check_module_against_record,
     delta_rows,
@@ -94,7 +94,7 @@ class PlateConfig(PeftConfig):
             raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
         self.bundle = str(Path(self.bundle).expanduser().resolve())
         if not float(self.rho) > 0:
-            raise BundleError(f"rho must be positive, got {self.rho!r}")
+            raise ConfigError(f"rho must be positive, got {self.rho!r}")
         if isinstance(self.target_modules, (list, tuple)):
             self.target_modules = set(self.target_modules)
 

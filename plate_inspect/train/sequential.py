@@ -122,11 +122,9 @@ def merged_weight(
 
 
 def _tensor_from_bytes(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    from plate_inspect.checkpoint import FLOAT_DTYPES
+    from plate_inspect.dtypes import torch_dtype
 
-    ints = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
-    ints["BOOL"] = torch.bool
-    dt = FLOAT_DTYPES.get(dtype) or ints.get(dtype)
+    dt = torch_dtype(dtype)
     if dt is None:
         raise CheckpointError(f"cannot rewrite a tensor stored as {dtype}")
     if not raw:

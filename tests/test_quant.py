@@ -1,0 +1,276 @@
+"""FP8 and MXFP4 storage dequantized exactly on read, checked against decoders written from the format definitions.
+
+The oracles decode bits with numpy (OCP FP8: E4M3 bias 7, NaN only at S.1111.111; E5M2 bias 15, IEEE-like;
+OCP MX v1.0: FP4 E2M1 bias 1, E8M0 scale 2^(x-127), 255 = NaN), multiply in float64 (exact: a 4-bit and a 24-bit
+significand fit in 53 bits) and round once to float32: what an exact float32 dequantization must return.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.errors import CheckpointError, CorruptCheckpointError
+from plate_inspect.testing.quantized import (
+    fp8_config,
+    fp8_tensors,
+    mxfp4_config,
+    mxfp4_tensors,
+    write_safetensors,
+)
+
+
+# --------------------------------------------------------------------------- oracles from the format definitions
+def decode_e4m3(b: np.ndarray) -> np.ndarray:
+    b = b.astype(np.int64)
+    s, e, m = b >> 7, (b >> 3) & 0xF, b & 0x7
+    mag = np.where(e == 0, m / 8.0 * 2.0**-6, (1 + m / 8.0) * 2.0 ** (e - 7))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return np.where(s == 1, -mag, mag)
+
+
+def decode_e5m2(b: np.ndarray) -> np.ndarray:
+    b = b.astype(np.int64)
+    s, e, m = b >> 7, (b >> 2) & 0x1F, b & 0x3
+    mag = np.where(e == 0, m / 4.0 * 2.0**-14, (1 + m / 4.0) * 2.0 ** (e - 15))
+    mag = np.where(e == 31, np.where(m == 0, np.inf, np.nan), mag)
+    return np.where(s == 1, -mag, mag)
+
+
+def decode_e2m1(nibble: np.ndarray) -> np.ndarray:
+    n = nibble.astype(np.int64)
+    s, e, m = n >> 3, (n >> 1) & 0x3, n & 0x1
+    mag = np.where(e == 0, m * 0.5, (1 + m / 2.0) * 2.0 ** (e - 1))
+    return np.where(s == 1, -mag, mag)
+
+
+def decode_e8m0(x: np.ndarray) -> np.ndarray:
+    return np.where(x == 255, np.nan, 2.0 ** (x.astype(np.float64) - 127))
+
+
+def fp8_oracle(raw: np.ndarray, fmt: str) -> np.ndarray:
+    return decode_e4m3(raw) if fmt == "F8_E4M3" else decode_e5m2(raw)
+
+
+def block_oracle(values: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """Element [.., i, j] times scale [.., i // br, j // bc], in float64, by explicit index arithmetic."""
+    rows, cols = values.shape[-2:]
+    i = np.arange(rows)[:, None] // block[0]
+    j = np.arange(cols)[None, :] // block[1]
+    return (values * scale[..., i, j]).astype(np.float32)
+
+
+def mxfp4_oracle(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Element 2t of a block is the low nibble of byte t, element 2t+1 the high nibble; times 2^(scale-127)."""
+    lo, hi = decode_e2m1(blocks & 0x0F), decode_e2m1(blocks >> 4)
+    values = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], blocks.shape[-1] * 2)
+    out = values * decode_e8m0(scales)[..., None]
+    with np.errstate(over="ignore"):  # 6 x 2^127 rounds to float32 infinity, as it must
+        return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1] * 2).astype(np.float32)
+
+
+def stored_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy().copy()
+
+
+def assert_same(got: torch.Tensor, want: np.ndarray) -> None:
+    assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
+    np.testing.assert_array_equal(got.numpy(), want)  # NaN == NaN here; everything else bit-exact
+
+
+# --------------------------------------------------------------------------- FP8
+@pytest.mark.parametrize("fmt, torch_dtype", [("F8_E4M3", torch.float8_e4m3fn), ("F8_E5M2", torch.float8_e5m2)])
+def test_every_fp8_code_with_a_per_tensor_scale(tmp_path, fmt, torch_dtype):
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    scale = torch.tensor(0.0371, dtype=torch.float32)
+    tensors = {"w.weight": codes.view(torch_dtype), "w.weight_scale_inv": scale}
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, {"quantization_config": {"quant_method": "fp8"}}))
+    got, _ = ckpt.read_weight("w.weight")
+    assert_same(got, (fp8_oracle(codes.numpy(), fmt) * np.float64(scale.item())).astype(np.float32))
+
+
+def test_fp8_without_scale_reads_the_fp8_values(tmp_path):
+    codes = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, {"w": codes.view(torch.float8_e4m3fn)}))
+    got, _ = ckpt.read_weight("w")
+    assert_same(got, decode_e4m3(codes.numpy()).astype(np.float32))
+
+
+@pytest.mark.parametrize("shape, block", [((300, 200), (128, 128)), ((64, 48), (16, 32)), ((7, 130), (4, 128))])
+def test_fp8_block_scales_with_partial_edge_blocks(tmp_path, shape, block):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(shape, generator=gen) * torch.linspace(0.01, 30, shape[1])
+    tensors = fp8_tensors({"m.weight": w}, block=block)
+    assert tensors["m.weight_scale_inv"].shape == (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config(block)))
+    got, _ = ckpt.read_weight("m.weight")
+    want = block_oracle(
+        decode_e4m3(stored_bytes(tensors["m.weight"])), tensors["m.weight_scale_inv"].double().numpy(), block
+    )
+    assert_same(got, want)
+    assert float((got - w).abs().max() / w.abs().max()) < 0.07  # and it is the weight, within FP8 precision
+
+
+def test_fp8_per_row_scale(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 126, (6, 10), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(6, 1, generator=gen) + 0.5
+    ckpt = Checkpoint.open(
+        write_safetensors(tmp_path, {"w.weight": codes.view(torch.float8_e5m2), "w.weight_scale": scale})
+    )
+    got, _ = ckpt.read_weight("w.weight")
+    assert_same(got, (decode_e5m2(codes.numpy()) * scale.double().numpy()).astype(np.float32))
+    assert ckpt.logical_weights()["w.weight"].block == (1, 10)
+
+
+def test_fp8_experts_slice_reads_only_that_expert(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 40, 30, generator=gen)
+    tensors = fp8_tensors({"experts.w1": w}, block=(16, 16))
+    assert tensors["experts.w1_scale_inv"].shape == (4, 3, 2)
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config((16, 16))))
+    raw = decode_e4m3(stored_bytes(tensors["experts.w1"]))
+    scale = tensors["experts.w1_scale_inv"].double().numpy()
+    full, fp_full = ckpt.read_weight("experts.w1")
+    assert_same(full, block_oracle(raw, scale, (16, 16)))
+    before = ckpt.bytes_read
+    e2, fp_e2 = ckpt.read_weight("experts.w1", expert=2)
+    assert ckpt.bytes_read - before == 40 * 30 + 3 * 2 * 4  # that expert's FP8 bytes and its F32 scale grid only
+    assert_same(e2, block_oracle(raw[2], scale[2], (16, 16)))
+    assert fp_e2 != fp_full and fp_e2 == ckpt.weight_fingerprint("experts.w1", expert=2)
+    with pytest.raises(CheckpointError, match="out of range"):
+        ckpt.read_weight("experts.w1", expert=4)
+
+
+def test_fp8_experts_with_one_shared_scale(tmp_path):
+    codes = torch.randint(0, 120, (3, 5, 6), dtype=torch.uint8)
+    tensors = {"e.w": codes.view(torch.float8_e4m3fn), "e.w_scale_inv": torch.tensor([0.25])}
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors))
+    got, _ = ckpt.read_weight("e.w", expert=1)
+    assert_same(got, (decode_e4m3(codes[1].numpy()) * 0.25).astype(np.float32))
+
+
+def test_block_scales_need_the_block_size_from_config(tmp_path):
+    tensors = fp8_tensors({"m.weight": torch.randn(40, 40)}, block=(16, 16))
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, {"quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CorruptCheckpointError, match="weight_block_size"):
+        ckpt.logical_weights()
+    (tmp_path / "config.json").write_text(json.dumps(fp8_config((32, 16))))  # a grid that does not fit
+    with pytest.raises(CorruptCheckpointError, match=r"expected \[2, 3\]"):
+        Checkpoint.open(tmp_path).logical_weights()
+
+
+# --------------------------------------------------------------------------- MXFP4
+def random_mxfp4(shape_prefix: tuple[int, ...], groups: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape_prefix, groups, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (*shape_prefix, groups), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_every_nibble_and_scale_edge_cases(tmp_path):
+    blocks = torch.arange(256, dtype=torch.uint8).reshape(16, 1, 16)  # every byte: every (low, high) nibble pair
+    scales = torch.tensor([0, 1, 126, 127, 128, 200, 254, 255, 127, 127, 3, 250, 60, 90, 140, 255], dtype=torch.uint8)
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, mxfp4_tensors("p", blocks, scales.reshape(16, 1))))
+    got, _ = ckpt.read_weight("p")
+    assert_same(got, mxfp4_oracle(blocks.numpy(), scales.reshape(16, 1).numpy()))
+    assert got[3, 0].item() == 0.0 and got[3, 2].item() == 0.5  # byte 0x01 at row 3 scale 2^0: low nibble first
+
+
+def test_mxfp4_gpt_oss_layout_full_and_one_expert(tmp_path):
+    blocks, scales = random_mxfp4((4, 24), groups=3, seed=5)  # experts=4, rows=24, 3 blocks of 32 per row
+    tensors = {
+        **mxfp4_tensors("model.layers.0.mlp.experts.gate_up_proj", blocks, scales),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": torch.zeros(4, 24, dtype=torch.bfloat16),
+    }
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, mxfp4_config(model_type="gpt_oss")))
+    weights = ckpt.logical_weights()
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert set(weights) == {name, name + "_bias"}
+    lw = weights[name]
+    assert (lw.shape, lw.format, lw.stored_dtype) == ((4, 24, 96), "mxfp4", "MXFP4")
+    assert lw.parts == (name + "_blocks", name + "_scales")
+    want = mxfp4_oracle(blocks.numpy(), scales.numpy())
+    full, _ = ckpt.read_weight(name)
+    assert_same(full, want)
+    before = ckpt.bytes_read
+    e3, fp3 = ckpt.read_weight(name, expert=3)
+    assert ckpt.bytes_read - before == 24 * 3 * 16 + 24 * 3
+    assert_same(e3, want[3])
+    assert fp3 == ckpt.weight_fingerprint(name, expert=3)
+    with pytest.raises(CheckpointError, match="part of the quantized weight"):
+        ckpt.read_weight(name + "_blocks")
+
+
+# --------------------------------------------------------------------------- fingerprints and listing
+def test_fingerprint_covers_weight_bytes_and_scales(tmp_path):
+    w = torch.randn(32, 32)
+    tensors = fp8_tensors({"m.weight": w}, block=(16, 16))
+    fp = Checkpoint.open(write_safetensors(tmp_path / "a", tensors, fp8_config((16, 16)))).read_weight("m.weight")[1]
+    scaled = dict(tensors, **{"m.weight_scale_inv": tensors["m.weight_scale_inv"] * 2})
+    fp_scale = Checkpoint.open(write_safetensors(tmp_path / "b", scaled, fp8_config((16, 16)))).weight_fingerprint(
+        "m.weight"
+    )
+    codes = stored_bytes(tensors["m.weight"])
+    codes[0, 0] ^= 1
+    flipped = dict(tensors, **{"m.weight": torch.from_numpy(codes).view(torch.float8_e4m3fn)})
+    fp_bytes = Checkpoint.open(write_safetensors(tmp_path / "c", flipped, fp8_config((16, 16)))).weight_fingerprint(
+        "m.weight"
+    )
+    assert len({fp, fp_scale, fp_bytes}) == 3
+
+
+def test_logical_weights_hide_companions_and_keep_dense_fingerprints(tmp_path):
+    dense = torch.randn(8, 8, dtype=torch.bfloat16)
+    tensors = {"a.weight": dense, **fp8_tensors({"b.weight": torch.randn(8, 8)}, block=None)}
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors))
+    weights = ckpt.logical_weights()
+    assert set(weights) == {"a.weight", "b.weight"}
+    assert (weights["a.weight"].format, weights["b.weight"].format) == ("dense", "fp8")
+    assert weights["b.weight"].parts == ("b.weight", "b.weight_scale_inv") and weights["b.weight"].block is None
+    got, fp = ckpt.read_weight("a.weight")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, dense)
+    import hashlib
+
+    assert fp == "sha256:" + hashlib.sha256(stored_bytes(dense).tobytes()).hexdigest()
+
+
+def test_scan_of_fp8_checkpoint_equals_scan_of_its_oracle_dequantization(tmp_path):
+    """B, k and Q from FP8 block-scaled storage equal those from a dense F32 copy of the oracle-decoded weights."""
+    from safetensors.torch import load_file
+
+    from plate_inspect.scanner import scan
+    from plate_inspect.testing.synthetic import write_llama_like
+    from plate_inspect.verify import verify
+
+    src = write_llama_like(tmp_path / "src", layers=1)
+    stored = {}
+    for f in sorted(src.path.glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    targets = {n: w for n, w in stored.items() if n.endswith("_proj.weight")}
+    quantized = fp8_tensors({n: w.float() for n, w in targets.items()}, block=(16, 16))
+    oracle = {
+        n: torch.from_numpy(
+            block_oracle(
+                decode_e4m3(stored_bytes(quantized[n])), quantized[n + "_scale_inv"].double().numpy(), (16, 16)
+            )
+        )
+        for n in targets
+    }
+    others = {n: w for n, w in stored.items() if n not in targets}
+    fp8_dir = write_safetensors(tmp_path / "fp8", {**others, **quantized}, fp8_config((16, 16), **src.config))
+    dense_dir = write_safetensors(tmp_path / "dense", {**others, **oracle}, src.config)
+    got = scan(fp8_dir, tmp_path / "b_fp8", r=4, max_rank=40)
+    want = scan(dense_dir, tmp_path / "b_dense", r=4, max_rank=40)
+    assert len(got.manifest.modules) == len(targets) == 7
+    for name in want.manifest.modules:
+        assert got.record(name).k == want.record(name).k
+        assert torch.equal(got.b_idx(name), want.b_idx(name))
+        assert torch.equal(got.q(name), want.q(name))
+        assert got.record(name).dtype == "F8_E4M3"
+    report = verify(got, fp8_dir)
+    assert report.ok and report.modules_checked == 7, report.problems
