@@ -21,6 +21,8 @@ COMMANDS = {
     "experiment": "experiment:experiment_group",
     "align": "analyze:align_command",
     "curvature": "analyze:curvature_command",
+    "audit": "audit:audit_command",  # beyond
+    "plan": "plan:plan_command",  # beyond
 }
 
 
