@@ -85,10 +85,7 @@ def fit_power_law(spectrum: Any) -> PowerLawFit | None:
         tail = data[i:]
         ds[i] = float(np.max(np.abs(1.0 - (tail / data[i]) ** (1.0 - a) - np.arange(n_all - i) / (n_all - i))))
         score[i] = ds[i] - 0.868 / math.sqrt(n_all - i) if small else ds[i]
-    if small and not np.isfinite(score).any():
-        best = 0
-    else:
-        best = int(np.argmin(score if small else ds))
+    best = 0 if small and not np.isfinite(score).any() else int(np.argmin(score if small else ds))
     alpha = float(alphas[best])
     xmin = float(data[best])
     sigma = (alpha - 1.0) / math.sqrt(n_all - best)

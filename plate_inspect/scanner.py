@@ -23,6 +23,7 @@ from plate_inspect.bundle import Q_DTYPES, Bundle, BundleWriter, Manifest, Modul
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.errors import CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, module_seed, plate_geometry, validate_settings
+from plate_inspect.health import health_of_weight  # beyond (issue 15)
 from plate_inspect.targets import TargetModule, load_target, select_targets
 
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
@@ -207,6 +208,7 @@ def _scan_module(
             f"{target.tensor.file.name}: tensor '{target.tensor.name}' contains NaN or Inf values; "
             "the checkpoint is corrupt or was saved after a diverged run"
         )
+    health = health_of_weight(weight)  # beyond (issue 15): W's own spectrum, before B's rows are zeroed in place
     geo = plate_geometry(
         weight,
         settings.r,
@@ -235,6 +237,7 @@ def _scan_module(
         k_by_tau={f"{t:g}": k for t, k in geo.k_by_tau.items()},
         fingerprint=fingerprint,
         file=part,
+        health=health,  # beyond (issue 15)
     )
     tensors = {
         f"{target.name}.plate_B_idx": geo.b_idx,
