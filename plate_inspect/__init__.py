@@ -11,8 +11,10 @@ Main entry points::
 
 __version__ = "0.1.0"
 
+from plate_inspect.audit import audit  # noqa: E402  (beyond, issue 15)
 from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings  # noqa: E402
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError, PlateInspectError  # noqa: E402
+from plate_inspect.plan import plan_budget  # noqa: E402  (beyond, issue 15)
 from plate_inspect.scanner import scan  # noqa: E402
 from plate_inspect.train.layer import apply_bundle  # noqa: E402
 from plate_inspect.verify import verify  # noqa: E402
@@ -27,6 +29,8 @@ __all__ = [
     "ScanSettings",
     "__version__",
     "apply_bundle",
+    "audit",
+    "plan_budget",
     "scan",
     "verify",
 ]
