@@ -23,6 +23,7 @@ COMMANDS = {
     "curvature": "analyze:curvature_command",
     "audit": "audit:audit_command",  # beyond
     "plan": "plan:plan_command",  # beyond
+    "health": "health:health_command",  # beyond
 }
 
 

@@ -388,8 +388,10 @@ class PlateUpdate(UpdateSource):
             raise BundleError(f"{self.path}: the adapter's bundle is not found; pass --bundle with the bundle it used")
         to_bundle = resolve_names(list(self.a_by_name), self.bundle.modules, f"{self.path} (bundle {self.bundle.path})")
         self.a_by_name = {to_bundle[n]: a for n, a in self.a_by_name.items()}
-        for name in self.a_by_name:
-            if self.digests and self.digests.get(name) != plate_digest(self.bundle.b_idx(name), self.bundle.q(name)):
+        for name in self.a_by_name if self.digests else []:
+            b_idx = self.bundle.b_idx(name)
+            known = {plate_digest(b_idx, self.bundle.q(name)), plate_digest(b_idx, self.bundle.q(name, dtype=None))}
+            if self.digests.get(name) not in known:  # Q as trained: float32 (apply_bundle's default) or as stored
                 raise BundleError(f"{self.path}: module '{name}' was trained with another bundle (B/Q digest differs)")
         available = [n[: -len(".weight")] for n in base.tensors if n.endswith(".weight")]
         found = resolve_names(list(self.a_by_name), available, str(self.path))

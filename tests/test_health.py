@@ -161,3 +161,21 @@ def test_scan_records_health_of_w(tmp_path):
                 assert got[key] == pytest.approx(value, rel=1e-6), (name, key)
             else:
                 assert got[key] == value, (name, key)
+
+
+def test_cli_health(tmp_path):
+    from click.testing import CliRunner
+
+    from plate_inspect import scan
+    from plate_inspect.cli.main import cli
+    from plate_inspect.testing.synthetic import write_bert
+
+    ckpt = write_bert(tmp_path / "bert", layers=1)
+    bundle = scan(ckpt.path, tmp_path / "bundle", r=4)
+    result = CliRunner().invoke(cli, ["health", str(bundle.path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    manifest = json.loads((bundle.path / "manifest.json").read_text())
+    assert data == {n: m["health"] for n, m in manifest["modules"].items()}
+    result = CliRunner().invoke(cli, ["health", str(bundle.path)])
+    assert result.exit_code == 0 and "alpha" in result.output
