@@ -335,3 +335,23 @@ def test_cli_json_table_and_report(qwen_pair, tmp_path):
     html = out.read_text()
     assert not re.search(r"<script[^>]+src=", html) and not re.search(r"<link[^>]+href=", html)  # self-contained
     assert "Plotly.newPlot" in html and "model.layers.1.mlp.down_proj" in html
+
+
+def test_plate_adapter_of_another_bundle_and_dora_refused(tmp_path):
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.train.layer import apply_bundle, save_adapter
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
+    randomize_adapters(apply_bundle(model, bundle, rho=0.5), seed=1)
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.9)  # the bundle dir now holds another Q
+    with pytest.raises(BundleError, match="another bundle"):
+        audit(ckpt.parent, adapter)
+    (tmp_path / "dora").mkdir()
+    save_file(
+        {"base_model.model.fc1.lora_A.weight": torch.zeros(2, 64)}, str(tmp_path / "dora" / "adapter_model.safetensors")
+    )
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "use_dora": True}))
+    with pytest.raises(ConfigError, match="DoRA"):
+        audit(ckpt.parent, tmp_path / "dora")
