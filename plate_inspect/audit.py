@@ -389,8 +389,9 @@ class PlateUpdate(UpdateSource):
         to_bundle = resolve_names(list(self.a_by_name), self.bundle.modules, f"{self.path} (bundle {self.bundle.path})")
         self.a_by_name = {to_bundle[n]: a for n, a in self.a_by_name.items()}
         for name in self.a_by_name if self.digests else []:
-            b_idx = self.bundle.b_idx(name)
-            known = {plate_digest(b_idx, self.bundle.q(name)), plate_digest(b_idx, self.bundle.q(name, dtype=None))}
+            b_idx, k = self.bundle.b_idx(name), self.a_by_name[name].shape[-1]
+            qs = (self.bundle.q(name), self.bundle.q(name, dtype=None))  # as trained: float32, or as stored
+            known = {plate_digest(b_idx, q[:, :k].contiguous()) for q in qs}  # a plan trains a prefix Q[:, :k]
             if self.digests.get(name) not in known:  # Q as trained: float32 (apply_bundle's default) or as stored
                 raise BundleError(f"{self.path}: module '{name}' was trained with another bundle (B/Q digest differs)")
         available = [n[: -len(".weight")] for n in base.tensors if n.endswith(".weight")]
@@ -402,8 +403,9 @@ class PlateUpdate(UpdateSource):
         name = self.mapping[target.name]
         a = self.a_by_name[name].to(base_weight.dtype)
         q = self.bundle.q(name, dtype=base_weight.dtype)
-        if tuple(a.shape) != (self.bundle.b_idx(name).numel(), q.shape[1]):
-            raise BundleError(f"{self.path}: A of '{name}' is {list(a.shape)}, the bundle's B and Q need r x k")
+        if a.ndim != 2 or a.shape[0] != self.bundle.b_idx(name).numel() or not 1 <= a.shape[1] <= q.shape[1]:
+            raise BundleError(f"{self.path}: A of '{name}' is {list(a.shape)}, the bundle's B and Q need r x (<= k)")
+        q = q[:, : a.shape[1]]  # an adapter trained from a plan uses the prefix Q[:, :k] (bottom-k eigenspace)
         return LowRankDelta(self.rho * a, q.T.contiguous(), self.bundle.b_idx(name))
 
 

@@ -355,3 +355,23 @@ def test_plate_adapter_of_another_bundle_and_dora_refused(tmp_path):
     (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "use_dora": True}))
     with pytest.raises(ConfigError, match="DoRA"):
         audit(ckpt.parent, tmp_path / "dora")
+
+
+def test_plate_adapter_trained_on_a_plan_prefix(tmp_path):
+    """An adapter whose layers use Q[:, :k] (a plan) is read with that prefix; dW matches the dense update."""
+    from plate_inspect.train.layer import apply_bundle, plate_layers, save_adapter
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
+    apply_bundle(model, bundle, rho=0.5)
+    g = torch.Generator().manual_seed(3)
+    dense = {}
+    for layer in plate_layers(model).values():
+        k = max(1, layer.k // 2)
+        layer.plate_Q = layer.plate_Q[:, :k].contiguous()
+        layer.plate_A = torch.nn.Parameter(torch.randn(layer.r, k, generator=g))
+        dense[layer.bundle_name] = layer.delta_weight().double().numpy()
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    for rec in audit(ckpt.parent, adapter, tau=0.8, precision="float64"):
+        assert rec.delta_norm == pytest.approx(float(np.linalg.norm(dense[rec.module])), rel=1e-6)
+        assert rec.protected_input_share < 1e-6 and rec.frozen_row_share == 0.0
