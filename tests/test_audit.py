@@ -375,3 +375,26 @@ def test_plate_adapter_trained_on_a_plan_prefix(tmp_path):
     for rec in audit(ckpt.parent, adapter, tau=0.8, precision="float64"):
         assert rec.delta_norm == pytest.approx(float(np.linalg.norm(dense[rec.module])), rel=1e-6)
         assert rec.protected_input_share < 1e-6 and rec.frozen_row_share == 0.0
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_real_peft_lora_dir_matches_its_merged_weights(tmp_path, rslora):
+    """A LoRA adapter saved by peft itself: its audit equals the audit of peft's merge_and_unload weights."""
+    peft = pytest.importorskip("peft")
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=BACKBONE, use_rslora=rslora, rank_pattern={"fc2": 2})
+    pm = peft.get_peft_model(model, cfg)
+    randomize_adapters([p for p in pm.parameters() if p.requires_grad], seed=4, scale=0.1)
+    pm.save_pretrained(tmp_path / "lora")
+    merged = pm.merge_and_unload()
+    (tmp_path / "merged").mkdir()
+    save_file(
+        {k: v.detach().contiguous() for k, v in merged.state_dict().items()},
+        str(tmp_path / "merged" / "model.safetensors"),
+    )
+    from_adapter = {r.module: r for r in audit(ckpt.parent, tmp_path / "lora", r=16, precision="float64")}
+    from_merged = {r.module: r for r in audit(ckpt.parent, tmp_path / "merged", r=16, precision="float64")}
+    assert sorted(from_adapter) == BACKBONE
+    for name, rec in from_adapter.items():
+        for key in AUDIT_KEYS[1:]:
+            assert getattr(rec, key) == pytest.approx(getattr(from_merged[name], key), rel=1e-4, abs=1e-9), (name, key)
