@@ -4,7 +4,10 @@ Per module shape: the scan's geometry (``plate_geometry``, r=64, tau=0.9, max_ra
 W's spectrum (``matmul`` + ``symmetric_eigvalsh`` on the small side) and ``health_record`` on it, as ratios of the
 baseline, in the SAME run. Shapes: MiniLM's (384x384, 1536x384, 384x1536) and 7B-shaped (3584x3584, 18944x3584).
 
-    .venv/bin/python benchmarks/health_cost.py [--skip-7b]
+    .venv/bin/python benchmarks/health_cost.py [--skip-7b] [--minilm]
+
+``--minilm`` also scans the embedded MiniLM twice, with the scanner's health call and with it replaced by a no-op,
+and prints both wall times and their ratio.
 """
 
 from __future__ import annotations
@@ -28,10 +31,40 @@ def timed(fn, repeat: int = 1) -> float:
     return best
 
 
+def minilm_scan_with_and_without_health() -> None:
+    """Wall time of the embedded MiniLM scan with the health call and with it patched out, same process."""
+    import tempfile
+    from unittest import mock
+
+    from plate_inspect import scan
+    from plate_inspect.embedded import default_model_path
+
+    times = {}
+    for label in ("without health", "with health", "without health (again)", "with health (again)"):
+        with tempfile.TemporaryDirectory() as out:
+            patch = mock.patch("plate_inspect.scanner.health_of_weight", lambda w: None) if "without" in label else None
+            if patch:
+                patch.start()
+            try:
+                t0 = time.perf_counter()
+                scan(default_model_path(), out)
+                times[label] = time.perf_counter() - t0
+            finally:
+                if patch:
+                    patch.stop()
+        print(f"MiniLM scan {label}: {times[label]:.1f} s")
+    off = min(times["without health"], times["without health (again)"])
+    on = min(times["with health"], times["with health (again)"])
+    print(f"MiniLM scan: health adds {100 * (on / off - 1):.1f}% (best of two each)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-7b", action="store_true")
+    ap.add_argument("--minilm", action="store_true", help="also time a MiniLM scan with and without health")
     args = ap.parse_args()
+    if args.minilm:
+        minilm_scan_with_and_without_health()
     shapes = [(384, 384), (1536, 384), (384, 1536)] + ([] if args.skip_7b else [(3584, 3584), (18944, 3584)])
     print(f"torch threads {torch.get_num_threads()}")
     print(f"{'shape':>14} {'geometry s':>11} {'W spectrum s':>13} {'ratio':>7} {'metrics s':>10} {'ratio':>7}")
