@@ -23,6 +23,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "experiment": ("experiment:experiment_group", "Run the paper's experiments on data that ships offline."),
     "align": ("analyze:align_command", "Weight geometry vs. activation geometry of every target module."),
     "curvature": ("analyze:curvature_command", "Restricted curvature, drift radius and Gauss-Newton share."),
+    "audit": ("audit:audit_command", "How much did a fine-tune touch the input directions the model relies on?"),
+    "plan": ("plan:plan_command", "Choose per-module k for a trainable-parameter budget from a bundle's spectra."),
+    "health": ("health:health_command", "Spectral health (WeightWatcher metrics) of every module of a bundle."),
 }
 
 

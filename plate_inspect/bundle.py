@@ -96,6 +96,7 @@ class ModuleRecord:
     fingerprint: str  # sha256 of the weight's stored bytes
     file: str  # part file that holds this module's tensors
     variant: str | None = None  # None for a scanned bundle; an ablation name for derived bundles
+    health: dict | None = None  # beyond (issue 15): plate_inspect.health.health_record of W; written only when set
 
     @property
     def d_out(self) -> int:
@@ -113,6 +114,14 @@ class ModuleRecord:
     def lora_params(self) -> int:
         """LoRA's trainable parameters at the same rank r, for comparison."""
         return self.r * (self.d_in + self.d_out)
+
+
+def _record_json(rec: ModuleRecord) -> dict[str, Any]:
+    """A module record for the manifest; ``health`` only when present (beyond, issue 15)."""
+    d = asdict(rec)
+    if d.get("health") is None:
+        d.pop("health", None)
+    return d
 
 
 @dataclass
@@ -145,7 +154,7 @@ class Manifest:
             "selection": self.selection_note,
             "config": self.settings.to_json(),
             "planned": self.planned,
-            "modules": {n: asdict(m) for n, m in self.modules.items()},
+            "modules": {n: _record_json(m) for n, m in self.modules.items()},
         }
 
     @classmethod

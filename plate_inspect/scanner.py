@@ -37,6 +37,7 @@ from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.dtypes import PRECISIONS, Q_DTYPES
 from plate_inspect.errors import CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, module_seed, plate_geometry, validate_settings
+from plate_inspect.health import health_record
 from plate_inspect.targets import TargetModule, load_target, select_targets
 
 
@@ -439,6 +440,8 @@ def module_outputs(
         k_by_tau={f"{t:g}": k for t, k in geo.k_by_tau.items()},
         fingerprint=fingerprint,
         file=part,
+        # spectral health from the spectrum the scan already has (W_frozen's): free, unlike W's own eigvalsh
+        health=health_record(basis.spectrum, (target.shape[0] - int(geo.b_idx.numel()), target.shape[1]), "W_frozen"),
     )
     tensors = {
         f"{target.name}.plate_B_idx": geo.b_idx,

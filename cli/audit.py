@@ -1,0 +1,153 @@
+"""``audit``: how much of a fine-tune lands in the input directions and output rows PLATE would protect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich import box
+from rich.table import Table
+
+from plate_inspect.cli.common import console, err_console
+from plate_inspect.targets import parse_layers
+
+
+@click.command("audit")
+@click.argument("base")
+@click.argument("tuned")
+@click.option("--bundle", type=click.Path(path_type=Path), default=None, help="Take B from this bundle of BASE.")
+@click.option("--tau", type=float, default=0.9, show_default=True, help="Protected energy: top-m(tau) directions.")
+@click.option("--r", "r", type=int, default=64, show_default=True, help="|B| when no bundle is given (as scan).")
+@click.option("--anchors", type=int, default=256, show_default=True, help="Anchor rows for B (as scan).")
+@click.option("--sketch-dim", type=int, default=None, help="B from the paper's sketched scores (as scan).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed (as scan; used with --sketch-dim).")
+@click.option("--target-modules", default=None, help="Modules of a full checkpoint to audit (as scan).")
+@click.option("--layers", default=None, help="Layer indices, e.g. '0-3,7' (as scan).")
+@click.option("--precision", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--revision", default=None, help="Hub revision of BASE/TUNED.")
+@click.option("--offline", is_flag=True, help="Never contact the hub.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of records instead of the table.")
+@click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write a self-contained HTML audit.")
+@click.option("--top", type=int, default=30, show_default=True, help="Rows of the table (0: all).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def audit_command(
+    base,
+    tuned,
+    bundle,
+    tau,
+    r,
+    anchors,
+    sketch_dim,
+    seed,
+    target_modules,
+    layers,
+    precision,
+    revision,
+    offline,
+    as_json,
+    report,
+    top,
+    quiet,
+):
+    """Audit TUNED against BASE from the weights alone: for every module with update dW,
+
+    \b
+      protected_input_share = ||dW P||^2 / ||dW||^2  (P: top-m(tau) eigenvectors of W_frozen^T W_frozen)
+      frozen_row_share      = share of ||dW||^2 on rows outside B
+      delta_norm, relative_delta = ||dW||, ||dW|| / ||W||
+    A PLATE update scores ~0 on both shares; a dense random update ~m/d_in (shown as 'chance').
+    Modules are ranked by risk = ||dW P|| / ||W||.
+
+    TUNED: a fine-tuned checkpoint (dir, .safetensors, hub id), a PEFT LoRA adapter dir, or a PLATE
+    adapter (save_adapter file or PEFT dir; B and Q from its bundle).
+
+    \b
+    Examples:
+      plate-inspect audit ./base ./finetuned
+      plate-inspect audit Qwen/Qwen2.5-7B ./lora-adapter --bundle bundles/qwen7b --json
+      plate-inspect audit ./base adapter.safetensors --report audit.html
+    """
+    from plate_inspect.audit import audit, rank_by_risk, summarize
+
+    progress = None
+    bar = None
+    if not quiet and not as_json:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(
+            TextColumn("[bold]audit[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=err_console,
+            transient=True,
+        )
+        task = bar.add_task("", total=None)
+
+        def progress(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=name)
+
+    settings = dict(
+        tau=tau,
+        r=r,
+        anchors=anchors,
+        sketch_dim=sketch_dim,
+        seed=seed,
+        target_modules=[t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None,
+        layers=parse_layers(layers),
+        precision=precision,
+        revision=revision,
+        offline=True if offline else None,
+    )
+    if bar is not None:
+        with bar:
+            records = audit(base, tuned, bundle, progress=progress, **settings)
+    else:
+        records = audit(base, tuned, bundle, **settings)
+    if report is not None:
+        from plate_inspect.reports.audit import write_audit_report
+
+        write_audit_report(records, report, title=f"audit: {tuned} against {base}")
+    if as_json:
+        click.echo(json.dumps([rec.to_json() for rec in records], indent=2))
+        return
+    ranked = rank_by_risk(records)
+    shown = ranked if top <= 0 else ranked[:top]
+    table = Table(
+        title=f"modules by risk (tau={tau:g}; {len(shown)} of {len(records)})", box=box.SIMPLE_HEAD, pad_edge=False
+    )
+    for col in (
+        "module",
+        "d_out x d_in",
+        "|B|",
+        "protected",
+        "chance",
+        "frozen rows",
+        "||dW||",
+        "||dW||/||W||",
+        "risk",
+    ):
+        table.add_column(col, justify="left" if col == "module" else "right", no_wrap=col == "module")
+    for rec in shown:
+        table.add_row(
+            rec.module,
+            f"{rec.shape[0]}x{rec.shape[1]}",
+            str(rec.r),
+            f"{rec.protected_input_share:.4f}",
+            f"{rec.chance_share:.4f}",
+            f"{rec.frozen_row_share:.4f}",
+            f"{rec.delta_norm:.3e}",
+            f"{rec.relative_delta:.3e}",
+            f"{rec.risk:.3e}",
+        )
+    console.print(table)
+    s = summarize(records)
+    console.print(
+        f"model: {s.touched}/{s.modules} modules changed; protected share {s.protected_input_share:.4f}, "
+        f"frozen-row share {s.frozen_row_share:.4f} (energy-weighted); ||dW||/||W|| {s.relative_delta:.3e}; "
+        f"risk sqrt(sum ||dW P||^2 / sum ||W||^2) = {s.risk:.3e}"
+    )
+    if report is not None:
+        console.print(f"report: {report}")

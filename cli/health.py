@@ -1,0 +1,54 @@
+"""``health``: the spectral-health metrics a scan recorded per module (WeightWatcher's conventions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich import box
+from rich.table import Table
+
+from plate_inspect.bundle import Bundle
+from plate_inspect.cli.common import console
+from plate_inspect.errors import BundleError
+
+COLUMNS = ("alpha", "alpha_weighted", "spectral_norm", "stable_rank", "entropy", "mp_softrank", "num_spikes")
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
+
+
+@click.command("health")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print {module: health record} as JSON.")
+def health_command(bundle, as_json):
+    """Show the spectral health of every module of BUNDLE: power-law alpha (and xmin), alpha-weighted,
+    spectral norm, stable rank, entropy, Marchenko-Pastur soft rank and spikes, from W's own spectrum.
+
+    \b
+    Examples:
+      plate-inspect health bundles/qwen7b
+      plate-inspect health bundles/qwen7b --json > health.json
+    """
+    b = Bundle.load(bundle)
+    records = {rec.name: rec.health for rec in b if rec.health}
+    if not records:
+        raise BundleError(f"{b.path}: no health records (a bundle from an older scan); rescan to add them")
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    table = Table(title=f"spectral health ({next(iter(records.values()))['spectrum_of']})", box=box.SIMPLE_HEAD)
+    table.add_column("module", no_wrap=True)
+    for col in COLUMNS:
+        table.add_column(col, justify="right")
+    for name, h in records.items():
+        table.add_row(name, *(_fmt(h.get(c)) for c in COLUMNS))
+    console.print(table)
+    alphas = [h["alpha"] for h in records.values() if h.get("alpha") is not None]
+    if alphas:
+        inside = sum(1 for a in alphas if 2 <= a <= 6)
+        console.print(f"alpha: mean {sum(alphas) / len(alphas):.3f}; {inside}/{len(alphas)} modules in [2, 6]")

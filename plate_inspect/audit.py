@@ -1,0 +1,567 @@
+"""Audit any fine-tune from the weights alone: how much of each update lands where the frozen rows live.
+
+For a module with base weight W (d_out x d_in), update dW (tuned minus base), B the redundant output rows (the
+bundle's, or chosen exactly as the scan chooses them) and W_f the rows outside B:
+
+- ``protected_input_share`` = ||dW P||_F^2 / ||dW||_F^2, P the projector onto the top-m(tau) eigenvectors of
+  W_f^T W_f: the input directions holding a tau fraction of the frozen rows' energy;
+- ``frozen_row_share`` = the share of ||dW||_F^2 on rows outside B;
+- ``delta_norm`` = ||dW||_F and ``relative_delta`` = ||dW||_F / ||W||_F.
+
+A PLATE update (rows in B, inputs in the bottom eigenspace Q) scores 0 on both; a dense isotropic random update
+scores m(tau)/d_in on the first and (d_out - r)/d_out on the second. Per-module ``risk`` = ||dW P||_F / ||W||_F
+(the update's size inside the protected directions, relative to the weight) ranks modules.
+
+TUNED is a fine-tuned checkpoint (dir, ``.safetensors`` file or hub id), a PEFT LoRA adapter dir
+(dW = (alpha/r) B A, rsLoRA alpha/sqrt(r), ``rank_pattern``/``alpha_pattern`` honoured), or a PLATE adapter
+(a ``save_adapter`` file, a dir holding one, or a PEFT ``plate`` adapter dir: dW = rho B A Q^T on B's rows).
+Streaming: one module's weights are in memory at a time; low-rank updates are never formed densely.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from plate_inspect.bundle import Bundle
+from plate_inspect.checkpoint import Checkpoint, TensorInfo, parse_safetensors_header
+from plate_inspect.errors import BundleError, CheckpointError, ConfigError
+from plate_inspect.geometry import (
+    effective_r,
+    energy_rank,
+    matmul,
+    module_seed,
+    redundancy_scores,
+    select_redundant_rows,
+    symmetric_eigh,
+    validate_settings,
+)
+from plate_inspect.targets import CONV1D_FAMILIES, TargetModule, layer_of, load_target, module_type_of, select_targets
+
+#: Keys of one ``--json`` record, in order.
+AUDIT_KEYS = ("module", "protected_input_share", "frozen_row_share", "delta_norm", "relative_delta")
+PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
+_PEFT_PREFIX = "base_model.model."
+
+
+# --------------------------------------------------------------------------- updates
+@dataclass(frozen=True)
+class LowRankDelta:
+    """dW = left @ right placed on output rows ``rows`` (all rows in order when None); never formed densely."""
+
+    left: torch.Tensor  # [n, q]
+    right: torch.Tensor  # [q, d_in]
+    rows: torch.Tensor | None = None  # int64 [n]
+
+
+Delta = Union[torch.Tensor, LowRankDelta]  # noqa: UP007 (a runtime alias; X | Y needs Python 3.10 classes)
+
+
+def delta_shape_ok(delta: Delta, d_out: int, d_in: int) -> bool:
+    """True when the update fits a d_out x d_in weight."""
+    if isinstance(delta, torch.Tensor):
+        return tuple(delta.shape) == (d_out, d_in)
+    n = delta.left.shape[0]
+    rows_ok = (
+        n == d_out if delta.rows is None else (delta.rows.numel() == n and (n == 0 or int(delta.rows.max()) < d_out))
+    )
+    return rows_ok and delta.right.shape[1] == d_in and delta.left.shape[1] == delta.right.shape[0]
+
+
+def delta_row_energy(delta: Delta, d_out: int) -> torch.Tensor:
+    """||dW_i||^2 for every output row i, float64 [d_out]."""
+    if isinstance(delta, torch.Tensor):
+        return torch.linalg.vector_norm(delta, dim=1, dtype=torch.float64) ** 2
+    gram = matmul(delta.right, delta.right.T.contiguous())
+    energy = (matmul(delta.left, gram) * delta.left).sum(dim=1).double().clamp_min(0)
+    if delta.rows is None:
+        return energy
+    out = torch.zeros(d_out, dtype=torch.float64)
+    out[delta.rows] = energy
+    return out
+
+
+def delta_times(delta: Delta, v: torch.Tensor) -> torch.Tensor:
+    """dW V restricted to dW's nonzero rows (enough for Frobenius norms)."""
+    if isinstance(delta, torch.Tensor):
+        return matmul(delta, v)
+    return matmul(delta.left, matmul(delta.right, v).contiguous())
+
+
+# --------------------------------------------------------------------------- the protected input directions
+@dataclass
+class ProtectedSubspace:
+    """Top-m(tau) eigenvectors of W_f^T W_f, or (``complement``) the other d_in - m when that block is smaller."""
+
+    basis: torch.Tensor  # [d_in, j], orthonormal columns
+    complement: bool  # True: P = I - basis basis^T
+    m: int
+    spectrum: torch.Tensor  # eigenvalues of W_f^T W_f, descending, length min(n_frozen, d_in)
+
+
+def protected_subspace(frozen: torch.Tensor, tau: float) -> ProtectedSubspace:
+    """P's range for W_f (n_f x d_in), from the small-side Gram matrix; never d_in x d_in when W_f is wide.
+
+    Tall W_f: eigh of W_f^T W_f; the top m or the bottom d_in - m eigenvectors, whichever block is smaller. Wide
+    W_f: eigh of K = W_f W_f^T; the top-m eigenvectors of W_f^T W_f are W_f^T u / sqrt(lambda) for K's top m.
+    """
+    n_f, d_in = frozen.shape
+    if n_f >= d_in:
+        evals, evecs = symmetric_eigh(matmul(frozen.T.contiguous(), frozen))
+        lam = evals.clamp_min(0)
+        spectrum = lam.flip(0)
+        m = energy_rank(spectrum, tau)
+        if m <= d_in - m:
+            return ProtectedSubspace(evecs[:, d_in - m :].contiguous(), False, m, spectrum)
+        return ProtectedSubspace(evecs[:, : d_in - m].contiguous(), True, m, spectrum)
+    evals, u = symmetric_eigh(matmul(frozen, frozen.T.contiguous()))
+    lam = evals.clamp_min(0)
+    spectrum = lam.flip(0)
+    m = energy_rank(spectrum, tau)
+    top, lam_top = u[:, n_f - m :], lam[n_f - m :]
+    basis = matmul(frozen.T.contiguous(), top.contiguous()) / lam_top.sqrt()[None, :]
+    return ProtectedSubspace(basis.contiguous(), False, m, spectrum)
+
+
+def protected_energy(delta: Delta, sub: ProtectedSubspace, total: float) -> float:
+    """||dW P||_F^2, given total = ||dW||_F^2 (used by the complement form)."""
+    if sub.basis.shape[1] == 0:
+        return total if sub.complement else 0.0
+    inside = float(torch.linalg.vector_norm(delta_times(delta, sub.basis), dtype=torch.float64)) ** 2
+    return min(max(total - inside, 0.0), total) if sub.complement else min(inside, total)
+
+
+# --------------------------------------------------------------------------- one module
+@dataclass
+class AuditRecord:
+    """The audit of one module; ``to_json`` gives exactly :data:`AUDIT_KEYS`."""
+
+    module: str
+    protected_input_share: float
+    frozen_row_share: float
+    delta_norm: float
+    relative_delta: float
+    shape: tuple[int, int] = (0, 0)  # [d_out, d_in]
+    m: int = 0  # m(tau): protected input directions
+    r: int = 0  # |B|
+    weight_norm: float = 0.0  # ||W||_F
+    protected_norm: float = 0.0  # ||dW P||_F
+
+    @property
+    def chance_share(self) -> float:
+        """protected_input_share of a dense isotropic random update: m(tau) / d_in."""
+        return self.m / self.shape[1] if self.shape[1] else 0.0
+
+    @property
+    def risk(self) -> float:
+        """||dW P||_F / ||W||_F: the update inside the protected input directions, relative to the weight."""
+        return self.protected_norm / self.weight_norm if self.weight_norm > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in AUDIT_KEYS}
+
+
+def audit_update(name: str, weight: torch.Tensor, delta: Delta, b_idx: torch.Tensor, tau: float) -> AuditRecord:
+    """Audit numbers of one module from its base weight (d_out x d_in), its update and B. Pure; inputs untouched.
+
+    An all-zero update scores 0 on both shares (nothing reached the protected directions or the frozen rows).
+    """
+    d_out, d_in = weight.shape
+    if not delta_shape_ok(delta, d_out, d_in):
+        raise ConfigError(f"module '{name}': the update does not fit the base weight [d_out, d_in] = [{d_out}, {d_in}]")
+    weight_norm = float(torch.linalg.vector_norm(weight, dtype=torch.float64))
+    row_energy = delta_row_energy(delta, d_out)
+    total = float(row_energy.sum())
+    in_b = torch.zeros(d_out, dtype=torch.bool)
+    in_b[b_idx.cpu()] = True
+    frozen_energy = float(row_energy[~in_b].sum())
+    sub = protected_subspace(weight[torch.nonzero(~in_b).flatten().to(weight.device)], tau)
+    prot = protected_energy(delta, sub, total) if total > 0 else 0.0
+    delta_norm = math.sqrt(total)
+    return AuditRecord(
+        module=name,
+        protected_input_share=prot / total if total > 0 else 0.0,
+        frozen_row_share=frozen_energy / total if total > 0 else 0.0,
+        delta_norm=delta_norm,
+        relative_delta=delta_norm / weight_norm if weight_norm > 0 else 0.0,
+        shape=(d_out, d_in),
+        m=sub.m,
+        r=int(b_idx.numel()),
+        weight_norm=weight_norm,
+        protected_norm=math.sqrt(prot),
+    )
+
+
+# --------------------------------------------------------------------------- model level
+@dataclass
+class AuditSummary:
+    """Model-level aggregates (energy-weighted over modules)."""
+
+    modules: int
+    touched: int  # modules with a nonzero update
+    protected_input_share: float  # sum ||dW P||^2 / sum ||dW||^2
+    frozen_row_share: float
+    relative_delta: float  # sqrt(sum ||dW||^2 / sum ||W||^2)
+    risk: float  # sqrt(sum ||dW P||^2 / sum ||W||^2): the model-level score
+
+
+def summarize(records: list[AuditRecord]) -> AuditSummary:
+    """Energy-weighted model-level shares and the model risk sqrt(sum ||dW P||^2 / sum ||W||^2)."""
+    delta_sq = sum(r.delta_norm**2 for r in records)
+    weight_sq = sum(r.weight_norm**2 for r in records)
+    prot_sq = sum(r.protected_norm**2 for r in records)
+    frozen_sq = sum(r.frozen_row_share * r.delta_norm**2 for r in records)
+    return AuditSummary(
+        modules=len(records),
+        touched=sum(1 for r in records if r.delta_norm > 0),
+        protected_input_share=prot_sq / delta_sq if delta_sq > 0 else 0.0,
+        frozen_row_share=frozen_sq / delta_sq if delta_sq > 0 else 0.0,
+        relative_delta=math.sqrt(delta_sq / weight_sq) if weight_sq > 0 else 0.0,
+        risk=math.sqrt(prot_sq / weight_sq) if weight_sq > 0 else 0.0,
+    )
+
+
+def rank_by_risk(records: list[AuditRecord]) -> list[AuditRecord]:
+    """Records ordered by risk, highest first (ties: larger protected share, then name)."""
+    return sorted(records, key=lambda r: (-r.risk, -r.protected_input_share, r.module))
+
+
+# --------------------------------------------------------------------------- where the update comes from
+def resolve_names(wanted: list[str], available: list[str], what: str) -> dict[str, str]:
+    """Map adapter module names onto checkpoint module names: exact, else the unique suffix match either way."""
+    have = set(available)
+    out: dict[str, str] = {}
+    for name in wanted:
+        if name in have:
+            out[name] = name
+            continue
+        cands = [a for a in available if a.endswith("." + name)] or [a for a in available if name.endswith("." + a)]
+        if len(cands) != 1:
+            why = "no module" if not cands else f"{len(cands)} modules ({', '.join(cands[:3])})"
+            raise CheckpointError(f"{what}: module '{name}' matches {why} of the base checkpoint")
+        out[name] = cands[0]
+    return out
+
+
+def _match_pattern(patterns: dict[str, Any], key: str) -> str | None:
+    """PEFT's rank_pattern/alpha_pattern lookup: the first pattern p with re.match('(.*\\.)?(p)$', key)."""
+    for p in patterns:
+        if re.match(rf"(.*\.)?({p})$", key):
+            return p
+    return None
+
+
+class UpdateSource:
+    """Where dW comes from. ``modules``: base-checkpoint module names it touches (None: every target)."""
+
+    kind = "checkpoint"
+    description = ""
+    bundle: Bundle | None = None
+
+    def bind(self, base: Checkpoint) -> list[str] | None:
+        """Resolve the update's module names against the base checkpoint; return them (None: all targets)."""
+        return None
+
+    def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        raise NotImplementedError
+
+
+@dataclass
+class CheckpointUpdate(UpdateSource):
+    """A full fine-tuned checkpoint: dW = W_tuned - W_base, tensor by tensor."""
+
+    tuned: Checkpoint
+    kind: str = "checkpoint"
+
+    def __post_init__(self) -> None:
+        self.description = f"fine-tuned checkpoint {self.tuned.root}"
+
+    def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        info = self.tuned.tensors.get(target.tensor.name)
+        if info is None:
+            raise CheckpointError(
+                f"{self.tuned.root}: the fine-tuned checkpoint has no tensor '{target.tensor.name}' (the base has it)"
+            )
+        if tuple(info.shape) != tuple(target.tensor.shape):
+            raise CheckpointError(
+                f"{info.file.name}: tensor '{info.name}' is {list(info.shape)} in the fine-tuned checkpoint but "
+                f"{list(target.tensor.shape)} in the base; they are not the same architecture"
+            )
+        tuned_target = TargetModule(target.name, info, target.layout, target.layer, target.module_type)
+        tuned, _ = load_target(self.tuned, tuned_target)
+        out = tuned.to(base_weight.dtype) - base_weight
+        if not bool(torch.isfinite(out).all()):
+            raise CheckpointError(f"{info.file.name}: tensor '{info.name}' contains NaN or Inf values")
+        return out
+
+
+@dataclass
+class LoraUpdate(UpdateSource):
+    """A PEFT LoRA adapter dir: dW = s B A, s = alpha/r (alpha/sqrt(r) with rsLoRA), per-module patterns honoured."""
+
+    path: Path
+    config: dict[str, Any]
+    adapter: Checkpoint
+    kind: str = "lora"
+    pairs: dict[str, tuple[str, str]] = field(default_factory=dict)  # peft module name -> (A key, B key)
+    mapping: dict[str, str] = field(default_factory=dict)  # base module name -> peft module name
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        if cfg.get("use_dora"):
+            raise ConfigError(f"{self.path}: DoRA adapters (use_dora) rescale W's columns; audit supports plain LoRA")
+        pat = re.compile(r"^(.*)\.lora_A(?:\.[^.]+)?\.weight$")
+        for key in self.adapter.tensors:
+            if "lora_embedding" in key:
+                raise ConfigError(f"{self.path}: '{key}' is an embedding LoRA; audit covers linear layers only")
+            hit = pat.match(key)
+            if hit:
+                b_key = key.replace(".lora_A", ".lora_B", 1)
+                if b_key not in self.adapter.tensors:
+                    raise CheckpointError(f"{self.path}: has '{key}' but no matching '{b_key}'")
+                self.pairs[hit.group(1).removeprefix(_PEFT_PREFIX)] = (key, b_key)
+        if not self.pairs:
+            raise CheckpointError(f"{self.path}: a LoRA adapter dir without any '*.lora_A.weight' tensor")
+        self.description = f"LoRA adapter {self.path} ({len(self.pairs)} modules)"
+
+    def bind(self, base: Checkpoint) -> list[str]:
+        available = [
+            n[: -len(".weight")] for n, t in base.tensors.items() if n.endswith(".weight") and len(t.shape) == 2
+        ]
+        found = resolve_names(list(self.pairs), available, str(self.path))
+        self.mapping = {base_name: peft_name for peft_name, base_name in found.items()}
+        return list(self.mapping)
+
+    def scaling(self, peft_name: str, rank: int) -> float:
+        """PEFT's scaling for one module: alpha/r, or alpha/sqrt(r) with use_rslora (patterns first)."""
+        cfg = self.config
+        r_key = _match_pattern(cfg.get("rank_pattern") or {}, peft_name)
+        a_key = _match_pattern(cfg.get("alpha_pattern") or {}, peft_name)
+        r = int(cfg["rank_pattern"][r_key]) if r_key else int(cfg.get("r", rank))
+        alpha = float(cfg["alpha_pattern"][a_key]) if a_key else float(cfg.get("lora_alpha", r))
+        if r != rank:
+            raise CheckpointError(
+                f"{self.path}: module '{peft_name}' has rank {rank} in the weights but adapter_config.json says {r}"
+            )
+        return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+    def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        peft_name = self.mapping[target.name]
+        a_key, b_key = self.pairs[peft_name]
+        a, _ = self.adapter.read(a_key)
+        b, _ = self.adapter.read(b_key)
+        dt = base_weight.dtype
+        if a.ndim != 2 or b.ndim != 2 or b.shape[1] != a.shape[0]:
+            raise CheckpointError(
+                f"{self.path}: LoRA tensors of '{peft_name}' have shapes {list(a.shape)}, {list(b.shape)}"
+            )
+        return LowRankDelta(b.to(dt) * self.scaling(peft_name, a.shape[0]), a.to(dt).contiguous())
+
+
+@dataclass
+class PlateUpdate(UpdateSource):
+    """A PLATE adapter: dW = rho A Q^T on B's rows; B and Q come from the adapter's bundle."""
+
+    path: Path
+    a_by_name: dict[str, torch.Tensor]  # adapter module name -> A [r, k]
+    rho: float
+    bundle: Bundle | None = None
+    digests: dict[str, str] | None = None  # save_adapter files: per-module B/Q digests to check
+    kind: str = "plate"
+    mapping: dict[str, str] = field(default_factory=dict)  # base module name -> bundle module name
+
+    def __post_init__(self) -> None:
+        self.description = f"PLATE adapter {self.path} ({len(self.a_by_name)} modules, rho={self.rho:g})"
+
+    def bind(self, base: Checkpoint) -> list[str]:
+        from plate_inspect.train.layer import plate_digest
+
+        if self.bundle is None:
+            raise BundleError(f"{self.path}: the adapter's bundle is not found; pass --bundle with the bundle it used")
+        to_bundle = resolve_names(list(self.a_by_name), self.bundle.modules, f"{self.path} (bundle {self.bundle.path})")
+        self.a_by_name = {to_bundle[n]: a for n, a in self.a_by_name.items()}
+        for name in self.a_by_name if self.digests else []:
+            b_idx, k = self.bundle.b_idx(name), self.a_by_name[name].shape[-1]
+            qs = (self.bundle.q(name), self.bundle.q(name, dtype=None))  # as trained: float32, or as stored
+            known = {plate_digest(b_idx, q[:, :k].contiguous()) for q in qs}  # a plan trains a prefix Q[:, :k]
+            if self.digests.get(name) not in known:  # Q as trained: float32 (apply_bundle's default) or as stored
+                raise BundleError(f"{self.path}: module '{name}' was trained with another bundle (B/Q digest differs)")
+        available = [n[: -len(".weight")] for n in base.tensors if n.endswith(".weight")]
+        found = resolve_names(list(self.a_by_name), available, str(self.path))
+        self.mapping = {base_name: bundle_name for bundle_name, base_name in found.items()}
+        return list(self.mapping)
+
+    def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        name = self.mapping[target.name]
+        a = self.a_by_name[name].to(base_weight.dtype)
+        q = self.bundle.q(name, dtype=base_weight.dtype)
+        if a.ndim != 2 or a.shape[0] != self.bundle.b_idx(name).numel() or not 1 <= a.shape[1] <= q.shape[1]:
+            raise BundleError(f"{self.path}: A of '{name}' is {list(a.shape)}, the bundle's B and Q need r x (<= k)")
+        q = q[:, : a.shape[1]]  # an adapter trained from a plan uses the prefix Q[:, :k] (bottom-k eigenspace)
+        return LowRankDelta(self.rho * a, q.T.contiguous(), self.bundle.b_idx(name))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return data
+
+
+def _plate_file_update(path: Path, bundle: Bundle | None) -> PlateUpdate:
+    from plate_inspect.train.layer import read_adapter
+
+    tensors, meta = read_adapter(path)
+    own = meta.get("bundle_path")
+    found = Bundle.load(own) if own and (Path(own) / "manifest.json").exists() else bundle
+    return PlateUpdate(path, tensors, float(meta["rho"]), found, meta.get("plate_digests") or None)
+
+
+def _plate_peft_update(path: Path, config: dict[str, Any], bundle: Bundle | None) -> PlateUpdate:
+    adapter = Checkpoint.open(path)
+    tensors = {}
+    for key in adapter.tensors:
+        hit = re.match(r"^(.*)\.plate_A(?:\.[^.]+)?$", key)
+        if hit:
+            tensors[hit.group(1).removeprefix(_PEFT_PREFIX)] = adapter.read(key)[0].clone()
+    if not tensors:
+        raise CheckpointError(f"{path}: a PLATE adapter dir without any '*.plate_A' tensor")
+    own = config.get("bundle")
+    found = Bundle.load(own) if own and (Path(own) / "manifest.json").exists() else bundle
+    if found is not None and config.get("bundle_signature") not in (None, found.manifest.source_signature):
+        raise BundleError(f"{path}: the adapter was trained with a bundle of other weights (source signature differs)")
+    return PlateUpdate(path, tensors, float(config.get("rho", 0.5)), found)
+
+
+def _is_plate_file(path: Path) -> bool:
+    try:
+        _, meta = parse_safetensors_header(path)
+    except CheckpointError:
+        return False
+    return meta.get("format") == "plate-adapter"
+
+
+def open_update(
+    tuned: str | os.PathLike,
+    bundle: Bundle | None = None,
+    revision: str | None = None,
+    offline: bool | None = None,
+) -> UpdateSource:
+    """Recognise TUNED: PEFT adapter dir (LoRA or plate), PLATE adapter file (or a dir with one), or a checkpoint."""
+    path = Path(tuned).expanduser()
+    if path.is_dir() and (path / "adapter_config.json").exists():
+        config = _read_json(path / "adapter_config.json")
+        peft_type = str(config.get("peft_type", "")).upper()
+        if peft_type == "LORA":
+            if not (path / "adapter_model.safetensors").exists():
+                raise CheckpointError(
+                    f"{path}: no adapter_model.safetensors (pickled adapter_model.bin is never opened)"
+                )
+            return LoraUpdate(path, config, Checkpoint.open(path / "adapter_model.safetensors"))
+        if peft_type == "PLATE":
+            return _plate_peft_update(path, config, bundle)
+        raise ConfigError(f"{path}: PEFT adapter type '{peft_type}' is not supported; audit reads LORA and PLATE")
+    if path.is_file() and path.suffix == ".safetensors" and _is_plate_file(path):
+        return _plate_file_update(path, bundle)
+    if path.is_dir() and not (path / "config.json").exists():
+        plate_files = [p for p in sorted(path.glob("*.safetensors")) if _is_plate_file(p)]
+        if len(plate_files) == 1:
+            return _plate_file_update(plate_files[0], bundle)
+    return CheckpointUpdate(Checkpoint.open(tuned, revision=revision, offline=offline))
+
+
+# --------------------------------------------------------------------------- the streaming driver
+def targets_by_name(ckpt: Checkpoint, names: list[str]) -> list[TargetModule]:
+    """TargetModules for named modules of a checkpoint, in scan order (layer, then name)."""
+    layout = "conv1d" if ckpt.config.get("model_type") in CONV1D_FAMILIES else "linear"
+    out = []
+    for name in names:
+        info: TensorInfo | None = ckpt.tensors.get(f"{name}.weight")
+        if info is None or len(info.shape) != 2:
+            raise CheckpointError(f"{ckpt.root}: no 2-D weight '{name}.weight' in the base checkpoint")
+        out.append(TargetModule(name, info, layout, layer_of(name), module_type_of(name)))
+    out.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, t.name))
+    return out
+
+
+def audit(
+    base: str | os.PathLike,
+    tuned: str | os.PathLike,
+    bundle: Bundle | str | os.PathLike | None = None,
+    tau: float = 0.9,
+    *,
+    r: int = 64,
+    anchors: int = 256,
+    sketch_dim: int | None = None,
+    seed: int = 0,
+    target_modules: list[str] | None = None,
+    layers: list[int] | None = None,
+    precision: str = "float32",
+    revision: str | None = None,
+    offline: bool | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[AuditRecord]:
+    """Audit TUNED against BASE, one module at a time; records in scan order (see :func:`rank_by_risk`).
+
+    B comes from ``bundle`` (which must have been scanned from BASE: fingerprints are checked); without one, from
+    a PLATE adapter's own bundle; otherwise B is chosen as the scan does with ``r``, ``anchors``, ``sketch_dim``
+    and ``seed``. Modules: the adapter's, else the bundle's, else the scan's targets (``target_modules``,
+    ``layers``). ``progress(done, total, module)`` is called after each module.
+    """
+    validate_settings(r=r, tau=tau, max_rank=1, n_anchors=anchors, sketch_dim=sketch_dim)
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
+    given = bundle if isinstance(bundle, Bundle) or bundle is None else Bundle.load(bundle)
+    base_ckpt = Checkpoint.open(base, revision=revision, offline=offline)
+    source = open_update(tuned, bundle=given, revision=revision, offline=offline)
+    geometry = given if given is not None else source.bundle
+    names = source.bind(base_ckpt)
+    if names is not None:
+        targets = targets_by_name(base_ckpt, names)
+    elif geometry is not None:
+        targets = targets_by_name(base_ckpt, geometry.modules)
+    else:
+        targets, _ = select_targets(base_ckpt, target_modules, layers)
+    if geometry is not None:
+        missing = [t.name for t in targets if t.name not in geometry]
+        if missing:
+            raise BundleError(
+                f"{geometry.path}: has no geometry for module '{missing[0]}' that the update touches; "
+                "scan the base model with these modules (--target-modules) or audit without --bundle"
+            )
+    records = []
+    for i, target in enumerate(targets):
+        stored, fingerprint = load_target(base_ckpt, target)
+        weight = stored.to(dtype).contiguous()
+        del stored
+        if geometry is not None:
+            rec = geometry.record(target.name)
+            if list(rec.shape) != list(target.shape) or rec.fingerprint != fingerprint:
+                raise BundleError(
+                    f"{geometry.path}: module '{target.name}' was scanned from other weights than {base} "
+                    "(fingerprint or shape differs); pass the bundle of the base model"
+                )
+            b_idx = geometry.b_idx(target.name)
+        else:
+            scores = redundancy_scores(
+                weight, n_anchors=anchors, sketch_dim=sketch_dim, seed=module_seed(seed, target.name)
+            )
+            b_idx = select_redundant_rows(scores, effective_r(r, target.shape[0]))
+        delta = source.delta(target, weight)
+        records.append(audit_update(target.name, weight, delta, b_idx, tau))
+        del weight, delta
+        if progress is not None:
+            progress(i + 1, len(targets), target.name)
+    return records

@@ -1,0 +1,229 @@
+"""Spectral health of a weight from an eigenvalue spectrum: the metrics people read off WeightWatcher.
+
+Pure functions of a spectrum (numpy or torch, any order): the eigenvalues of X^T X for a weight X of shape
+[d_out, d_in], i.e. its squared singular values, unnormalised. That is WeightWatcher's convention (``evals = sv**2``
+with its default ``normalize=False``), so the values are directly comparable with ``weightwatcher.analyze``.
+
+Which X: the scan computes the spectrum of the frozen rows W_f (rows outside B); W's own needs another eigvalsh.
+:func:`health_record` takes either and says which in ``"spectrum_of"``; the scanner records W_f's (free).
+
+Conventions, matched to weightwatcher 0.7.7 (read from its source; tested against it on MiniLM):
+
+- **alpha** (power-law exponent of the ESD tail) and **xmin**: eigenvalues above 1e-5 are sorted; for every
+  candidate xmin (each eigenvalue but the largest) the continuous MLE alpha = 1 + n / sum(log(x / xmin)) over the
+  n eigenvalues >= xmin, and the Kolmogorov-Smirnov distance D between the fitted and the empirical CDF; the
+  xmin with the smallest D wins (Clauset-Shalizi-Newman, as in ``powerlaw``). With fewer than 20 eigenvalues
+  WeightWatcher switches to a bias-corrected fit (alpha = 1 + (n-1)/sum log, tails of >= 8, xmin minimising
+  D - 0.868/sqrt(n)); so do we. ``num_pl_spikes`` = eigenvalues >= xmin.
+- **alpha_weighted** = alpha * log10(lambda_max); **spectral_norm** = lambda_max (the squared largest singular
+  value, as WeightWatcher reports it); **stable_rank** = sum(lambda) / lambda_max.
+- **entropy** (matrix entropy): p = lambda / sum(lambda) + 1e-10, -sum p log p / log(rank), rank = singular values
+  above s_max * N * eps(float64), N = the larger dimension.
+- **Marchenko-Pastur** (``mp_softrank``, ``num_spikes``, ``sigma_mp``): eigenvalues rescaled to mean 1, Q = N/M
+  (N >= M); a linear-kernel density estimate (bandwidth 0.1) is fitted by the MP density (quarter circle on
+  singular values when Q = 1) over sigma on a brute-force grid polished by Nelder-Mead; bulk edge
+  lambda_+ = (sigma (1 + 1/sqrt(Q)))^2; spikes = rescaled eigenvalues above lambda_+ + sqrt(TW),
+  TW = Q^-1/2 lambda_+^(2/3) M^(-2/3); mp_softrank = lambda_+ / lambda_max.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Eigenvalues at or below this are left out of the power-law fit (WeightWatcher's EVALS_THRESH).
+PL_THRESHOLD = 1e-5
+#: Below this many eigenvalues the small-sample fit is used (WeightWatcher's SMALL_N_CUTOFF).
+SMALL_N = 20
+_ENTROPY_EPS = 1e-10
+
+
+def _as_numpy(spectrum: Any) -> np.ndarray:
+    if hasattr(spectrum, "detach"):
+        spectrum = spectrum.detach().to("cpu").double().numpy()
+    return np.clip(np.asarray(spectrum, dtype=np.float64).ravel(), 0.0, None)
+
+
+# --------------------------------------------------------------------------- power law
+@dataclass
+class PowerLawFit:
+    """Tail exponent alpha at the KS-optimal xmin."""
+
+    alpha: float
+    xmin: float
+    ks_distance: float
+    sigma: float  # standard error of alpha: (alpha - 1) / sqrt(n tail)
+    num_pl_spikes: int  # eigenvalues >= xmin
+
+
+def fit_power_law(spectrum: Any) -> PowerLawFit | None:
+    """Power-law fit of the spectrum's tail (see the module docstring); None with fewer than 2 eigenvalues > 1e-5."""
+    evals = _as_numpy(spectrum)
+    data = np.sort(evals[evals > PL_THRESHOLD])
+    n_all = len(data)
+    if n_all < 2:
+        return None
+    logs = np.log(data)
+    suffix = np.cumsum(logs[::-1])[::-1]  # sum of logs from i to the end
+    idx = np.arange(n_all - 1)
+    n = (n_all - idx).astype(np.float64)
+    denom = suffix[:-1] - n * logs[:-1]
+    small = n_all < SMALL_N
+    with np.errstate(divide="ignore", invalid="ignore"):
+        alphas = 1.0 + ((n - 1.0) if small else n) / denom
+    ds = np.ones(n_all - 1)
+    score = np.full(n_all - 1, np.inf)
+    for i in range(n_all - 1):
+        if small and (n_all - i < 8 or denom[i] <= 1e-12):
+            continue
+        a = alphas[i]
+        if not a > 1:
+            continue
+        tail = data[i:]
+        ds[i] = float(np.max(np.abs(1.0 - (tail / data[i]) ** (1.0 - a) - np.arange(n_all - i) / (n_all - i))))
+        score[i] = ds[i] - 0.868 / math.sqrt(n_all - i) if small else ds[i]
+    best = 0 if small and not np.isfinite(score).any() else int(np.argmin(score if small else ds))
+    alpha = float(alphas[best])
+    xmin = float(data[best])
+    sigma = (alpha - 1.0) / math.sqrt(n_all - best)
+    return PowerLawFit(alpha, xmin, float(ds[best]), sigma, int(np.sum(evals >= xmin)))
+
+
+# --------------------------------------------------------------------------- norms, ranks, entropy
+def spectral_norm(spectrum: Any) -> float:
+    """lambda_max: the largest eigenvalue of X^T X (squared largest singular value), WeightWatcher's convention."""
+    return float(np.max(_as_numpy(spectrum)))
+
+
+def stable_rank(spectrum: Any) -> float:
+    """||X||_F^2 / ||X||_2^2 = sum(lambda) / lambda_max."""
+    evals = _as_numpy(spectrum)
+    top = float(np.max(evals))
+    return float(np.sum(evals)) / top if top > 0 else 0.0
+
+
+def numerical_rank(spectrum: Any, n_max: int) -> int:
+    """Singular values above s_max * N * eps(float64), N the larger dimension (numpy's matrix_rank tolerance)."""
+    sv = np.sqrt(_as_numpy(spectrum))
+    return int(np.count_nonzero(sv > np.max(sv) * n_max * np.finfo(np.float64).eps))
+
+
+def matrix_entropy(spectrum: Any, n_max: int) -> float:
+    """Spectral entropy normalised by log(rank): 1 for a flat spectrum, near 0 for rank one."""
+    evals = _as_numpy(spectrum)
+    p = evals / np.sum(evals) + _ENTROPY_EPS
+    rank = numerical_rank(evals, n_max) + _ENTROPY_EPS
+    return float(-np.sum(p * np.log(p)) / np.log(rank))
+
+
+# --------------------------------------------------------------------------- Marchenko-Pastur
+@dataclass
+class MPFit:
+    """Marchenko-Pastur bulk fit of the spectrum rescaled to mean 1."""
+
+    sigma: float
+    bulk_max: float  # lambda_+ in rescaled units
+    num_spikes: int
+    mp_softrank: float  # lambda_+ / lambda_max
+
+
+def _mp_density(x: np.ndarray, q: float, sigma: float) -> tuple[np.ndarray, float, float]:
+    lo, hi = (sigma * (1 - math.sqrt(1 / q))) ** 2, (sigma * (1 + math.sqrt(1 / q))) ** 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        val = np.nan_to_num((1 / (2 * math.pi * sigma * sigma * x / q)) * np.sqrt((hi - x) * (x - lo)))
+    return val, lo, hi
+
+
+def fit_marchenko_pastur(spectrum: Any, n: int, m: int, bandwidth: float = 0.1) -> MPFit:
+    """Fit the MP bulk to the spectrum of an n x m matrix (any orientation); see the module docstring."""
+    from scipy import optimize
+    from sklearn.neighbors import KernelDensity
+
+    n, m = max(n, m), min(n, m)
+    q = n / m
+    evals = _as_numpy(spectrum)
+    scaled = evals * (len(evals) / np.sum(evals))
+    lam_max = float(np.max(scaled))
+    to_fit = np.sqrt(scaled) if q == 1 else scaled
+    kde = KernelDensity(kernel="linear", bandwidth=bandwidth).fit(to_fit.reshape(-1, 1))
+    grid = np.linspace(0, np.max(to_fit) + 0.5, 1000)
+    dens = np.exp(kde.score_samples(grid[:, None]))
+    good = dens > 0.01
+    n_bad = int(np.sum(dens < 0.01))
+    x, y = grid[good], dens[good]
+    x_peak = x[np.argmax(y)]
+
+    def residual(p: np.ndarray) -> float:
+        sigma = float(np.asarray(p).ravel()[0])
+        if q == 1:
+            with np.errstate(invalid="ignore"):
+                model = np.nan_to_num((1 / (math.pi * sigma * sigma)) * np.sqrt(4 - x**2))
+            r = model - y
+        else:
+            model, lo, hi = _mp_density(x, q, sigma)
+            r = np.full(len(y), 1000.0) if (hi < x_peak or hi > np.max(x) or lo > x_peak) else model - y
+        return float(np.sum(np.concatenate([r, np.zeros(n_bad)]) ** 2))
+
+    s0 = math.sqrt(lam_max / (1 + 1 / math.sqrt(q)) ** 2)
+    out = optimize.brute(residual, (slice(0.05 * s0, 2.0 * s0, 0.01 * s0),), full_output=True)
+    sigma = float(np.asarray(out[0]).ravel()[0])
+    bulk_max = (sigma * (1 + 1 / math.sqrt(q))) ** 2
+    tw = 1 / math.sqrt(q) * bulk_max ** (2 / 3) * m ** (-2 / 3)
+    spikes = int(np.sum(scaled > bulk_max + math.sqrt(tw)))
+    return MPFit(sigma, bulk_max, spikes, bulk_max / lam_max)
+
+
+# --------------------------------------------------------------------------- the manifest record
+def health_record(spectrum: Any, shape: tuple[int, int] | list[int], spectrum_of: str = "W_frozen") -> dict:
+    """Every metric of one module as a JSON-able dict (for the bundle manifest); NaN-free (None when undefined).
+
+    ``spectrum``: eigenvalues of X^T X; ``shape``: X's [rows, cols] (for a W_frozen spectrum: the frozen rows'
+    count and d_in); ``spectrum_of``: "W" or "W_frozen", recorded as given.
+    """
+    evals = _as_numpy(spectrum)
+    rows, cols = int(shape[0]), int(shape[1])
+    n_max = max(rows, cols)
+    if evals.size == 0 or float(np.max(evals)) <= 0:
+        return {"spectrum_of": spectrum_of, "shape": [rows, cols], "spectral_norm": 0.0, "stable_rank": 0.0}
+    pl = fit_power_law(evals)
+    lam_max = spectral_norm(evals)
+    record: dict[str, Any] = {
+        "spectrum_of": spectrum_of,
+        "shape": [rows, cols],
+        "alpha": pl.alpha if pl else None,
+        "xmin": pl.xmin if pl else None,
+        "ks_distance": pl.ks_distance if pl else None,
+        "num_pl_spikes": pl.num_pl_spikes if pl else None,
+        "alpha_weighted": pl.alpha * math.log10(lam_max) if pl else None,
+        "spectral_norm": lam_max,
+        "log_spectral_norm": math.log10(lam_max),
+        "stable_rank": stable_rank(evals),
+        "entropy": matrix_entropy(evals, n_max),
+    }
+    try:
+        mp = fit_marchenko_pastur(evals, rows, cols)
+        record.update({"mp_softrank": mp.mp_softrank, "num_spikes": mp.num_spikes, "sigma_mp": mp.sigma})
+    except (ValueError, FloatingPointError):
+        record.update({"mp_softrank": None, "num_spikes": None, "sigma_mp": None})
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+# --------------------------------------------------------------------------- W's own spectrum
+def weight_spectrum(weight: Any) -> Any:
+    """Eigenvalues of W^T W (descending, length min(d_out, d_in)) from the small-side Gram matrix: one syrk and one
+    eigvalsh, the cost of W's own spectrum on top of the scan's (which computes W_frozen's)."""
+    import torch
+
+    from plate_inspect.geometry import matmul, symmetric_eigvalsh
+
+    w = weight if isinstance(weight, torch.Tensor) else torch.as_tensor(weight)
+    gram = matmul(w, w.T) if w.shape[0] <= w.shape[1] else matmul(w.T, w)  # a.T @ a: a syrk in numpy
+    return symmetric_eigvalsh(gram).clamp_min(0).flip(0).cpu()
+
+
+def health_of_weight(weight: Any) -> dict:
+    """:func:`health_record` of W itself (d_out x d_in): the call the scanner makes per module."""
+    return health_record(weight_spectrum(weight), tuple(weight.shape), "W")

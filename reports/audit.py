@@ -1,0 +1,183 @@
+"""The audit section of the HTML report: a fine-tune's per-module scores as plotly figures and a ranked table.
+
+:func:`audit_section` returns an HTML fragment (needs plotly.js on the page); :func:`write_audit_report` writes a
+self-contained page (plotly.js inlined, data embedded, no network).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from plate_inspect.audit import AuditRecord, rank_by_risk, summarize
+from plate_inspect.targets import layer_of, module_type_of
+
+_MAX_BARS = 40
+
+
+def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
+    """Plotly specs: risk bars (top modules), protected share vs chance, and a layer x type heatmap."""
+    ranked = rank_by_risk(records)[:_MAX_BARS]
+    bars = {
+        "data": [
+            {
+                "type": "bar",
+                "x": [r.module for r in ranked],
+                "y": [r.risk for r in ranked],
+                "marker": {"color": "#ef553b"},
+                "hovertemplate": "%{x}<br>risk ||dW P||/||W|| = %{y:.3e}<extra></extra>",
+            }
+        ],
+        "layout": {
+            "title": {"text": f"Risk ||dW P||_F / ||W||_F, highest {len(ranked)} modules"},
+            "yaxis": {"title": {"text": "risk"}},
+            "xaxis": {"automargin": True, "tickangle": -45},
+            "height": 460,
+        },
+    }
+    xs = [r.chance_share for r in records]
+    scatter = {
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "x": xs,
+                "y": [r.protected_input_share for r in records],
+                "text": [r.module for r in records],
+                "marker": {
+                    "color": [r.frozen_row_share for r in records],
+                    "colorscale": "Viridis",
+                    "cmin": 0,
+                    "cmax": 1,
+                    "colorbar": {"title": {"text": "frozen-row share"}},
+                    "size": 9,
+                },
+                "hovertemplate": "%{text}<br>chance m/d_in %{x:.3f}<br>protected share %{y:.4f}<extra></extra>",
+                "name": "modules",
+            },
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": [0, 1],
+                "y": [0, 1],
+                "line": {"dash": "dash", "color": "#888"},
+                "name": "dense random update",
+                "hoverinfo": "skip",
+            },
+        ],
+        "layout": {
+            "title": {"text": "Protected input share vs a random update's (m/d_in); PLATE's form sits at 0"},
+            "xaxis": {"title": {"text": "chance share m(tau)/d_in"}, "range": [0, 1]},
+            "yaxis": {"title": {"text": "||dW P||^2 / ||dW||^2"}, "range": [-0.02, 1.02]},
+            "height": 460,
+        },
+    }
+    layers = sorted({layer_of(r.module) for r in records if layer_of(r.module) is not None})
+    types = sorted({module_type_of(r.module) for r in records})
+    cell = {(layer_of(r.module), module_type_of(r.module)): r for r in records}
+    z = [[cell[(lay, t)].protected_input_share if (lay, t) in cell else None for t in types] for lay in layers]
+    heat = {
+        "data": [
+            {
+                "type": "heatmap",
+                "x": types,
+                "y": [str(lay) for lay in layers],
+                "z": z,
+                "zmin": 0,
+                "zmax": 1,
+                "colorscale": "Reds",
+                "hovertemplate": "layer %{y} %{x}<br>protected share %{z:.4f}<extra></extra>",
+            }
+        ],
+        "layout": {
+            "title": {"text": "Protected input share by layer and module type"},
+            "xaxis": {"automargin": True},
+            "yaxis": {"title": {"text": "layer"}, "type": "category"},
+            "height": max(300, 40 + 22 * len(layers)),
+        },
+    }
+    return {"bars": bars, "scatter": scatter, **({"heatmap": heat} if layers else {})}
+
+
+def _table(records: list[AuditRecord]) -> str:
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "module",
+            "d_out x d_in",
+            "|B|",
+            "protected",
+            "chance",
+            "frozen rows",
+            "||dW||",
+            "||dW||/||W||",
+            "risk",
+        )
+    )
+    rows = []
+    for r in rank_by_risk(records):
+        cells = (
+            html.escape(r.module),
+            f"{r.shape[0]}x{r.shape[1]}",
+            str(r.r),
+            f"{r.protected_input_share:.4f}",
+            f"{r.chance_share:.4f}",
+            f"{r.frozen_row_share:.4f}",
+            f"{r.delta_norm:.3e}",
+            f"{r.relative_delta:.3e}",
+            f"{r.risk:.3e}",
+        )
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return f"<table class='audit'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def audit_section(records: list[AuditRecord], title: str = "Audit") -> str:
+    """An HTML fragment: summary line, figures (drawn by an inline script with Plotly) and the ranked table."""
+    s = summarize(records)
+    figs = audit_figures(records)
+    divs = "".join(f"<div id='audit-{key}' class='audit-plot'></div>" for key in figs)
+    data = json.dumps(figs).replace("</", "<\\/")
+    script = (
+        f"<script>(function(){{const figs={data};"
+        "for (const [k, f] of Object.entries(figs)) {"
+        "Plotly.newPlot('audit-' + k, f.data, f.layout, {responsive: true, displaylogo: false});}})();</script>"
+    )
+    summary = (
+        f"<p>{s.touched} of {s.modules} modules changed. Energy-weighted protected input share "
+        f"<b>{s.protected_input_share:.4f}</b>, frozen-row share <b>{s.frozen_row_share:.4f}</b>; "
+        f"||dW||/||W|| = {s.relative_delta:.3e}; model risk sqrt(Σ||dW P||²/Σ||W||²) = <b>{s.risk:.3e}</b>.</p>"
+        "<p>protected input share = ||dW P||²/||dW||², P = projector onto the top-m(tau) eigenvectors of "
+        "W_frozenᵀW_frozen; a PLATE update scores 0, a dense random update m/d_in (the 'chance' column).</p>"
+    )
+    return f"<section class='audit'><h2>{html.escape(title)}</h2>{summary}{divs}{_table(records)}{script}</section>"
+
+
+def render_audit_page(records: list[AuditRecord], title: str = "Audit") -> str:
+    """A full self-contained HTML page (plotly.js inlined)."""
+    from plate_inspect.reports import plotly_js
+
+    style = (
+        "body{font-family:DejaVu Sans,Helvetica,Arial,sans-serif;margin:24px;}"
+        "table.audit{border-collapse:collapse;font-size:12px;}"
+        "table.audit td,table.audit th{border:1px solid #ddd;padding:3px 6px;text-align:right;}"
+        "table.audit td:first-child{text-align:left;}"
+    )
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{style}</style>"
+        f"<script>{plotly_js()}</script></head><body>{audit_section(records, title)}</body></html>"
+    )
+
+
+def write_audit_report(records: list[AuditRecord], path: str | os.PathLike, title: str = "Audit") -> Path:
+    """Write the self-contained audit page; returns its path."""
+    from plate_inspect.reports import ReportError, _atomic_write_text
+
+    path = Path(path)
+    if path.is_dir():
+        raise ReportError(f"{path}: is a directory; give a file name, e.g. --report {path / 'audit.html'}")
+    _atomic_write_text(path, render_audit_page(records, title))
+    return path

@@ -1,0 +1,400 @@
+"""plate-inspect audit: every score against a dense float64 oracle built with numpy (projector P formed explicitly)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import dense_oracle, load_all
+from helpers_train import BACKBONE, digits_bundle, digits_checkpoint, randomize_adapters
+from safetensors.torch import save_file
+
+from plate_inspect import scan
+from plate_inspect.audit import (
+    AUDIT_KEYS,
+    LowRankDelta,
+    audit,
+    audit_update,
+    rank_by_risk,
+    summarize,
+)
+from plate_inspect.cli.main import cli
+from plate_inspect.errors import BundleError, CheckpointError
+from plate_inspect.testing.synthetic import structured_weight, write_gpt2, write_llama_like
+
+
+# --------------------------------------------------------------------------- the oracle
+def oracle_scores(w: np.ndarray, dw: np.ndarray, b: np.ndarray, tau: float) -> dict[str, float]:
+    """Definitions, densely: P = V_top V_top^T from numpy's eigh of W_f^T W_f (d_in x d_in), all float64."""
+    w, dw = np.asarray(w, np.float64), np.asarray(dw, np.float64)
+    frozen = np.delete(w, b, axis=0)
+    evals, evecs = np.linalg.eigh(frozen.T @ frozen)
+    desc = np.clip(evals[::-1], 0, None)
+    m = int(np.argmax(np.cumsum(desc) >= tau * desc.sum())) + 1
+    top = evecs[:, ::-1][:, :m]
+    p = top @ top.T
+    total = float((dw**2).sum())
+    keep = np.setdiff1d(np.arange(w.shape[0]), b)
+    return {
+        "protected_input_share": float(((dw @ p) ** 2).sum()) / total,
+        "frozen_row_share": float((dw[keep] ** 2).sum()) / total,
+        "delta_norm": math.sqrt(total),
+        "relative_delta": math.sqrt(total) / float(np.linalg.norm(w)),
+        "m": m,
+    }
+
+
+def bottom_basis(w: np.ndarray, b: np.ndarray, tau: float) -> np.ndarray:
+    """Eigenvectors of W_f^T W_f outside the top m(tau): where a PLATE update lives (numpy float64)."""
+    frozen = np.delete(np.asarray(w, np.float64), b, axis=0)
+    evals, evecs = np.linalg.eigh(frozen.T @ frozen)
+    desc = np.clip(evals[::-1], 0, None)
+    m = int(np.argmax(np.cumsum(desc) >= tau * desc.sum())) + 1
+    return evecs[:, : w.shape[1] - m]
+
+
+def weight(d_out: int, d_in: int, seed: int = 0) -> torch.Tensor:
+    w, _ = structured_weight(d_out, d_in, torch.Generator().manual_seed(seed))
+    return w.double()
+
+
+SHAPES = [(96, 40), (40, 96), (64, 64)]  # tall W_f, wide W_f, square (wide once B is removed)
+
+
+# --------------------------------------------------------------------------- pure math
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tau", [0.5, 0.9, 0.99])
+def test_dense_update_matches_projector_oracle(shape, tau):
+    w = weight(*shape)
+    g = torch.Generator().manual_seed(1)
+    dw = torch.randn(*shape, generator=g, dtype=torch.float64)
+    b = torch.tensor([1, 5, 6, 20, 33])
+    rec = audit_update("m", w, dw, b, tau)
+    want = oracle_scores(w.numpy(), dw.numpy(), b.numpy(), tau)
+    assert rec.m == want["m"]
+    for key in ("protected_input_share", "frozen_row_share", "delta_norm", "relative_delta"):
+        assert getattr(rec, key) == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plate_form_update_scores_zero(shape):
+    """dW = E_B A Q^T with Q spanning the bottom eigenspace: both shares ~0 (float64 rounding)."""
+    w = weight(*shape, seed=3)
+    b = torch.tensor([0, 2, 9, 17, 30, 31])
+    q = torch.from_numpy(bottom_basis(w.numpy(), b.numpy(), 0.9))
+    a = torch.randn(b.numel(), q.shape[1], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    dense = torch.zeros(shape, dtype=torch.float64)
+    dense[b] = a @ q.T
+    for delta in (dense, LowRankDelta(0.5 * a, q.T.contiguous(), b)):
+        rec = audit_update("m", w, delta, b, 0.9)
+        assert rec.protected_input_share < 1e-20
+        assert rec.frozen_row_share == 0.0
+        assert rec.delta_norm > 0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dense_random_update_scores_chance(shape):
+    """An isotropic Gaussian update: protected share in a 6-sigma band around m/d_in."""
+    w = weight(*shape, seed=4)
+    b = torch.arange(0, 12)
+    rec = audit_update(
+        "m", w, torch.randn(*shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64), b, 0.9
+    )
+    p = rec.m / shape[1]
+    sigma = math.sqrt(2 * p * (1 - p) / (shape[0] * shape[1]))
+    assert abs(rec.protected_input_share - p) < 6 * sigma
+    assert rec.chance_share == p
+    assert abs(rec.frozen_row_share - (shape[0] - 12) / shape[0]) < 0.1
+
+
+def test_low_rank_delta_equals_dense():
+    w = weight(80, 48, seed=6)
+    g = torch.Generator().manual_seed(7)
+    left, right = (
+        torch.randn(80, 4, generator=g, dtype=torch.float64),
+        torch.randn(4, 48, generator=g, dtype=torch.float64),
+    )
+    b = torch.tensor([3, 4, 70])
+    lr = audit_update("m", w, LowRankDelta(left, right), b, 0.8)
+    dense = audit_update("m", w, left @ right, b, 0.8)
+    for key in AUDIT_KEYS[1:]:
+        assert getattr(lr, key) == pytest.approx(getattr(dense, key), rel=1e-10)
+    rows = torch.tensor([1, 3, 50])
+    full = torch.zeros(80, 48, dtype=torch.float64)
+    full[rows] = left[:3] @ right
+    lr = audit_update("m", w, LowRankDelta(left[:3], right, rows), b, 0.8)
+    want = oracle_scores(w.numpy(), full.numpy(), b.numpy(), 0.8)
+    assert lr.protected_input_share == pytest.approx(want["protected_input_share"], rel=1e-9)
+    assert lr.frozen_row_share == pytest.approx(2 / 3, rel=0.5)  # rows 1 and 50 frozen, row 3 in B
+    assert lr.frozen_row_share == pytest.approx(want["frozen_row_share"], rel=1e-10)
+
+
+def test_zero_update_and_summary():
+    w = weight(32, 24)
+    rec = audit_update("z", w, torch.zeros(32, 24, dtype=torch.float64), torch.tensor([0, 1]), 0.9)
+    assert (rec.protected_input_share, rec.frozen_row_share, rec.delta_norm, rec.risk) == (0.0, 0.0, 0.0, 0.0)
+    g = torch.Generator().manual_seed(0)
+    recs = [rec] + [
+        audit_update(f"m{i}", w, torch.randn(32, 24, generator=g, dtype=torch.float64) * s, torch.tensor([0]), 0.9)
+        for i, s in enumerate((0.1, 1.0))
+    ]
+    s = summarize(recs)
+    assert s.touched == 2 and s.modules == 3
+    num = sum(r.protected_input_share * r.delta_norm**2 for r in recs)
+    assert s.protected_input_share == pytest.approx(num / sum(r.delta_norm**2 for r in recs))
+    assert s.risk == pytest.approx(math.sqrt(num / sum(r.weight_norm**2 for r in recs)))
+    assert [r.module for r in rank_by_risk(recs)] == ["m1", "m0", "z"]
+
+
+# --------------------------------------------------------------------------- checkpoints on disk
+@pytest.fixture(scope="module")
+def qwen_pair(tmp_path_factory):
+    """A float32 Qwen2-layout base, and a fine-tune that changes 3 modules (one only on B-like rows)."""
+    root = tmp_path_factory.mktemp("audit")
+    base = write_llama_like(root / "base", layers=2, dtype=torch.float32, planted_fraction=0.15)
+    tensors = load_all(base.path)
+    g = torch.Generator().manual_seed(11)
+    changed = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"]
+    for name in changed:
+        t = tensors[f"{name}.weight"]
+        tensors[f"{name}.weight"] = t + 0.01 * torch.randn(t.shape, generator=g)
+    (root / "tuned").mkdir()
+    save_file(tensors, str(root / "tuned" / "model.safetensors"))
+    (root / "tuned" / "config.json").write_text(json.dumps(base.config))
+    return base.path, root / "tuned", changed
+
+
+def test_checkpoint_audit_matches_oracle(qwen_pair, tmp_path):
+    base, tuned, changed = qwen_pair
+    records = audit(base, tuned, tau=0.9, r=8, precision="float64")
+    assert len(records) == 14  # 2 layers x 7 module types, streamed
+    base_t, tuned_t = load_all(base), load_all(tuned)
+    for rec in records:
+        w = base_t[f"{rec.module}.weight"].double().numpy()
+        dw = tuned_t[f"{rec.module}.weight"].double().numpy() - w
+        if rec.module not in changed:
+            assert rec.delta_norm == 0.0 and rec.protected_input_share == 0.0
+            continue
+        _, b, _, _, _ = dense_oracle(w, r=8, tau=0.9, max_rank=512)  # B as the scan chooses it, by definition
+        want = oracle_scores(w, dw, b, 0.9)
+        for key in AUDIT_KEYS[1:]:
+            assert getattr(rec, key) == pytest.approx(want[key], rel=1e-7), (rec.module, key)
+    # the same B from a bundle scanned with the same settings; float32 agrees to float32 accuracy
+    bundle = scan(base, tmp_path / "b", r=8, tau=0.9)
+    with_bundle = {r.module: r for r in audit(base, tuned, bundle=bundle)}
+    for rec in records:
+        assert with_bundle[rec.module].protected_input_share == pytest.approx(rec.protected_input_share, abs=1e-5)
+        assert with_bundle[rec.module].frozen_row_share == pytest.approx(rec.frozen_row_share, abs=1e-6)
+
+
+def test_conv1d_checkpoint_is_oriented(tmp_path):
+    base = write_gpt2(tmp_path / "base", layers=1)
+    tensors = load_all(base.path)
+    g = torch.Generator().manual_seed(3)
+    name = "h.0.mlp.c_fc"
+    stored = tensors[f"{name}.weight"]  # [d_in, d_out]
+    tensors[f"{name}.weight"] = stored + 0.05 * torch.randn(stored.shape, generator=g)
+    (tmp_path / "tuned").mkdir()
+    save_file(tensors, str(tmp_path / "tuned" / "model.safetensors"))
+    (tmp_path / "tuned" / "config.json").write_text(json.dumps(base.config))
+    rec = {r.module: r for r in audit(base.path, tmp_path / "tuned", r=16, precision="float64")}[name]
+    w = stored.double().numpy().T
+    dw = tensors[f"{name}.weight"].double().numpy().T - w
+    _, b, _, _, _ = dense_oracle(w, r=16, tau=0.9, max_rank=512)
+    want = oracle_scores(w, dw, b, 0.9)
+    assert rec.shape == (192, 48)
+    assert rec.protected_input_share == pytest.approx(want["protected_input_share"], rel=1e-7)
+    assert rec.frozen_row_share == pytest.approx(want["frozen_row_share"], rel=1e-7)
+
+
+def write_lora_dir(path, base_tensors, modules, config, seed=0):
+    """A PEFT-layout LoRA adapter dir by hand: adapter_config.json + adapter_model.safetensors."""
+    g = torch.Generator().manual_seed(seed)
+    tensors, factors = {}, {}
+    for name, rank in modules.items():
+        d_out, d_in = base_tensors[f"{name}.weight"].shape
+        a = torch.randn(rank, d_in, generator=g) * 0.1
+        b = torch.randn(d_out, rank, generator=g) * 0.1
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
+        factors[name] = (a.double().numpy(), b.double().numpy())
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    return factors
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_lora_adapter_dir_matches_dense(qwen_pair, tmp_path, rslora):
+    base, _, _ = qwen_pair
+    base_t = load_all(base)
+    modules = {"model.layers.0.self_attn.v_proj": 4, "model.layers.1.mlp.down_proj": 8}
+    config = {
+        "r": 4,
+        "lora_alpha": 16,
+        "use_rslora": rslora,
+        "rank_pattern": {"down_proj": 8},
+        "alpha_pattern": {"layers.1.mlp.down_proj": 4},
+        "target_modules": ["v_proj", "down_proj"],
+    }
+    factors = write_lora_dir(tmp_path / "lora", base_t, modules, config)
+    records = audit(base, tmp_path / "lora", r=8, precision="float64")
+    assert sorted(r.module for r in records) == sorted(modules)
+    for rec in records:
+        a, b_lora = factors[rec.module]
+        rank = modules[rec.module]
+        alpha = 4 if "down_proj" in rec.module else 16
+        scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+        w = base_t[f"{rec.module}.weight"].double().numpy()
+        _, b, _, _, _ = dense_oracle(w, r=8, tau=0.9, max_rank=512)
+        want = oracle_scores(w, scale * b_lora @ a, b, 0.9)
+        for key in AUDIT_KEYS[1:]:
+            assert getattr(rec, key) == pytest.approx(want[key], rel=1e-7), (rec.module, key)
+
+
+def test_plate_adapters_score_zero_and_match_merged(tmp_path):
+    """A trained-looking PLATE adapter (random A): save_adapter file and PEFT dir both score ~0 on both shares."""
+    from plate_inspect.train.layer import apply_bundle, merge_all, save_adapter
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
+    params = apply_bundle(model, bundle, rho=0.5)
+    randomize_adapters(params, seed=1)
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    records = audit(ckpt.parent, adapter, tau=0.8)
+    assert sorted(r.module for r in records) == BACKBONE
+    for rec in records:
+        assert rec.protected_input_share < 1e-6 and rec.frozen_row_share == 0.0 and rec.delta_norm > 0
+    # equals the audit of the merged weights (dense dW), with the same bundle's B
+    merge_all(model)
+    state = {
+        k.replace(".base.", "."): v.detach().contiguous() for k, v in model.state_dict().items() if "plate" not in k
+    }
+    (tmp_path / "merged").mkdir()
+    save_file(state, str(tmp_path / "merged" / "model.safetensors"))
+    merged = {r.module: r for r in audit(ckpt.parent, tmp_path / "merged", bundle=bundle, tau=0.8)}
+    for rec in records:
+        assert merged[rec.module].delta_norm == pytest.approx(rec.delta_norm, rel=1e-4)
+        assert merged[rec.module].frozen_row_share == 0.0
+        assert merged[rec.module].protected_input_share < 1e-5
+    # a higher audit tau protects directions the tau=0.8 Q may use: the share can only grow
+    strict = {r.module: r for r in audit(ckpt.parent, adapter, tau=0.99)}
+    assert all(strict[n].protected_input_share >= merged[n].protected_input_share - 1e-6 for n in BACKBONE)
+
+
+def test_plate_peft_adapter_dir(tmp_path):
+    pytest.importorskip("peft")
+    from plate_inspect.train.peft import plate_peft_model
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
+    peft_model = plate_peft_model(model, bundle.path, rho=0.5)
+    randomize_adapters([p for p in peft_model.parameters() if p.requires_grad], seed=2)
+    peft_model.save_pretrained(tmp_path / "peft")
+    records = audit(ckpt.parent, tmp_path / "peft", tau=0.8)
+    assert sorted(r.module for r in records) == BACKBONE
+    assert all(r.protected_input_share < 1e-6 and r.frozen_row_share == 0.0 and r.delta_norm > 0 for r in records)
+
+
+def test_bad_inputs(qwen_pair, tmp_path):
+    base, tuned, _ = qwen_pair
+    other = write_llama_like(tmp_path / "other", layers=2, dtype=torch.float32, seed=5)
+    wrong = scan(other.path, tmp_path / "wrong", r=8)
+    with pytest.raises(BundleError, match="other weights"):
+        audit(base, tuned, bundle=wrong)
+    tensors = load_all(tuned)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / "partial").mkdir()
+    save_file(tensors, str(tmp_path / "partial" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
+        audit(base, tmp_path / "partial")
+    result = CliRunner().invoke(cli, ["audit", str(base), str(tmp_path / "partial")])
+    assert result.exit_code == 2 and "error:" in result.output and "Traceback" not in result.output
+
+
+def test_cli_json_table_and_report(qwen_pair, tmp_path):
+    base, tuned, changed = qwen_pair
+    runner = CliRunner()
+    result = runner.invoke(cli, ["audit", str(base), str(tuned), "--r", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data) == 14
+    assert all(list(rec) == list(AUDIT_KEYS) for rec in data)
+    api = {r.module: r.to_json() for r in audit(base, tuned, r=8)}
+    assert {d["module"]: d for d in data} == api
+    out = tmp_path / "audit.html"
+    result = runner.invoke(cli, ["audit", str(base), str(tuned), "--r", "8", "--report", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    ranked = [line.split()[0] for line in result.output.splitlines() if line.strip().startswith("model.layers")]
+    assert set(ranked[:3]) == set(changed)  # the changed modules rank first
+    html = out.read_text()
+    assert not re.search(r"<script[^>]+src=", html) and not re.search(r"<link[^>]+href=", html)  # self-contained
+    assert "Plotly.newPlot" in html and "model.layers.1.mlp.down_proj" in html
+
+
+def test_plate_adapter_of_another_bundle_and_dora_refused(tmp_path):
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.train.layer import apply_bundle, save_adapter
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
+    randomize_adapters(apply_bundle(model, bundle, rho=0.5), seed=1)
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.9)  # the bundle dir now holds another Q
+    with pytest.raises(BundleError, match="another bundle"):
+        audit(ckpt.parent, adapter)
+    (tmp_path / "dora").mkdir()
+    save_file(
+        {"base_model.model.fc1.lora_A.weight": torch.zeros(2, 64)}, str(tmp_path / "dora" / "adapter_model.safetensors")
+    )
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "use_dora": True}))
+    with pytest.raises(ConfigError, match="DoRA"):
+        audit(ckpt.parent, tmp_path / "dora")
+
+
+def test_plate_adapter_trained_on_a_plan_prefix(tmp_path):
+    """An adapter whose layers use Q[:, :k] (a plan) is read with that prefix; dW matches the dense update."""
+    from plate_inspect.train.layer import apply_bundle, plate_layers, save_adapter
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
+    apply_bundle(model, bundle, rho=0.5)
+    g = torch.Generator().manual_seed(3)
+    dense = {}
+    for layer in plate_layers(model).values():
+        k = max(1, layer.k // 2)
+        layer.plate_Q = layer.plate_Q[:, :k].contiguous()
+        layer.plate_A = torch.nn.Parameter(torch.randn(layer.r, k, generator=g))
+        dense[layer.bundle_name] = layer.delta_weight().double().numpy()
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    for rec in audit(ckpt.parent, adapter, tau=0.8, precision="float64"):
+        assert rec.delta_norm == pytest.approx(float(np.linalg.norm(dense[rec.module])), rel=1e-6)
+        assert rec.protected_input_share < 1e-6 and rec.frozen_row_share == 0.0
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_real_peft_lora_dir_matches_its_merged_weights(tmp_path, rslora):
+    """A LoRA adapter saved by peft itself: its audit equals the audit of peft's merge_and_unload weights."""
+    peft = pytest.importorskip("peft")
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=BACKBONE, use_rslora=rslora, rank_pattern={"fc2": 2})
+    pm = peft.get_peft_model(model, cfg)
+    randomize_adapters([p for p in pm.parameters() if p.requires_grad], seed=4, scale=0.1)
+    pm.save_pretrained(tmp_path / "lora")
+    merged = pm.merge_and_unload()
+    (tmp_path / "merged").mkdir()
+    save_file(
+        {k: v.detach().contiguous() for k, v in merged.state_dict().items()},
+        str(tmp_path / "merged" / "model.safetensors"),
+    )
+    from_adapter = {r.module: r for r in audit(ckpt.parent, tmp_path / "lora", r=16, precision="float64")}
+    from_merged = {r.module: r for r in audit(ckpt.parent, tmp_path / "merged", r=16, precision="float64")}
+    assert sorted(from_adapter) == BACKBONE
+    for name, rec in from_adapter.items():
+        for key in AUDIT_KEYS[1:]:
+            assert getattr(rec, key) == pytest.approx(getattr(from_merged[name], key), rel=1e-4, abs=1e-9), (name, key)

@@ -1,0 +1,182 @@
+"""Spectral health against weightwatcher itself (on the real MiniLM) and against hand-checkable spectra."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from plate_inspect.health import (
+    fit_marchenko_pastur,
+    fit_power_law,
+    health_of_weight,
+    health_record,
+    matrix_entropy,
+    spectral_norm,
+    stable_rank,
+    weight_spectrum,
+)
+
+#: Stated tolerance against weightwatcher 0.7.7: relative 1e-6 on every real-valued metric, counts exact.
+REL = 1e-6
+PAIRS = {  # weightwatcher column -> health_record key
+    "alpha": "alpha",
+    "xmin": "xmin",
+    "D": "ks_distance",
+    "alpha_weighted": "alpha_weighted",
+    "spectral_norm": "spectral_norm",
+    "stable_rank": "stable_rank",
+    "entropy": "entropy",
+    "mp_softrank": "mp_softrank",
+}
+COUNTS = {"num_pl_spikes": "num_pl_spikes", "num_spikes": "num_spikes"}
+
+
+def weightwatcher_frame(weights: list[np.ndarray]):
+    """weightwatcher.analyze (mp_fit=True) on a model made of Linear layers holding these weights."""
+    ww = pytest.importorskip("weightwatcher")
+    logging.getLogger("weightwatcher").setLevel(logging.ERROR)
+    model = nn.Sequential()
+    for i, w in enumerate(weights):
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(w))
+        model.add_module(f"l{i}", lin)
+    return ww.WeightWatcher(model=model).analyze(mp_fit=True, randomize=False, plot=False)
+
+
+def numpy_spectrum(w: np.ndarray) -> np.ndarray:
+    w = np.asarray(w, np.float64)
+    return np.linalg.eigvalsh(w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w)
+
+
+MINILM_FAST = ["encoder.layer.0.attention.self.query.weight"]  # square: Q = 1, the quarter-circle MP fit
+MINILM_SLOW = [  # tall and wide too (weightwatcher's fit of a 1536-wide layer takes ~10 s)
+    "encoder.layer.0.attention.self.query.weight",
+    "encoder.layer.2.attention.self.value.weight",
+    "encoder.layer.4.intermediate.dense.weight",
+    "encoder.layer.5.output.dense.weight",
+]
+
+
+def compare_with_weightwatcher(minilm_dir, names: list[str]) -> None:
+    """Our metrics from two spectrum paths (numpy eigvalsh; ours) against weightwatcher's on the same weights."""
+    tensors = load_file(str(minilm_dir / "model.safetensors"))
+    weights = [tensors[n].float().numpy() for n in names]
+    frame = weightwatcher_frame(weights)
+    assert len(frame) == len(weights)
+    for i, w in enumerate(weights):
+        row = frame.iloc[i]
+        for spectrum in (numpy_spectrum(w), weight_spectrum(torch.from_numpy(w).double())):
+            mine = health_record(spectrum, w.shape, "W")
+            for theirs, key in PAIRS.items():
+                assert mine[key] == pytest.approx(float(row[theirs]), rel=REL), (names[i], key)
+            for theirs, key in COUNTS.items():
+                assert mine[key] == int(row[theirs]), (names[i], key)
+
+
+def test_matches_weightwatcher_on_minilm(minilm_dir):
+    compare_with_weightwatcher(minilm_dir, MINILM_FAST)
+
+
+@pytest.mark.slow
+def test_matches_weightwatcher_on_minilm_all_shapes(minilm_dir):
+    compare_with_weightwatcher(minilm_dir, MINILM_SLOW)
+
+
+def test_small_sample_fit_matches_weightwatcher():
+    """Fewer than 20 eigenvalues: weightwatcher's bias-corrected small-N fit."""
+    g = np.random.default_rng(0)
+    w = (g.standard_normal((40, 14)) * np.linspace(3, 0.2, 14)).astype(np.float32)
+    row = weightwatcher_frame([w]).iloc[0]
+    mine = health_record(numpy_spectrum(w), w.shape, "W")
+    for theirs, key in PAIRS.items():
+        assert mine[key] == pytest.approx(float(row[theirs]), rel=REL), key
+    assert mine["num_pl_spikes"] == int(row["num_pl_spikes"])
+
+
+def test_hand_checkable_values():
+    assert spectral_norm([1.0, 4.0, 1.0]) == 4.0
+    assert stable_rank([4.0, 1.0, 1.0]) == 1.5
+    assert matrix_entropy([1.0, 1.0, 1.0, 1.0], 4) == pytest.approx(1.0, abs=1e-8)  # flat: maximal
+    assert matrix_entropy([1.0, 1.0, 0.0, 0.0], 4) == pytest.approx(1.0, abs=1e-6)  # normalised by log(rank = 2)
+    assert matrix_entropy([3.0, 1.0, 0.0], 3) == pytest.approx(
+        -(0.75 * math.log(0.75) + 0.25 * math.log(0.25)) / math.log(2)
+    )
+    # a Pareto(alpha=2.5) sample: the density x^-alpha, xmin = 1; the fit recovers alpha within its standard error
+    g = np.random.default_rng(1)
+    sample = (1 - g.random(4000)) ** (-1 / 1.5)
+    fit = fit_power_law(sample)
+    assert abs(fit.alpha - 2.5) < 4 * fit.sigma + 0.05
+    assert fit.num_pl_spikes == int(np.sum(sample >= fit.xmin))
+
+
+def test_marchenko_pastur_sees_planted_spikes():
+    g = np.random.default_rng(2)
+    n, m = 800, 200
+    noise = g.standard_normal((n, m)) / math.sqrt(n)
+    plain = fit_marchenko_pastur(numpy_spectrum(noise), n, m)
+    assert plain.num_spikes <= 2 and plain.mp_softrank > 0.6
+    u, v = np.linalg.qr(g.standard_normal((n, 3)))[0], np.linalg.qr(g.standard_normal((m, 3)))[0]
+    spiked = noise + u @ np.diag([8.0, 6.0, 5.0]) @ v.T
+    fit = fit_marchenko_pastur(numpy_spectrum(spiked), n, m)
+    assert fit.num_spikes >= 3 and fit.mp_softrank < plain.mp_softrank
+
+
+def test_record_is_json_and_handles_zero():
+    w = torch.randn(30, 20, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rec = health_of_weight(w)
+    assert rec["spectrum_of"] == "W" and rec["shape"] == [30, 20]
+    assert json.loads(json.dumps(rec, allow_nan=False)) == rec
+    assert health_record(np.zeros(5), (5, 7), "W_frozen") == {
+        "spectrum_of": "W_frozen",
+        "shape": [5, 7],
+        "spectral_norm": 0.0,
+        "stable_rank": 0.0,
+    }
+
+
+def test_scan_records_health_of_w_frozen(tmp_path):
+    """The manifest's per-module health = health_record of W_frozen's eigenvalues (numpy), Conv1D oriented."""
+    from plate_inspect import scan
+    from plate_inspect.testing.synthetic import write_gpt2
+
+    ckpt = write_gpt2(tmp_path / "gpt2", layers=1)
+    bundle = scan(ckpt.path, tmp_path / "bundle", r=8, precision="float64")
+    manifest = json.loads((bundle.path / "manifest.json").read_text())
+    stored = load_file(str(ckpt.path / "model.safetensors"))
+    for name, rec in manifest["modules"].items():
+        w = stored[f"{name}.weight"].double().numpy().T  # Conv1D stores [d_in, d_out]
+        frozen = np.delete(w, bundle.b_idx(name).numpy(), axis=0)
+        want = health_record(numpy_spectrum(frozen), frozen.shape, "W_frozen")
+        got = rec["health"]
+        assert got["spectrum_of"] == "W_frozen" and got["shape"] == list(frozen.shape)
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (name, key)
+            else:
+                assert got[key] == value, (name, key)
+
+
+def test_cli_health(tmp_path):
+    from click.testing import CliRunner
+
+    from plate_inspect import scan
+    from plate_inspect.cli.main import cli
+    from plate_inspect.testing.synthetic import write_bert
+
+    ckpt = write_bert(tmp_path / "bert", layers=1)
+    bundle = scan(ckpt.path, tmp_path / "bundle", r=4)
+    result = CliRunner().invoke(cli, ["health", str(bundle.path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    manifest = json.loads((bundle.path / "manifest.json").read_text())
+    assert data == {n: m["health"] for n, m in manifest["modules"].items()}
+    result = CliRunner().invoke(cli, ["health", str(bundle.path)])
+    assert result.exit_code == 0 and "alpha" in result.output
