@@ -159,7 +159,8 @@ def test_scan_records_health_of_w_frozen(tmp_path):
         assert got["spectrum_of"] == "W_frozen" and got["shape"] == list(frozen.shape)
         for key, value in want.items():
             if isinstance(value, float):
-                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (name, key)
+                # the scan's spectrum is float32 (~3e-8 relative from the float64 oracle): fits move by ~1e-6
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, key)
             else:
                 assert got[key] == value, (name, key)
 
