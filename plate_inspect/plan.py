@@ -207,14 +207,15 @@ def plan_budget(bundle: Bundle | str | os.PathLike, budget: str | int, objective
             "d_in": rec.d_in,
             "d_out": rec.d_out,
         }
-    return Plan(b.manifest.source_signature, str(Path(b.path).resolve()), objective, parsed, modules)
+    identity = b.manifest.identity or b.manifest.source_signature  # content identity; layout-only for old bundles
+    return Plan(identity, str(Path(b.path).resolve()), objective, parsed, modules)
 
 
 def write_plan(plan: Plan, path: str | os.PathLike) -> Path:
     """Write the plan JSON (atomically)."""
-    from plate_inspect.bundle import atomic_write_bytes
+    from plate_inspect.bundle import write_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, (json.dumps(plan.to_json(), indent=2) + "\n").encode())
+    write_file(path, json.dumps(plan.to_json(), indent=2) + "\n")
     return path
