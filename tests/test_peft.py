@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_train import BACKBONE, dense_plate_weight, digits_bundle, digits_checkpoint, load_digits
+from peft import PeftModel, get_peft_model
 from torch import nn
 
-peft = pytest.importorskip("peft")  # the [train] extra
-transformers = pytest.importorskip("transformers")
-
-from peft import PeftModel, get_peft_model  # noqa: E402
-
-import plate_inspect.train.peft as plate_peft  # noqa: E402
-from plate_inspect import scan  # noqa: E402
-from plate_inspect.errors import BundleError  # noqa: E402
-from plate_inspect.train.peft import PlateConfig, PlateLayer  # noqa: E402
+import plate_inspect.train.peft as plate_peft
+from plate_inspect import scan
+from plate_inspect.errors import BundleError
+from plate_inspect.train.peft import PlateConfig, PlateLayer
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,16 @@ def _train_adapter(model, bundle, task, task_id, seed):
     return params
 
 
-def test_two_sequential_merges_on_digits(tmp_path):
+@pytest.fixture
+def one_thread():
+    """Single-threaded torch for bit-reproducible training, restored afterwards (no leak into other tests)."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_two_sequential_merges_on_digits(tmp_path, one_thread):
     _, ckpt0 = digits_checkpoint(tmp_path / "t0", seed=0)
     bundle0 = digits_bundle(ckpt0, tmp_path / "b0", r=16, tau=0.8)
     t1, t2 = digits.load_digit_tasks()
