@@ -89,7 +89,12 @@ def branch_costs(order: BranchOrder, n: int, d_in: int, k: int, r: int, need_gra
 
 def choose_order(n: int, d_in: int, k: int, r: int, need_grad_x: bool = True) -> BranchOrder:
     """The cheapest evaluation order for these sizes (ties: fewer saved activations, i.e. ``m`` forward)."""
-    return min(reversed(ALL_ORDERS), key=lambda o: branch_costs(o, n, d_in, k, r, need_grad_x))
+    best, best_cost = ALL_ORDERS[-1], branch_costs(ALL_ORDERS[-1], n, d_in, k, r, need_grad_x)
+    for order in ALL_ORDERS[-2::-1]:  # a plain loop (torch.compile traces it; min(key=...) it does not)
+        cost = branch_costs(order, n, d_in, k, r, need_grad_x)
+        if cost < best_cost:
+            best, best_cost = order, cost
+    return best
 
 
 class _PlateBranch(torch.autograd.Function):
