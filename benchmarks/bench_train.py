@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -127,14 +126,46 @@ def memory_child(args: argparse.Namespace, method: str, r: int, bundle: str, roo
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def run_child(args: argparse.Namespace) -> None:
+    """Peak RSS growth over two training steps, after the model is built (VmHWM reset via /proc/self/clear_refs)."""
     method, r, bundle, root = json.loads(args.child)
     pm, opt, _ = build(method, r, bundle, args, Path(root))
     ids = batch(args)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (VmHWM) to the current one
+    base = _status_kib("VmRSS")
     for _ in range(2):
         step(pm, opt, ids, args)
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+    print((_status_kib("VmHWM") - base) * 1024)
+
+
+def saved_activation_bytes(pm, ids: torch.Tensor, args: argparse.Namespace) -> int:
+    """Bytes of distinct tensors autograd saves for backward during one forward (activation memory, exact)."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if args.dtype == "bfloat16":
+            with torch.autocast(args.device, dtype=torch.bfloat16):
+                loss = pm(input_ids=ids, labels=ids).loss
+        else:
+            loss = pm(input_ids=ids, labels=ids).loss
+    del loss
+    return sum(seen.values())
 
 
 def main() -> None:
@@ -174,36 +205,38 @@ def main() -> None:
         methods = {"plate": plate, "lora": build("lora", r, bundles[r], args, root)}
         methods[f"lora_r{r_match}"] = build("lora", r_match, bundles[r], args, root)
         times: dict[str, list[float]] = {m: [] for m in methods}
-        for _ in range(2):
+        for _ in range(2 if args.reps or args.device == "cuda" else 0):
             for pm, opt, _ in methods.values():
                 step(pm, opt, ids, args)
         for _ in range(args.reps):
             for name, (pm, opt, _) in methods.items():
                 times[name].append(step(pm, opt, ids, args))
-        med = {m: statistics.median(t) for m, t in times.items()}
+        med = {m: statistics.median(t) for m, t in times.items() if t}
+        saved = {name: saved_activation_bytes(pm, ids, args) for name, (pm, _, _) in methods.items()}
         mem = {}
         if args.memory:
-            for name, (pm, _, _) in methods.items():
+            for name, (pm, opt, _) in methods.items():
                 rank = r if name in ("plate", "lora") else r_match
                 method = "plate" if name == "plate" else "lora"
-                if args.device == "cuda":
-                    del pm
-                    torch.cuda.empty_cache()
+                if args.device == "cuda":  # optimizer state exists after the warm-up: this is the step's own peak
                     torch.cuda.reset_peak_memory_stats()
-                    pm2, opt2, _ = build(method, rank, bundles[r], args, root)
                     before = torch.cuda.memory_allocated()
-                    step(pm2, opt2, ids, args)
-                    step(pm2, opt2, ids, args)
+                    step(pm, opt, ids, args)
                     mem[name] = torch.cuda.max_memory_allocated() - before
-                    del pm2, opt2
                 else:
                     mem[name] = memory_child(args, method, rank, bundles[r], root)
         print(
             f"\nr = {r}: trainable PLATE {plate[2]:,}, LoRA {methods['lora'][2]:,}, LoRA r={r_match} (matched) "
             f"{methods[f'lora_r{r_match}'][2]:,}"
         )
-        for name, t in med.items():
-            line = f"  {name:10s} step {t * 1000:8.1f} ms (median of {args.reps})  PLATE/this {med['plate'] / t:5.3f}"
+        for name in methods:
+            line = f"  {name:10s}"
+            if args.reps:
+                t = med[name]
+                line += f" step {t * 1000:8.1f} ms (median of {args.reps})  PLATE/this {med['plate'] / t:5.3f}"
+            line += (
+                f"  saved activations {saved[name] / 2**20:7.1f} MiB  PLATE/this {saved['plate'] / saved[name]:5.3f}"
+            )
             if mem:
                 ratio = mem["plate"] / max(mem[name], 1)
                 line += f"  peak training memory {mem[name] / 2**20:8.1f} MiB  PLATE/this {ratio:5.3f}"
