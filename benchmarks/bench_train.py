@@ -95,10 +95,14 @@ def batch(args: argparse.Namespace) -> torch.Tensor:
 
 
 def step(pm, opt, ids: torch.Tensor, args: argparse.Namespace) -> float:
-    """One AdamW step; returns its wall time in seconds."""
+    """One AdamW step; returns its time in seconds: wall time on CUDA, CPU time of this process on CPU.
+
+    On a CPU shared with other jobs, the process's CPU time (all torch threads) is far steadier than wall time.
+    """
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    clock = time.perf_counter if args.device == "cuda" else time.process_time
     sync()
-    t = time.perf_counter()
+    t = clock()
     if args.dtype == "bfloat16":
         with torch.autocast(args.device, dtype=torch.bfloat16):
             loss = pm(input_ids=ids, labels=ids).loss
@@ -108,7 +112,7 @@ def step(pm, opt, ids: torch.Tensor, args: argparse.Namespace) -> float:
     opt.step()
     opt.zero_grad(set_to_none=True)
     sync()
-    return time.perf_counter() - t
+    return clock() - t
 
 
 def matched_lora_rank(trainable: int, args: argparse.Namespace) -> int:
@@ -182,7 +186,8 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--max-rank", type=int, default=512)
     ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--reps", type=int, default=5, help="timed steps per method (after 2 warm-up steps)")
+    ap.add_argument("--reps", type=int, default=5, help="timed steps per method (0: memory only)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
     ap.add_argument("--memory", action="store_true", help="also measure peak memory (CPU: one subprocess per method)")
     ap.add_argument("--workdir", default=None, help="keep the model and bundles here between runs")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -205,7 +210,7 @@ def main() -> None:
         methods = {"plate": plate, "lora": build("lora", r, bundles[r], args, root)}
         methods[f"lora_r{r_match}"] = build("lora", r_match, bundles[r], args, root)
         times: dict[str, list[float]] = {m: [] for m in methods}
-        for _ in range(2 if args.reps or args.device == "cuda" else 0):
+        for _ in range(args.warmup if args.reps or args.device == "cuda" else 0):
             for pm, opt, _ in methods.values():
                 step(pm, opt, ids, args)
         for _ in range(args.reps):
@@ -233,7 +238,8 @@ def main() -> None:
             line = f"  {name:10s}"
             if args.reps:
                 t = med[name]
-                line += f" step {t * 1000:8.1f} ms (median of {args.reps})  PLATE/this {med['plate'] / t:5.3f}"
+                clock = "wall" if args.device == "cuda" else "CPU"
+                line += f" step {t * 1000:8.1f} ms {clock} (median of {args.reps})  PLATE/this {med['plate'] / t:5.3f}"
             line += (
                 f"  saved activations {saved[name] / 2**20:7.1f} MiB  PLATE/this {saved['plate'] / saved[name]:5.3f}"
             )
