@@ -51,7 +51,7 @@ def _run(cmd: list[str]) -> None:
 
 def _torchrun(mode: str, root: Path) -> list[dict]:
     out = root / mode
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     _run([*cmd, str(WORKER), mode, str(root / "model"), str(root / "bundle"), str(out)])
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
