@@ -6,9 +6,11 @@ intrusion into peft; it changes nothing else). After that ``get_peft_model``, ``
 ``save_pretrained`` / ``PeftModel.from_pretrained`` (import ``plate_inspect.train.peft`` before loading),
 ``merge_and_unload`` and the transformers ``Trainer`` work as for LoRA.
 
-The adapter layer keeps B and Q as non-persistent buffers read from the bundle, so a saved adapter holds only the
-A's (``adapter_model.safetensors``) and ``adapter_config.json`` records the bundle path, its source signature and
-a digest of every module's weight fingerprint and B/Q: loading refuses a bundle or base model that differs.
+The adapter layer keeps B and Q as buffers read from the bundle (non-persistent by default, so a saved adapter
+holds only the A's; ``PlateConfig(carry_geometry=True)`` saves B and Q too, so the adapter loads without the
+bundle). ``adapter_config.json`` records the bundle path, its source signature, and per module the weight
+fingerprint and sketch and the B/Q digest: loading refuses a bundle or base model that differs. The branch math is
+``plate_inspect.train.core``'s, shared with ``PlateLinear``.
 """
 
 from __future__ import annotations
