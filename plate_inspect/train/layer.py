@@ -28,7 +28,6 @@ from plate_inspect.bundle import Bundle, ModuleRecord
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.train.core import (
     add_branch,
-    dense_delta,
     geometry_digest,
     merge_rows,
     unmerge_rows,
@@ -113,10 +112,6 @@ class PlateLinear(nn.Module):
         if self.merged:
             return y
         return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=self._inplace)
-
-    def delta_weight(self) -> torch.Tensor:
-        """The dense update rho B A Q^T as [d_out, d_in] float32 (for checks and small layers only)."""
-        return dense_delta(self.plate_B_idx, self.plate_A, self.plate_Q, self.rho, self.d_out)
 
     def merge(self) -> None:
         """W[B] += rho A Q^T in the base weight (computed in float32, rounded once to the weight's dtype)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -390,10 +389,3 @@ def _register() -> None:
 
 
 _register()
-
-
-def plate_peft_model(model: nn.Module, bundle: str | os.PathLike, rho: float = 0.5, **config: Any):
-    """Shorthand: ``get_peft_model(model, PlateConfig(bundle=..., rho=..., **config))``."""
-    from peft import get_peft_model
-
-    return get_peft_model(model, PlateConfig(bundle=str(bundle), rho=rho, **config))
