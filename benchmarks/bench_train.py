@@ -153,12 +153,16 @@ def run_child(args: argparse.Namespace) -> None:
 
 
 def saved_activation_bytes(pm, ids: torch.Tensor, args: argparse.Namespace) -> int:
-    """Bytes of distinct tensors autograd saves for backward during one forward (activation memory, exact)."""
+    """Bytes of distinct tensors autograd saves for backward during one forward (activation memory, exact).
+
+    Parameters and buffers (weights, Q, B) are not counted: they are in memory whether or not autograd saves them.
+    """
     seen: dict[tuple[int, int], int] = {}
+    resident = {t.untyped_storage().data_ptr() for t in [*pm.parameters(), *pm.buffers()]}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            st = t.untyped_storage()
+        st = t.untyped_storage()
+        if t.device.type != "meta" and st.data_ptr() not in resident:
             seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
         return t
 
