@@ -1,3 +1,3 @@
 """Deprecated import path, kept for one release: use ``plate_inspect.train.peft``."""
 
-from plate_inspect.train.peft import PlateConfig, PlateLayer, PlateModel, plate_peft_model  # noqa: F401
+from plate_inspect.train.peft import PlateConfig, PlateLayer, PlateModel  # noqa: F401

@@ -288,12 +288,13 @@ def test_plate_adapters_score_zero_and_match_merged(tmp_path):
 
 
 def test_plate_peft_adapter_dir(tmp_path):
-    pytest.importorskip("peft")
-    from plate_inspect.train.peft import plate_peft_model
+    from peft import get_peft_model
+
+    from plate_inspect.train.peft import PlateConfig
 
     model, ckpt = digits_checkpoint(tmp_path / "ckpt")
     bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
-    peft_model = plate_peft_model(model, bundle.path, rho=0.5)
+    peft_model = get_peft_model(model, PlateConfig(bundle=str(bundle.path), rho=0.5))
     randomize_adapters([p for p in peft_model.parameters() if p.requires_grad], seed=2)
     peft_model.save_pretrained(tmp_path / "peft")
     records = audit(ckpt.parent, tmp_path / "peft", tau=0.8)

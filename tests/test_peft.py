@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_train import BACKBONE, dense_plate_weight, digits_bundle, digits_checkpoint, load_digits
+from peft import PeftModel, get_peft_model
 from torch import nn
 
-peft = pytest.importorskip("peft")  # the [train] extra
-transformers = pytest.importorskip("transformers")
-
-from peft import PeftModel, get_peft_model  # noqa: E402
-
-import plate_inspect.train.peft as plate_peft  # noqa: E402
-from plate_inspect import scan  # noqa: E402
-from plate_inspect.errors import BundleError  # noqa: E402
-from plate_inspect.train.peft import PlateConfig, PlateLayer  # noqa: E402
+import plate_inspect.train.peft as plate_peft
+from plate_inspect import scan
+from plate_inspect.errors import BundleError
+from plate_inspect.train.peft import PlateConfig, PlateLayer
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +171,79 @@ def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
         torch.testing.assert_close(loaded(input_ids=x).logits, out)
         merged = loaded.merge_and_unload()
         torch.testing.assert_close(merged(input_ids=x).logits, out, rtol=1e-4, atol=1e-4)
+
+
+def test_adapter_carrying_b_and_q_loads_without_the_bundle(digits_setup, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    _, ckpt, bundle = digits_setup
+    own = tmp_path / "bundle"
+    shutil.copytree(bundle.path, own)
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(own), carry_geometry=True))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in pm.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(5, 64, generator=g)
+    out = pm(x).detach()
+    pm.save_pretrained(tmp_path / "adapter")
+    stored = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    for m in BACKBONE:
+        assert torch.equal(stored[f"base_model.model.{m}.plate_B_idx"], bundle.b_idx(m))
+        assert stored[f"base_model.model.{m}.plate_Q"].dtype == torch.float32  # the model's dtype
+        assert torch.equal(stored[f"base_model.model.{m}.plate_Q"], bundle.q(m))
+    shutil.rmtree(own)  # the bundle is not on this machine
+    loaded = PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapter")
+    torch.testing.assert_close(loaded(x), out, rtol=0, atol=0)
+    other, _ = digits_checkpoint(tmp_path / "other", seed=5)
+    with pytest.raises(BundleError, match="fingerprint"):
+        PeftModel.from_pretrained(other, tmp_path / "adapter")
+    # a lean adapter (the default) needs its bundle, and says so
+    lean = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path)))
+    lean.save_pretrained(tmp_path / "lean")
+    keys = set(load_file(str(tmp_path / "lean" / "adapter_model.safetensors")))
+    assert keys == {f"base_model.model.{m}.plate_A" for m in BACKBONE}
+    import json
+
+    cfg = json.loads((tmp_path / "lean" / "adapter_config.json").read_text())
+    cfg["bundle"] = str(tmp_path / "no_bundle_here")
+    (tmp_path / "lean" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BundleError, match="not a bundle"):
+        PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "lean")
+
+
+def test_merged_model_loads_as_plain_transformers_checkpoint(tiny_qwen, tmp_path):
+    """merge_and_unload + save_pretrained: AutoModelForCausalLM loads it in a process without plate_inspect."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    root, bundle = tiny_qwen
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model"), PlateConfig(bundle=str(bundle.path)))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in pm.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    with torch.no_grad():
+        adapter_logits = pm(input_ids=ids).logits
+    merged = pm.merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    torch.save({"ids": ids}, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'merged')!r})\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})['ids']\n"
+        "with torch.no_grad():\n"
+        f"    torch.save(m(input_ids=ids).logits, {str(tmp_path / 'logits.pt')!r})\n"
+        "assert not any(k.startswith('plate_inspect') or k == 'peft' for k in sys.modules), 'imported plate/peft'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), adapter_logits, rtol=1e-4, atol=1e-4)

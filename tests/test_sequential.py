@@ -37,8 +37,16 @@ def _train_adapter(model, bundle, task, task_id, seed):
     return params
 
 
-def test_two_sequential_merges_on_digits(tmp_path):
+@pytest.fixture
+def one_thread():
+    """Single-threaded torch for bit-reproducible training, restored afterwards (no leak into other tests)."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_two_sequential_merges_on_digits(tmp_path, one_thread):
     _, ckpt0 = digits_checkpoint(tmp_path / "t0", seed=0)
     bundle0 = digits_bundle(ckpt0, tmp_path / "b0", r=16, tau=0.8)
     t1, t2 = digits.load_digit_tasks()
@@ -143,3 +151,35 @@ def test_merge_refuses_other_weights_and_cli(tmp_path):
     assert len(Bundle.load(tmp_path / "b2")) == 3
     bad = CliRunner().invoke(cli, ["merge", str(other), str(adapter), "--out", str(tmp_path / "bad2")])
     assert bad.exit_code == 2 and "other weights" in bad.output and "Traceback" not in bad.output
+
+
+def test_failed_merge_leaves_no_partial_output(tmp_path):
+    """A check that fails after some shards were written: nothing appears in --out, no temp dir is left behind."""
+    from safetensors.torch import load_file, save_file
+
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    src = write_llama_like(tmp_path / "src", layers=2, max_shard_bytes=40_000).path
+    bundle = scan(src, tmp_path / "bundle", r=8, tau=0.8, max_rank=32)
+    model = skeleton(src, bundle.modules)
+    randomize_adapters(apply_bundle(model, bundle), seed=3, scale=0.05)
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    last = max(bundle.modules, key=lambda m: shards.index(index[f"{m}.weight"]))
+    assert shards.index(index[f"{last}.weight"]) > 0  # earlier shards are written before the failing check
+    shard = src / index[f"{last}.weight"]
+    tensors = load_file(str(shard))
+    tensors[f"{last}.weight"] = tensors[f"{last}.weight"].clone()
+    tensors[f"{last}.weight"][0, 0] += 1  # the weights changed after the adapter was trained
+    save_file(tensors, str(shard))
+    with pytest.raises(BundleError, match=f"'{last}'.*other weights"):
+        merge_checkpoint(src, adapter, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    with pytest.raises(BundleError, match="other weights"):
+        merge_checkpoint(src, adapter, existing)
+    assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir() if "partial" in p.name) == []

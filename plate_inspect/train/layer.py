@@ -5,14 +5,16 @@ Forward: ``y = base(x) + rho * index_add over B of ((x Q) A^T)``: B is an int64 
 d_out x r matrix), Q a frozen [d_in, k] buffer, A a zero-initialised [r, k] parameter. ``merge()`` writes
 ``W[B] += rho A Q^T`` into the base weight and keeps the original rows, so ``unmerge()`` restores them bit for bit.
 
-``apply_bundle(model, bundle)`` checks the bundle against the model's weights (fingerprints), wraps every bundle
-module, freezes everything else and returns the trainable A's. ``save_adapter``/``load_adapter`` store the A's as
-safetensors together with the bundle's identity, and refuse an adapter made for another bundle or other weights.
+The math (validation, the per-call cheaper evaluation order, merge/unmerge) lives in ``core`` and is shared
+with the PEFT layer. ``apply_bundle(model, bundle)`` checks the bundle against the model's weights (fingerprints,
+tolerant of a cast to a narrower dtype: ``weightcheck``), wraps every bundle module (optionally with a smaller k
+per module from a plate-plan), freezes everything else and returns the trainable A's. ``save_adapter`` /
+``load_adapter`` store the A's as safetensors with the bundle's identity, and refuse an adapter made for another
+bundle or other weights.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -22,13 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from plate_inspect.bundle import Bundle
-from plate_inspect.checkpoint import fingerprint_tensor
-from plate_inspect.dtypes import FLOAT_DTYPES
+from plate_inspect.bundle import Bundle, ModuleRecord
 from plate_inspect.errors import BundleError, ConfigError
+from plate_inspect.train.core import (
+    add_branch,
+    geometry_digest,
+    merge_rows,
+    unmerge_rows,
+    validate_geometry,
+)
+from plate_inspect.train.weightcheck import WeightSketch, check_weight
 
 ADAPTER_FORMAT = "plate-adapter"
 ADAPTER_VERSION = 1
+PLAN_FORMAT = "plate-plan"
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -57,63 +66,30 @@ def oriented_shape(module: nn.Module) -> tuple[int, int]:
     return (b, a) if layout_of(module) == "conv1d" else (a, b)
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the adapter branch runs in: the autocast dtype when autocast is on, else the input's dtype."""
-    dev = x.device.type
-    try:
-        if torch.is_autocast_enabled(dev):
-            return torch.get_autocast_dtype(dev)
-    except TypeError:  # torch < 2.4: no device argument
-        if dev == "cuda" and torch.is_autocast_enabled():
-            return torch.get_autocast_gpu_dtype()
-        if dev == "cpu" and torch.is_autocast_cpu_enabled():
-            return torch.get_autocast_cpu_dtype()
-    return x.dtype
-
-
-def plate_delta(x: torch.Tensor, q: torch.Tensor, a: torch.Tensor, rho: float) -> torch.Tensor:
-    """rho * (x Q) A^T, shape [..., r], computed in the input's (or autocast's) dtype."""
-    dt = compute_dtype(x)
-    z = torch.matmul(x.to(dt), q.to(dt))
-    return torch.matmul(z, a.to(dt).t()) * rho
-
-
-def scatter_add_rows(y: torch.Tensor, b_idx: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """y with delta added into the output features b_idx (out of place, differentiable)."""
-    return y.index_add(-1, b_idx, delta.to(y.dtype))
-
-
-def delta_rows(a: torch.Tensor, q: torch.Tensor, rho: float) -> torch.Tensor:
-    """rho A Q^T in float32 or wider: the change of the r selected rows of W ([r, d_in])."""
-    dt = torch.promote_types(torch.promote_types(a.dtype, q.dtype), torch.float32)
-    return rho * (a.detach().to(dt) @ q.detach().to(dt).t())
-
-
 class PlateLinear(nn.Module):
-    """A frozen Linear/Conv1D plus a PLATE branch: y = base(x) + rho * scatter_B((x Q) A^T)."""
+    """A frozen Linear/Conv1D plus a PLATE branch: y = base(x) + rho * scatter_B((x Q) A^T) (math in ``core``)."""
 
     def __init__(self, base: nn.Module, b_idx: torch.Tensor, q: torch.Tensor, rho: float = 0.5):
         super().__init__()
         self.layout = layout_of(base)
         d_out, d_in = oriented_shape(base)
-        b_idx = torch.as_tensor(b_idx, dtype=torch.int64).flatten()
-        if q.ndim != 2 or q.shape[0] != d_in:
-            raise BundleError(f"Q has shape {list(q.shape)} but the layer has d_in={d_in}")
-        if b_idx.numel() and (int(b_idx.min()) < 0 or int(b_idx.max()) >= d_out):
-            raise BundleError(f"B indexes rows outside 0..{d_out - 1}")
-        if torch.unique(b_idx).numel() != b_idx.numel():
-            raise BundleError("B has repeated rows")
+        b_idx, q = validate_geometry(b_idx, q, d_out, d_in, where=type(base).__name__)
         self.base = base
         self.rho = float(rho)
         self.d_out, self.d_in = d_out, d_in
+        self.geometry_digest = geometry_digest(b_idx, q)
         dev = base.weight.device
         self.register_buffer("plate_B_idx", b_idx.to(dev))
-        self.register_buffer("plate_Q", q.detach().to(dev).contiguous())
+        self.register_buffer("plate_Q", q.to(dev).contiguous())
         self.plate_A = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=dev, dtype=torch.float32))
-        self.register_buffer("_saved_rows", None, persistent=False)
-        self.merged = False
+        self._saved_rows: torch.Tensor | None = None
+        self._inplace = type(base) is nn.Linear or is_conv1d(base)
         for p in self.base.parameters():
             p.requires_grad_(False)
+
+    @property
+    def merged(self) -> bool:
+        return self._saved_rows is not None
 
     @property
     def r(self) -> int:
@@ -133,62 +109,28 @@ class PlateLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.merged or self.r == 0:
+        if self.merged:
             return y
-        return scatter_add_rows(y, self.plate_B_idx, plate_delta(x, self.plate_Q, self.plate_A, self.rho))
+        return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=self._inplace)
 
-    def delta_weight(self) -> torch.Tensor:
-        """The dense update rho B A Q^T as [d_out, d_in] float32 (for checks and small layers only)."""
-        d = delta_rows(self.plate_A, self.plate_Q, self.rho)
-        full = torch.zeros(self.d_out, self.d_in, dtype=d.dtype, device=d.device)
-        full[self.plate_B_idx] = d
-        return full
-
-    @torch.no_grad()
     def merge(self) -> None:
         """W[B] += rho A Q^T in the base weight (computed in float32, rounded once to the weight's dtype)."""
-        if self.merged:
-            return
-        w = self.base.weight
-        d = delta_rows(self.plate_A, self.plate_Q, self.rho)
-        if self.layout == "linear":
-            rows = w[self.plate_B_idx]
-            self._saved_rows = rows.clone()
-            w[self.plate_B_idx] = (rows.to(d.dtype) + d).to(w.dtype)
-        else:
-            cols = w[:, self.plate_B_idx]
-            self._saved_rows = cols.clone()
-            w[:, self.plate_B_idx] = (cols.to(d.dtype) + d.t()).to(w.dtype)
-        self.merged = True
+        if not self.merged:
+            self._saved_rows = merge_rows(
+                self.base.weight, self.layout, self.plate_B_idx, self.plate_A, self.plate_Q, self.rho
+            )
 
-    @torch.no_grad()
     def unmerge(self) -> None:
         """Restore the base weight exactly as it was before merge()."""
-        if not self.merged:
-            return
-        w = self.base.weight
-        if self.layout == "linear":
-            w[self.plate_B_idx] = self._saved_rows
-        else:
-            w[:, self.plate_B_idx] = self._saved_rows
-        self._saved_rows = None
-        self.merged = False
+        if self.merged:
+            unmerge_rows(self.base.weight, self.layout, self.plate_B_idx, self._saved_rows)
+            self._saved_rows = None
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_out={self.d_out}, r={self.r}, k={self.k}, rho={self.rho}, layout={self.layout}"
 
 
 # --------------------------------------------------------------------------- bundle -> model
-def plate_digest(b_idx: torch.Tensor, q: torch.Tensor) -> str:
-    """Identity of one module's geometry: sha256 over B's indices and Q's bytes."""
-    h = hashlib.sha256()
-    h.update(b_idx.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-    qc = q.detach().to("cpu").contiguous()
-    h.update(str(qc.dtype).encode() + str(list(qc.shape)).encode())
-    h.update(qc.view(torch.uint8).numpy().tobytes() if qc.numel() else b"")
-    return "sha256:" + h.hexdigest()
-
-
 def resolve_module_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     """Bundle (checkpoint) module names -> the model's module names.
 
@@ -210,17 +152,19 @@ def resolve_module_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     return out
 
 
-def weight_fingerprint(module: nn.Module, stored_dtype: str) -> str:
-    """Fingerprint of a module's weight in the checkpoint's stored dtype (an upcast model still matches)."""
-    w = module.weight.detach()
-    dt = FLOAT_DTYPES.get(stored_dtype)
-    if dt is not None and w.dtype != dt:
-        w = w.to(dt)
-    return fingerprint_tensor(w)
+def check_module_against_record(
+    module: nn.Module,
+    name: str,
+    record: ModuleRecord,
+    check_fingerprint: bool = True,
+    reference: WeightSketch | None = None,
+    bundle: Bundle | None = None,
+) -> WeightSketch | None:
+    """Refuse a module whose layout, shape or weights differ from what the bundle was made for.
 
-
-def check_module_against_record(module: nn.Module, name: str, record: Any, check_fingerprint: bool = True) -> None:
-    """Refuse a module whose layout, shape or weight bytes differ from what the bundle was made for."""
+    Returns the weight's reference sketch (to record in an adapter), or None when the fingerprint check is skipped.
+    A rounded copy of the bundle's weights (model cast to a narrower dtype) passes: see ``weightcheck``.
+    """
     layout = layout_of(module)
     shape = list(oriented_shape(module))
     if shape != list(record.shape):
@@ -228,11 +172,54 @@ def check_module_against_record(module: nn.Module, name: str, record: Any, check
             f"module '{name}': the bundle was made for [d_out, d_in] = {list(record.shape)} but the model's "
             f"{layout} weight is {shape}; this bundle belongs to another model"
         )
-    if check_fingerprint and weight_fingerprint(module, record.dtype) != record.fingerprint:
-        raise BundleError(
-            f"module '{name}': weight fingerprint differs from the bundle's ({record.fingerprint[:19]}...): the "
-            "bundle was made for other weights; rescan this checkpoint (plate-inspect scan) or load the right one"
+    if not check_fingerprint:
+        return None
+    return check_weight(module, name, record, layout, reference=reference, bundle=bundle)
+
+
+def load_plan(plan: dict[str, Any] | str | os.PathLike | None, bundle: Bundle) -> dict[str, int]:
+    """A plate-plan (dict or JSON file) as {bundle module: k}; checked against the bundle (identity, names, k range)."""
+    if plan is None:
+        return {}
+    where = "plan"
+    if not isinstance(plan, dict):
+        where = str(plan)
+        try:
+            plan = json.loads(Path(plan).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{where}: cannot read the plan ({e})") from None
+    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("format_version") != 1:
+        raise ConfigError(f"{where}: not a plate-plan version 1 (format {plan.get('format')!r})")
+    identity = (plan.get("bundle") or {}).get("identity")
+    accepted = {bundle.manifest.source_signature, getattr(bundle.manifest, "identity", None)} - {None, ""}
+    if identity not in accepted:
+        raise ConfigError(
+            f"{where}: the plan was made for bundle {str(identity)[:24]!r}, not {bundle.path} "
+            f"({bundle.manifest.source_signature[:24]}...); make the plan from this bundle"
         )
+    modules = plan.get("modules")
+    if not isinstance(modules, dict):
+        raise ConfigError(f"{where}: 'modules' must map module names to {{'k': int}}")
+    out = {}
+    for name, entry in modules.items():
+        if name not in bundle:
+            raise ConfigError(f"{where}: module '{name}' is not in the bundle {bundle.path}")
+        k = entry.get("k") if isinstance(entry, dict) else None
+        top = bundle.record(name).k
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= top:
+            raise ConfigError(f"{where}: module '{name}': k must be an integer in 1..{top} (the bundle's k), got {k!r}")
+        out[name] = k
+    return out
+
+
+def module_geometry(
+    bundle: Bundle, name: str, k: int | None = None, q_dtype: torch.dtype | None = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, Q[:, :k]) of one bundle module: Q's columns ascend in energy, so a prefix is the bottom-k eigenspace."""
+    q = bundle.q(name, dtype=q_dtype)
+    if k is not None:
+        q = q[:, :k].contiguous()
+    return bundle.b_idx(name), q
 
 
 def _as_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
@@ -252,41 +239,47 @@ def apply_bundle(
     modules: list[str] | None = None,
     check_fingerprints: bool = True,
     q_dtype: torch.dtype | None = torch.float32,
+    plan: dict[str, Any] | str | os.PathLike | None = None,
+    references: dict[str, WeightSketch] | None = None,
 ) -> list[nn.Parameter]:
     """Wrap every bundle module (or the ``modules`` subset) in a PlateLinear; freeze the rest; return the A's.
 
-    Before wrapping, each module's weight fingerprint must equal the manifest's (a mismatch raises BundleError
-    naming the module); ``check_fingerprints=False`` skips that check, with a warning. Nothing is wrapped unless
-    every module passes.
+    Before wrapping, each module's weight must be the one the bundle was made for (exact fingerprint, or a rounded
+    copy of it: see ``weightcheck``); a mismatch raises BundleError naming the module and nothing is wrapped.
+    ``check_fingerprints=False`` skips that check, with a warning. ``plan`` (a plate-plan dict or JSON path) sets a
+    smaller k per module (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter).
     """
     b = _as_bundle(bundle)
     names = list(modules) if modules is not None else b.modules
     missing = [n for n in names if n not in b]
     if missing:
         raise BundleError(f"{b.path}: no module '{missing[0]}' in this bundle (it has {', '.join(b.modules[:5])}...)")
+    ks = load_plan(plan, b)
     mapping = resolve_module_names(model, names)
     if not check_fingerprints:
         warnings.warn(
             "apply_bundle: fingerprint check skipped; a bundle made for other weights would go unnoticed",
             stacklevel=2,
         )
-    targets = {}
+    targets, sketches = {}, {}
     for name in names:
         mod = model.get_submodule(mapping[name])
         if isinstance(mod, PlateLinear):
             raise BundleError(f"module '{mapping[name]}' is already a PLATE layer; merge or unload it first")
-        check_module_against_record(mod, mapping[name], b.record(name), check_fingerprints)
+        ref = (references or {}).get(name)
+        sketches[name] = check_module_against_record(mod, mapping[name], b.record(name), check_fingerprints, ref, b)
         targets[name] = mod
     for p in model.parameters():
         p.requires_grad_(False)
     trainable = []
     identity = bundle_identity(b)
     for name, mod in targets.items():
-        q = b.q(name, dtype=q_dtype)
-        layer = PlateLinear(mod, b.b_idx(name), q, rho=rho)
+        b_idx, q = module_geometry(b, name, ks.get(name), q_dtype)
+        layer = PlateLinear(mod, b_idx, q, rho=rho)
         layer.bundle_name = name
         layer.bundle_record_fingerprint = b.record(name).fingerprint
         layer.bundle_identity = identity
+        layer.weight_sketch = sketches[name]
         _set_submodule(model, mapping[name], layer)
         trainable.append(layer.plate_A)
     return trainable
@@ -334,20 +327,27 @@ def bundle_identity(bundle: Bundle) -> dict[str, Any]:
 
 
 def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write every PLATE layer's A (key ``<bundle module>.plate_A``) and the bundle's identity to a safetensors file."""
+    """Write every PLATE layer's A (key ``<bundle module>.plate_A``) and the bundle's identity to a safetensors file.
+
+    The metadata records per module the weight fingerprint, the B/Q digest, k and the weight's reference sketch (so
+    the adapter still loads into a model cast to a narrower dtype).
+    """
     from safetensors.torch import save_file
 
     layers = plate_layers(model)
     if not layers:
         raise ConfigError("the model has no PLATE layers to save; call apply_bundle first")
-    tensors, digests, fingerprints, identity, rho = {}, {}, {}, None, None
+    tensors, digests, fingerprints, ks, sketches, identity, rho = {}, {}, {}, {}, {}, None, None
     for layer in layers.values():
         name = getattr(layer, "bundle_name", None)
         if name is None:
             raise ConfigError("a PLATE layer was not created by apply_bundle; cannot record its bundle identity")
         tensors[f"{name}.plate_A"] = layer.plate_A.detach().to("cpu").contiguous()
-        digests[name] = plate_digest(layer.plate_B_idx, layer.plate_Q)
+        digests[name] = layer.geometry_digest
         fingerprints[name] = layer.bundle_record_fingerprint
+        ks[name] = layer.k
+        if getattr(layer, "weight_sketch", None) is not None:
+            sketches[name] = layer.weight_sketch.to_json()
         identity = identity or layer.bundle_identity
         rho = layer.rho
     meta = {
@@ -358,6 +358,8 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
         "source": json.dumps(identity["source"]),
         "fingerprints": json.dumps(fingerprints),
         "plate_digests": json.dumps(digests),
+        "k": json.dumps(ks),
+        "weight_sketches": json.dumps(sketches),
         "rho": repr(rho),
     }
     path = Path(path)
@@ -381,10 +383,24 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
         raise BundleError(f"{path}: not a readable safetensors adapter ({e})") from None
     if meta.get("format") != ADAPTER_FORMAT:
         raise BundleError(f"{path}: not a PLATE adapter (format {meta.get('format')!r})")
-    for key in ("fingerprints", "plate_digests", "source"):
-        meta[key] = json.loads(meta.get(key, "null") or "null")
-    meta["rho"] = float(meta.get("rho", "0.5"))
+    try:
+        for key in ("fingerprints", "plate_digests", "source", "k", "weight_sketches"):
+            meta[key] = json.loads(meta.get(key, "null") or "null")
+        meta["weight_sketches"] = {n: WeightSketch.from_json(d) for n, d in (meta["weight_sketches"] or {}).items()}
+        meta["k"] = meta["k"] or {}
+        meta["rho"] = float(meta.get("rho", "0.5"))
+    except (ValueError, TypeError, KeyError) as e:
+        raise BundleError(f"{path}: corrupt adapter metadata ({e})") from None
     return tensors, meta
+
+
+def adapter_plan(meta: dict[str, Any], bundle: Bundle) -> dict[str, Any] | None:
+    """The plan that reproduces an adapter's per-module k (None when every module uses the bundle's k)."""
+    smaller = {n: {"k": int(k)} for n, k in meta["k"].items() if n in bundle and int(k) != bundle.record(n).k}
+    if not smaller:
+        return None
+    identity = {"identity": bundle.manifest.source_signature}
+    return {"format": PLAN_FORMAT, "format_version": 1, "bundle": identity, "modules": smaller}
 
 
 def load_adapter(
@@ -400,8 +416,16 @@ def load_adapter(
     tensors, meta = read_adapter(path)
     layers = plate_layers(model)
     if not layers:
-        b = bundle if bundle is not None else meta["bundle_path"]
-        apply_bundle(model, b, rho=meta["rho"], modules=list(tensors), check_fingerprints=check_fingerprints)
+        b = _as_bundle(bundle if bundle is not None else meta["bundle_path"])
+        apply_bundle(
+            model,
+            b,
+            rho=meta["rho"],
+            modules=list(tensors),
+            check_fingerprints=check_fingerprints,
+            plan=adapter_plan(meta, b),
+            references=meta["weight_sketches"],
+        )
         layers = plate_layers(model)
     by_name = {getattr(layer, "bundle_name", n): layer for n, layer in layers.items()}
     if set(by_name) != set(tensors):
@@ -411,7 +435,7 @@ def load_adapter(
         layer = by_name[name]
         if meta["fingerprints"].get(name) != getattr(layer, "bundle_record_fingerprint", None):
             raise BundleError(f"{path}: adapter for module '{name}' was trained on other weights (fingerprint differs)")
-        if meta["plate_digests"].get(name) != plate_digest(layer.plate_B_idx, layer.plate_Q):
+        if meta["plate_digests"].get(name) != layer.geometry_digest:
             raise BundleError(f"{path}: adapter for module '{name}' was trained with another bundle (B/Q differ)")
         if tuple(a.shape) != tuple(layer.plate_A.shape):
             raise BundleError(f"{path}: A of '{name}' is {list(a.shape)}, the layer needs {list(layer.plate_A.shape)}")

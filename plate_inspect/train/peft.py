@@ -6,15 +6,17 @@ intrusion into peft; it changes nothing else). After that ``get_peft_model``, ``
 ``save_pretrained`` / ``PeftModel.from_pretrained`` (import ``plate_inspect.train.peft`` before loading),
 ``merge_and_unload`` and the transformers ``Trainer`` work as for LoRA.
 
-The adapter layer keeps B and Q as non-persistent buffers read from the bundle, so a saved adapter holds only the
-A's (``adapter_model.safetensors``) and ``adapter_config.json`` records the bundle path, its source signature and
-a digest of every module's weight fingerprint and B/Q: loading refuses a bundle or base model that differs.
+The adapter layer keeps B and Q as buffers read from the bundle (non-persistent by default, so a saved adapter
+holds only the A's; ``PlateConfig(carry_geometry=True)`` saves B and Q too, so the adapter loads without the
+bundle). ``adapter_config.json`` records the bundle path, its source signature, and per module the weight
+fingerprint and sketch and the B/Q digest: loading refuses a bundle or base model that differs. The branch math is
+``plate_inspect.train.core``'s, shared with ``PlateLinear``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,16 +31,23 @@ from torch import nn
 
 from plate_inspect.bundle import Bundle
 from plate_inspect.errors import BundleError, ConfigError
+from plate_inspect.train.core import (
+    add_branch,
+    dense_delta,
+    geometry_digest,
+    merge_rows,
+    unmerge_rows,
+    validate_geometry,
+)
 from plate_inspect.train.layer import (
     check_module_against_record,
-    delta_rows,
     layout_of,
+    load_plan,
+    module_geometry,
     oriented_shape,
-    plate_delta,
-    plate_digest,
     resolve_module_names,
-    scatter_add_rows,
 )
+from plate_inspect.train.weightcheck import WeightSketch
 
 PEFT_NAME = "plate"
 
@@ -80,11 +89,22 @@ class PlateConfig(PeftConfig):
     modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Other modules to train and save fully (e.g. a new task head)."}
     )
+    plan: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "A plate-plan (dict or JSON path): a smaller k per module (Q[:, :k])."}
+    )
+    carry_geometry: bool = field(
+        default=False,
+        metadata={"help": "Save B (int) and Q (model dtype) with the adapter so it loads without the bundle."},
+    )
     bundle_signature: str | None = field(
         default=None, metadata={"help": "Filled in when the adapter is created: the bundle's source signature."}
     )
     bundle_digest: str | None = field(
         default=None, metadata={"help": "Filled in when the adapter is created: digest of fingerprints and B/Q."}
+    )
+    module_records: dict[str, dict[str, Any]] | None = field(
+        default=None,
+        metadata={"help": "Filled in when the adapter is created: per module weight identity, B/Q digest, r, k."},
     )
 
     def __post_init__(self) -> None:
@@ -97,6 +117,12 @@ class PlateConfig(PeftConfig):
             raise ConfigError(f"rho must be positive, got {self.rho!r}")
         if isinstance(self.target_modules, (list, tuple)):
             self.target_modules = set(self.target_modules)
+        if self.plan is not None and not isinstance(self.plan, dict):
+            path = Path(self.plan)
+            try:
+                self.plan = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ConfigError(f"{path}: cannot read the plan ({e})") from None
 
 
 class PlateLayer(nn.Module, BaseTunerLayer):
@@ -105,32 +131,46 @@ class PlateLayer(nn.Module, BaseTunerLayer):
     adapter_layer_names = ("plate_A",)
     other_param_names = ("plate_B_idx", "plate_Q", "plate_rho")
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, b_idx: torch.Tensor, q: torch.Tensor, rho: float):
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        b_idx: torch.Tensor,
+        q: torch.Tensor,
+        rho: float,
+        carry_geometry: bool = False,
+    ):
         super().__init__()
         BaseTunerLayer.__init__(self)
         self.base_layer = base_layer
         self.layout = layout_of(base_layer)
         self.out_features, self.in_features = oriented_shape(base_layer)
         self.plate_A = nn.ParameterDict({})
-        self.plate_B_idx = BufferDict({}, persistent=False)
-        self.plate_Q = BufferDict({}, persistent=False)
+        self.plate_B_idx = BufferDict({}, persistent=carry_geometry)
+        self.plate_Q = BufferDict({}, persistent=carry_geometry)
         self.plate_rho: dict[str, float] = {}
+        self.plate_digest: dict[str, str] = {}
         self._saved_rows: dict[str, torch.Tensor] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self._active_adapter = adapter_name
+        self._inplace = type(base_layer) is nn.Linear or self.layout == "conv1d"
         self.update_layer(adapter_name, b_idx, q, rho)
+        if carry_geometry:
+            self.register_load_state_dict_post_hook(_check_carried_geometry)
 
-    def update_layer(self, adapter_name: str, b_idx: torch.Tensor, q: torch.Tensor, rho: float) -> None:
-        """Add (or replace) one adapter: zero A [r, k], B indices, frozen Q."""
-        dev = self.get_base_layer().weight.device
-        b_idx = torch.as_tensor(b_idx, dtype=torch.int64).flatten()
-        if q.shape[0] != self.in_features:
-            raise BundleError(f"Q has {q.shape[0]} rows but the layer has d_in={self.in_features}")
-        self.plate_B_idx[adapter_name] = b_idx.to(dev)
-        self.plate_Q[adapter_name] = q.detach().to(dev, torch.float32).contiguous()
-        self.plate_A[adapter_name] = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=dev))
+    def update_layer(
+        self, adapter_name: str, b_idx: torch.Tensor, q: torch.Tensor, rho: float, digest: str | None = None
+    ) -> None:
+        """Add (or replace) one adapter: zero A [r, k], B indices, frozen Q (validated by the shared core)."""
+        weight = self.get_base_layer().weight
+        b_idx, q = validate_geometry(b_idx, q, self.out_features, self.in_features, where=type(self).__name__)
+        q_dtype = weight.dtype if self.plate_Q.persistent and weight.is_floating_point() else torch.float32
+        self.plate_B_idx[adapter_name] = b_idx.to(weight.device)
+        self.plate_Q[adapter_name] = q.to(weight.device, q_dtype).contiguous()
+        self.plate_A[adapter_name] = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=weight.device))
         self.plate_rho[adapter_name] = float(rho)
+        self.plate_digest[adapter_name] = digest or geometry_digest(b_idx, q)
         self.set_adapter(self.active_adapters)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -141,19 +181,22 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         result = self.base_layer(x, *args, **kwargs)
         if self.merged:
             return result
-        for name in self.active_adapters:
-            if name not in self.plate_A:
-                continue
-            delta = plate_delta(x, self.plate_Q[name], self.plate_A[name], self.plate_rho[name])
-            result = scatter_add_rows(result, self.plate_B_idx[name], delta)
+        for i, name in enumerate(a for a in self.active_adapters if a in self.plate_A):
+            result = add_branch(
+                result,
+                x,
+                self.plate_B_idx[name],
+                self.plate_Q[name],
+                self.plate_A[name],
+                self.plate_rho[name],
+                inplace=self._inplace or i > 0,
+            )
         return result
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """Dense rho B A Q^T in the base weight's stored layout ([d_out, d_in], or [d_in, d_out] for Conv1D)."""
-        d = delta_rows(self.plate_A[adapter], self.plate_Q[adapter], self.plate_rho[adapter])
-        full = torch.zeros(self.out_features, self.in_features, dtype=d.dtype, device=d.device)
-        full[self.plate_B_idx[adapter]] = d
-        return full.t() if self.layout == "conv1d" else full
+        b, a, q = self.plate_B_idx[adapter], self.plate_A[adapter], self.plate_Q[adapter]
+        return dense_delta(b, a, q, self.plate_rho[adapter], self.out_features, self.layout)
 
     @torch.no_grad()
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
@@ -163,17 +206,12 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         for name in adapter_names:
             if name not in self.plate_A:
                 continue
-            b = self.plate_B_idx[name]
-            d = delta_rows(self.plate_A[name], self.plate_Q[name], self.plate_rho[name])
-            old = w[b] if self.layout == "linear" else w[:, b]
-            new = (old.to(d.dtype) + (d if self.layout == "linear" else d.t())).to(w.dtype)
-            if safe_merge and not torch.isfinite(new).all():
+            b, a, q = self.plate_B_idx[name], self.plate_A[name], self.plate_Q[name]
+            old = merge_rows(w, self.layout, b, a, q, self.plate_rho[name])
+            if safe_merge and not torch.isfinite(w).all():
+                unmerge_rows(w, self.layout, b, old)
                 raise ValueError(f"NaNs detected in the merged weights; the adapter {name} seems to be broken")
-            self._saved_rows[name] = old.clone()
-            if self.layout == "linear":
-                w[b] = new
-            else:
-                w[:, b] = new
+            self._saved_rows[name] = old
             self.merged_adapters.append(name)
 
     @torch.no_grad()
@@ -185,11 +223,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         w = self.get_base_layer().weight
         while self.merged_adapters:
             name = self.merged_adapters.pop()
-            b = self.plate_B_idx[name]
-            if self.layout == "linear":
-                w[b] = self._saved_rows.pop(name)
-            else:
-                w[:, b] = self._saved_rows.pop(name)
+            unmerge_rows(w, self.layout, self.plate_B_idx[name], self._saved_rows.pop(name))
 
     def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
         return False
@@ -198,11 +232,33 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         return "plate." + super().__repr__()
 
 
-def _bundle_digest(bundle: Bundle, names: list[str]) -> str:
+def _check_carried_geometry(layer: PlateLayer, incompatible: Any) -> None:
+    """After loading an adapter that carries B and Q: they must be valid and be the ones it was trained with."""
+    for name in list(layer.plate_B_idx):
+        b, q = layer.plate_B_idx[name], layer.plate_Q[name]
+        validate_geometry(b, q, layer.out_features, layer.in_features, where=f"adapter '{name}'")
+        if geometry_digest(b, q) != layer.plate_digest[name]:
+            raise BundleError(f"adapter '{name}': the carried B/Q differ from the ones it was trained with")
+
+
+def _bundle_digest(records: dict[str, dict[str, Any]]) -> str:
+    """One digest over every adapted module's weight fingerprint and B/Q digest."""
     h = hashlib.sha256()
-    for n in sorted(names):
-        h.update(f"{n}|{bundle.record(n).fingerprint}|{plate_digest(bundle.b_idx(n), bundle.q(n))}\n".encode())
+    for n in sorted(records):
+        h.update(f"{n}|{records[n]['fingerprint']}|{records[n]['digest']}\n".encode())
     return "sha256:" + h.hexdigest()
+
+
+_Geometry = tuple[torch.Tensor, torch.Tensor, str]  # B, Q, digest
+
+
+@dataclass(frozen=True)
+class _Record:
+    """What the weight check needs of a module (a bundle ModuleRecord or one recorded in the adapter config)."""
+
+    shape: list[int]
+    dtype: str
+    fingerprint: str
 
 
 class PlateModel(BaseTuner):
@@ -217,8 +273,16 @@ class PlateModel(BaseTuner):
         super().inject_adapter(model, adapter_name, *args, **kwargs)
 
     def _prepare_plate(self, model: nn.Module, adapter_name: str) -> None:
-        """Load the bundle, map its modules onto the model, check weights and the recorded bundle identity."""
+        """Load the bundle (or the geometry the adapter carries), check weights and the recorded identity."""
         config: PlateConfig = self.peft_config[adapter_name]
+        if not hasattr(self, "_plate"):
+            self._plate: dict[str, dict[str, _Geometry]] = {}
+        if not config.check_fingerprints:
+            warnings.warn("PlateConfig: fingerprint check skipped", stacklevel=3)
+        recorded = config.module_records or {}
+        if not Path(config.bundle, "manifest.json").exists() and config.carry_geometry and recorded:
+            self._plate[adapter_name] = self._carried_geometry(model, config)
+            return
         bundle = Bundle.load(config.bundle)
         mapping = resolve_module_names(model, bundle.modules)  # bundle name -> model name
         inverse = {v: k for k, v in mapping.items()}
@@ -227,12 +291,28 @@ class PlateModel(BaseTuner):
         chosen = [m for m in mapping.values() if BaseTuner._check_target_module_exists(config, m)]
         if not chosen:
             raise BundleError(f"target_modules {config.target_modules} match none of the bundle's modules")
-        if not config.check_fingerprints:
-            warnings.warn("PlateConfig: fingerprint check skipped", stacklevel=3)
+        ks = load_plan(config.plan, bundle)
+        geometry, records = {}, {}
         for m in chosen:
-            check_module_against_record(model.get_submodule(m), m, bundle.record(inverse[m]), config.check_fingerprints)
-        names = [inverse[m] for m in chosen]
-        digest = _bundle_digest(bundle, names)
+            name = inverse[m]
+            rec = bundle.record(name)
+            ref = recorded.get(m, {}).get("sketch")
+            ref = WeightSketch.from_json(ref) if ref else None
+            sketch = check_module_against_record(model.get_submodule(m), m, rec, config.check_fingerprints, ref, bundle)
+            b_idx, q = module_geometry(bundle, name, ks.get(name))
+            digest = geometry_digest(b_idx, q)
+            geometry[m] = (b_idx, q, digest)
+            records[m] = {
+                "bundle_module": name,
+                "shape": list(rec.shape),
+                "dtype": rec.dtype,
+                "fingerprint": rec.fingerprint,
+                "digest": digest,
+                "r": int(b_idx.numel()),
+                "k": int(q.shape[1]),
+                "sketch": sketch.to_json() if sketch is not None else recorded.get(m, {}).get("sketch"),
+            }
+        digest = _bundle_digest(records)
         sig = bundle.manifest.source_signature
         if config.bundle_digest is not None and config.bundle_digest != digest:
             raise BundleError(
@@ -241,10 +321,32 @@ class PlateModel(BaseTuner):
             )
         if config.bundle_signature is not None and config.bundle_signature != sig:
             raise BundleError(f"{config.bundle}: bundle source signature differs from the one the adapter recorded")
-        config.bundle_digest, config.bundle_signature = digest, sig
-        if not hasattr(self, "_plate"):
-            self._plate: dict[str, tuple[Bundle, dict[str, str]]] = {}
-        self._plate[adapter_name] = (bundle, inverse)
+        config.bundle_digest, config.bundle_signature, config.module_records = digest, sig, records
+        self._plate[adapter_name] = geometry
+
+    def _carried_geometry(
+        self, model: nn.Module, config: PlateConfig
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, str]]:
+        """Placeholders of the recorded shapes for an adapter that carries B and Q (its state dict fills them in)."""
+        records = config.module_records or {}
+        if _bundle_digest(records) != config.bundle_digest:
+            raise BundleError(f"{config.bundle}: the adapter's module records do not match its bundle digest")
+        config.target_modules = set(records)
+        geometry = {}
+        for m, rec in records.items():
+            try:
+                module = model.get_submodule(m)
+            except AttributeError:
+                raise BundleError(
+                    f"adapter module '{m}': the model has no such module; it belongs to another model"
+                ) from None
+            sketch = WeightSketch.from_json(rec["sketch"]) if rec.get("sketch") else None
+            check_module_against_record(
+                module, m, _Record(rec["shape"], rec["dtype"], rec["fingerprint"]), config.check_fingerprints, sketch
+            )
+            q = torch.zeros(rec["shape"][1], rec["k"])
+            geometry[m] = (torch.arange(rec["r"]), q, rec["carried_digest"])
+        return geometry
 
     def _create_and_replace(
         self,
@@ -256,18 +358,23 @@ class PlateModel(BaseTuner):
         current_key: str,
         **kwargs: Any,
     ) -> None:
-        bundle, inverse = self._plate[adapter_name]
-        if current_key not in inverse:
+        geometry = self._plate[adapter_name]
+        if current_key not in geometry:
             raise BundleError(f"module '{current_key}' matches target_modules but the bundle has no geometry for it")
-        name = inverse[current_key]
-        b_idx, q = bundle.b_idx(name), bundle.q(name)
+        b_idx, q, digest = geometry[current_key]
         if isinstance(target, PlateLayer):
-            target.update_layer(adapter_name, b_idx, q, peft_config.rho)
+            target.update_layer(adapter_name, b_idx, q, peft_config.rho, digest)
         else:
-            new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho)
+            new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho, peft_config.carry_geometry)
+            new_module.plate_digest[adapter_name] = digest
             if adapter_name not in self.active_adapters:
                 new_module.requires_grad_(False)
             self._replace_module(parent, target_name, new_module, target)
+        if peft_config.carry_geometry and "carried_digest" not in peft_config.module_records[current_key]:
+            layer = target if isinstance(target, PlateLayer) else new_module
+            carried = geometry_digest(layer.plate_B_idx[adapter_name], layer.plate_Q[adapter_name])
+            layer.plate_digest[adapter_name] = carried
+            peft_config.module_records[current_key]["carried_digest"] = carried
 
     def _prepare_adapter_config(self, peft_config: PlateConfig, model_config: dict) -> PlateConfig:
         return peft_config
@@ -282,10 +389,3 @@ def _register() -> None:
 
 
 _register()
-
-
-def plate_peft_model(model: nn.Module, bundle: str | os.PathLike, rho: float = 0.5, **config: Any):
-    """Shorthand: ``get_peft_model(model, PlateConfig(bundle=..., rho=..., **config))``."""
-    from peft import get_peft_model
-
-    return get_peft_model(model, PlateConfig(bundle=str(bundle), rho=rho, **config))

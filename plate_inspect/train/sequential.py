@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from safetensors.torch import save_file
 from plate_inspect.bundle import Bundle
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import BundleError, CheckpointError
-from plate_inspect.train.layer import plate_digest, read_adapter
+from plate_inspect.train.core import geometry_digest, merged_copy
+from plate_inspect.train.layer import module_geometry, read_adapter
 
 _COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")  # config, index, tokenizer files
 
@@ -53,7 +55,9 @@ def merge_checkpoint(
     """Write ``source`` with the adapter merged (W[B] += rho A Q^T) to ``out``: same files, names, dtypes, layout.
 
     The adapter's recorded weight fingerprints must match the source's weights and its B/Q digests the bundle's
-    (the bundle recorded in the adapter unless ``bundle`` is given); otherwise BundleError.
+    (the bundle recorded in the adapter unless ``bundle`` is given); otherwise BundleError. Files are written into
+    a temporary directory next to ``out`` and moved into place only after every check passed: a failure leaves
+    ``out`` as it was.
     """
     ckpt = Checkpoint.open(source)
     tensors_a, meta = read_adapter(adapter)
@@ -62,63 +66,73 @@ def merge_checkpoint(
     out = Path(out)
     if out.resolve() == ckpt.root.resolve():
         raise CheckpointError(f"{out}: refusing to overwrite the source checkpoint in place; choose another --out")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a directory; choose another --out")
     if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
         raise CheckpointError(f"{out}: already holds safetensors files; pass overwrite=True (--overwrite)")
-    out.mkdir(parents=True, exist_ok=True)
-    plan: dict[str, tuple[str, torch.Tensor]] = {}  # stored tensor name -> (module, A)
+    plan: dict[str, tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # stored name -> (module, A, B, Q)
     for module, a in tensors_a.items():
         if module not in b:
             raise BundleError(f"{b.path}: the adapter's module '{module}' is not in this bundle")
-        if meta["plate_digests"].get(module) != plate_digest(b.b_idx(module), b.q(module)):
+        b_idx, q = module_geometry(b, module, meta["k"].get(module))
+        if meta["plate_digests"].get(module) != geometry_digest(b_idx, q):
             raise BundleError(
                 f"{adapter}: module '{module}' was trained with another bundle than {b.path} (B/Q differ)"
             )
-        plan[_stored_name(ckpt, module)] = (module, a)
-    layouts = {n: b.record(n).layout for n in tensors_a}
+        plan[_stored_name(ckpt, module)] = (module, a, b_idx, q)
     by_file: dict[Path, list[str]] = {}
     for name, info in ckpt.tensors.items():
         by_file.setdefault(info.file, []).append(name)
-    written, merged = [], []
-    for file in ckpt.files:
-        names = sorted(by_file.get(file, []), key=lambda n: ckpt.tensors[n].start)
-        shard: dict[str, torch.Tensor] = {}
-        for name in names:
-            info = ckpt.tensors[name]
-            if name in plan:
-                module, a = plan[name]
-                w, fp = ckpt.read(name)
-                if meta["fingerprints"].get(module) != fp:
-                    raise BundleError(
-                        f"{adapter}: module '{module}' was trained on other weights than {ckpt.root} (fingerprint)"
-                    )
-                shard[name] = merged_weight(w, b.b_idx(module), a, b.q(module), rho, layouts[module])
-                merged.append(module)
-            else:
-                shard[name] = _tensor_from_bytes(ckpt.read_bytes(name), info.dtype, info.shape)
-        target = out / file.name
-        _, header_meta = _header_metadata(file)
-        save_file(shard, str(target), metadata=header_meta or None)
-        written.append(target)
-        del shard
-    single_file = Path(source).is_file()
-    for extra in ckpt.root.iterdir():
-        wanted = extra.name == "config.json" if single_file else extra.suffix in _COPY_SUFFIXES
-        if wanted and extra.is_file():
-            shutil.copy2(extra, out / extra.name)
-    return MergeResult(out, written, merged)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        merged = []
+        for file in ckpt.files:
+            names = sorted(by_file.get(file, []), key=lambda n: ckpt.tensors[n].start)
+            shard: dict[str, torch.Tensor] = {}
+            for name in names:
+                info = ckpt.tensors[name]
+                if name in plan:
+                    module, a, b_idx, q = plan[name]
+                    w, fp = ckpt.read(name)
+                    if meta["fingerprints"].get(module) != fp:
+                        raise BundleError(
+                            f"{adapter}: module '{module}' was trained on other weights than {ckpt.root} (fingerprint)"
+                        )
+                    shard[name] = merged_copy(w, b.record(module).layout, b_idx, a, q, rho)
+                    merged.append(module)
+                else:
+                    shard[name] = _tensor_from_bytes(ckpt.read_bytes(name), info.dtype, info.shape)
+            save_file(shard, str(tmp / file.name), metadata=_header_metadata(file) or None)
+            del shard
+        single_file = Path(source).is_file()
+        for extra in ckpt.root.iterdir():
+            wanted = extra.name == "config.json" if single_file else extra.suffix in _COPY_SUFFIXES
+            if wanted and extra.is_file():
+                shutil.copy2(extra, tmp / extra.name)
+        _move_into_place(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return MergeResult(out, [out / f.name for f in ckpt.files], merged)
 
 
-def merged_weight(
-    stored: torch.Tensor, b_idx: torch.Tensor, a: torch.Tensor, q: torch.Tensor, rho: float, layout: str
-) -> torch.Tensor:
-    """The stored weight with rho A Q^T added to rows B (columns B for conv1d), in float32, cast back once."""
-    d = rho * (a.to(torch.float32) @ q.to(torch.float32).t())
-    w = stored.clone()
-    if layout == "conv1d":
-        w[:, b_idx] = (w[:, b_idx].to(torch.float32) + d.t()).to(w.dtype)
-    else:
-        w[b_idx] = (w[b_idx].to(torch.float32) + d).to(w.dtype)
-    return w.contiguous()
+def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Publish the finished files: rename the temp dir to ``out``, or move its files into an existing ``out``.
+
+    With ``overwrite``, safetensors files of an earlier merge that the new one does not write are removed.
+    """
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    new = {f.name for f in tmp.iterdir()}
+    if overwrite:
+        for stale in out.glob("*.safetensors"):
+            if stale.name not in new:
+                stale.unlink()
+    for name in sorted(new):
+        os.replace(tmp / name, out / name)
+    tmp.rmdir()
 
 
 def _tensor_from_bytes(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -132,11 +146,12 @@ def _tensor_from_bytes(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> to
     return torch.frombuffer(raw, dtype=dt).reshape(shape).clone()
 
 
-def _header_metadata(file: Path) -> tuple[None, dict[str, str]]:
+def _header_metadata(file: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file, to carry over to the rewritten file."""
     from plate_inspect.checkpoint import parse_safetensors_header
 
     _, meta = parse_safetensors_header(file)
-    return None, {str(k): str(v) for k, v in meta.items()}
+    return {str(k): str(v) for k, v in meta.items()}
 
 
 def rescan(

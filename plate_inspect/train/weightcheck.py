@@ -1,0 +1,163 @@
+"""Is this model's weight the one a bundle was made for?  Exact sha256 first, then a dtype-tolerant sketch.
+
+A bundle records, per module, the sha256 fingerprint of the weight's stored bytes. An upcast model (bf16 checkpoint
+loaded in float32) passes exactly: the weight is cast back to the stored dtype before hashing. A *downcast* model
+(float32 checkpoint loaded with ``torch_dtype=bfloat16``, or ``model.to(torch.bfloat16)``) holds a rounded copy,
+whose bytes differ; B and Q are still valid for it. For that case (and only that case: the model's dtype has a
+larger unit roundoff than the stored one) the check compares a seeded sketch ``S = L W R`` (L: [8, d_out],
+R: [d_in, 8], standard normal, float64) of the model's weight with the sketch of the reference weight:
+
+    ||S_model - S_ref||_F / (8 ||W_ref||_F)  <=  2 u(model dtype)
+
+For a rounded copy, ``|E_ij| <= u |W_ij|`` so ``||E||_F <= u ||W||_F``, and ``||L E R||_F / 8`` estimates
+``||E||_F`` (E[(l^T E r)^2] = ||E||_F^2 for each of the 64 entries); rounding errors give about u/sqrt(3), well
+inside the bound. Any change larger than about 2u relative (0.8% of ||W||_F for bfloat16, 0.1% for float16) is
+refused: another model, another revision or a fine-tune. Smaller changes are invisible after rounding anyway.
+
+The reference sketch comes from the adapter (recorded when the adapter was created on verified weights) or, when
+there is none, from the bundle's source checkpoint (read once, its fingerprint checked against the bundle). If
+neither is available the rounded model is refused with a message saying how to proceed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plate_inspect.checkpoint import FLOAT_DTYPES, fingerprint_tensor
+from plate_inspect.errors import BundleError, PlateInspectError
+
+SKETCH_SIZE = 8
+SKETCH_SEED = 20240917
+TOLERANCE_UNITS = 2.0  # allowed ||E||_F / ||W||_F in units of the model dtype's unit roundoff
+
+
+@dataclass(frozen=True)
+class WeightSketch:
+    """L W R of an oriented [d_out, d_in] weight (float64), with ||W||_F: a dtype-tolerant identity."""
+
+    values: tuple[tuple[float, ...], ...]
+    fro: float
+    seed: int = SKETCH_SEED
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seed": self.seed, "fro": self.fro, "values": [list(v) for v in self.values]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WeightSketch:
+        return cls(tuple(tuple(float(x) for x in row) for row in d["values"]), float(d["fro"]), int(d["seed"]))
+
+
+def full_weight(module: nn.Module) -> torch.Tensor:
+    """The module's weight as one local tensor (gathers an FSDP2 / DTensor-sharded parameter)."""
+    w = module.weight.detach()
+    return w.full_tensor() if hasattr(w, "full_tensor") else w
+
+
+def oriented(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """[d_out, d_in] view of a stored weight (GPT-2 Conv1D stores [d_in, d_out])."""
+    return w.t() if layout == "conv1d" else w
+
+
+def sketch_weight(w: torch.Tensor, seed: int = SKETCH_SEED, block_rows: int = 4096) -> WeightSketch:
+    """The seeded sketch L W R (float64) of an oriented [d_out, d_in] weight, read in row blocks."""
+    d_out, d_in = w.shape
+    g = torch.Generator().manual_seed(seed)
+    left = torch.randn(SKETCH_SIZE, d_out, generator=g, dtype=torch.float64)
+    right = torch.randn(d_in, SKETCH_SIZE, generator=g, dtype=torch.float64)
+    s = torch.zeros(SKETCH_SIZE, SKETCH_SIZE, dtype=torch.float64)
+    fro2 = 0.0
+    for i in range(0, d_out, block_rows):
+        blk = w[i : i + block_rows].detach().to("cpu", torch.float64)
+        s += left[:, i : i + block_rows] @ (blk @ right)
+        fro2 += float(blk.square().sum())
+    return WeightSketch(tuple(tuple(row) for row in s.tolist()), math.sqrt(fro2), seed)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = eps / 2 of a floating dtype (float32: 2^-24, bfloat16: 2^-8, float16: 2^-11)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def sketch_distance(model: WeightSketch, ref: WeightSketch) -> float:
+    """||S_model - S_ref||_F / (sqrt(#entries) ||W_ref||_F): an estimate of ||W_model - W_ref||_F / ||W_ref||_F."""
+    a, b = torch.tensor(model.values, dtype=torch.float64), torch.tensor(ref.values, dtype=torch.float64)
+    return float((a - b).norm()) / (math.sqrt(a.numel()) * max(ref.fro, 1e-300))
+
+
+def weight_fingerprint(w: torch.Tensor, stored_dtype: str) -> str:
+    """Fingerprint of a weight in the checkpoint's stored dtype (an upcast model still matches)."""
+    dt = FLOAT_DTYPES.get(stored_dtype)
+    if dt is not None and w.dtype != dt:
+        w = w.to(dt)
+    return fingerprint_tensor(w)
+
+
+def source_reference(bundle: Any, name: str) -> WeightSketch | None:
+    """The sketch of module ``name``'s weight read from the bundle's source checkpoint, if it is here and unchanged."""
+    from plate_inspect.checkpoint import Checkpoint
+
+    src = bundle.manifest.source or {}
+    record = bundle.record(name)
+    try:
+        if src.get("kind") == "local":
+            if not Path(src["id"]).exists():
+                return None
+            ckpt = Checkpoint.open(src["id"])
+        elif src.get("kind") == "hub":
+            ckpt = Checkpoint.open(src["id"], revision=src.get("commit") or src.get("revision"), offline=True)
+        else:
+            return None
+        w, fp = ckpt.read_weight(f"{name}.weight")
+    except (PlateInspectError, OSError, KeyError):
+        return None
+    if fp != record.fingerprint:
+        return None
+    return sketch_weight(oriented(w, record.layout))
+
+
+def check_weight(
+    module: nn.Module,
+    name: str,
+    record: Any,
+    layout: str,
+    reference: WeightSketch | None = None,
+    bundle: Any = None,
+) -> WeightSketch:
+    """Refuse (BundleError) a weight that is neither the bundle's nor a rounded copy of it; return its reference sketch.
+
+    The returned sketch is the one to record in an adapter: of the model's weight when it matched exactly, else the
+    reference it was compared with.
+    """
+    w = full_weight(module)
+    if weight_fingerprint(w, record.dtype) == record.fingerprint:
+        return reference or sketch_weight(oriented(w, layout))
+    stored = FLOAT_DTYPES.get(record.dtype)
+    refused = (
+        f"module '{name}': weight fingerprint differs from the bundle's ({record.fingerprint[:19]}...): the bundle "
+        "was made for other weights; rescan this checkpoint (plate-inspect scan) or load the right one"
+    )
+    if stored is None or not w.is_floating_point() or unit_roundoff(w.dtype) <= unit_roundoff(stored):
+        raise BundleError(refused)
+    if reference is None and bundle is not None:
+        reference = source_reference(bundle, name)
+    if reference is None:
+        raise BundleError(
+            f"module '{name}': the model holds {str(w.dtype).removeprefix('torch.')} weights but the bundle was made "
+            f"for {record.dtype} ones, and neither an adapter nor the bundle's source checkpoint is here to check "
+            "the rounded copy against; load the model in its stored dtype for get_peft_model/apply_bundle (cast it "
+            "afterwards), or keep the source checkpoint where the bundle recorded it"
+        )
+    distance = sketch_distance(sketch_weight(oriented(w, layout)), reference)
+    limit = TOLERANCE_UNITS * unit_roundoff(w.dtype)
+    if not distance <= limit:
+        raise BundleError(
+            f"{refused} (a {str(w.dtype).removeprefix('torch.')} copy of the bundle's weights would differ by at "
+            f"most {limit:.1e} relative; this one differs by about {distance:.1e})"
+        )
+    return reference

@@ -1,0 +1,125 @@
+"""Adapters survive a cast of the base model (bf16/fp16 rounded copies pass), other weights are still refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_train import BACKBONE, digits_bundle, digits_checkpoint, load_digits, randomize_adapters
+from peft import PeftModel, get_peft_model
+
+from plate_inspect.bundle import Bundle
+from plate_inspect.errors import BundleError
+from plate_inspect.train.core import geometry_digest
+from plate_inspect.train.layer import apply_bundle, load_adapter, plate_layers, save_adapter
+from plate_inspect.train.peft import PlateConfig
+from plate_inspect.train.weightcheck import sketch_distance, sketch_weight, unit_roundoff
+
+
+@pytest.fixture(scope="module")
+def fp32_setup(tmp_path_factory):
+    """A float32 digits checkpoint and its bundle (the bundle records the checkpoint's path as its source)."""
+    root = tmp_path_factory.mktemp("weightcheck")
+    _, ckpt = digits_checkpoint(root / "ckpt", seed=0)
+    bundle = digits_bundle(ckpt, root / "bundle", r=16, tau=0.8)
+    other, _ = digits_checkpoint(root / "other", seed=3)
+    return root, ckpt, bundle, other
+
+
+def _without_source(bundle: Bundle, where: Path) -> Bundle:
+    """A copy of the bundle whose recorded source checkpoint no longer exists (moved, other machine)."""
+    shutil.copytree(bundle.path, where)
+    manifest = json.loads((where / "manifest.json").read_text())
+    manifest["source"] = {"kind": "local", "id": str(where.parent / "gone" / "model.safetensors")}
+    (where / "manifest.json").write_text(json.dumps(manifest))
+    return Bundle.load(where)
+
+
+def test_sketch_estimates_the_relative_change_against_a_dense_oracle():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 80, generator=g, dtype=torch.float64)
+    ref = sketch_weight(w)
+    rounded = w.to(torch.bfloat16).double()
+    exact = float((rounded - w).norm() / w.norm())  # dense oracle of ||E||_F / ||W||_F
+    est = sketch_distance(sketch_weight(rounded), ref)
+    assert 0.4 * exact < est < 2.5 * exact
+    assert est <= 2 * unit_roundoff(torch.bfloat16)
+    planted = w + 0.01 * w.norm() / (96 * 80) ** 0.5 * torch.randn(96, 80, generator=g, dtype=torch.float64)
+    est = sketch_distance(sketch_weight(planted), ref)
+    assert 0.004 < est < 0.025  # a 1% relative change is seen as about 1%
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_apply_bundle_accepts_a_cast_model_and_refuses_other_weights(fp32_setup, dtype):
+    _, ckpt, bundle, other = fp32_setup
+    model = load_digits(ckpt).to(dtype)
+    apply_bundle(model, bundle)  # reference sketch read from the bundle's source checkpoint
+    assert set(plate_layers(model)) == set(BACKBONE)
+    for m in BACKBONE:  # the geometry digest is the bundle's, whatever dtype the layer holds Q in
+        assert plate_layers(model)[m].geometry_digest == geometry_digest(bundle.b_idx(m), bundle.q(m))
+    with pytest.raises(BundleError, match="fingerprint"):
+        apply_bundle(copy.deepcopy(other).to(dtype), bundle)
+    # a fine-tune-like change of 3% relative, then cast: refused (rounding alone moves < 2u = 0.8% for bf16)
+    changed = load_digits(ckpt)
+    with torch.no_grad():
+        w = changed.fc2.weight
+        w.add_(0.03 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+    with pytest.raises(BundleError, match="module 'fc2'.*differs by about"):
+        apply_bundle(changed.to(dtype), bundle)
+    # the exact check stays exact in the stored dtype: a tiny change of a float32 model is refused
+    tiny = load_digits(ckpt)
+    with torch.no_grad():
+        tiny.fc1.weight[0, 0] += 1e-6
+    with pytest.raises(BundleError, match="module 'fc1'.*fingerprint"):
+        apply_bundle(tiny, bundle)
+
+
+def test_saved_adapter_loads_into_a_cast_model_without_the_source(fp32_setup, tmp_path):
+    _, ckpt, bundle, other = fp32_setup
+    bundle = _without_source(bundle, tmp_path / "bundle")
+    model = load_digits(ckpt)
+    randomize_adapters(apply_bundle(model, bundle), seed=2, scale=0.1)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    out = model(x).detach()
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    with pytest.raises(BundleError, match="neither an adapter nor the bundle's source"):
+        apply_bundle(load_digits(ckpt).to(torch.bfloat16), bundle)
+    cast = load_digits(ckpt).to(torch.bfloat16)
+    load_adapter(cast, path)  # reference sketch from the adapter
+    torch.testing.assert_close(cast(x.bfloat16()).float(), out, rtol=0.05, atol=0.05)
+    with pytest.raises(BundleError, match="fingerprint"):
+        load_adapter(copy.deepcopy(other).to(torch.bfloat16), path)
+
+
+def test_adapter_digest_does_not_depend_on_q_in_memory_dtype(fp32_setup, tmp_path):
+    _, ckpt, bundle, _ = fp32_setup
+    model = load_digits(ckpt)
+    randomize_adapters(apply_bundle(model, bundle), seed=5, scale=0.1)
+    model.to(torch.bfloat16)  # rounds A, Q and the weights in memory
+    assert plate_layers(model)["fc1"].plate_Q.dtype == torch.bfloat16
+    path = save_adapter(model, tmp_path / "adapter_bf16.safetensors")
+    fresh = load_digits(ckpt)
+    load_adapter(fresh, path)  # float32 model, float32 Q from the bundle: same digests
+    q16 = bundle.q("fc1").to(torch.bfloat16)
+    assert geometry_digest(bundle.b_idx("fc1"), q16) == geometry_digest(bundle.b_idx("fc1"), q16.float())
+
+
+def test_peft_get_peft_model_and_from_pretrained_on_a_cast_model(fp32_setup, tmp_path):
+    _, ckpt, bundle, other = fp32_setup
+    pm = get_peft_model(load_digits(ckpt).to(torch.bfloat16), PlateConfig(bundle=str(bundle.path)))
+    assert sum(p.numel() for p in pm.parameters() if p.requires_grad) == sum(rec.r * rec.k for rec in bundle)
+    bundle = _without_source(bundle, tmp_path / "bundle")
+    pm32 = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path)))
+    randomize_adapters([p for p in pm32.parameters() if p.requires_grad], seed=6, scale=0.1)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
+    out = pm32(x).detach()
+    pm32.save_pretrained(tmp_path / "peft_adapter")
+    cast = load_digits(ckpt).to(torch.bfloat16)
+    loaded = PeftModel.from_pretrained(cast, tmp_path / "peft_adapter")  # reference sketch from adapter_config.json
+    torch.testing.assert_close(loaded(x.bfloat16()).float(), out, rtol=0.05, atol=0.05)
+    with pytest.raises(BundleError, match="fingerprint"):
+        PeftModel.from_pretrained(copy.deepcopy(other).to(torch.bfloat16), tmp_path / "peft_adapter")
