@@ -382,7 +382,7 @@ class PlateUpdate(UpdateSource):
         self.description = f"PLATE adapter {self.path} ({len(self.a_by_name)} modules, rho={self.rho:g})"
 
     def bind(self, base: Checkpoint) -> list[str]:
-        from plate_inspect.train.layer import plate_digest
+        from plate_inspect.train.core import geometry_digest
 
         if self.bundle is None:
             raise BundleError(f"{self.path}: the adapter's bundle is not found; pass --bundle with the bundle it used")
@@ -390,9 +390,8 @@ class PlateUpdate(UpdateSource):
         self.a_by_name = {to_bundle[n]: a for n, a in self.a_by_name.items()}
         for name in self.a_by_name if self.digests else []:
             b_idx, k = self.bundle.b_idx(name), self.a_by_name[name].shape[-1]
-            qs = (self.bundle.q(name), self.bundle.q(name, dtype=None))  # as trained: float32, or as stored
-            known = {plate_digest(b_idx, q[:, :k].contiguous()) for q in qs}  # a plan trains a prefix Q[:, :k]
-            if self.digests.get(name) not in known:  # Q as trained: float32 (apply_bundle's default) or as stored
+            # the digest does not depend on Q's dtype; a plan trains the prefix Q[:, :k]
+            if self.digests.get(name) != geometry_digest(b_idx, self.bundle.q(name)[:, :k].contiguous()):
                 raise BundleError(f"{self.path}: module '{name}' was trained with another bundle (B/Q digest differs)")
         available = [n[: -len(".weight")] for n in base.tensors if n.endswith(".weight")]
         found = resolve_names(list(self.a_by_name), available, str(self.path))

@@ -26,6 +26,7 @@ from plate_inspect.audit import (
 from plate_inspect.cli.main import cli
 from plate_inspect.errors import BundleError, CheckpointError
 from plate_inspect.testing.synthetic import structured_weight, write_gpt2, write_llama_like
+from plate_inspect.train.core import dense_delta
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -364,14 +365,20 @@ def test_plate_adapter_trained_on_a_plan_prefix(tmp_path):
 
     model, ckpt = digits_checkpoint(tmp_path / "ckpt")
     bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
-    apply_bundle(model, bundle, rho=0.5)
+    plan = {
+        "format": "plate-plan",
+        "format_version": 1,
+        "bundle": {"identity": bundle.manifest.identity},
+        "modules": {name: {"k": max(1, bundle.record(name).k // 2)} for name in bundle.modules},
+    }
+    apply_bundle(model, bundle, rho=0.5, plan=plan)
     g = torch.Generator().manual_seed(3)
     dense = {}
     for layer in plate_layers(model).values():
-        k = max(1, layer.k // 2)
-        layer.plate_Q = layer.plate_Q[:, :k].contiguous()
-        layer.plate_A = torch.nn.Parameter(torch.randn(layer.r, k, generator=g))
-        dense[layer.bundle_name] = layer.delta_weight().double().numpy()
+        assert layer.k == plan["modules"][layer.bundle_name]["k"]
+        layer.plate_A = torch.nn.Parameter(torch.randn(layer.r, layer.k, generator=g))
+        delta = dense_delta(layer.plate_B_idx, layer.plate_A, layer.plate_Q, layer.rho, layer.d_out)
+        dense[layer.bundle_name] = delta.double().numpy()
     adapter = save_adapter(model, tmp_path / "adapter.safetensors")
     for rec in audit(ckpt.parent, adapter, tau=0.8, precision="float64"):
         assert rec.delta_norm == pytest.approx(float(np.linalg.norm(dense[rec.module])), rel=1e-6)
@@ -381,7 +388,8 @@ def test_plate_adapter_trained_on_a_plan_prefix(tmp_path):
 @pytest.mark.parametrize("rslora", [False, True])
 def test_real_peft_lora_dir_matches_its_merged_weights(tmp_path, rslora):
     """A LoRA adapter saved by peft itself: its audit equals the audit of peft's merge_and_unload weights."""
-    peft = pytest.importorskip("peft")
+    import peft
+
     model, ckpt = digits_checkpoint(tmp_path / "ckpt")
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=BACKBONE, use_rslora=rslora, rank_pattern={"fc2": 2})
     pm = peft.get_peft_model(model, cfg)

@@ -40,7 +40,8 @@ COUNTS = {"num_pl_spikes": "num_pl_spikes", "num_spikes": "num_spikes"}
 
 def weightwatcher_frame(weights: list[np.ndarray]):
     """weightwatcher.analyze (mp_fit=True) on a model made of Linear layers holding these weights."""
-    ww = pytest.importorskip("weightwatcher")
+    import weightwatcher as ww
+
     logging.getLogger("weightwatcher").setLevel(logging.ERROR)
     model = nn.Sequential()
     for i, w in enumerate(weights):

@@ -154,7 +154,7 @@ def test_plan_on_bundle_respects_budget_and_writes_format(bundle, tmp_path):
     plan = plan_budget(b, "lora:1")
     data = plan.to_json()
     assert data["format"] == PLAN_FORMAT and data["format_version"] == 1
-    assert data["bundle"] == {"identity": b.manifest.source_signature, "path": str(b.path.resolve())}
+    assert data["bundle"] == {"identity": b.manifest.identity, "path": str(b.path.resolve())}
     assert data["objective"] == "minimax" and set(data["modules"]) == set(b.modules)
     # a generous budget stops at the bundle's Q: every module at its bundle k, flagged
     big = plan_budget(b, "1e9").to_json()

@@ -23,7 +23,7 @@ def setup(tmp_path_factory):
 
 
 def _plan(bundle, ks: dict[str, int]) -> dict:
-    identity = {"identity": bundle.manifest.source_signature}
+    identity = {"identity": bundle.manifest.identity}
     return {
         "format": "plate-plan",
         "format_version": 1,

@@ -191,7 +191,7 @@ def load_plan(plan: dict[str, Any] | str | os.PathLike | None, bundle: Bundle) -
     if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("format_version") != 1:
         raise ConfigError(f"{where}: not a plate-plan version 1 (format {plan.get('format')!r})")
     identity = (plan.get("bundle") or {}).get("identity")
-    accepted = {bundle.manifest.source_signature, getattr(bundle.manifest, "identity", None)} - {None, ""}
+    accepted = {bundle.manifest.identity, bundle.manifest.source_signature} - {None, ""}
     if identity not in accepted:
         raise ConfigError(
             f"{where}: the plan was made for bundle {str(identity)[:24]!r}, not {bundle.path} "
@@ -399,7 +399,7 @@ def adapter_plan(meta: dict[str, Any], bundle: Bundle) -> dict[str, Any] | None:
     smaller = {n: {"k": int(k)} for n, k in meta["k"].items() if n in bundle and int(k) != bundle.record(n).k}
     if not smaller:
         return None
-    identity = {"identity": bundle.manifest.source_signature}
+    identity = {"identity": bundle.manifest.identity or bundle.manifest.source_signature}
     return {"format": PLAN_FORMAT, "format_version": 1, "bundle": identity, "modules": smaller}
 
 
