@@ -90,8 +90,8 @@ def rich_table(rows: list[dict[str, Any]], title: str):
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """All rows as a Markdown table (mean ± 95% CI over seeds)."""
     lines = [
-        "| steps | method | budget | trainable | % backbone | seeds | task-1 before (%) | forgetting (pts) | task-2 (%) "
-        "| sym. KL |",
+        "| steps | method | budget | trainable | % backbone | seeds | task-1 before (%) | forgetting (pts) "
+        "| task-2 (%) | sym. KL |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in _ordered(rows):
@@ -150,7 +150,8 @@ SENSITIVITY_HEADERS = ("steps", "method", "budget", "forgetting (pts)", "task-2 
 
 
 def _md(headers: tuple[str, ...], body: list[list[str]]) -> str:
-    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)] + ["| " + " | ".join(c) + " |" for c in body])
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in body])
 
 
 def markdown_report(rows: list[dict[str, Any]]) -> str:
@@ -197,7 +198,9 @@ def frontier_figure(rows: list[dict[str, Any]], steps: int, title: str):
         )
     fig.update_xaxes(title_text="task-1 forgetting (accuracy points lost; lower is better)")
     fig.update_yaxes(title_text="task-2 test accuracy (%)")
-    fig.update_layout(title=f"{title}: plasticity-retention frontier, {steps} stage-2 steps (mean ± 95% CI)", height=640)
+    fig.update_layout(
+        title=f"{title}: plasticity-retention frontier, {steps} stage-2 steps (mean ± 95% CI)", height=640
+    )
     return fig
 
 

@@ -128,7 +128,8 @@ def run_method(
             ckpt = work / f"merged_t{t}.safetensors"
             digits.save_model(merged, ckpt)
         evaluated = digits.load_model(ckpt)
-        accs += [(t, j, digits.accuracy(evaluated, tasks[j - 1].x_test, tasks[j - 1].y_test, j)) for j in range(1, t + 1)]
+        for j in range(1, t + 1):
+            accs.append((t, j, digits.accuracy(evaluated, tasks[j - 1].x_test, tasks[j - 1].y_test, j)))
     return accs, n_train
 
 
