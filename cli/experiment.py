@@ -115,7 +115,9 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
 @click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
 @click.option("--methods", default="plate,lora,osf", show_default=True, help="Any of plate, lora, osf.")
 @click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True, help="Seeds 0..K-1.")
-@click.option("--steps", type=click.IntRange(min=1), default=2400, show_default=True, help="Adam steps per task.")
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=950, show_default=True, help="Adam steps per task (10 MNIST epochs)."
+)
 @click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def sequential_command(out, data, methods, seeds, steps, data_root, no_progress):

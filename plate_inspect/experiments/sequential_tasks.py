@@ -32,6 +32,7 @@ from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLA
 
 SEQUENTIAL_METHODS = ("plate", "lora", "osf")
 N_TASKS = 4
+PAPER_PAIR_STEPS = 950  # 10 epochs of a ~12,000-image MNIST digit pair at batch 128 (the paper's binary tasks)
 
 
 @dataclass
@@ -137,7 +138,7 @@ def run_sequential(
     out: str | os.PathLike,
     methods: list[str] | tuple[str, ...] = SEQUENTIAL_METHODS,
     seeds: int = 3,
-    steps: int = 2400,
+    steps: int = PAPER_PAIR_STEPS,
     data: str = "digits",
     data_root: str | os.PathLike | None = None,
     on_run: digits.Progress | None = None,
