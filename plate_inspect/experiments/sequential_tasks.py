@@ -137,7 +137,7 @@ def run_method(
 def run_sequential(
     out: str | os.PathLike,
     methods: list[str] | tuple[str, ...] = SEQUENTIAL_METHODS,
-    seeds: int = 3,
+    seeds: int | list[int] = 3,
     steps: int = PAPER_PAIR_STEPS,
     data: str = "digits",
     data_root: str | os.PathLike | None = None,
@@ -147,7 +147,10 @@ def run_sequential(
     lora_rank: int = 1,
     osf_n: int = 1,
 ) -> SequentialResult:
-    """Run the four-task protocol for every method and seed; write OUT/sequential.json."""
+    """Run the four-task protocol for every method and seed (a count -> 0..K-1, or a list); write OUT/sequential.json.
+
+    The file is rewritten after every (seed, method), so an interrupted run keeps what finished.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)
@@ -155,7 +158,7 @@ def run_sequential(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for seed in range(seeds):
+        for seed in range(seeds) if isinstance(seeds, int) else seeds:
             seed_dir = out / f"seed{seed}"
             seed_dir.mkdir(parents=True, exist_ok=True)
             model = digits.train_stage1(tasks[0], seed, steps=steps, n_tasks=N_TASKS)
@@ -167,18 +170,23 @@ def run_sequential(
                 accs, n_train = run_method(method, tasks, ckpt, seed_dir / method, seed, steps, r, tau, size)
                 for t, j, acc in [(1, 1, acc1), *accs]:
                     result.records.append(SequentialRecord(method, seed, data, steps, t, j, acc, n_train))
+                _write_sequential(result, methods, {"r": r, "tau": tau, "lora_rank": lora_rank, "osf_n": osf_n})
                 if on_run is not None:
                     on_run(f"seed {seed}: {method}")
     finally:
         torch.set_num_threads(threads)
+    return result
+
+
+def _write_sequential(result: SequentialResult, methods, settings: dict[str, Any]) -> None:
+    steps = result.records[0].steps if result.records else None
     payload: dict[str, Any] = {
         "protocol": "2v3 -> 4v5 -> 6v7 -> 8v9, merge after each task (PLATE: merge + rescan)",
-        "settings": {"r": r, "tau": tau, "rho": PLATE_RHO, "lora_rank": lora_rank, "osf_n": osf_n, "steps": steps},
+        "settings": {**settings, "rho": PLATE_RHO, "steps": steps},
         "records": [asdict(r) for r in result.records],
         "matrices": {m: result.matrix(m) for m in methods},
     }
     result.path.write_text(json.dumps(payload, indent=2) + "\n")
-    return result
 
 
 def print_matrix(result: SequentialResult, console: Any) -> None:
