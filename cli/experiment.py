@@ -106,7 +106,7 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
     bar, on_run = _progress_bar("continual", len(plan(settings, list(range(seeds)))), no_progress)
     with bar:
         result = run_continual(out, seeds=seeds, settings=settings, on_run=on_run)
-    console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, {seeds} seed(s), mean ± 95% CI"))
+    console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, mean ± 95% CI over seeds"))
     err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
 
 

@@ -292,7 +292,7 @@ def write_outputs(out: Path, records: list[RunRecord], s: ContinualSettings, con
     html = write_html(rows, out / "continual.html", title=f"{s.data}: classes 0-4 -> 5-9")
     if console is not None:
         seeds = sorted({r.seed for r in records})
-        console.print(rich_table(rows, title=f"{s.data} 0-4 -> 5-9, {len(seeds)} seed(s), mean ± 95% CI"))
+        console.print(rich_table(rows, title=f"{s.data} 0-4 -> 5-9, seeds {seeds}, mean ± 95% CI"))
     return ContinualResult(records, results_json, html, s, rows)
 
 

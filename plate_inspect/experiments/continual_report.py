@@ -65,7 +65,7 @@ def rich_table(rows: list[dict[str, Any]], title: str):
     from rich.table import Table
 
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
-    headers = ("steps", "method", "budget", "trainable", "%", "forgetting", "task-2", "sym. KL")
+    headers = ("steps", "method", "budget", "trainable", "%", "seeds", "forgetting", "task-2", "sym. KL")
     cells = [
         [
             str(r["steps"]),
@@ -73,6 +73,7 @@ def rich_table(rows: list[dict[str, Any]], title: str):
             r["budget"],
             f"{r['trainable_params']:,}",
             f"{r['trainable_pct']:.2f}",
+            str(r["seeds"]),
             _pm(r, "forgetting", ".2f"),
             _pm(r, "task2_acc", ".2f"),
             _pm(r, "kl_task1", ".4f"),
