@@ -1,8 +1,7 @@
-"""``experiment``: reproducible experiments from the paper (``experiment continual``)."""
+"""``experiment``: reproducible experiments from the paper (``continual``, ``sequential``)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -16,44 +15,135 @@ def experiment_group() -> None:
 
     \b
     Examples:
-      plate-inspect experiment continual --out runs/continual --seeds 5
+      plate-inspect experiment continual --out runs/continual --seeds 10
       plate-inspect experiment continual --out /tmp/cq --quick
+      plate-inspect experiment sequential --out runs/seq --seeds 3
     """
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    from plate_inspect.errors import ConfigError
+
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{what} must be positive integers, got '{text}'")
+    return values
+
+
+def _progress_bar(label: str, total: int, quiet: bool):
+    """A rich progress bar and the one-argument callback (label of what finished) that advances it."""
+    from contextlib import nullcontext
+
+    if quiet:
+        return nullcontext(), None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn(f"[bold]{label}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=err_console,
+    )
+    task = bar.add_task("", total=total)
+    return bar, lambda d: bar.update(task, advance=1, description=d)
 
 
 @experiment_group.command("continual")
 @click.option("--out", "-o", type=click.Path(path_type=Path), required=True, help="Output directory.")
-@click.option("--seeds", type=click.IntRange(min=1), default=5, show_default=True, help="Seeds 0..K-1.")
-@click.option("--quick", is_flag=True, help="1 seed, 10/10 epochs, one config per method (CI smoke run).")
-@click.option("--epochs1", type=click.IntRange(min=1), default=None, help="Stage-1 epochs [30; quick: 10].")
-@click.option("--epochs2", type=click.IntRange(min=1), default=None, help="Stage-2 epochs [30; quick: 10].")
+@click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
+@click.option("--methods", default=None, help="Comma-separated methods [all]; see below.")
+@click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True, help="Seeds 0..K-1.")
+@click.option("--steps", default="2400", show_default=True, help="Stage-2 Adam steps; a list runs each.")
+@click.option("--stage1-steps", type=click.IntRange(min=1), default=2400, show_default=True)
+@click.option("--quick", is_flag=True, help="1 seed, 180 + 60 steps, one budget per method (smoke run).")
+@click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
+@click.option("--report-only", is_flag=True, help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def continual_command(out, seeds, quick, epochs1, epochs2, no_progress):
-    """Two-task continual learning on scikit-learn's digits (0-4 then 5-9).
+def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, data_root, report_only, no_progress):
+    """Two-task continual learning: classes 0-4, then 5-9, every method at matched budgets.
 
-    Stage 1 trains the 64-256-256-256 MLP and head 1 on digits 0-4, saves it as safetensors and scans it into PLATE
-    bundles. Stage 2 trains on digits 5-9 with Full FT, LoRA (peft; r 1/8/16/32/64, alpha/r 0.5), PLATE (r 32/64/128,
-    tau 0.6/0.8/0.9, rho 0.5) and five matched-capacity ablations (r 32, tau 0.9). Writes OUT/results.json,
-    OUT/summary.md and OUT/continual.html (self-contained plotly figure), and prints mean ± std over seeds.
+    Stage 1 trains the d_in-256-256-256 MLP and head 1 on task 1 for --stage1-steps Adam steps (lr 1e-3, batch
+    128) and saves it as safetensors. Stage 2 restores it per method and budget, freezes head 1 and trains the
+    method + head 2 on task 2 for --steps steps (the paper's MNIST protocol is 10 + 10 epochs, ~2,400 steps per
+    task). Methods: full_ft, l2_init, lora, o_lora, pissa, mica, osf, corda (data-using), plate, plate_random_b,
+    plate_least_redundant_b, plate_random_q, plate_high_energy_q, plate_random_bq. Writes OUT/results.json (one
+    record per run), OUT/runs.jsonl (resumable), OUT/summary.md and OUT/continual.html (frontier, ablation table,
+    step sensitivity).
 
     \b
     Examples:
-      plate-inspect experiment continual --out runs/continual --seeds 10
-      plate-inspect experiment continual --out /tmp/cq --quick
-      plate-inspect experiment continual --out runs/paper-epochs --epochs1 10 --epochs2 10
+      plate-inspect experiment continual --out runs/digits --seeds 10
+      plate-inspect experiment continual --out runs/fm --data fashion-mnist --seeds 3 --methods full_ft,lora,osf,plate
+      plate-inspect experiment continual --out runs/steps --steps 60,300,1200,2400 --methods full_ft,lora,plate
     """
-    from plate_inspect.experiments.continual import ContinualSettings, run_continual
-
-    settings = ContinualSettings.quick() if quick else ContinualSettings()
-    if epochs1:
-        settings = replace(settings, epochs1=epochs1)
-    if epochs2:
-        settings = replace(settings, epochs2=epochs2)
-    result = run_continual(
-        out,
-        seeds=1 if quick else seeds,
-        settings=settings,
-        console=console,
-        progress=not no_progress,
+    from plate_inspect.experiments.continual import (
+        ContinualSettings,
+        plan,
+        records_from_dir,
+        run_continual,
+        write_outputs,
     )
+    from plate_inspect.experiments.continual_report import rich_table
+    from plate_inspect.experiments.methods import METHODS, parse_methods
+
+    if report_only:
+        records, settings = records_from_dir(out)
+        result = write_outputs(out, records, settings, console=console)
+        err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
+        return
+    names = tuple(parse_methods(methods)) if methods else METHODS
+    common = {"data": data, "methods": names, "data_root": str(data_root) if data_root else None}
+    if quick:
+        settings = ContinualSettings.quick(**common)
+        seeds = 1
+    else:
+        settings = ContinualSettings(steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, **common)
+    bar, on_run = _progress_bar("continual", len(plan(settings, list(range(seeds)))), no_progress)
+    with bar:
+        result = run_continual(out, seeds=seeds, settings=settings, on_run=on_run)
+    console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, mean ± 95% CI over seeds"))
     err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
+
+
+@experiment_group.command("sequential")
+@click.option("--out", "-o", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
+@click.option("--methods", default="plate,lora,osf", show_default=True, help="Any of plate, lora, osf.")
+@click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True, help="Seeds 0..K-1.")
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=950, show_default=True, help="Adam steps per task (10 MNIST epochs)."
+)
+@click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def sequential_command(out, data, methods, seeds, steps, data_root, no_progress):
+    """The paper's four-task sequential protocol: 2v3 -> 4v5 -> 6v7 -> 8v9, merge (+ rescan) after each task.
+
+    Task 1 trains the backbone and head 1 from scratch; tasks 2-4 train only the method's adapter and the task's
+    head, then merge it into the backbone: PLATE (r 8, tau 0.98) through save_adapter + sequential_step (merge and
+    rescan, fresh B and Q per task), LoRA (r 1, matched to PLATE's budget) and OSF (n 1) through PEFT's
+    merge_and_unload. After every merge each earlier task is evaluated with its own head. Writes
+    OUT/sequential.json and prints the accuracy matrix (mean over seeds).
+
+    \b
+    Examples:
+      plate-inspect experiment sequential --out runs/seq --seeds 3
+    """
+    from plate_inspect.experiments.methods import parse_methods
+    from plate_inspect.experiments.sequential_tasks import SEQUENTIAL_METHODS, print_matrix, run_sequential
+
+    names = parse_methods(methods)
+    from plate_inspect.errors import ConfigError
+
+    bad = [m for m in names if m not in SEQUENTIAL_METHODS]
+    if bad:
+        raise ConfigError(f"sequential: method '{bad[0]}' not supported; choose from {', '.join(SEQUENTIAL_METHODS)}")
+    bar, on_run = _progress_bar("sequential", seeds * len(names), no_progress)
+    with bar:
+        result = run_sequential(out, names, seeds=seeds, steps=steps, data=data, data_root=data_root, on_run=on_run)
+    print_matrix(result, console)
+    err_console.print(f"results: {result.path}")

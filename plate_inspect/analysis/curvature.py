@@ -567,38 +567,20 @@ def digits_stage1(
     """Train the digits MLP on task 1, save it as safetensors, scan fc1/fc2/fc3 into a PLATE bundle."""
     from pathlib import Path
 
-    from safetensors.torch import save_file
-
     from plate_inspect.experiments import digits
     from plate_inspect.scanner import scan
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     task1, _ = digits.load_digit_tasks()
-    torch.manual_seed(seed)
-    model = digits.DigitsMLP()
-    params = [p for n, p in model.named_parameters() if not n.startswith("head2")]
-    digits.train(model, params, task1, task_id=1, epochs=epochs, seed=seed)
+    model = digits.train_stage1(task1, seed=seed, epochs=epochs)
     ckpt = out_dir / "digits_task1.safetensors"
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(ckpt))
+    digits.save_model(model, ckpt)
     bundle = scan(
-        ckpt, out_dir / "bundle", r=r, tau=tau, max_rank=max_rank, target_modules=["fc1", "fc2", "fc3"], overwrite=True
+        ckpt, out_dir / "bundle", r=r, tau=tau, max_rank=max_rank, target_modules=list(digits.BACKBONE), overwrite=True
     )
     acc = digits.accuracy(model, task1.x_test, task1.y_test, task_id=1)
     return DigitsSetup(model, ckpt, bundle, task1, acc)
-
-
-BACKBONE = ("fc1", "fc2", "fc3")
-
-
-def digits_families(
-    model: nn.Module, bundle: Any, lora_rank: int = 8, seed: int = 0, variants: Sequence[str] = PLATE_VARIANTS
-) -> list[UpdateFamily]:
-    """Full backbone, LoRA rank-r tangent space, PLATE and its ablations on fc1/fc2/fc3 of the digits MLP."""
-    full = full_family(model, [f"{m}.{p}" for m in BACKBONE for p in ("weight", "bias")], name="full_backbone")
-    fams = [full, lora_family(model, BACKBONE, lora_rank, seed=seed)]
-    fams += [plate_family(model, bundle, variant=v, seed=seed, modules=list(BACKBONE)) for v in variants]
-    return fams
 
 
 def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,55 +1,103 @@
-"""The digits continual-learning setup shared by the benchmark and the analyses.
+"""The continual-learning setup shared by the benchmark, the analyses and the tests: tasks, the MLP, the trainer.
 
-scikit-learn's digits (8x8 images, shipped with the package: no download), task 1 = digits 0-4, task 2 =
-digits 5-9, a fixed stratified train/test split, and the paper's 3-layer ReLU MLP backbone
-(64 -> 256 -> 256 -> 256, modules ``fc1``, ``fc2``, ``fc3``) with one 256 -> 5 head per task.
+Data: scikit-learn's digits (8x8 images, shipped with the package: no download) or Fashion-MNIST (28x28, read from
+Debian's ``dataset-fashion-mnist`` files, :mod:`plate_inspect.experiments.fashion_mnist`); task 1 = classes 0-4,
+task 2 = classes 5-9. Model: the paper's 3-layer ReLU MLP backbone (d_in -> 256 -> 256 -> 256, modules ``fc1``,
+``fc2``, ``fc3``) with one 256 -> n_classes head per task (``head1``, ``head2``, ...). :func:`train` is the one
+minibatch-Adam loop and :func:`train_stage1` the one stage-1 trainer every caller uses.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from plate_inspect.errors import ConfigError
+
+DATA_SETS = ("digits", "fashion-mnist")
+BACKBONE = ("fc1", "fc2", "fc3")
+Progress = Callable[[str], None]  # the one progress-callback style of the experiments: called with what just finished
+
 
 @dataclass
 class Task:
-    """One task's tensors; labels are 0..4 within the task."""
+    """One task's tensors; labels are 0..n_classes-1 within the task."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
 
+    @property
+    def d_in(self) -> int:
+        return int(self.x_train.shape[1])
+
+    def steps_per_epoch(self, batch_size: int = 128) -> int:
+        return math.ceil(self.x_train.shape[0] / batch_size)
+
 
 def load_digit_tasks(test_size: float = 0.25, split_seed: int = 0) -> tuple[Task, Task]:
     """(task 1: digits 0-4, task 2: digits 5-9), features scaled to [0, 1], float32."""
+    x, y = _digits_arrays()
+    return class_range_task(x, y, 0, 5, test_size, split_seed), class_range_task(x, y, 5, 10, test_size, split_seed)
+
+
+def _digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
     from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
     data = load_digits()
-    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.int64)
-    tasks = []
-    for lo in (0, 5):
-        mask = (y >= lo) & (y < lo + 5)
-        xs, ys = x[mask].numpy(), (y[mask] - lo).numpy()
-        xtr, xte, ytr, yte = train_test_split(xs, ys, test_size=test_size, random_state=split_seed, stratify=ys)
-        tasks.append(Task(torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte)))
-    return tasks[0], tasks[1]
+    return torch.tensor(data.data / 16.0, dtype=torch.float32), torch.tensor(data.target, dtype=torch.int64)
+
+
+def class_range_task(
+    x: torch.Tensor, y: torch.Tensor, lo: int, hi: int, test_size: float = 0.25, split_seed: int = 0
+) -> Task:
+    """Classes lo..hi-1 of (x, y) relabelled 0..hi-lo-1, with a fixed stratified train/test split."""
+    from sklearn.model_selection import train_test_split
+
+    mask = (y >= lo) & (y < hi)
+    xs, ys = x[mask].numpy(), (y[mask] - lo).numpy()
+    xtr, xte, ytr, yte = train_test_split(xs, ys, test_size=test_size, random_state=split_seed, stratify=ys)
+    return Task(torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte))
+
+
+def load_tasks(data: str = "digits", root: str | None = None) -> tuple[Task, Task]:
+    """The two-task split of ``data`` ("digits" or "fashion-mnist"): classes 0-4, then 5-9."""
+    if data == "digits":
+        return load_digit_tasks()
+    if data == "fashion-mnist":
+        from plate_inspect.experiments.fashion_mnist import load_fashion_tasks
+
+        return load_fashion_tasks(root)
+    raise ConfigError(f"unknown data set '{data}'; choose one of {', '.join(DATA_SETS)}")
+
+
+def load_pair_tasks(data: str = "digits", root: str | None = None) -> list[Task]:
+    """The four binary tasks of the paper's sequential appendix: 2v3, 4v5, 6v7, 8v9 (labels 0/1)."""
+    if data == "digits":
+        x, y = _digits_arrays()
+        return [class_range_task(x, y, lo, lo + 2) for lo in (2, 4, 6, 8)]
+    if data == "fashion-mnist":
+        from plate_inspect.experiments.fashion_mnist import load_fashion_pair_tasks
+
+        return load_fashion_pair_tasks(root)
+    raise ConfigError(f"unknown data set '{data}'; choose one of {', '.join(DATA_SETS)}")
 
 
 class DigitsMLP(nn.Module):
-    """3-layer ReLU backbone (fc1, fc2, fc3) and two task heads (head1, head2)."""
+    """3-layer ReLU backbone (fc1, fc2, fc3) and one head per task (head1, head2, ...)."""
 
-    def __init__(self, d_in: int = 64, hidden: int = 256, n_classes: int = 5):
+    def __init__(self, d_in: int = 64, hidden: int = 256, n_classes: int = 5, n_tasks: int = 2):
         super().__init__()
         self.fc1 = nn.Linear(d_in, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
         self.fc3 = nn.Linear(hidden, hidden)
-        self.head1 = nn.Linear(hidden, n_classes)
-        self.head2 = nn.Linear(hidden, n_classes)
+        for t in range(1, n_tasks + 1):
+            self.add_module(f"head{t}", nn.Linear(hidden, n_classes))
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.fc1(x))
@@ -57,8 +105,7 @@ class DigitsMLP(nn.Module):
         return torch.relu(self.fc3(x))
 
     def forward(self, x: torch.Tensor, task: int = 1) -> torch.Tensor:
-        h = self.features(x)
-        return self.head1(h) if task == 1 else self.head2(h)
+        return getattr(self, f"head{task}")(self.features(x))
 
 
 def train(
@@ -66,25 +113,85 @@ def train(
     params: list[torch.nn.Parameter],
     task: Task,
     task_id: int,
-    epochs: int,
+    epochs: int | None = None,
     lr: float = 1e-3,
     batch_size: int = 128,
     seed: int = 0,
-) -> None:
-    """Adam on cross-entropy over ``params`` only; deterministic minibatch order for a seed."""
+    steps: int | None = None,
+    penalty: Callable[[], torch.Tensor] | None = None,
+) -> int:
+    """Adam on cross-entropy (+ ``penalty()``) over ``params`` for ``steps`` minibatches or ``epochs`` epochs.
+
+    The minibatch order is a fresh seeded permutation per epoch; ``epochs=E`` equals ``steps=E*steps_per_epoch``.
+    Returns the number of steps taken.
+    """
+    if (epochs is None) == (steps is None):
+        raise ConfigError("train: give exactly one of epochs and steps")
+    total = steps if steps is not None else epochs * task.steps_per_epoch(batch_size)
+    if total < 0:
+        raise ConfigError(f"train: steps must be >= 0, got {total}")
     opt = torch.optim.Adam(params, lr=lr)
     g = torch.Generator().manual_seed(seed)
     n = task.x_train.shape[0]
     model.train()
-    for _ in range(epochs):
+    done = 0
+    while done < total:
         order = torch.randperm(n, generator=g)
         for i in range(0, n, batch_size):
+            if done == total:
+                break
             idx = order[i : i + batch_size]
             loss = nn.functional.cross_entropy(model(task.x_train[idx], task=task_id), task.y_train[idx])
+            if penalty is not None:
+                loss = loss + penalty()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            done += 1
     model.eval()
+    return done
+
+
+def train_stage1(
+    task1: Task,
+    seed: int = 0,
+    epochs: int | None = None,
+    steps: int | None = None,
+    lr: float = 1e-3,
+    batch_size: int = 128,
+    n_tasks: int = 2,
+) -> DigitsMLP:
+    """Stage 1: a fresh seeded MLP with backbone + head 1 trained on task 1 (the one stage-1 trainer)."""
+    torch.manual_seed(seed)
+    model = DigitsMLP(d_in=task1.d_in, n_classes=int(task1.y_train.max()) + 1, n_tasks=n_tasks)
+    params = [p for n, p in model.named_parameters() if n.split(".")[0] in (*BACKBONE, "head1")]
+    train(model, params, task1, 1, epochs=epochs, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    return model
+
+
+def initial_model(d_in: int, seed: int, n_classes: int = 5, n_tasks: int = 2) -> DigitsMLP:
+    """The untrained MLP that :func:`train_stage1` starts from for ``seed`` (its initialisation W0)."""
+    torch.manual_seed(seed)
+    return DigitsMLP(d_in=d_in, n_classes=n_classes, n_tasks=n_tasks)
+
+
+def save_model(model: nn.Module, path) -> None:
+    """The model's state dict as one safetensors file."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))
+
+
+def load_model(path) -> DigitsMLP:
+    """A DigitsMLP with the weights of a safetensors file written by :func:`save_model` (shapes from the file)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    n_tasks = sum(1 for k in state if k.startswith("head") and k.endswith(".weight"))
+    n_classes, hidden = state["head1.weight"].shape
+    model = DigitsMLP(d_in=state["fc1.weight"].shape[1], hidden=hidden, n_classes=n_classes, n_tasks=n_tasks)
+    model.load_state_dict(state)
+    return model
 
 
 @torch.no_grad()

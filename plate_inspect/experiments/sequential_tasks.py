@@ -1,0 +1,203 @@
+"""The paper's four-task sequential protocol (appendix "Behaviour on longer task sequences"), PLATE vs LoRA vs OSF.
+
+Tasks: the binary pairs 2v3 -> 4v5 -> 6v7 -> 8v9 (one 2-class head per task). Task 1 trains the backbone and head 1
+from scratch. Each later task t trains only the method's adapter and head t, then merges the adapter into the
+backbone, so the next task starts from the merged weights:
+
+- ``plate`` (r, tau; default the canonical r=8, tau=0.98, rho 0.5): apply the current bundle, train, write the
+  adapter (:func:`plate_inspect.train.layer.save_adapter`), then :func:`plate_inspect.train.sequential.sequential_step`
+  merges it into the safetensors checkpoint and rescans it (fresh B and Q for the next task: Algorithm
+  "Sequential PLATE").
+- ``lora`` (rank, default 1: PLATE's budget) and ``osf`` (n trainable singular triplets per module, default 1):
+  PEFT adapters merged with ``merge_and_unload``; OSF re-decomposes the merged weights for the next task with the
+  same ``effective_rank = min(d_out, d_in) - n`` (it does not grow the frozen subspace across tasks).
+
+After each task, every task seen so far is evaluated on its test split with its own head: retention of task j after
+task t is the accuracy matrix entry acc[t][j].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plate_inspect.experiments import digits
+from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLATE_RHO, backbone_shapes
+
+SEQUENTIAL_METHODS = ("plate", "lora", "osf")
+N_TASKS = 4
+PAPER_PAIR_STEPS = 950  # 10 epochs of a ~12,000-image MNIST digit pair at batch 128 (the paper's binary tasks)
+
+
+@dataclass
+class SequentialRecord:
+    """Accuracy on task ``task`` after training task ``after_task`` (1-based), one method and seed."""
+
+    method: str
+    seed: int
+    data: str
+    steps: int
+    after_task: int
+    task: int
+    accuracy: float
+    trainable_params: int
+
+
+@dataclass
+class SequentialResult:
+    path: Path
+    records: list[SequentialRecord] = field(default_factory=list)
+
+    def matrix(self, method: str) -> list[list[float | None]]:
+        """Mean accuracy (%) over seeds: rows = after task t, columns = task j (None above the diagonal)."""
+        out: list[list[float | None]] = []
+        for t in range(1, N_TASKS + 1):
+            row: list[float | None] = []
+            for j in range(1, N_TASKS + 1):
+                vals = [r.accuracy for r in self.records if (r.method, r.after_task, r.task) == (method, t, j)]
+                row.append(100 * statistics.fmean(vals) if vals else None)
+            out.append(row)
+        return out
+
+
+def _train_head_and(model: torch.nn.Module, adapter: list, t: int, task: digits.Task, steps: int, seed: int) -> None:
+    head = model.get_submodule(f"head{t}")
+    for p in head.parameters():
+        p.requires_grad_(True)
+    digits.train(model, adapter + list(head.parameters()), task, t, steps=steps, seed=seed)
+
+
+def _peft_step(method: str, model: torch.nn.Module, t: int, task: digits.Task, steps: int, seed: int, size: int):
+    from peft import LoraConfig, OSFConfig, get_peft_model
+
+    if method == "lora":
+        cfg = LoraConfig(r=size, lora_alpha=LORA_ALPHA_PER_RANK * size, lora_dropout=0.0, target_modules=list(BACKBONE))
+    else:
+        shapes = dict(zip(BACKBONE, backbone_shapes(model), strict=True))
+        pattern = {f"^{m}$": min(s) - size for m, s in shapes.items()}
+        cfg = OSFConfig(target_modules=list(BACKBONE), rank_pattern=pattern, effective_rank=1)
+    peft_model = get_peft_model(model, cfg)
+    adapter = [p for n, p in peft_model.named_parameters() if p.requires_grad]
+    _train_head_and(peft_model, adapter, t, task, steps, seed)
+    return peft_model.merge_and_unload(), sum(p.numel() for p in adapter)
+
+
+def run_method(
+    method: str,
+    tasks: list[digits.Task],
+    task1_ckpt: Path,
+    work: Path,
+    seed: int,
+    steps: int,
+    r: int = 8,
+    tau: float = 0.98,
+    size: int = 1,
+) -> tuple[list[tuple[int, int, float]], int]:
+    """(after_task, task, accuracy) for tasks 2..4 of one method, and its trainable count per task (last task)."""
+    from plate_inspect.scanner import scan
+    from plate_inspect.train.layer import apply_bundle, save_adapter, unload
+    from plate_inspect.train.sequential import sequential_step
+
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = task1_ckpt
+    bundle = None
+    if method == "plate":
+        bundle = scan(ckpt, work / "bundle_t1", r=r, tau=tau, max_rank=256, seed=seed, target_modules=list(BACKBONE))
+    accs: list[tuple[int, int, float]] = []
+    n_train = 0
+    for t in range(2, N_TASKS + 1):
+        torch.manual_seed(seed + t)
+        model = digits.load_model(ckpt)
+        if method == "plate":
+            adapter = apply_bundle(model, bundle, rho=PLATE_RHO)
+            n_train = sum(p.numel() for p in adapter)
+            _train_head_and(model, adapter, t, tasks[t - 1], steps, seed)
+            adapter_path = save_adapter(model, work / f"adapter_t{t}.safetensors")
+            source = work / f"pre_merge_t{t}" / "model.safetensors"  # backbone untouched, head t trained
+            source.parent.mkdir(parents=True, exist_ok=True)
+            digits.save_model(unload(model, merge=False), source)
+            step = sequential_step(source, adapter_path, work / f"merged_t{t}", overwrite=True)
+            ckpt, bundle = step.files[0], step.bundle
+        else:
+            merged, n_train = _peft_step(method, model, t, tasks[t - 1], steps, seed, size)
+            ckpt = work / f"merged_t{t}.safetensors"
+            digits.save_model(merged, ckpt)
+        evaluated = digits.load_model(ckpt)
+        for j in range(1, t + 1):
+            accs.append((t, j, digits.accuracy(evaluated, tasks[j - 1].x_test, tasks[j - 1].y_test, j)))
+    return accs, n_train
+
+
+def run_sequential(
+    out: str | os.PathLike,
+    methods: list[str] | tuple[str, ...] = SEQUENTIAL_METHODS,
+    seeds: int | list[int] = 3,
+    steps: int = PAPER_PAIR_STEPS,
+    data: str = "digits",
+    data_root: str | os.PathLike | None = None,
+    on_run: digits.Progress | None = None,
+    r: int = 8,
+    tau: float = 0.98,
+    lora_rank: int = 1,
+    osf_n: int = 1,
+) -> SequentialResult:
+    """Run the four-task protocol for every method and seed (a count -> 0..K-1, or a list); write OUT/sequential.json.
+
+    The file is rewritten after every (seed, method), so an interrupted run keeps what finished.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)
+    result = SequentialResult(out / "sequential.json")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for seed in range(seeds) if isinstance(seeds, int) else seeds:
+            seed_dir = out / f"seed{seed}"
+            seed_dir.mkdir(parents=True, exist_ok=True)
+            model = digits.train_stage1(tasks[0], seed, steps=steps, n_tasks=N_TASKS)
+            ckpt = seed_dir / "task1.safetensors"
+            digits.save_model(model, ckpt)
+            acc1 = digits.accuracy(model, tasks[0].x_test, tasks[0].y_test, 1)
+            for method in methods:
+                size = {"lora": lora_rank, "osf": osf_n}.get(method, 0)
+                accs, n_train = run_method(method, tasks, ckpt, seed_dir / method, seed, steps, r, tau, size)
+                for t, j, acc in [(1, 1, acc1), *accs]:
+                    result.records.append(SequentialRecord(method, seed, data, steps, t, j, acc, n_train))
+                _write_sequential(result, methods, {"r": r, "tau": tau, "lora_rank": lora_rank, "osf_n": osf_n})
+                if on_run is not None:
+                    on_run(f"seed {seed}: {method}")
+    finally:
+        torch.set_num_threads(threads)
+    return result
+
+
+def _write_sequential(result: SequentialResult, methods, settings: dict[str, Any]) -> None:
+    steps = result.records[0].steps if result.records else None
+    payload: dict[str, Any] = {
+        "protocol": "2v3 -> 4v5 -> 6v7 -> 8v9, merge after each task (PLATE: merge + rescan)",
+        "settings": {**settings, "rho": PLATE_RHO, "steps": steps},
+        "records": [asdict(r) for r in result.records],
+        "matrices": {m: result.matrix(m) for m in methods},
+    }
+    result.path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def print_matrix(result: SequentialResult, console: Any) -> None:
+    """One accuracy matrix per method (mean over seeds, %): rows = after task t, columns = task j."""
+    from rich.table import Table
+
+    for method in sorted({r.method for r in result.records}, key=SEQUENTIAL_METHODS.index):
+        table = Table(title=f"{method}: accuracy (%) on task j after training task t")
+        table.add_column("after")
+        for j in range(1, N_TASKS + 1):
+            table.add_column(f"task {j}", justify="right")
+        for t, row in enumerate(result.matrix(method), start=1):
+            table.add_row(f"task {t}", *("" if v is None else f"{v:.2f}" for v in row))
+        console.print(table)

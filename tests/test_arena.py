@@ -1,0 +1,248 @@
+"""The arena's methods against independent oracles: penalties, budgets, PEFT inits, data readers, the trainer."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from plate_inspect.errors import ConfigError
+from plate_inspect.experiments import digits
+from plate_inspect.experiments import methods as M
+
+SHAPES = [(256, 64), (256, 256), (256, 256)]  # fc1, fc2, fc3 of the digits MLP (d_out, d_in)
+
+
+@pytest.fixture(scope="module")
+def stage1(tmp_path_factory):
+    out = tmp_path_factory.mktemp("arena_stage1")
+    task1, _ = digits.load_digit_tasks()
+    model = digits.train_stage1(task1, seed=0, steps=60)
+    digits.save_model(model, out / "stage1.safetensors")
+    init = digits.initial_model(64, 0).state_dict()
+    return M.StageOne(0, out, out / "stage1.safetensors", task1, init)
+
+
+def _weights(stage1) -> dict[str, np.ndarray]:
+    model = digits.load_model(stage1.checkpoint)
+    return {m: getattr(model, m).weight.detach().double().numpy() for m in M.BACKBONE}
+
+
+# --------------------------------------------------------------------------- penalties
+def test_l2_init_penalty_hand_computed():
+    p = [torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([[0.5]], dtype=torch.float64)]
+    a = [torch.tensor([0.0, 4.0], dtype=torch.float64), torch.tensor([[1.5]], dtype=torch.float64)]
+    # (1-0)^2 + (2-4)^2 + (0.5-1.5)^2 = 1 + 4 + 1 = 6
+    assert float(M.l2_init_penalty(p, a, 0.1)) == pytest.approx(0.6, rel=1e-12)
+
+
+def test_olora_penalty_hand_computed():
+    old = [torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)]
+    new = [torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 2.0]], dtype=torch.float64)]
+    # A_old A_new^T = [[3, 0]] -> squared Frobenius 9; lam 0.5 -> 4.5
+    assert float(M.olora_penalty(old, new, 0.5)) == pytest.approx(4.5, rel=1e-12)
+    orth = [torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)]
+    assert float(M.olora_penalty(orth, [torch.tensor([[5.0, 0.0, 7.0]], dtype=torch.float64)])) == 0.0
+
+
+def test_task1_lora_basis_recovers_planted_subspace():
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(20, 20, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(12, 12, generator=g, dtype=torch.float64))
+    s = torch.tensor([9.0, 5.0, 3.0] + [1e-3] * 9, dtype=torch.float64)
+    w0 = torch.randn(20, 12, generator=g, dtype=torch.float64)
+    w1 = w0 + u[:, :12] @ torch.diag(s) @ v.T
+    a1 = M.task1_lora_basis(w1, w0, 3)
+    assert a1.shape == (3, 12)
+    assert torch.allclose(a1 @ a1.T, torch.eye(3, dtype=torch.float64), atol=1e-10)
+    proj_true = v[:, :3] @ v[:, :3].T
+    assert torch.allclose(a1.T @ a1, proj_true, atol=1e-8)
+
+
+# --------------------------------------------------------------------------- wiring and budgets
+def test_every_method_is_a_no_op_at_init_and_counts_its_closed_form_budget(stage1):
+    task1 = stage1.task1
+    ref = digits.load_model(stage1.checkpoint)
+    with torch.no_grad():
+        ref_logits = ref(task1.x_test, task=1)
+    expected = {
+        "full_ft": lambda c: 64 * 256 + 256 + 2 * (256 * 256 + 256),
+        "l2_init": lambda c: 148_224,
+        "lora": lambda c: c["rank"] * (64 + 256) + 2 * c["rank"] * (256 + 256),
+        "o_lora": lambda c: c["rank"] * (64 + 256) + 2 * c["rank"] * (256 + 256),
+        "pissa": lambda c: c["rank"] * (64 + 256) + 2 * c["rank"] * (256 + 256),
+        "corda": lambda c: c["rank"] * (64 + 256) + 2 * c["rank"] * (256 + 256),
+        "mica": lambda c: c["rank"] * (64 + 256 + 256),  # only A trains
+        "osf": lambda c: c["n_low"] * ((256 + 64 + 1) + 2 * (256 + 256 + 1)),
+    }
+    for method in ("full_ft", "l2_init", "lora", "o_lora", "pissa", "mica", "osf", "corda", "plate", "plate_random_q"):
+        for budget in M.default_budgets(method)[:2]:
+            prep = M.prepare(method, budget.config, stage1)
+            with torch.no_grad():
+                logits = prep.model(task1.x_test, task=1)
+            assert torch.allclose(logits, ref_logits, atol=2e-4), (method, budget.id)  # no-op before training
+            if method.startswith("plate"):
+                from plate_inspect.bundle import Bundle
+
+                path = stage1.bundle(budget.config["r"], budget.config["tau"], method.removeprefix("plate_") or None)
+                want = sum(rec.r * rec.k for rec in Bundle.load(path))
+            else:
+                want = expected[method](budget.config)
+            assert prep.trainable_params == want, (method, budget.id)
+            counted = sum(p.numel() for p in prep.params if p.requires_grad) - (256 * 5 + 5)  # minus head 2
+            assert counted == want, (method, budget.id)
+
+
+def test_closed_forms_match_hand_numbers():
+    assert M.lora_trainable(SHAPES, 8) == 10_752
+    assert M.mica_trainable(SHAPES, 8) == 4_608
+    assert M.osf_trainable(SHAPES, 1) == 1_347
+
+
+def test_pissa_and_mica_inits_are_peft_svd_inits(stage1):
+    w = _weights(stage1)["fc2"]
+    u, s, vt = np.linalg.svd(w)
+    rank = 4
+    pissa = M.prepare("pissa", {"rank": rank}, stage1).model.base_model.model.fc2
+    ba = 0.5 * (pissa.lora_B["default"].weight @ pissa.lora_A["default"].weight).detach().double().numpy()
+    top = u[:, :rank] @ np.diag(s[:rank]) @ vt[:rank]
+    assert np.allclose(ba, top, atol=1e-4)  # PiSSA: the adapter holds the top-r SVD part ...
+    assert np.allclose(pissa.base_layer.weight.detach().double().numpy(), w - top, atol=1e-4)  # ... and W the rest
+    mica = M.prepare("mica", {"rank": rank}, stage1).model.base_model.model.fc2
+    b = mica.lora_B["default"].weight.detach().double().numpy()
+    assert np.allclose(np.abs(b.T @ u[:, -rank:]), np.eye(rank), atol=1e-4)  # B = bottom-r left singular vectors
+    assert not mica.lora_B["default"].weight.requires_grad and mica.lora_A["default"].weight.requires_grad
+    assert float(mica.lora_A["default"].weight.abs().max()) == 0.0
+    plain = M.prepare("lora", {"rank": rank}, stage1).model.base_model.model.fc2
+    assert float(plain.lora_B["default"].weight.abs().max()) == 0.0 and float(plain.lora_A["default"].weight.std()) > 0
+
+
+def test_osf_trains_the_bottom_singular_triplets(stage1):
+    w = _weights(stage1)["fc1"]  # 256 x 64
+    _, s, vt = np.linalg.svd(w, full_matrices=False)
+    prep = M.prepare("osf", {"n_low": 3}, stage1)
+    layer = prep.model.base_model.model.fc1
+    params = layer.osf_svd_params["default"]
+    assert np.allclose(params["S_low"].detach().double().numpy(), s[-3:], rtol=1e-4)
+    v_low = params["V_low"].detach().double().numpy()
+    assert np.allclose(np.abs(v_low @ vt[-3:].T), np.eye(3), atol=1e-3)
+    assert prep.config["effective_rank"] == {"fc1": 61, "fc2": 253, "fc3": 253}
+
+
+def test_corda_kpm_uses_task1_covariance(stage1):
+    x = stage1.task1.x_train.double().numpy()
+    w = _weights(stage1)["fc1"]
+    c = x.T @ x / np.abs(x).max() ** 2
+    c_fix = c + np.eye(c.shape[0]) * np.mean(np.diag(c)) * 0.01
+    u, s, vh = np.linalg.svd(w @ c_fix, full_matrices=False)
+    rank = 4
+    oracle = u[:, -rank:] @ np.diag(s[-rank:]) @ (vh @ np.linalg.inv(c_fix))[-rank:]  # KPM: the smallest components
+    prep = M.prepare("corda", {"rank": rank}, stage1)
+    layer = prep.model.base_model.model.fc1
+    ba = 0.5 * (layer.lora_B["default"].weight @ layer.lora_A["default"].weight).detach().double().numpy()
+    assert np.allclose(ba, oracle, atol=2e-3 * np.abs(oracle).max())
+    assert prep.config["data_using"].startswith("task-1")
+
+
+def test_o_lora_penalty_is_wired_to_the_task1_update(stage1):
+    w1 = _weights(stage1)
+    prep = M.prepare("o_lora", {"rank": 2}, stage1)
+    total = 0.0
+    for m in M.BACKBONE:
+        w0 = stage1.init_state[f"{m}.weight"].double().numpy()
+        _, _, vt = np.linalg.svd(w1[m] - w0)
+        a_new = prep.model.base_model.model.get_submodule(m).lora_A["default"].weight.detach().double().numpy()
+        total += float(((vt[:2] @ a_new.T) ** 2).sum())
+    assert float(prep.penalty()) == pytest.approx(0.5 * total, rel=1e-4)
+
+
+def test_l2_init_penalty_is_wired_to_the_pre_task2_weights(stage1):
+    prep = M.prepare("l2_init", {"lam": 0.1}, stage1)
+    assert float(prep.penalty()) == 0.0
+    with torch.no_grad():
+        prep.model.fc2.weight[3, 4] += 2.0
+        prep.model.fc3.bias[0] -= 1.0
+    assert float(prep.penalty()) == pytest.approx(0.1 * (4.0 + 1.0), rel=1e-5)
+
+
+def test_parse_methods_refuses_unknown():
+    assert M.parse_methods("lora, plate,lora") == ["lora", "plate"]
+    with pytest.raises(ConfigError, match="unknown method 'adapter'"):
+        M.parse_methods("lora,adapter")
+
+
+# --------------------------------------------------------------------------- trainer and data
+def test_epochs_equal_steps_and_one_stage1_trainer(tmp_path):
+    task1, _ = digits.load_digit_tasks()
+    a = digits.train_stage1(task1, seed=3, epochs=2)
+    b = digits.train_stage1(task1, seed=3, steps=2 * math.ceil(task1.x_train.shape[0] / 128))
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+    from plate_inspect.analysis.curvature import digits_stage1
+
+    setup = digits_stage1(tmp_path, epochs=2, seed=3)  # the analysis calls the same trainer
+    assert all(torch.equal(p, a.state_dict()[n]) for n, p in setup.model.state_dict().items())
+
+
+def _write_idx(path, array: np.ndarray) -> None:
+    header = b"\x00\x00\x08" + bytes([array.ndim]) + struct.pack(f">{array.ndim}i", *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_reader_on_planted_idx_files(tmp_path):
+    from plate_inspect.experiments.fashion_mnist import load_fashion_tasks, read_idx
+
+    rng = np.random.default_rng(0)
+    labels = {"train": np.arange(20) % 10, "test": np.arange(10)}
+    images = {k: rng.integers(0, 256, size=(len(v), 28, 28)) for k, v in labels.items()}
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        _write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", images[split])
+        _write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", labels[split])
+    assert np.array_equal(read_idx(tmp_path / "train-images-idx3-ubyte.gz"), images["train"])
+    t1, t2 = load_fashion_tasks(tmp_path)
+    assert t1.x_train.shape == (10, 784) and t1.d_in == 784
+    keep = labels["train"] >= 5
+    assert np.allclose(t2.x_train.numpy(), images["train"][keep].reshape(-1, 784) / 255.0)
+    assert t2.y_train.tolist() == (labels["train"][keep] - 5).tolist()
+    assert t1.y_test.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_fashion_mnist_missing_files_say_how_to_get_them(tmp_path):
+    from plate_inspect.experiments.fashion_mnist import load_fashion_tasks
+
+    with pytest.raises(ConfigError, match="apt-get install dataset-fashion-mnist"):
+        load_fashion_tasks(tmp_path)
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(b"\x00\x00\x0d\x01garbage"))
+    for name in ("train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (tmp_path / name).write_bytes(gzip.compress(b"\x00\x00\x08\x01\x00\x00\x00\x01\x07"))
+    with pytest.raises(ConfigError, match="not an unsigned-byte IDX file"):
+        load_fashion_tasks(tmp_path)
+
+
+# --------------------------------------------------------------------------- the four-task protocol
+def test_sequential_protocol_merges_plate_only_into_b_rows(tmp_path):
+    from plate_inspect.bundle import Bundle
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    result = run_sequential(tmp_path, ["plate", "lora"], seeds=1, steps=15)
+    for method in ("plate", "lora"):
+        m = result.matrix(method)
+        assert all(m[t][j] is not None for t in range(4) for j in range(t + 1))  # every earlier task, every merge
+        assert all(m[t][j] is None for t in range(4) for j in range(t + 1, 4))
+    seed_dir = tmp_path / "seed0" / "plate"
+    prev = digits.load_model(tmp_path / "seed0" / "task1.safetensors")
+    for t, bundle_dir in ((2, seed_dir / "bundle_t1"), (3, seed_dir / "merged_t2" / "bundle")):
+        bundle = Bundle.load(bundle_dir)
+        merged = digits.load_model(seed_dir / f"merged_t{t}" / "model.safetensors")
+        for name in M.BACKBONE:
+            w0, w1 = prev.get_submodule(name).weight, merged.get_submodule(name).weight
+            outside = torch.ones(w0.shape[0], dtype=torch.bool)
+            outside[bundle.b_idx(name)] = False
+            assert torch.equal(w0[outside], w1[outside])  # rows outside B never move
+            assert not torch.equal(w0, w1)
+        prev = merged
