@@ -240,3 +240,31 @@ def write_bert(
     total = _save_single(tensors, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return SyntheticCheckpoint(out, config, total_bytes=total)
+
+
+def hard_spectrum_weight(
+    d_out: int,
+    d_in: int,
+    generator: torch.Generator,
+    alpha: float = 1.0,
+    outliers: int = 4,
+    outlier_scale: float = 30.0,
+    duplicates: int = 0,
+) -> torch.Tensor:
+    """A float32 d_out x d_in weight shaped like a trained LLM layer: U diag(sigma) V^T, Haar U and V.
+
+    sigma_i = i^-alpha, the first ``outliers`` values ``outlier_scale`` times larger; ``duplicates`` rows
+    are copies of other rows plus 1e-3 relative noise (near-duplicate neurons).
+    """
+    n = min(d_out, d_in)
+    sigma = torch.arange(1, n + 1, dtype=torch.float64) ** -float(alpha)
+    sigma[:outliers] *= outlier_scale
+    u = torch.linalg.qr(torch.randn(d_out, n, generator=generator, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(d_in, n, generator=generator, dtype=torch.float64)).Q
+    w = (u * sigma) @ v.T
+    if duplicates:
+        idx = torch.randperm(d_out, generator=generator)[: 2 * duplicates]
+        src, dst = idx[:duplicates], idx[duplicates:]
+        noise = torch.randn(duplicates, d_in, generator=generator, dtype=torch.float64)
+        w[dst] = w[src] + 1e-3 * noise * w[src].norm(dim=1, keepdim=True) / math.sqrt(d_in)
+    return w.to(torch.float32)
