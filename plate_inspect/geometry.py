@@ -318,7 +318,7 @@ def null_vectors(c: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor
     if backend == "torch" or (backend == "auto" and c.device.type != "cpu"):
         reflectors, tau = torch.geqrf(c.T)
         return torch.ormqr(reflectors, tau, unit, left=True, transpose=False)
-    a = c.numpy().T  # Fortran-ordered view of C^T, overwritten by geqrf
+    a = np.array(c.numpy().T, order="F")  # C^T, overwritten by geqrf
     geqrf, geqrf_lwork, ormqr = scipy.linalg.lapack.get_lapack_funcs(("geqrf", "geqrf_lwork", "ormqr"), (a,))
     work, _ = geqrf_lwork(m, n)
     reflectors, tau, _, info = geqrf(a, lwork=int(work), overwrite_a=1)

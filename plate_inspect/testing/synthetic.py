@@ -70,11 +70,13 @@ def write_llama_like(
     max_shard_bytes: int | None = None,
     planted_fraction: float = 0.0,
     seed: int = 0,
+    spectrum_alpha: float | None = None,
 ) -> SyntheticCheckpoint:
     """A Qwen2/Llama-layout checkpoint (``model.layers.N.self_attn.q_proj.weight`` ...) + config.json.
 
     Each weight gets ``planted_fraction`` of its rows as near-duplicates of one prototype (recorded in
-    ``planted_rows``). Layers are generated and freed one at a time when sharding, so a 7B-shaped checkpoint
+    ``planted_rows``); with ``spectrum_alpha`` weights get power-law spectra instead (:func:`hard_spectrum_weight`,
+    Gaussian factors). Layers are generated and freed one at a time when sharding, so a 7B-shaped checkpoint
     needs no more memory than one layer.
     """
     out = Path(out)
@@ -123,7 +125,10 @@ def write_llama_like(
     for layer in range(layers):
         prefix = f"model.layers.{layer}"
         for suffix, (d_out, d_in) in shapes.items():
-            w, rows = structured_weight(d_out, d_in, gen, planted=round(planted_fraction * d_out))
+            if spectrum_alpha is None:
+                w, rows = structured_weight(d_out, d_in, gen, planted=round(planted_fraction * d_out))
+            else:
+                w, rows = hard_spectrum_weight(d_out, d_in, gen, alpha=spectrum_alpha, orthogonal=False), []
             name = f"{prefix}.{suffix}"
             pending[f"{name}.weight"] = w.to(dtype)
             if rows:
@@ -250,15 +255,20 @@ def hard_spectrum_weight(
     outliers: int = 4,
     outlier_scale: float = 30.0,
     duplicates: int = 0,
+    orthogonal: bool = True,
 ) -> torch.Tensor:
     """A float32 d_out x d_in weight shaped like a trained LLM layer: U diag(sigma) V^T, Haar U and V.
 
     sigma_i = i^-alpha, the first ``outliers`` values ``outlier_scale`` times larger; ``duplicates`` rows
-    are copies of other rows plus 1e-3 relative noise (near-duplicate neurons).
+    are copies of other rows plus 1e-3 relative noise (near-duplicate neurons). ``orthogonal=False`` uses
+    Gaussian U and V (one float32 product, for 7B-sized benchmark layers): a power law, not exactly sigma.
     """
     n = min(d_out, d_in)
     sigma = torch.arange(1, n + 1, dtype=torch.float64) ** -float(alpha)
     sigma[:outliers] *= outlier_scale
+    if not orthogonal:
+        u = torch.randn(d_out, n, generator=generator) / math.sqrt(d_out)
+        return (u * sigma.float()) @ (torch.randn(n, d_in, generator=generator) / math.sqrt(d_in))
     u = torch.linalg.qr(torch.randn(d_out, n, generator=generator, dtype=torch.float64)).Q
     v = torch.linalg.qr(torch.randn(d_in, n, generator=generator, dtype=torch.float64)).Q
     w = (u * sigma) @ v.T
