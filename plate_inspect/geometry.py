@@ -2,9 +2,11 @@
 spectrum, k(tau) and the low-energy input basis Q.
 
 Pure functions, tensor in and tensor out; they never read files. Math runs in the dtype of the input
-(float32 or float64; the scanner upcasts bf16/fp16 weights). Heavy products and eigendecompositions go
-through :func:`matmul` and :func:`symmetric_eigh`: on CPU they call NumPy/SciPy (OpenBLAS ran these ~2x
-faster than torch's bundled MKL on the project's AMD machines, see ``benchmarks/``), on CUDA they stay in torch.
+(float32 or float64; the scanner upcasts bf16/fp16 weights) and Q is the exact bottom-k eigenspace in both:
+small energies are measured on W itself (Rayleigh-Ritz in float64) or made zero by construction (Householder
+null vectors), never read off a float32 Gram matrix. On CPU the heavy products go through NumPy (OpenBLAS ran
+them ~2x faster than torch's bundled MKL on the project's AMD machines, see ``benchmarks/``) and the
+eigenproblems through LAPACK (one tridiagonal reduction per module); on CUDA everything stays in torch.
 """
 
 from __future__ import annotations
