@@ -261,7 +261,8 @@ def hard_spectrum_weight(
 
     sigma_i = i^-alpha, the first ``outliers`` values ``outlier_scale`` times larger; ``duplicates`` rows
     are copies of other rows plus 1e-3 relative noise (near-duplicate neurons). ``orthogonal=False`` uses
-    Gaussian U and V (one float32 product, for 7B-sized benchmark layers): a power law, not exactly sigma.
+    Gaussian U and V (one float32 product, for 7B-sized benchmark layers; no duplicates): a power law, not
+    exactly sigma.
     """
     n = min(d_out, d_in)
     sigma = torch.arange(1, n + 1, dtype=torch.float64) ** -float(alpha)
