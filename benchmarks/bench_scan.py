@@ -1,8 +1,14 @@
-"""Scan benchmark on generated checkpoints with real Qwen2.5 shapes (bf16, sharded, decaying spectra).
+"""Scan benchmark on generated checkpoints with real Qwen2.5 shapes (bf16, sharded, power-law spectra).
 
     python benchmarks/bench_scan.py --shape qwen2.5-7b            # streaming scan: wall time, peak RSS, GB read
+    python benchmarks/bench_scan.py --shape qwen2.5-1.5b --gen-layers 2 --floor
+                                                                  # + the floor, same layers, same run
     python benchmarks/bench_scan.py --shape qwen2.5-1.5b --baseline-layers 2
                                                                   # + naive baseline in the same run
+
+The floor is the least any exact scan must do per module: read the weight (with its fingerprint, which
+every bundle records), form its Gram matrix on the small side in float32 and take its eigenvalues
+(scipy eigvalsh). ``--floor`` runs it on the scanned layers in a separate process and prints scan/floor.
 
 The checkpoint is generated once under --workdir (reused if present). Each measured run is a separate
 process, so peak RSS belongs to that run alone. The naive baseline loads the whole state dict and runs a
@@ -39,6 +45,26 @@ wall = time.perf_counter() - t
 s = b.stats()
 print(json.dumps({"wall_s": wall, "peak_rss": peak_rss_bytes(), "bytes_read": s["bytes_read"], "modules": len(b),
                   "mean_k": sum(r.k for r in b) / len(b)}))
+"""
+
+_FLOOR = """
+import json, sys, time
+import numpy as np, scipy.linalg
+from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.scanner import peak_rss_bytes
+from plate_inspect.targets import load_target, select_targets
+src, layers = sys.argv[1], sys.argv[2]
+layers = None if layers == "all" else list(range(int(layers)))
+t = time.perf_counter()
+ckpt = Checkpoint.open(src)
+targets, _ = select_targets(ckpt, None, layers)
+for target in targets:  # read (+ fingerprint), Gram on the small side, its eigenvalues: nothing else
+    w = load_target(ckpt, target)[0].float().numpy()
+    gram = w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T
+    scipy.linalg.eigvalsh(gram, driver="evd", overwrite_a=True, check_finite=False)
+wall = time.perf_counter() - t
+print(json.dumps({"wall_s": wall, "peak_rss": peak_rss_bytes(), "bytes_read": ckpt.bytes_read,
+                  "modules": len(targets)}))
 """
 
 _BASELINE = """
@@ -87,13 +113,17 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path(".bench"))
     ap.add_argument("--baseline-layers", type=int, default=0, help="also run the naive baseline on N layers")
     ap.add_argument("--scan-layers", default="all", help="'all' or N: scan only the first N layers")
+    ap.add_argument("--gen-layers", type=int, default=None, help="generate only N layers of the shape")
+    ap.add_argument("--alpha", type=float, default=0.5, help="power-law exponent of the weights' singular values")
+    ap.add_argument("--floor", action="store_true", help="also measure the floor on the scanned layers")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     args = ap.parse_args()
 
     from plate_inspect.testing.synthetic import write_llama_like
 
-    ckpt_dir = args.workdir / args.shape
+    shape = SHAPES[args.shape] | ({"layers": args.gen_layers} if args.gen_layers else {})
+    ckpt_dir = args.workdir / f"{args.shape}-{shape['layers']}l-a{args.alpha:g}"
     if not (ckpt_dir / "model.safetensors.index.json").exists():
         t = time.perf_counter()
         shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -102,8 +132,8 @@ def main() -> None:
             model_type="qwen2",
             vocab=152064,
             max_shard_bytes=4 * 10**9,
-            planted_fraction=0.05,
-            **SHAPES[args.shape],
+            spectrum_alpha=args.alpha,
+            **shape,
         )
         print(f"generated {args.shape} checkpoint in {time.perf_counter() - t:.0f} s -> {ckpt_dir}")
     size = sum(f.stat().st_size for f in ckpt_dir.glob("*.safetensors"))
@@ -120,7 +150,14 @@ def main() -> None:
             f"peak RSS {base['peak_rss'] / stream['peak_rss']:.2f}x"
         )
     full = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle"), args.scan_layers, args.device)
+    n_layers = shape["layers"] if args.scan_layers == "all" else int(args.scan_layers)
     print(f"streaming scan, {args.scan_layers} layers: {fmt(full)}  mean k {full['mean_k']:.1f}")
+    print(f"  per layer: {full['wall_s'] / n_layers:.2f} s")
+    if args.floor:
+        floor = run_py(_FLOOR, str(ckpt_dir), args.scan_layers)
+        print(f"floor (read + small-side Gram + eigvalsh), same layers: {fmt(floor)}")
+        ratio = full["wall_s"] / floor["wall_s"]
+        print(f"  per layer: {floor['wall_s'] / n_layers:.2f} s;  scan / floor = {ratio:.2f}x")
     if not args.keep:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
 

@@ -2,9 +2,11 @@
 spectrum, k(tau) and the low-energy input basis Q.
 
 Pure functions, tensor in and tensor out; they never read files. Math runs in the dtype of the input
-(float32 or float64; the scanner upcasts bf16/fp16 weights). Heavy products and eigendecompositions go
-through :func:`matmul` and :func:`symmetric_eigh`: on CPU they call NumPy/SciPy (OpenBLAS ran these ~2x
-faster than torch's bundled MKL on the project's AMD machines, see ``benchmarks/``), on CUDA they stay in torch.
+(float32 or float64; the scanner upcasts bf16/fp16 weights) and Q is the exact bottom-k eigenspace in both:
+small energies are measured on W itself (Rayleigh-Ritz in float64) or made zero by construction (Householder
+null vectors), never read off a float32 Gram matrix. On CPU the heavy products go through NumPy (OpenBLAS ran
+them ~2x faster than torch's bundled MKL on the project's AMD machines, see ``benchmarks/``) and the
+eigenproblems through LAPACK (one tridiagonal reduction per module); on CUDA everything stays in torch.
 """
 
 from __future__ import annotations
@@ -42,40 +44,17 @@ def symmetric_eigh(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def orthonormalize(m: torch.Tensor) -> torch.Tensor:
     """An orthonormal basis of m's column span, in m's column order (leading columns span leading columns).
 
-    CholeskyQR2 in float64 (Gram matrix, Cholesky, triangular solve; twice): BLAS-3 only, much faster than
-    Householder QR for tall blocks, and as accurate for the well-conditioned blocks built here. Falls back to
-    Householder QR when the Gram matrix is not numerically positive definite.
+    CholeskyQR2: Gram matrix and triangular solve in m's dtype (BLAS-3, much faster than Householder QR for
+    tall blocks), Cholesky of the small Gram in float64; twice, so the columns are orthonormal to m's
+    precision. Falls back to Householder QR when the Gram matrix is not numerically positive definite.
     """
-    x = m.double()
+    x = m
     for _ in range(2):
-        chol, info = torch.linalg.cholesky_ex(matmul(x.T, x))
+        chol, info = torch.linalg.cholesky_ex(matmul(x.T, x).double())
         if int(info) != 0:
-            x = torch.linalg.qr(m.double()).Q
-            break
-        x = torch.linalg.solve_triangular(chol.T, x, upper=True, left=False)
-    return x.to(m.dtype)
-
-
-def cholesky_solver(s: torch.Tensor):
-    """``b -> s^{-1} b`` for a symmetric positive definite s (float64 Cholesky), or None if s is not PD."""
-    s64 = s.double()
-    if s64.device.type == "cpu":
-        try:
-            factor = scipy.linalg.cho_factor(s64.numpy(), lower=True, check_finite=False)
-        except np.linalg.LinAlgError:
-            return None
-        return lambda b: torch.from_numpy(scipy.linalg.cho_solve(factor, b.double().numpy(), check_finite=False))
-    chol, info = torch.linalg.cholesky_ex(s64)
-    if int(info) != 0:
-        return None
-    return lambda b: torch.cholesky_solve(b.double(), chol)
-
-
-def symmetric_eigvalsh(s: torch.Tensor) -> torch.Tensor:
-    """Eigenvalues (ascending) of a symmetric matrix, without eigenvectors (about 2x cheaper than eigh)."""
-    if s.device.type == "cpu":
-        return torch.from_numpy(scipy.linalg.eigvalsh(s.numpy(), driver="evd", check_finite=False))
-    return torch.linalg.eigvalsh(s)
+            return torch.linalg.qr(m.double()).Q.to(m.dtype)
+        x = torch.linalg.solve_triangular(chol.T.to(m.dtype), x, upper=True, left=False)
+    return x
 
 
 def seeded_gaussian(rows: int, cols: int, seed: int, like: torch.Tensor) -> torch.Tensor:
@@ -88,6 +67,97 @@ def module_seed(seed: int, name: str) -> int:
     """A per-module seed that depends only on the run seed and the module name (not on scan order)."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+# --------------------------------------------------------------------------- symmetric eigenproblems
+class SymmetricEigen:
+    """One symmetric matrix, factorised once: all its eigenvalues and its bottom eigenvectors."""
+
+    def eigenvalues(self) -> torch.Tensor:
+        """All eigenvalues, ascending."""
+        raise NotImplementedError
+
+    def bottom_vectors(self, p: int) -> torch.Tensor:
+        """Eigenvectors of the p smallest eigenvalues, ascending, as columns."""
+        raise NotImplementedError
+
+
+class TridiagonalEigen(SymmetricEigen):
+    """LAPACK on CPU: one tridiagonal reduction S = H T H^T (sytrd) serves everything.
+
+    Eigenvalues come from T alone (sterf), the p bottom eigenvectors from T (stemr, O(n p)) mapped back by
+    the Householder reflectors (ormqr on the subdiagonal block, what ormtr does). No full eigh.
+    Overwrites ``s`` (the caller's scratch Gram matrix).
+    """
+
+    def __init__(self, s: torch.Tensor) -> None:
+        a = s.numpy().T  # symmetric: the transpose is the same matrix, Fortran-ordered, so LAPACK works in place
+        sytrd, sytrd_lwork = scipy.linalg.lapack.get_lapack_funcs(("sytrd", "sytrd_lwork"), (a,))
+        lwork, _ = sytrd_lwork(a.shape[0], lower=1)
+        self.reflectors, self.diag, self.offdiag, self.tau, info = sytrd(a, lower=1, lwork=int(lwork), overwrite_a=1)
+        if info != 0:
+            raise np.linalg.LinAlgError(f"sytrd failed (info={info})")
+        self.n = a.shape[0]
+
+    def _lapack(self, name: str):
+        return scipy.linalg.lapack.get_lapack_funcs(name, (self.diag,))
+
+    def eigenvalues(self) -> torch.Tensor:
+        values, info = self._lapack("sterf")(self.diag.copy(), self.offdiag.copy())
+        if info != 0:
+            raise np.linalg.LinAlgError(f"sterf failed (info={info})")
+        return torch.from_numpy(values)
+
+    def _apply_reflectors(self, x: np.ndarray) -> np.ndarray:
+        """H x for the reflectors of sytrd (lower): they act on rows 1..n-1."""
+        if self.n < 2:
+            return x
+        ormqr = self._lapack("ormqr")
+        args = ("L", "N", self.reflectors[1:, :-1], self.tau, np.asfortranarray(x[1:]))
+        _, work, _ = ormqr(*args, lwork=-1)
+        out, _, info = ormqr(*args, lwork=int(work[0]), overwrite_c=1)
+        if info != 0:
+            raise np.linalg.LinAlgError(f"ormqr failed (info={info})")
+        return np.concatenate([x[:1], out], axis=0)
+
+    def bottom_vectors(self, p: int) -> torch.Tensor:
+        if p == 0:
+            return torch.zeros(self.n, 0, dtype=torch.from_numpy(self.diag).dtype)
+        stemr, stemr_lwork = self._lapack("stemr"), self._lapack("stemr_lwork")
+        e = np.append(self.offdiag, 0).astype(self.diag.dtype)
+        work, iwork, info = stemr_lwork(self.diag.copy(), e.copy(), 2, 0, 0, 1, p)
+        m, _, z, info = stemr(self.diag.copy(), e, 2, 0, 0, 1, p, compute_v=True, lwork=int(work), liwork=int(iwork))
+        if info != 0 or m != p:
+            raise np.linalg.LinAlgError(f"stemr failed (info={info}, found {m} of {p} vectors)")
+        return torch.from_numpy(self._apply_reflectors(z[:, :p]))
+
+
+class DenseEigen(SymmetricEigen):
+    """torch.linalg.eigh (every device): the full eigendecomposition, for CUDA and as the reference path."""
+
+    def __init__(self, s: torch.Tensor, vectors: bool = True) -> None:
+        if vectors:
+            self.values, self.vectors = torch.linalg.eigh(s)
+        else:
+            self.values, self.vectors = torch.linalg.eigvalsh(s), None
+
+    def eigenvalues(self) -> torch.Tensor:
+        return self.values
+
+    def bottom_vectors(self, p: int) -> torch.Tensor:
+        return self.vectors[:, :p]
+
+
+def factor_symmetric(s: torch.Tensor, backend: str = "auto", vectors: bool = True) -> SymmetricEigen:
+    """Factorise a symmetric matrix (may overwrite it): LAPACK tridiagonal on CPU, torch eigh elsewhere.
+
+    ``vectors=False`` promises that only eigenvalues will be asked for (torch then runs eigvalsh).
+    """
+    if backend not in ("auto", "lapack", "torch"):
+        raise ConfigError(f"backend must be auto, lapack or torch, got {backend!r}")
+    if backend == "lapack" or (backend == "auto" and s.device.type == "cpu"):
+        return TridiagonalEigen(s.contiguous())
+    return DenseEigen(s, vectors)
 
 
 # --------------------------------------------------------------------------- B: redundant output rows
@@ -151,6 +221,11 @@ def k_for_tau(spectrum: torch.Tensor, tau: float, d_in: int, max_rank: int) -> i
 
 
 # --------------------------------------------------------------------------- Q: low-energy input basis
+#: Extra candidate directions the Rayleigh-Ritz step gets beyond k: the bottom eigenvectors of a float32
+#: Gram matrix mix the exact bottom-k eigenspace with nearby directions, and a wider candidate span holds it.
+RITZ_OVERSAMPLE = 256
+
+
 @dataclass
 class FrozenBasis:
     """The frozen rows' energy spectrum, k(tau), and an orthonormal basis Q of the bottom-k eigenspace."""
@@ -161,96 +236,150 @@ class FrozenBasis:
     captured_energy: float  # tr(Q^T G Q) / tr(G)
 
 
-def frozen_energy_basis(
-    frozen: torch.Tensor, tau: float, max_rank: int, seed: int = 0, keep: torch.Tensor | None = None
-) -> FrozenBasis:
-    """Bottom-k eigenspace of G = W_f^T W_f without forming G when W_f is wide.
+@dataclass
+class FrozenRows:
+    """W_f = weight[keep] without a row copy: ``weight`` has zeros outside ``keep`` (None: every row is kept)."""
 
-    ``frozen`` is W_f itself, or (with ``keep``) the full weight whose rows outside ``keep`` are zero: then
-    W_f = frozen[keep] and no row copy is made. Tall W_f: eigh of G (d_in x d_in, the small side). Wide W_f:
-    eigh of K = W_f W_f^T gives the spectrum and the row space; G's null space (dimension d_in - rank) is
-    the bottom of its spectrum, so Q takes null directions first, then the smallest nonzero ones
-    (V = W_f^T u / sqrt(lambda)). Null directions are a seeded Gaussian d_in x n block projected off the row
-    space (a second pass when rounding left a trace) and orthonormalised: deterministic for a given seed, and
-    any such basis is exact. When max_rank <= d_in - n_frozen, Q is certainly all null directions: then only
-    eigenvalues are computed and the projection uses a Cholesky solve with K (eigh is the fallback).
+    weight: torch.Tensor
+    keep: torch.Tensor | None = None
+
+    @property
+    def n_rows(self) -> int:
+        return self.weight.shape[0] if self.keep is None else int(self.keep.numel())
+
+    def times(self, x: torch.Tensor) -> torch.Tensor:
+        """W_f x, one row per kept row."""
+        y = matmul(self.weight, x)
+        return y if self.keep is None else y[self.keep]
+
+    def transpose_times(self, y: torch.Tensor) -> torch.Tensor:
+        """W_f^T y for y with one row per kept row."""
+        if self.keep is not None:
+            full = torch.zeros(self.weight.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+            full[self.keep] = y
+            y = full
+        return matmul(self.weight.T, y.contiguous())
+
+    def input_gram(self) -> torch.Tensor:
+        """G = W_f^T W_f (d_in x d_in); the zeroed rows add nothing."""
+        return matmul(self.weight.T, self.weight)
+
+    def output_gram(self) -> torch.Tensor:
+        """K = W_f W_f^T (n_f x n_f): same nonzero eigenvalues as G."""
+        k = matmul(self.weight, self.weight.T)
+        return k if self.keep is None else k[self.keep][:, self.keep].contiguous()
+
+
+def rayleigh_ritz(rows: FrozenRows, candidates: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+    """The best k-dimensional subspace of span(candidates) for G, and its energy tr(Q^T G Q).
+
+    The energies are measured on W_f itself, not on a Gram matrix: Y = W_f S in the working precision is
+    accurate to rounding relative to |W_f| |S|, so the small energies that decide the bottom subspace come
+    out right where a float32 Gram matrix (error ~ eps * ||G||) would blur them. H = Y^T Y and its
+    eigendecomposition are float64.
     """
-    d_in = frozen.shape[1]
-    n_frozen = frozen.shape[0] if keep is None else int(keep.numel())
-    eps = torch.finfo(frozen.dtype).eps
-    if n_frozen >= d_in:
-        gram = matmul(frozen.T, frozen)
-        evals, evecs = symmetric_eigh(gram)
-        lam = evals.clamp_min(0)
-        spectrum = lam.flip(0)
-        k = k_for_tau(spectrum, tau, d_in, max_rank)
-        q = evecs[:, :k].contiguous()
-        captured_num = float((matmul(gram, q) * q).sum())
-        total = float(torch.diagonal(gram).sum())
-        return FrozenBasis(spectrum.to(torch.float32), k, q, captured_num / total if total > 0 else 0.0)
+    s = orthonormalize(candidates)
+    y = rows.times(s).double()
+    theta, vectors = symmetric_eigh(matmul(y.T, y))
+    q = matmul(s, vectors[:, :k].to(device=s.device, dtype=s.dtype).contiguous())
+    return q.contiguous(), float(theta[:k].clamp_min(0).sum())
 
-    gram_rows = matmul(frozen, frozen.T)
-    if keep is not None:
-        gram_rows = gram_rows[keep][:, keep]
 
-    def expand(rows_part: torch.Tensor) -> torch.Tensor:
-        """Vectors over W_f's rows -> vectors over all of frozen's rows (zeros outside keep)."""
-        if keep is None:
-            return rows_part
-        full = torch.zeros(frozen.shape[0], rows_part.shape[1], dtype=rows_part.dtype, device=rows_part.device)
-        full[keep] = rows_part
-        return full
+def _gram_trace(gram: torch.Tensor) -> float:
+    return float(torch.diagonal(gram).double().sum())
 
-    def captured_energy(q: torch.Tensor, total: float) -> float:
-        wq = matmul(frozen, q)
-        return float((wq * wq).sum()) / total if total > 0 else 0.0
 
-    # k <= d_in - n_frozen <= dim null(W_f) is certain when max_rank fits: then Q is all null directions and
-    # only the eigenvalues are needed; the projection off the row space uses a Cholesky solve with K.
-    solve = cholesky_solver(gram_rows) if max_rank <= d_in - n_frozen else None
-    if solve is not None:
-        lam = symmetric_eigvalsh(gram_rows).clamp_min(0)
-        spectrum = lam.flip(0)
-        k = k_for_tau(spectrum, tau, d_in, max_rank)
-        total = float(lam.sum())
+def bottom_eigenspace_from_input_gram(
+    rows: FrozenRows, tau: float, max_rank: int, backend: str = "auto"
+) -> FrozenBasis:
+    """Tall W_f (or wide with k possibly beyond the null space): work on G = W_f^T W_f, d_in x d_in.
 
-        def off_row_space_chol(p: torch.Tensor) -> torch.Tensor:
-            y = matmul(frozen, p)
-            y = y[keep] if keep is not None else y
-            return p - matmul(frozen.T, expand(solve(y).to(p.dtype)).contiguous())
-
-        q = orthonormalize(off_row_space_chol(seeded_gaussian(d_in, k, seed, frozen))).contiguous()
-        captured = captured_energy(q, total)
-        if captured > 1e-9:  # rounding left part of the row space: one more pass removes it
-            q = orthonormalize(off_row_space_chol(q)).contiguous()
-            captured = captured_energy(q, total)
-        return FrozenBasis(spectrum.to(torch.float32), k, q, captured)
-
-    evals, u = symmetric_eigh(gram_rows)
-    lam = evals.clamp_min(0)
-    spectrum = lam.flip(0)
+    One factorisation of G gives the spectrum and the k + RITZ_OVERSAMPLE bottom eigenvectors; the
+    Rayleigh-Ritz step on W_f then picks the exact bottom-k subspace within their span.
+    """
+    d_in = rows.weight.shape[1]
+    gram = rows.input_gram()
+    total = _gram_trace(gram)
+    factor = factor_symmetric(gram, backend)
+    spectrum = factor.eigenvalues().clamp_min(0).flip(0)[: min(rows.n_rows, d_in)]
     k = k_for_tau(spectrum, tau, d_in, max_rank)
-    tol = float(lam.max()) * n_frozen * eps if n_frozen else 0.0
-    nonzero = lam > tol
-    rank = int(nonzero.sum())
-    u_nz, lam_nz = u[:, nonzero], lam[nonzero]
-    n_null = min(k, d_in - rank)
+    candidates = factor.bottom_vectors(min(d_in, k + RITZ_OVERSAMPLE)).to(rows.weight.device, rows.weight.dtype)
+    q, energy = rayleigh_ritz(rows, candidates, k)
+    return FrozenBasis(spectrum.to(torch.float32), k, q, energy / total if total > 0 else 0.0)
 
-    def off_row_space(p: torch.Tensor) -> torch.Tensor:
-        y = matmul(frozen, p)
-        y = y[keep] if keep is not None else y
-        coeff = matmul(u_nz, matmul(u_nz.T, y) / lam_nz[:, None])
-        return p - matmul(frozen.T, expand(coeff).contiguous())
 
-    blocks = []
-    if n_null > 0:  # projecting twice removes what rounding left of the row space after the first pass
-        blocks.append(off_row_space(off_row_space(seeded_gaussian(d_in, n_null, seed, frozen))))
-    n_low = k - n_null
-    if n_low > 0:  # the smallest nonzero directions (lam_nz is ascending)
-        v = matmul(frozen.T, expand(u_nz[:, :n_low]).contiguous()) / lam_nz[:n_low].sqrt()[None, :]
-        blocks.append(v)
-    q = orthonormalize(torch.cat(blocks, dim=1)).contiguous()
-    return FrozenBasis(spectrum.to(torch.float32), k, q, captured_energy(q, float(lam.sum())))
+def null_vectors(c: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:
+    """k orthonormal vectors z with C z = 0 for an n x m matrix C, m >= n + k (Householder QR of C^T).
+
+    The last k columns of the full orthogonal factor of C^T are orthogonal to C's row space to rounding
+    (||C z|| ~ eps ||C||), however ill-conditioned C is: backward stable, no Gram matrix, no cutoff.
+    """
+    n, m = c.shape
+    unit = torch.zeros(m, k, dtype=c.dtype, device=c.device)
+    unit[n : n + k] = torch.eye(k, dtype=c.dtype, device=c.device)
+    if backend == "torch" or (backend == "auto" and c.device.type != "cpu"):
+        reflectors, tau = torch.geqrf(c.T)
+        return torch.ormqr(reflectors, tau, unit, left=True, transpose=False)
+    a = np.array(c.numpy().T, order="F")  # C^T, overwritten by geqrf
+    geqrf, geqrf_lwork, ormqr = scipy.linalg.lapack.get_lapack_funcs(("geqrf", "geqrf_lwork", "ormqr"), (a,))
+    work, _ = geqrf_lwork(m, n)
+    reflectors, tau, _, info = geqrf(a, lwork=int(work), overwrite_a=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"geqrf failed (info={info})")
+    args = ("L", "N", reflectors, tau, np.asfortranarray(unit.numpy()))
+    _, work, _ = ormqr(*args, lwork=-1)
+    z, _, info = ormqr(*args, lwork=int(work[0]), overwrite_c=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"ormqr failed (info={info})")
+    return torch.from_numpy(z)
+
+
+def null_space_basis(rows: FrozenRows, tau: float, max_rank: int, seed: int, backend: str = "auto") -> FrozenBasis:
+    """Wide W_f whose k surely fits in the null space (max_rank <= d_in - n_f): Q is all null directions.
+
+    Only K = W_f W_f^T (n_f x n_f) is factorised, for its eigenvalues (G's nonzero spectrum). Q comes from
+    n_f + k input coordinates J, a seeded random subset: the null space of the n_f x (n_f + k) column block
+    W_f[:, J] (:func:`null_vectors`), zero outside J, lies in W_f's null space. Deterministic for a seed;
+    any basis of null directions is an exact bottom-k eigenspace (all its eigenvalues are 0).
+    """
+    d_in, n_f = rows.weight.shape[1], rows.n_rows
+    gram = rows.output_gram()
+    total = _gram_trace(gram)
+    spectrum = factor_symmetric(gram, backend, vectors=False).eigenvalues().clamp_min(0).flip(0)
+    k = k_for_tau(spectrum, tau, d_in, max_rank)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cols = torch.sort(torch.randperm(d_in, generator=g)[: n_f + k]).values.to(rows.weight.device)
+    block = rows.weight[:, cols]
+    block = (block if rows.keep is None else block[rows.keep]).contiguous()
+    z = null_vectors(block, k, backend).to(rows.weight.device)
+    residual = matmul(block, z.contiguous()).double()
+    q = torch.zeros(d_in, k, dtype=rows.weight.dtype, device=rows.weight.device)
+    q[cols] = z.to(q.dtype)
+    energy = float((residual * residual).sum())
+    return FrozenBasis(spectrum.to(torch.float32), k, q, energy / total if total > 0 else 0.0)
+
+
+def frozen_energy_basis(
+    frozen: torch.Tensor,
+    tau: float,
+    max_rank: int,
+    seed: int = 0,
+    keep: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> FrozenBasis:
+    """Spectrum, k(tau) and the exact bottom-k eigenspace Q of G = W_f^T W_f, factorising the small side once.
+
+    ``frozen`` is W_f itself, or (with ``keep``) the full weight whose rows outside ``keep`` are zero. When
+    max_rank <= d_in - n_f, k fits in the null space of W_f and only K = W_f W_f^T is factorised
+    (:func:`null_space_basis`); otherwise G is (:func:`bottom_eigenspace_from_input_gram`): tall W_f, or
+    wide by less than max_rank rows (square layers after removing B), where G is at most max_rank larger.
+    ``backend``: "lapack" (CPU tridiagonal), "torch" (torch.linalg.eigh, any device) or "auto".
+    """
+    rows = FrozenRows(frozen, keep)
+    d_in = frozen.shape[1]
+    if rows.n_rows < d_in and max_rank <= d_in - rows.n_rows:
+        return null_space_basis(rows, tau, max_rank, seed, backend)
+    return bottom_eigenspace_from_input_gram(rows, tau, max_rank, backend)
 
 
 # --------------------------------------------------------------------------- one module, end to end
@@ -279,6 +408,7 @@ def plate_geometry(
     seed: int = 0,
     tau_grid: tuple[float, ...] = DEFAULT_TAU_GRID,
     overwrite_input: bool = False,
+    backend: str = "auto",
 ) -> ModuleGeometry:
     """Redundancy, B, spectrum, k(tau) and Q for one d_out x d_in weight (float32 or float64).
 
@@ -295,7 +425,7 @@ def plate_geometry(
     keep_mask = torch.ones(d_out, dtype=torch.bool)
     keep_mask[b_idx] = False
     keep = torch.nonzero(keep_mask).flatten().to(frozen.device)
-    basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep)
+    basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend)
     d_in = weight.shape[1]
     k_by_tau = {t: k_for_tau(basis.spectrum, t, d_in, max_rank) for t in sorted({*tau_grid, tau})}
     return ModuleGeometry(scores.cpu(), b_idx.cpu(), basis, k_by_tau)

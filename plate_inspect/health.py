@@ -217,11 +217,11 @@ def weight_spectrum(weight: Any) -> Any:
     eigvalsh, the cost of W's own spectrum on top of the scan's (which computes W_frozen's)."""
     import torch
 
-    from plate_inspect.geometry import matmul, symmetric_eigvalsh
+    from plate_inspect.geometry import factor_symmetric, matmul
 
     w = weight if isinstance(weight, torch.Tensor) else torch.as_tensor(weight)
     gram = matmul(w, w.T) if w.shape[0] <= w.shape[1] else matmul(w.T, w)  # a.T @ a: a syrk in numpy
-    return symmetric_eigvalsh(gram).clamp_min(0).flip(0).cpu()
+    return factor_symmetric(gram, vectors=False).eigenvalues().clamp_min(0).flip(0).cpu()
 
 
 def health_of_weight(weight: Any) -> dict:

@@ -149,11 +149,13 @@ def write_llama_like(
     max_shard_bytes: int | None = None,
     planted_fraction: float = 0.0,
     seed: int = 0,
+    spectrum_alpha: float | None = None,
 ) -> SyntheticCheckpoint:
     """A Qwen2/Llama-layout checkpoint (``model.layers.N.self_attn.q_proj.weight`` ...) + config.json.
 
     Each weight gets ``planted_fraction`` of its rows as near-duplicates of one prototype (recorded in
-    ``planted_rows``). Layers are generated and freed one at a time when sharding, so a 7B-shaped checkpoint
+    ``planted_rows``); with ``spectrum_alpha`` weights get power-law spectra instead (:func:`hard_spectrum_weight`,
+    Gaussian factors). Layers are generated and freed one at a time when sharding, so a 7B-shaped checkpoint
     needs no more memory than one layer.
     """
     out = Path(out)
@@ -166,7 +168,10 @@ def write_llama_like(
     for layer in range(layers):
         prefix = f"model.layers.{layer}"
         for suffix, (d_out, d_in) in shapes.items():
-            w, rows = structured_weight(d_out, d_in, gen, planted=round(planted_fraction * d_out))
+            if spectrum_alpha is None:
+                w, rows = structured_weight(d_out, d_in, gen, planted=round(planted_fraction * d_out))
+            else:
+                w, rows = hard_spectrum_weight(d_out, d_in, gen, alpha=spectrum_alpha, orthogonal=False), []
             writer.add(f"{prefix}.{suffix}.weight", w.to(dtype))
             if rows:
                 ckpt.planted_rows[f"{prefix}.{suffix}"] = rows
@@ -592,3 +597,37 @@ def write_family(
     total = _save_single(b.tensors, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return SyntheticCheckpoint(out, config, total_bytes=total)
+
+
+def hard_spectrum_weight(
+    d_out: int,
+    d_in: int,
+    generator: torch.Generator,
+    alpha: float = 1.0,
+    outliers: int = 4,
+    outlier_scale: float = 30.0,
+    duplicates: int = 0,
+    orthogonal: bool = True,
+) -> torch.Tensor:
+    """A float32 d_out x d_in weight shaped like a trained LLM layer: U diag(sigma) V^T, Haar U and V.
+
+    sigma_i = i^-alpha, the first ``outliers`` values ``outlier_scale`` times larger; ``duplicates`` rows
+    are copies of other rows plus 1e-3 relative noise (near-duplicate neurons). ``orthogonal=False`` uses
+    Gaussian U and V (one float32 product, for 7B-sized benchmark layers; no duplicates): a power law, not
+    exactly sigma.
+    """
+    n = min(d_out, d_in)
+    sigma = torch.arange(1, n + 1, dtype=torch.float64) ** -float(alpha)
+    sigma[:outliers] *= outlier_scale
+    if not orthogonal:
+        u = torch.randn(d_out, n, generator=generator) / math.sqrt(d_out)
+        return (u * sigma.float()) @ (torch.randn(n, d_in, generator=generator) / math.sqrt(d_in))
+    u = torch.linalg.qr(torch.randn(d_out, n, generator=generator, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(d_in, n, generator=generator, dtype=torch.float64)).Q
+    w = (u * sigma) @ v.T
+    if duplicates:
+        idx = torch.randperm(d_out, generator=generator)[: 2 * duplicates]
+        src, dst = idx[:duplicates], idx[duplicates:]
+        noise = torch.randn(duplicates, d_in, generator=generator, dtype=torch.float64)
+        w[dst] = w[src] + 1e-3 * noise * w[src].norm(dim=1, keepdim=True) / math.sqrt(d_in)
+    return w.to(torch.float32)
