@@ -320,9 +320,16 @@ def test_batched_geometry_matches_per_module(d_out, d_in, r):
         torch.testing.assert_close(got.basis.spectrum, one.basis.spectrum, rtol=1e-5, atol=1e-7)
         assert got.basis.q.dtype == torch.float64 and got.basis.q.shape == (d_in, one.k)
         torch.testing.assert_close(got.basis.q.T @ got.basis.q, torch.eye(one.k, dtype=torch.float64))
-        # the same subspace: bottom-k eigenvectors (and, for null directions, the same seeded Gaussian projected)
-        torch.testing.assert_close(projector(got.basis.q), projector(one.basis.q), atol=1e-8, rtol=0)
-        assert got.basis.captured_energy == pytest.approx(one.basis.captured_energy, abs=1e-12)
+        # both are exact bottom-k eigenspaces of G = W_f^T W_f (float64 oracle); where the null space is larger than
+        # k, any k of its directions are exact, so the two paths may pick different ones (same energy, ~0)
+        frozen = np.delete(weights[e].numpy(), one.b_idx.numpy(), axis=0)
+        gram = frozen.T @ frozen
+        optimum = np.sort(np.linalg.eigvalsh(gram))[: one.k].clip(min=0).sum()
+        for q in (got.basis.q.numpy(), one.basis.q.double().numpy()):
+            assert np.trace(q.T @ gram @ q) <= 1.01 * optimum + 1e-10 * np.trace(gram)
+        if optimum > 1e-8 * np.trace(gram):  # a unique bottom-k eigenspace: the same subspace
+            torch.testing.assert_close(projector(got.basis.q), projector(one.basis.q), atol=1e-8, rtol=0)
+        assert got.basis.captured_energy == pytest.approx(one.basis.captured_energy, abs=1e-10)
 
 
 def test_expert_groups_by_part_type_and_size(ckpts):
@@ -369,9 +376,11 @@ def test_batched_scan_matches_per_module_scan(ckpts, family, tmp_path, monkeypat
         other = one.record(rec.name)
         assert (rec.k, rec.r, rec.fingerprint, rec.shape) == (other.k, other.r, other.fingerprint, other.shape)
         assert grouped.b_idx(rec.name).tolist() == one.b_idx(rec.name).tolist()
-        torch.testing.assert_close(projector(grouped.q(rec.name)), projector(one.q(rec.name)), atol=1e-5, rtol=0)
+        # Q: both exact bottom-k eigenspaces (checked against the oracle below); where the null space is larger
+        # than k the two paths may pick different null directions, with the same (zero) energy
+        assert rec.captured_energy == pytest.approx(other.captured_energy, abs=1e-9)
     experts = [n for n in grouped.modules if ".experts." in n]
-    check_against_oracle(grouped, load_all(path), family, experts[:4] + experts[-2:])
+    check_against_oracle(grouped, load_all(path), family, experts)
 
 
 def test_verify_finds_expert_slices(ckpts, tmp_path):
