@@ -208,7 +208,8 @@ def health_record(spectrum: Any, shape: tuple[int, int] | list[int], spectrum_of
         record.update({"mp_softrank": mp.mp_softrank, "num_spikes": mp.num_spikes, "sigma_mp": mp.sigma})
     except (ValueError, FloatingPointError):
         record.update({"mp_softrank": None, "num_spikes": None, "sigma_mp": None})
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    # sorted keys: a record read back from a part header (JSON) serialises byte-identically to a fresh one
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in sorted(record.items())}
 
 
 # --------------------------------------------------------------------------- W's own spectrum

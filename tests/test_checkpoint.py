@@ -55,11 +55,11 @@ def test_the_other_modules_use_the_one_table():
     import plate_inspect.checkpoint as checkpoint
     import plate_inspect.dtypes as dtypes
     import plate_inspect.scanner as scanner
-    import plate_inspect.train.layer as layer
+    import plate_inspect.train.weightcheck as weightcheck
 
     assert bundle.Q_DTYPES is dtypes.Q_DTYPES and scanner.Q_DTYPES is dtypes.Q_DTYPES
     assert scanner.PRECISIONS is dtypes.PRECISIONS
-    assert checkpoint.FLOAT_DTYPES is dtypes.FLOAT_DTYPES and layer.FLOAT_DTYPES is dtypes.FLOAT_DTYPES
+    assert checkpoint.FLOAT_DTYPES is dtypes.FLOAT_DTYPES and weightcheck.FLOAT_DTYPES is dtypes.FLOAT_DTYPES
 
 
 # --------------------------------------------------------------------------- valid files are never called corrupt

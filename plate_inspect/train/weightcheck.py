@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from plate_inspect.checkpoint import FLOAT_DTYPES, fingerprint_tensor
+from plate_inspect.checkpoint import fingerprint_tensor
+from plate_inspect.dtypes import FLOAT_DTYPES
 from plate_inspect.errors import BundleError, PlateInspectError
 
 SKETCH_SIZE = 8
