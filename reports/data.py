@@ -443,6 +443,10 @@ def table_row(rec: ModuleRecord) -> dict[str, Any]:
         "score": rec.mean_redundancy,
         "plate": rec.trainable_params,
         "lora": rec.lora_params,
+        # spectral health of W_frozen (plate_inspect.health), recorded by the scan; absent in older bundles
+        "alpha": (rec.health or {}).get("alpha"),
+        "stable_rank": (rec.health or {}).get("stable_rank"),
+        "spikes": (rec.health or {}).get("num_spikes"),
     }
 
 

@@ -132,8 +132,11 @@ def table_model(rd: ReportData) -> dict[str, Any]:
             {"key": "score", "label": "mean score", "fmt": "f4"},
             {"key": "plate", "label": "PLATE r*k", "fmt": "int"},
             {"key": "lora", "label": "LoRA r*(d_in+d_out)", "fmt": "int"},
+            {"key": "alpha", "label": "power-law alpha (W_f)", "fmt": "f3"},
+            {"key": "stable_rank", "label": "stable rank (W_f)", "fmt": "f3"},
+            {"key": "spikes", "label": "MP spikes (W_f)", "fmt": "int"},
         ]
-        rows = [[row[c["key"]] for c in cols] for row in rd.table]
+        rows = [[row.get(c["key"]) for c in cols] for row in rd.table]  # expert groups have no health columns
         return {"columns": cols, "rows": rows, "groups": _row_groups(rd)}
     for b, label in enumerate(rd.labels):
         cols += [

@@ -402,7 +402,10 @@ def test_table_rows_match_records(small_bundle):
     rd = report_data([small_bundle])
     tm = page_model(rd)["table"]
     keys = [c["key"] for c in tm["columns"]]
-    assert keys == ["name", "type", "layer", "shape", "r", "k", "energy", "score", "plate", "lora"]
+    assert keys == [
+        *("name", "type", "layer", "shape", "r", "k", "energy", "score", "plate", "lora"),
+        *("alpha", "stable_rank", "spikes"),
+    ]
     assert [r[0] for r in tm["rows"]] == list(man)
     for row in tm["rows"]:
         m = man[row[0]]
@@ -411,6 +414,25 @@ def test_table_rows_match_records(small_bundle):
         assert row[keys.index("energy")] == m["captured_energy"]
         assert row[keys.index("score")] == m["mean_redundancy"]
         assert row[keys.index("plate")] == m["r"] * m["k"]
+
+
+def test_table_shows_the_scanned_spectral_health(tmp_path):
+    """A scanned bundle's health (W_frozen's alpha, stable rank, MP spikes) reaches the table as recorded."""
+    from plate_inspect.testing.synthetic import write_bert
+
+    bundle = plate_inspect.scan(write_bert(tmp_path / "bert", layers=1).path, tmp_path / "b", r=4)
+    man = manifest_json(bundle)["modules"]
+    tm = page_model(report_data([bundle]))["table"]
+    keys = [c["key"] for c in tm["columns"]]
+    for row in tm["rows"]:
+        health = man[row[0]]["health"]
+        assert health["spectrum_of"] == "W_frozen"
+        assert row[keys.index("alpha")] == health["alpha"]
+        assert row[keys.index("stable_rank")] == health["stable_rank"]
+        assert row[keys.index("spikes")] == health["num_spikes"]
+        # an independent check of one metric: stable rank = sum(lambda) / max(lambda) of the stored spectrum
+        spectrum = bundle.spectrum(row[0]).double()
+        assert health["stable_rank"] == pytest.approx(float(spectrum.sum() / spectrum.max()), rel=1e-5)
 
 
 def test_page_is_self_contained(small_bundle, tmp_path):
