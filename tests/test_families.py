@@ -401,3 +401,53 @@ def test_verify_finds_expert_slices(ckpts, tmp_path):
     save_file(tensors, str(changed / "model.safetensors"))
     problems = verify(bundle, changed).problems
     assert len(problems) == 1 and "mlp.experts.down_proj.1'" in problems[0] and "fingerprint differs" in problems[0]
+
+
+# --------------------------------------------------------------------------- quantized releases, scanned end to end
+def _scan_quantized_against_oracle(path, tmp_path, decode) -> None:
+    """Scan a quantized release; every target's B, k and Q against the dense oracle on independently decoded weights."""
+    from safetensors.torch import load_file
+
+    bundle = plate_inspect.scan(path, tmp_path / "bundle", r=R, tau=TAU, max_rank=MAX_RANK, precision="float64")
+    stored = load_file(str(path / "model.safetensors"))
+    assert len(bundle.modules) > 0
+    for name in bundle.modules:
+        w = decode(stored, bundle.record(name))
+        scores, b, evals, k, gram = dense_oracle(w, R, TAU, MAX_RANK)
+        assert bundle.record(name).shape == list(w.shape), name
+        assert bundle.b_idx(name).tolist() == b.tolist(), name
+        assert bundle.record(name).k == k, name
+        q = bundle.q(name, torch.float64).numpy()
+        assert np.trace(q.T @ gram @ q) <= 1.01 * evals[:k].sum() + 1e-6 * evals.sum(), name
+
+
+def test_mxfp4_gpt_oss_release_scans_against_the_decoded_oracle(tmp_path):
+    from test_quant import mxfp4_oracle, stored_bytes
+
+    def decode(stored, rec):
+        stack, expert = rec.name.rsplit(".", 1)
+        blocks, scales = stored[f"{stack}_blocks"], stored[f"{stack}_scales"]
+        full = mxfp4_oracle(stored_bytes(blocks).reshape(blocks.shape), stored_bytes(scales).reshape(scales.shape))
+        return full[int(expert)].astype(np.float64)  # [E, d_out, d_in]: output-major, as gpt-oss stores blocks
+
+    ckpt = write_family(tmp_path / "mx", "gpt_oss", mxfp4=True)
+    _scan_quantized_against_oracle(
+        ckpt.path,
+        tmp_path,
+        lambda s, rec: decode(s, rec) if "experts" in rec.name else s[f"{rec.name}.weight"].double().numpy(),
+    )
+
+
+def test_fp8_block_scaled_deepseek_release_scans_against_the_decoded_oracle(tmp_path):
+    from test_quant import block_oracle, decode_e4m3, stored_bytes
+
+    def decode(stored, rec):
+        raw = stored[f"{rec.name}.weight"]
+        if raw.dtype != torch.float8_e4m3fn:
+            return raw.double().numpy()
+        values = decode_e4m3(stored_bytes(raw).reshape(raw.shape))
+        scale = stored[f"{rec.name}.weight_scale_inv"].double().numpy()
+        return block_oracle(values, scale, (128, 128)).astype(np.float64)
+
+    ckpt = write_family(tmp_path / "fp8", "deepseek_v3", fp8=True)
+    _scan_quantized_against_oracle(ckpt.path, tmp_path, decode)
