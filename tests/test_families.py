@@ -451,3 +451,20 @@ def test_fp8_block_scaled_deepseek_release_scans_against_the_decoded_oracle(tmp_
 
     ckpt = write_family(tmp_path / "fp8", "deepseek_v3", fp8=True)
     _scan_quantized_against_oracle(ckpt.path, tmp_path, decode)
+
+
+def test_ablation_variants_of_3d_expert_slices(ckpts, tmp_path):
+    """Variants read expert slices through the same seam as the scan: Random-B rows are the seeded draw, Q unchanged."""
+    from plate_inspect.geometry import module_seed, random_rows
+    from plate_inspect.train.variants import make_variant
+
+    path = ckpts["llama4"].path
+    base = plate_inspect.scan(path, tmp_path / "base", r=R, tau=TAU, max_rank=MAX_RANK)
+    variant = make_variant(base, path, "random_b", tmp_path / "random_b", seed=5)
+    experts = [n for n in base.modules if ".experts." in n]
+    assert experts and variant.modules == base.modules
+    for name in experts:
+        rec = base.record(name)
+        assert variant.record(name).fingerprint == rec.fingerprint
+        assert variant.b_idx(name).tolist() == random_rows(rec.d_out, rec.r, module_seed(5, name)).tolist()
+        torch.testing.assert_close(variant.q(name), base.q(name))

@@ -35,6 +35,7 @@ from plate_inspect.geometry import (
     random_orthonormal,
     random_rows,
 )
+from plate_inspect.targets import load_target, modules_by_name
 
 VARIANTS = ("random_b", "least_redundant_b", "random_q", "high_energy_q", "random_bq")
 
@@ -99,6 +100,7 @@ def make_variant(
     )
     writer = BundleWriter(out, manifest, overwrite=overwrite)
     writer.open()
+    modules = modules_by_name(ckpt)  # every weight by module name, 3-D expert slices and quantized storage included
     parts: dict[str, list[str]] = {}
     for rec in src:
         parts.setdefault(rec.file, []).append(rec.name)
@@ -108,13 +110,15 @@ def make_variant(
         tensors: dict[str, torch.Tensor] = {}
         for name in names:
             rec = src.record(name)
-            stored, fp = ckpt.read(f"{name}.weight")
+            if name not in modules:
+                raise BundleError(f"{src.path}: module '{name}' has no weight in {checkpoint}")
+            oriented, fp = load_target(ckpt, modules[name])
             if fp != rec.fingerprint:
                 raise BundleError(f"{src.path}: module '{name}' was scanned from other weights than {checkpoint}")
             if name in old and weight_key(old[name]) == weight_key(rec):
                 records.append(old[name])
                 continue
-            w = (stored.T if rec.layout == "conv1d" else stored).to(torch.float64)
+            w = oriented.to(torch.float64)
             new, module_tensors = _variant_module(src, rec, w, variant, seed)
             records.append(new)
             tensors.update(module_tensors)
