@@ -61,9 +61,18 @@ class ScanPlan:
     settings: ScanSettings
 
 
+#: Experts per part file: a part is written (and held in memory) whole, and a DeepSeek-V3 layer has 768 experts.
+EXPERTS_PER_PART = 8
+
+
 def part_name(target: TargetModule) -> str:
-    """Part file for a module: one per layer index, plus ``other`` for modules outside numbered layers."""
-    return f"layer-{target.layer:05d}.safetensors" if target.layer is not None else "other.safetensors"
+    """Part file for a module: one per layer index (experts: one per EXPERTS_PER_PART experts of the layer), plus
+    ``other`` for modules outside numbered layers. Memory is bounded by one part's tensors, not by a layer's."""
+    if target.layer is None:
+        return "other.safetensors"
+    if target.expert is None:
+        return f"layer-{target.layer:05d}.safetensors"
+    return f"layer-{target.layer:05d}-experts-{target.expert // EXPERTS_PER_PART:04d}.safetensors"
 
 
 def plan_scan(

@@ -16,7 +16,7 @@ import plate_inspect
 from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header
 from plate_inspect.cli.main import cli
 from plate_inspect.errors import CheckpointError
-from plate_inspect.targets import load_target, modules_by_name, select_targets
+from plate_inspect.targets import expert_of, load_target, modules_by_name, select_targets
 from plate_inspect.testing.synthetic import FAMILY_DEFAULTS, write_family
 
 R, TAU, MAX_RANK = 4, 0.9, 16
@@ -468,3 +468,20 @@ def test_ablation_variants_of_3d_expert_slices(ckpts, tmp_path):
         assert variant.record(name).fingerprint == rec.fingerprint
         assert variant.b_idx(name).tolist() == random_rows(rec.d_out, rec.r, module_seed(5, name)).tolist()
         torch.testing.assert_close(variant.q(name), base.q(name))
+
+
+def test_experts_are_split_into_bounded_part_files(ckpts, tmp_path, monkeypatch):
+    """A part is held in memory whole: experts of a layer go to parts of EXPERTS_PER_PART experts each."""
+    from plate_inspect import scanner
+
+    monkeypatch.setattr(scanner, "EXPERTS_PER_PART", 2)
+    bundle = plate_inspect.scan(ckpts["mixtral"].path, tmp_path / "b", r=R, tau=TAU, max_rank=MAX_RANK)
+    for rec in bundle:
+        if rec.layer is None:
+            continue
+        expert = expert_of(rec.name)
+        want = f"layer-{rec.layer:05d}" + ("" if expert is None else f"-experts-{expert // 2:04d}") + ".safetensors"
+        assert rec.file == want, rec.name
+    files = {rec.file for rec in bundle}
+    assert {p.name for p in bundle.path.glob("*.safetensors")} == files
+    assert any("-experts-0001" in f for f in files)  # 3 experts per layer: two expert parts
