@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from plate_inspect import distributed
@@ -377,6 +378,14 @@ def _compute_weight(oriented: torch.Tensor, target: TargetModule, settings: Scan
             f"{target.tensor.file.name}: tensor '{target.tensor.name}' contains NaN or Inf values; "
             "the checkpoint is corrupt or was saved after a diverged run"
         )
+    # Gram entries reach max|w|^2 * max(d_out, d_in): past the dtype's range they overflow and no eigensolver copes
+    largest = float(weight.abs().max()) if weight.numel() else 0.0
+    if largest * largest * max(weight.shape) > torch.finfo(weight.dtype).max / 16:
+        hint = " or scan with --precision float64" if weight.dtype != torch.float64 else ""
+        raise CheckpointError(
+            f"{target.tensor.file.name}: tensor '{target.tensor.name}' has values up to {largest:.3g}, too large for "
+            f"{settings.precision} Gram matrices (they would overflow); check that the checkpoint is not corrupt{hint}"
+        )
     return weight
 
 
@@ -391,17 +400,23 @@ def _scan_module(
     """Geometry and bundle record of one module from its d_out x d_in weight (consumed: freed here)."""
     weight = _compute_weight(oriented, target, settings, device)
     del oriented
-    geo = plate_geometry(
-        weight,
-        settings.r,
-        settings.tau,
-        settings.max_rank,
-        n_anchors=settings.anchors,
-        sketch_dim=settings.sketch_dim,
-        seed=module_seed(settings.seed, target.name),
-        tau_grid=settings.tau_grid,
-        overwrite_input=True,
-    )
+    try:
+        geo = plate_geometry(
+            weight,
+            settings.r,
+            settings.tau,
+            settings.max_rank,
+            n_anchors=settings.anchors,
+            sketch_dim=settings.sketch_dim,
+            seed=module_seed(settings.seed, target.name),
+            tau_grid=settings.tau_grid,
+            overwrite_input=True,
+        )
+    except (np.linalg.LinAlgError, torch.linalg.LinAlgError) as e:  # numerically hopeless values, e.g. a corrupt file
+        raise CheckpointError(
+            f"{target.tensor.file.name}: tensor '{target.tensor.name}': the eigensolver failed ({e}); check that the "
+            "checkpoint is not corrupt, or scan with --precision float64"
+        ) from None
     del weight
     return module_outputs(target, geo, fingerprint, settings, part)
 

@@ -277,3 +277,16 @@ def test_align_k_larger_than_the_embedded_minilm_layers(tmp_path):
 )
 def test_curvature_settings_out_of_range(extra, needle):
     assert_user_error(["curvature", "--quiet", *extra], needle)
+
+
+def test_values_too_large_for_float32_gram_are_a_clear_error(tmp_path):
+    """Finite weights whose float32 Gram would overflow (1e30 x 1e30): one line naming the tensor; float64 scans."""
+    w = torch.randn(16, 12, generator=torch.Generator().manual_seed(0))
+    w[3, 5] = 1e30
+    path = tmp_path / "huge.safetensors"
+    save_file({"model.layers.0.mlp.down_proj.weight": w.contiguous()}, str(path))
+    assert_user_error(
+        ["scan", path, "--out", tmp_path / "out", "--r", "2", "--quiet"], "down_proj", "too large", "float64"
+    )
+    code, output = run_cli("scan", path, "--out", tmp_path / "out64", "--r", "2", "--precision", "float64", "--quiet")
+    assert code == 0, output
