@@ -79,3 +79,22 @@ def skeleton(path: Path, names: list[str], layout: str = "linear") -> nn.Module:
             parent = getattr(parent, part)
         parent.add_module(parts[-1], layer)
     return root
+
+
+def save_tiny_qwen2(path: Path, *, vocab: int = 64, intermediate: int = 48, seed: int = 0) -> Path:
+    """A randomly initialised tiny Qwen2ForCausalLM (the real architecture), saved as safetensors at ``path``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path

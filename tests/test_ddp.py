@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import save_tiny_qwen2
 
 from plate_inspect import scan
 
@@ -22,21 +23,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     root = tmp_path_factory.mktemp("ddp")
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    save_tiny_qwen2(root / "model")
     scan(root / "model", root / "bundle", r=4, tau=0.8, max_rank=16)
     single = root / "single"
     _run([sys.executable, str(WORKER), "single", str(root / "model"), str(root / "bundle"), str(single)])

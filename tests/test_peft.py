@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_train import BACKBONE, dense_plate_weight, digits_bundle, digits_checkpoint, load_digits
+from helpers_train import (
+    BACKBONE,
+    dense_plate_weight,
+    digits_bundle,
+    digits_checkpoint,
+    load_digits,
+    save_tiny_qwen2,
+)
 from peft import PeftModel, get_peft_model
 from torch import nn
 
@@ -25,21 +32,8 @@ def digits_setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
     """A randomly initialised tiny Qwen2ForCausalLM saved with save_pretrained (safetensors) and scanned."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     root = tmp_path_factory.mktemp("tiny_qwen")
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(root / "model", safe_serialization=True)
+    save_tiny_qwen2(root / "model")
     bundle = scan(root / "model", root / "bundle", r=4, tau=0.8, max_rank=16, overwrite=True)
     return root, bundle
 

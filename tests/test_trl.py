@@ -28,21 +28,11 @@ def _tokenizer():
 @pytest.mark.slow
 def test_sft_trainer_trains_only_a_and_the_adapter_round_trips(tmp_path):
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from helpers_train import save_tiny_qwen2
+    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "model")
+    save_tiny_qwen2(tmp_path / "model", vocab=VOCAB, intermediate=64)
     bundle = scan(tmp_path / "model", tmp_path / "bundle", r=8, tau=0.9, max_rank=32)
     g = torch.Generator().manual_seed(1)
     starts = torch.randint(0, VOCAB - 2, (64,), generator=g)
