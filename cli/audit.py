@@ -68,7 +68,7 @@ def audit_command(
       plate-inspect audit Qwen/Qwen2.5-7B ./lora-adapter --bundle bundles/qwen7b --json
       plate-inspect audit ./base adapter.safetensors --report audit.html
     """
-    from plate_inspect.audit import audit, rank_by_risk, summarize
+    from plate_inspect.audit import TABLE_COLUMNS, audit, rank_by_risk, summarize, table_cells
 
     progress = None
     bar = None
@@ -118,30 +118,10 @@ def audit_command(
     table = Table(
         title=f"modules by risk (tau={tau:g}; {len(shown)} of {len(records)})", box=box.SIMPLE_HEAD, pad_edge=False
     )
-    for col in (
-        "module",
-        "d_out x d_in",
-        "|B|",
-        "protected",
-        "chance",
-        "frozen rows",
-        "||dW||",
-        "||dW||/||W||",
-        "risk",
-    ):
+    for col in TABLE_COLUMNS:
         table.add_column(col, justify="left" if col == "module" else "right", no_wrap=col == "module")
     for rec in shown:
-        table.add_row(
-            rec.module,
-            f"{rec.shape[0]}x{rec.shape[1]}",
-            str(rec.r),
-            f"{rec.protected_input_share:.4f}",
-            f"{rec.chance_share:.4f}",
-            f"{rec.frozen_row_share:.4f}",
-            f"{rec.delta_norm:.3e}",
-            f"{rec.relative_delta:.3e}",
-            f"{rec.risk:.3e}",
-        )
+        table.add_row(*table_cells(rec))
     console.print(table)
     s = summarize(records)
     console.print(

@@ -229,6 +229,35 @@ def summarize(records: list[AuditRecord]) -> AuditSummary:
     )
 
 
+#: Columns of the ranked audit table (CLI and HTML report alike).
+TABLE_COLUMNS = (
+    "module",
+    "d_out x d_in",
+    "|B|",
+    "protected",
+    "chance",
+    "frozen rows",
+    "||dW||",
+    "||dW||/||W||",
+    "risk",
+)
+
+
+def table_cells(rec: AuditRecord) -> tuple[str, ...]:
+    """One record's cells of the ranked audit table, formatted, in :data:`TABLE_COLUMNS` order."""
+    return (
+        rec.module,
+        f"{rec.shape[0]}x{rec.shape[1]}",
+        str(rec.r),
+        f"{rec.protected_input_share:.4f}",
+        f"{rec.chance_share:.4f}",
+        f"{rec.frozen_row_share:.4f}",
+        f"{rec.delta_norm:.3e}",
+        f"{rec.relative_delta:.3e}",
+        f"{rec.risk:.3e}",
+    )
+
+
 def rank_by_risk(records: list[AuditRecord]) -> list[AuditRecord]:
     """Records ordered by risk, highest first (ties: larger protected share, then name)."""
     return sorted(records, key=lambda r: (-r.risk, -r.protected_input_share, r.module))

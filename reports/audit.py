@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from plate_inspect.audit import AuditRecord, rank_by_risk, summarize
+from plate_inspect.audit import TABLE_COLUMNS, AuditRecord, rank_by_risk, summarize, table_cells
 from plate_inspect.targets import layer_of, module_type_of
 
 _MAX_BARS = 40
@@ -103,34 +103,10 @@ def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
 
 
 def _table(records: list[AuditRecord]) -> str:
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in (
-            "module",
-            "d_out x d_in",
-            "|B|",
-            "protected",
-            "chance",
-            "frozen rows",
-            "||dW||",
-            "||dW||/||W||",
-            "risk",
-        )
-    )
-    rows = []
-    for r in rank_by_risk(records):
-        cells = (
-            html.escape(r.module),
-            f"{r.shape[0]}x{r.shape[1]}",
-            str(r.r),
-            f"{r.protected_input_share:.4f}",
-            f"{r.chance_share:.4f}",
-            f"{r.frozen_row_share:.4f}",
-            f"{r.delta_norm:.3e}",
-            f"{r.relative_delta:.3e}",
-            f"{r.risk:.3e}",
-        )
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in TABLE_COLUMNS)
+    rows = [
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in table_cells(r)) + "</tr>" for r in rank_by_risk(records)
+    ]
     return f"<table class='audit'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
