@@ -8,10 +8,9 @@ import tempfile
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from plate_inspect.cli.common import console, err_console
+from plate_inspect.cli.common import console, err_console, progress_bar, split_names
 from plate_inspect.errors import ConfigError
 
 
@@ -35,18 +34,6 @@ def _float_list(value: str, what: str) -> list[float]:
     if not all(math.isfinite(v) for v in out):
         raise ConfigError(f"{what}: expected finite numbers, got '{value}'")
     return out
-
-
-def _progress(label: str, quiet: bool) -> Progress:
-    return Progress(
-        TextColumn(f"[bold]{label}[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[current]}"),
-        console=err_console,
-        disable=quiet,
-    )
 
 
 # --------------------------------------------------------------------------- align
@@ -104,9 +91,8 @@ def align_command(
         err_console.print(f"no --text given: using {SKLEARN_TEXT_SOURCE}")
     else:
         text = read_text(text_file)
-    targets = [t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None
-    with _progress("align", quiet or as_json) as progress:
-        task = progress.add_task("align", total=None, current="forward passes")
+    targets = split_names(target_modules)
+    with progress_bar("align", quiet=quiet or as_json) as progress:
         records = hf_text_alignment(
             model,
             text,
@@ -116,7 +102,7 @@ def align_command(
             target_modules=targets,
             n_random=random_draws,
             seed=seed,
-            on_batch=lambda n: progress.update(task, advance=n),
+            progress=progress,
         )
     if as_json:
         click.echo(json.dumps([r.to_json() for r in records], indent=2))
@@ -221,22 +207,21 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
         tmp = tempfile.TemporaryDirectory(prefix="plate-curvature-")
         out = Path(tmp.name)
     try:
-        with _progress("curvature", quiet or as_json) as progress:
-            task = progress.add_task("curvature", total=1 + len(wanted), current="stage 1: train on task 1, scan")
-            setup = digits_stage1(out, epochs=epochs, seed=seed, r=r, tau=tau, max_rank=max_rank)
-            progress.update(task, advance=1, current=wanted[0])
-            model, bundle = setup.model, setup.bundle
-            backbone = ["fc1", "fc2", "fc3"]
-            fams = []
-            for name in wanted:
-                if name == "full_backbone":
-                    params = [f"{m}.{p}" for m in backbone for p in ("weight", "bias")]
-                    fams.append(full_family(model, params, name="full_backbone"))
-                elif name == "lora":
-                    fams.append(lora_family(model, backbone, lora_rank, seed=seed))
-                else:
-                    fams.append(plate_family(model, bundle, variant=name, seed=seed, modules=backbone))
-            done = iter(wanted[1:] + [""])
+        if not (quiet or as_json):
+            err_console.print("stage 1: train the digits MLP on task 1, scan it")
+        setup = digits_stage1(out, epochs=epochs, seed=seed, r=r, tau=tau, max_rank=max_rank)
+        model, bundle = setup.model, setup.bundle
+        backbone = ["fc1", "fc2", "fc3"]
+        fams = []
+        for name in wanted:
+            if name == "full_backbone":
+                params = [f"{m}.{p}" for m in backbone for p in ("weight", "bias")]
+                fams.append(full_family(model, params, name="full_backbone"))
+            elif name == "lora":
+                fams.append(lora_family(model, backbone, lora_rank, seed=seed))
+            else:
+                fams.append(plate_family(model, bundle, variant=name, seed=seed, modules=backbone))
+        with progress_bar("curvature", quiet=quiet or as_json) as progress:
             records = analyze_families(
                 model,
                 F.cross_entropy,
@@ -245,7 +230,7 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
                 n_probes=probes,
                 rhos=rho_values,
                 seed=seed,
-                on_family=lambda _n: progress.update(task, advance=1, current=next(done)),
+                progress=progress,
             )
     finally:
         if tmp is not None:

@@ -9,7 +9,7 @@ import click
 from rich import box
 from rich.table import Table
 
-from plate_inspect.cli.common import console, err_console
+from plate_inspect.cli.common import console, progress_bar, split_names
 from plate_inspect.targets import parse_layers
 
 
@@ -70,42 +70,23 @@ def audit_command(
     """
     from plate_inspect.audit import TABLE_COLUMNS, audit, rank_by_risk, summarize, table_cells
 
-    progress = None
-    bar = None
-    if not quiet and not as_json:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(
-            TextColumn("[bold]audit[/]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.description}"),
-            console=err_console,
-            transient=True,
+    with progress_bar("audit", quiet=quiet or as_json, transient=True) as progress:
+        records = audit(
+            base,
+            tuned,
+            bundle,
+            tau=tau,
+            r=r,
+            anchors=anchors,
+            sketch_dim=sketch_dim,
+            seed=seed,
+            target_modules=split_names(target_modules),
+            layers=parse_layers(layers),
+            precision=precision,
+            revision=revision,
+            offline=True if offline else None,
+            progress=progress,
         )
-        task = bar.add_task("", total=None)
-
-        def progress(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=name)
-
-    settings = dict(
-        tau=tau,
-        r=r,
-        anchors=anchors,
-        sketch_dim=sketch_dim,
-        seed=seed,
-        target_modules=[t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None,
-        layers=parse_layers(layers),
-        precision=precision,
-        revision=revision,
-        offline=True if offline else None,
-    )
-    if bar is not None:
-        with bar:
-            records = audit(base, tuned, bundle, progress=progress, **settings)
-    else:
-        records = audit(base, tuned, bundle, **settings)
     if report is not None:
         from plate_inspect.reports.audit import write_audit_report
 

@@ -1,13 +1,64 @@
-"""Shared CLI plumbing: the consoles."""
+"""Shared CLI plumbing: the consoles and the one progress bar."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from rich.console import Console
 
-from plate_inspect.formatting import human_bytes  # noqa: F401  (re-exported for the commands)
+from plate_inspect.formatting import human_bytes
+from plate_inspect.progress import ProgressCallback, ProgressEvent
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 for _c in (console, err_console):  # piped or captured output: tables and progress need room, not 80 columns
     if not _c.is_terminal:
         _c.width = max(_c.width, 160)
+
+
+def split_names(text: str | None) -> list[str] | None:
+    """A comma-separated option value (``--target-modules q_proj,v_proj``) as a list; None when not given."""
+    names = [t.strip() for t in text.split(",") if t.strip()] if text else []
+    return names or None
+
+
+@contextlib.contextmanager
+def progress_bar(label: str, quiet: bool = False, transient: bool = False) -> Iterator[ProgressCallback | None]:
+    """The one rich bar of every long command, on stderr: done/total units, bytes read (when the events carry
+    them), elapsed time, ETA and what finished last. Yields the callback to pass as ``progress=`` (None if quiet)."""
+    if quiet:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = Progress(
+        TextColumn(f"[bold]{label}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[unit]}"),
+        TextColumn("{task.fields[read]}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[current]}"),
+        console=err_console,
+        transient=transient,
+    )
+    task = bar.add_task(label, total=None, unit="", read="", current="")
+
+    def show(event: ProgressEvent) -> None:
+        read = ""
+        if event.bytes_done is not None and event.bytes_total is not None:
+            read = f"{human_bytes(event.bytes_done)}/{human_bytes(event.bytes_total)}"
+        bar.update(task, completed=event.done, total=event.total, unit=event.unit, read=read, current=event.label)
+
+    with bar:
+        yield show

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from plate_inspect.cli.common import console, err_console
+from plate_inspect.cli.common import console, err_console, progress_bar
 
 
 @click.group("experiment")
@@ -31,26 +31,6 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise ConfigError(f"{what} must be positive integers, got '{text}'")
     return values
-
-
-def _progress_bar(label: str, total: int, quiet: bool):
-    """A rich progress bar and the one-argument callback (label of what finished) that advances it."""
-    from contextlib import nullcontext
-
-    if quiet:
-        return nullcontext(), None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(
-        TextColumn(f"[bold]{label}[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=err_console,
-    )
-    task = bar.add_task("", total=total)
-    return bar, lambda d: bar.update(task, advance=1, description=d)
 
 
 @experiment_group.command("continual")
@@ -83,7 +63,6 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
     """
     from plate_inspect.experiments.continual import (
         ContinualSettings,
-        plan,
         records_from_dir,
         run_continual,
         write_outputs,
@@ -103,9 +82,8 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
         seeds = 1
     else:
         settings = ContinualSettings(steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, **common)
-    bar, on_run = _progress_bar("continual", len(plan(settings, list(range(seeds)))), no_progress)
-    with bar:
-        result = run_continual(out, seeds=seeds, settings=settings, on_run=on_run)
+    with progress_bar("continual", quiet=no_progress) as progress:
+        result = run_continual(out, seeds=seeds, settings=settings, progress=progress)
     console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, mean ± 95% CI over seeds"))
     err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
 
@@ -142,8 +120,7 @@ def sequential_command(out, data, methods, seeds, steps, data_root, no_progress)
     bad = [m for m in names if m not in SEQUENTIAL_METHODS]
     if bad:
         raise ConfigError(f"sequential: method '{bad[0]}' not supported; choose from {', '.join(SEQUENTIAL_METHODS)}")
-    bar, on_run = _progress_bar("sequential", seeds * len(names), no_progress)
-    with bar:
-        result = run_sequential(out, names, seeds=seeds, steps=steps, data=data, data_root=data_root, on_run=on_run)
+    with progress_bar("sequential", quiet=no_progress) as progress:
+        result = run_sequential(out, names, seeds=seeds, steps=steps, data=data, data_root=data_root, progress=progress)
     print_matrix(result, console)
     err_console.print(f"results: {result.path}")

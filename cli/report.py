@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.cli.common import console, err_console, human_bytes
+from plate_inspect.cli.common import console, human_bytes, progress_bar
 
 
 @click.command("report")
@@ -49,24 +48,7 @@ def report_command(bundles, out, labels, max_points, bins, quiet):
 
     loaded = [Bundle.load(p) for p in bundles]  # BundleError (one line) for missing or incomplete bundles
     names = [x.strip() for x in labels.split(",")] if labels else None
-    if quiet:
-        path = write_report(loaded, out, labels=names, max_points=max_points, bins=bins)
-    else:
-        progress = Progress(
-            TextColumn("[bold]report[/]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("modules"),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=True,
-        )
-        with progress:
-            task = progress.add_task("report", total=None)
-
-            def tick(done: int, total: int, name: str) -> None:
-                progress.update(task, completed=done, total=total)
-
-            path = write_report(loaded, out, labels=names, max_points=max_points, bins=bins, progress=tick)
+    with progress_bar("report", quiet=quiet, transient=True) as progress:
+        path = write_report(loaded, out, labels=names, max_points=max_points, bins=bins, progress=progress)
     mode = "comparison of " + ", ".join(str(p) for p in bundles) if len(loaded) > 1 else str(bundles[0])
     console.print(f"report: {path} ({human_bytes(path.stat().st_size)}; {mode})")

@@ -6,63 +6,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
-from plate_inspect.bundle import Bundle, ModuleRecord
-from plate_inspect.cli.common import console, err_console, human_bytes
+from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings
+from plate_inspect.cli.common import console, err_console, human_bytes, progress_bar, split_names
 from plate_inspect.distributed import rank_from_env
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
-from plate_inspect.scanner import ScanProgress, default_out_dir, plan_scan, run_scan
+from plate_inspect.scanner import default_out_dir, plan_scan, run_scan
 from plate_inspect.targets import parse_layers
-
-
-class RichScanProgress(ScanProgress):
-    """Modules done/total, bytes read and ETA on stderr."""
-
-    def __init__(self) -> None:
-        self.progress = Progress(
-            TextColumn("[bold]scan[/]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("modules"),
-            TextColumn("{task.fields[read]}"),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[current]}"),
-            console=err_console,
-            transient=False,
-        )
-        self.task = None
-        self.bytes_done = 0
-        self.bytes_total = 0
-
-    def start(self, total_modules, total_bytes, already_done, already_bytes):
-        self.bytes_done, self.bytes_total = already_bytes, total_bytes
-        if already_done:
-            err_console.print(f"resuming: {already_done}/{total_modules} modules already in the bundle")
-        self.progress.start()
-        self.task = self.progress.add_task(
-            "scan", total=total_modules, completed=already_done, read=self._read(), current=""
-        )
-
-    def _read(self) -> str:
-        return f"{human_bytes(self.bytes_done)}/{human_bytes(self.bytes_total)}"
-
-    def module_done(self, name, nbytes):
-        self.bytes_done += nbytes
-        self.progress.update(self.task, advance=1, read=self._read(), current=name)
-
-    def finish(self):
-        self.progress.stop()
 
 
 def summary_rows(records: list[ModuleRecord]) -> list[dict]:
@@ -95,6 +46,7 @@ def print_summary(bundle: Bundle) -> None:
     console.print(
         f"r={s.r} tau={s.tau} max_rank={s.max_rank} seed={s.seed} anchors={s.anchors} "
         f"sketch_dim={s.sketch_dim} precision={s.precision} q_dtype={s.q_dtype}"
+        + (" include_mtp" if s.include_mtp else "")
     )
     console.print(f"targets: {m.selection_note}")
     table = Table(title="per module type")
@@ -212,27 +164,25 @@ def scan_command(
         out = out or Path("bundles") / "all-MiniLM-L6-v2"
         err_console.print(f"no model given: scanning {DEFAULT_MODEL_NAME}")
     out = out or default_out_dir(model)
-    plan = plan_scan(
-        model,
+    settings = ScanSettings(
         r=r,
         tau=tau,
         max_rank=max_rank,
         seed=seed,
         sketch_dim=sketch_dim,
         anchors=anchors,
-        target_modules=[t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None,
+        target_modules=split_names(target_modules),
         layers=parse_layers(layers),
         precision=precision,
         q_dtype=q_dtype,
-        revision=revision,
-        offline=True if offline else None,
         include_mtp=include_mtp,
     )
+    plan = plan_scan(model, settings, revision=revision, offline=True if offline else None)
     root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if root:
         err_console.print(f"{len(plan.targets)} target modules ({plan.selection_note}) -> {out}")
-    progress = None if quiet or not root else RichScanProgress()
-    bundle = run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
+    with progress_bar("scan", quiet=quiet or not root) as progress:
+        bundle = run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
     if not root:
         return
     print_summary(bundle)

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -44,6 +43,7 @@ from plate_inspect.geometry import (
     symmetric_eigh,
     validate_settings,
 )
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import CONV1D_FAMILIES, TargetModule, layer_of, load_target, module_type_of, select_targets
 
 #: Keys of one ``--json`` record, in order.
@@ -538,14 +538,14 @@ def audit(
     precision: str = "float32",
     revision: str | None = None,
     offline: bool | None = None,
-    progress: Callable[[int, int, str], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> list[AuditRecord]:
     """Audit TUNED against BASE, one module at a time; records in scan order (see :func:`rank_by_risk`).
 
     B comes from ``bundle`` (which must have been scanned from BASE: fingerprints are checked); without one, from
     a PLATE adapter's own bundle; otherwise B is chosen as the scan does with ``r``, ``anchors``, ``sketch_dim``
     and ``seed``. Modules: the adapter's, else the bundle's, else the scan's targets (``target_modules``,
-    ``layers``). ``progress(done, total, module)`` is called after each module.
+    ``layers``). ``progress`` gets one event per module (unit "modules")
     """
     validate_settings(r=r, tau=tau, max_rank=1, n_anchors=anchors, sketch_dim=sketch_dim)
     if precision not in PRECISIONS:
@@ -570,7 +570,9 @@ def audit(
                 "scan the base model with these modules (--target-modules) or audit without --bundle"
             )
     records = []
-    for i, target in enumerate(targets):
+    counter = ProgressCounter(as_callback(progress, "audit"), len(targets), "modules")
+    counter.start()
+    for target in targets:
         stored, fingerprint = load_target(base_ckpt, target)
         weight = stored.to(dtype).contiguous()
         del stored
@@ -590,6 +592,5 @@ def audit(
         delta = source.delta(target, weight)
         records.append(audit_update(target.name, weight, delta, b_idx, tau))
         del weight, delta
-        if progress is not None:
-            progress(i + 1, len(targets), target.name)
+        counter.step(target.name)
     return records

@@ -32,7 +32,7 @@ from safetensors.torch import save as safetensors_bytes
 from plate_inspect import __version__
 from plate_inspect.atomic import atomic_write
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
-from plate_inspect.errors import BundleError, PlateInspectError
+from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
 
 FORMAT_NAME = "plate-init-bundle"
 FORMAT_VERSION = 1
@@ -42,9 +42,18 @@ STATS = "scan_stats.json"
 PART_METADATA_KEY = "plate_part"
 
 
+#: Settings added after format v1 first shipped, with the value every earlier bundle was made with. At that value
+#: they are left out of the settings digest and the identity, so bundles made before keep both.
+_LATER_SETTINGS: dict[str, object] = {"include_mtp": False}
+
+
 @dataclass(frozen=True)
 class ScanSettings:
-    """The settings that determine a bundle's content (two scans with equal settings agree bit for bit)."""
+    """The settings that determine a bundle's content (two scans with equal settings agree bit for bit).
+
+    The one carrier of a scan's settings: :func:`plate_inspect.scanner.plan_scan` and the CLI take it whole.
+    Values are checked and normalised on construction (tuples, a sorted tau grid); bad ones raise ConfigError.
+    """
 
     r: int = 64
     tau: float = 0.9
@@ -57,6 +66,31 @@ class ScanSettings:
     precision: str = "float32"
     q_dtype: str = "float32"
     tau_grid: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)
+    include_mtp: bool = False  # DeepSeek's multi-token-prediction layer: it changes the planned modules
+
+    def __post_init__(self) -> None:
+        from plate_inspect.dtypes import PRECISIONS
+        from plate_inspect.geometry import validate_settings
+
+        validate_settings(
+            r=self.r, tau=self.tau, max_rank=self.max_rank, n_anchors=self.anchors, sketch_dim=self.sketch_dim
+        )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if self.q_dtype not in Q_DTYPES:
+            raise ConfigError(f"q dtype must be one of {sorted(Q_DTYPES)}, got {self.q_dtype!r}")
+        grid = tuple(sorted({float(t) for t in self.tau_grid}))
+        if any(not 0 < t < 1 for t in grid):
+            raise ConfigError(f"tau grid values must lie strictly between 0 and 1, got {list(grid)}")
+        normal = {
+            "tau": float(self.tau),
+            "target_modules": tuple(self.target_modules) if self.target_modules else None,
+            "layers": tuple(int(i) for i in self.layers) if self.layers is not None else None,
+            "tau_grid": grid,
+            "include_mtp": bool(self.include_mtp),
+        }
+        for key, value in normal.items():
+            object.__setattr__(self, key, value)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -64,16 +98,16 @@ class ScanSettings:
             d[key] = list(d[key]) if d[key] is not None else None
         return d
 
+    def canonical(self) -> dict[str, Any]:
+        """What the digest and the identity cover: :meth:`to_json` less later settings at their old value."""
+        return {k: v for k, v in self.to_json().items() if k not in _LATER_SETTINGS or _LATER_SETTINGS[k] != v}
+
     def digest(self) -> str:
         """sha256 of the canonical JSON of these settings."""
-        return _digest(self.to_json())
+        return _digest(self.canonical())
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ScanSettings:
-        d = dict(d)
-        for key in ("target_modules", "layers", "tau_grid"):
-            if d.get(key) is not None:
-                d[key] = tuple(d[key])
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
@@ -200,7 +234,7 @@ def weight_key(rec: ModuleRecord) -> tuple[str, str, tuple[int, ...], str]:
 def content_identity(settings: ScanSettings, variant: dict[str, Any] | None, records: Iterable[ModuleRecord]) -> str:
     """sha256 over the settings, the variant and (name, fingerprint, dtype, shape, layout) of every module."""
     modules = sorted([rec.name, *weight_key(rec)] for rec in records)
-    return _digest({"settings": settings.to_json(), "variant": variant, "modules": modules})
+    return _digest({"settings": settings.canonical(), "variant": variant, "modules": modules})
 
 
 @dataclass

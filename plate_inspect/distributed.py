@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
+from plate_inspect.progress import ProgressCallback, ProgressCounter, ProgressEvent
 
 if TYPE_CHECKING:
     from plate_inspect.bundle import Bundle
-    from plate_inspect.scanner import ScanPlan, ScanProgress
+    from plate_inspect.scanner import ScanPlan
 
 T = TypeVar("T")
 #: How long a rank waits for the others at a collective (a rank may finish its share long before the slowest).
@@ -192,7 +193,7 @@ def scan_on_devices(
     devices: Sequence[str],
     *,
     overwrite: bool = False,
-    progress: ScanProgress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Bundle:
     """Run a scan as one spawned worker process per device (a local torchrun without torchrun), then load it.
 
@@ -209,8 +210,8 @@ def scan_on_devices(
     threads = str(max(1, (os.cpu_count() or 1) // n))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n)}
     env.update({var: threads for var in _THREAD_VARS if var not in os.environ})
-    if progress is not None:
-        progress.start(len(plan.targets), sum(t.tensor.nbytes for t in plan.targets), 0, 0)
+    counter = ProgressCounter(progress, len(plan.targets), "modules", bytes_total=sum(t.nbytes for t in plan.targets))
+    counter.start()
     procs = []
     try:
         for rank, device in enumerate(devices):
@@ -221,20 +222,18 @@ def scan_on_devices(
                 )
                 proc.start()
             procs.append(proc)
-        error = _watch(procs, messages, progress)
+        error = _watch(procs, messages, counter)
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
             proc.join()
-        if progress is not None:
-            progress.finish()
     if error is not None:
         raise error
     return Bundle.load(out)
 
 
-def _watch(procs: list, messages: Any, progress: ScanProgress | None) -> PlateInspectError | None:
+def _watch(procs: list, messages: Any, counter: ProgressCounter) -> PlateInspectError | None:
     """Relay progress until every worker exits; the first failure (its own error, or its exit code) is returned."""
     error: PlateInspectError | None = None
     while True:
@@ -242,8 +241,9 @@ def _watch(procs: list, messages: Any, progress: ScanProgress | None) -> PlateIn
             kind, payload = messages.get(timeout=0.2)
         except queue_mod.Empty:
             kind, payload = None, None
-        if kind == "module" and progress is not None:
-            progress.module_done(*payload)
+        if kind == "module":
+            name, nbytes = payload
+            counter.step(name, nbytes=nbytes)
         elif kind == "error" and error is None:
             error = payload
         dead = [p for p in procs if p.exitcode not in (None, 0)]
@@ -259,16 +259,18 @@ def _watch(procs: list, messages: Any, progress: ScanProgress | None) -> PlateIn
 
 
 def _device_worker(plan: ScanPlan, out: str, device: str, overwrite: bool, messages: Any) -> None:
-    from plate_inspect.scanner import ScanProgress, run_scan
+    from plate_inspect.scanner import run_scan
 
-    class QueueProgress(ScanProgress):
-        """This worker's progress, relayed to the parent process."""
+    read = [0]
 
-        def module_done(self, name: str, nbytes: int) -> None:
-            messages.put(("module", (name, nbytes)))
+    def relay(event: ProgressEvent) -> None:
+        """This worker's progress, relayed to the parent process (which counts over all workers)."""
+        if event.done:
+            messages.put(("module", (event.label, (event.bytes_done or 0) - read[0])))
+        read[0] = event.bytes_done or 0
 
     try:
-        run_scan(plan, out, overwrite=overwrite, device=device, progress=QueueProgress())
+        run_scan(plan, out, overwrite=overwrite, device=device, progress=relay)
     except PlateInspectError as e:
         messages.put(("error", e))
         raise SystemExit(2) from None

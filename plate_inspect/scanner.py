@@ -37,13 +37,14 @@ from plate_inspect.bundle import (
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.dtypes import PRECISIONS, Q_DTYPES
 from plate_inspect.errors import CheckpointError, ConfigError
-from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, module_seed, plate_geometry, validate_settings
+from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, module_seed, plate_geometry
 from plate_inspect.health import health_record
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import TargetModule, load_target, select_targets
 
 
 class ScanProgress:
-    """Callbacks a front end implements to show progress; the default does nothing."""
+    """Deprecated (one release): the old scan front end. Pass ``progress=`` a function of one ProgressEvent."""
 
     def start(self, total_modules: int, total_bytes: int, already_done: int, already_bytes: int) -> None: ...
 
@@ -78,47 +79,16 @@ def part_name(target: TargetModule) -> str:
 
 def plan_scan(
     source: str | os.PathLike,
+    settings: ScanSettings | None = None,
     *,
-    r: int = 64,
-    tau: float = 0.9,
-    max_rank: int = 512,
-    seed: int = 0,
-    sketch_dim: int | None = None,
-    anchors: int = 256,
-    target_modules: Iterable[str] | None = None,
-    layers: Iterable[int] | None = None,
-    precision: str = "float32",
-    q_dtype: str = "float32",
-    tau_grid: Iterable[float] = DEFAULT_TAU_GRID,
     revision: str | None = None,
     offline: bool | None = None,
-    include_mtp: bool = False,
 ) -> ScanPlan:
-    """Validate settings, open the checkpoint lazily and choose target modules."""
-    validate_settings(r=r, tau=tau, max_rank=max_rank, n_anchors=anchors, sketch_dim=sketch_dim)
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    if q_dtype not in Q_DTYPES:
-        raise ConfigError(f"q dtype must be one of {sorted(Q_DTYPES)}, got {q_dtype!r}")
-    grid = tuple(sorted({float(t) for t in tau_grid}))
-    if any(not 0 < t < 1 for t in grid):
-        raise ConfigError(f"tau grid values must lie strictly between 0 and 1, got {list(grid)}")
-    settings = ScanSettings(
-        r=r,
-        tau=float(tau),
-        max_rank=max_rank,
-        seed=seed,
-        sketch_dim=sketch_dim,
-        anchors=anchors,
-        target_modules=tuple(target_modules) if target_modules else None,
-        layers=tuple(layers) if layers is not None else None,
-        precision=precision,
-        q_dtype=q_dtype,
-        tau_grid=grid,
-    )
+    """Open the checkpoint lazily and choose the target modules for these settings (default: ScanSettings())."""
+    settings = settings if settings is not None else ScanSettings()
     ckpt = Checkpoint.open(source, revision=revision, offline=offline)
     targets, note = select_targets(
-        ckpt, list(settings.target_modules or []) or None, settings.layers, include_mtp=include_mtp
+        ckpt, list(settings.target_modules or []) or None, settings.layers, include_mtp=settings.include_mtp
     )
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(ckpt.logical_weight(target.logical_name))
@@ -140,38 +110,37 @@ def scan(
     precision: str = "float32",
     q_dtype: str = "float32",
     tau_grid: Iterable[float] = DEFAULT_TAU_GRID,
+    include_mtp: bool = False,
     revision: str | None = None,
     offline: bool | None = None,
-    include_mtp: bool = False,
     overwrite: bool = False,
     device: str = "cpu",
     devices: str | Sequence[str] | None = None,
-    progress: ScanProgress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Bundle:
     """Scan a checkpoint (local dir, .safetensors file or hub repo id) and write a PLATE init bundle.
 
-    Settings are those of :func:`plan_scan`. Rerunning the same call resumes an interrupted scan and rescans a
-    finished one incrementally: every target weight is read and hashed once, and only modules whose weights
-    changed are recomputed. ``devices`` (e.g. ``"cuda:0,cuda:1"`` or ``"all"``) runs one worker per device;
-    under torchrun each rank scans its share (see :mod:`plate_inspect.distributed`).
+    The settings keywords are the fields of :class:`ScanSettings` (:func:`plan_scan` + :func:`run_scan` take
+    one whole). Rerunning the same call resumes an interrupted scan and rescans a finished one incrementally:
+    every target weight is read and hashed once, and only modules whose weights changed are recomputed.
+    ``devices`` (e.g. ``"cuda:0,cuda:1"`` or ``"all"``) runs one worker per device; under torchrun each rank
+    scans its share (see :mod:`plate_inspect.distributed`). ``progress`` gets one event per module.
     """
-    plan = plan_scan(
-        source,
+    settings = ScanSettings(
         r=r,
         tau=tau,
         max_rank=max_rank,
         seed=seed,
         sketch_dim=sketch_dim,
         anchors=anchors,
-        target_modules=target_modules,
-        layers=layers,
+        target_modules=tuple(target_modules) if target_modules else None,
+        layers=tuple(layers) if layers is not None else None,
         precision=precision,
         q_dtype=q_dtype,
-        tau_grid=tau_grid,
-        revision=revision,
-        offline=offline,
+        tau_grid=tuple(tau_grid),
         include_mtp=include_mtp,
     )
+    plan = plan_scan(source, settings, revision=revision, offline=offline)
     return run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
 
 
@@ -190,13 +159,15 @@ def run_scan(
     overwrite: bool = False,
     device: str = "cpu",
     devices: str | Sequence[str] | None = None,
-    progress: ScanProgress | None = None,
+    progress: ProgressCallback | None = None,
     expert_group: int | None = None,
 ) -> Bundle:
     """Execute a :class:`ScanPlan`, writing the bundle to ``out`` (alone, as a torchrun rank, or on ``devices``).
 
+    ``progress`` gets one event per module of this process's share (unit "modules", with bytes read).
     ``expert_group``: experts of one projection solved per batched eigensolve (default: 64 on CUDA, 1 on CPU).
     """
+    progress = as_callback(progress, "run_scan")
     if devices is not None:
         names = distributed.parse_devices(devices)
         if len(names) > 1:
@@ -204,7 +175,6 @@ def run_scan(
                 raise ConfigError("--devices starts its own workers; under torchrun give --device instead")
             return distributed.scan_on_devices(plan, out, names, overwrite=overwrite, progress=progress)
         device = names[0]
-    progress = progress or ScanProgress()
     ckpt, settings = plan.checkpoint, plan.settings
     source = ckpt.source.to_json() if ckpt.source else {"kind": "local", "id": str(ckpt.root)}
     manifest = Manifest(
@@ -243,7 +213,7 @@ def _scan_share(
     parts: dict[str, list[TargetModule]],
     writer: BundleWriter,
     device: torch.device,
-    progress: ScanProgress,
+    progress: ProgressCallback | None,
     group_size: int = 1,
 ) -> ShareResult:
     """Scan this process's parts: read and hash every weight once; compute only modules no part header vouches for.
@@ -254,7 +224,10 @@ def _scan_share(
     """
     started = time.perf_counter()
     items = expert_groups([(part, t) for part, members in parts.items() for t in members], group_size)
-    progress.start(sum(len(m) for _, m in items), sum(t.nbytes for _, m in items for t in m), 0, 0)
+    counter = ProgressCounter(
+        progress, sum(len(m) for _, m in items), "modules", bytes_total=sum(t.nbytes for _, m in items for t in m)
+    )
+    counter.start()
     settings = writer.manifest.settings
     computed = reused = changed = 0
     records_out: list[ModuleRecord] = []
@@ -302,7 +275,7 @@ def _scan_share(
                 by_name[target.name] = record
                 tensors.update(module_tensors)
             for target in members:
-                progress.module_done(target.name, target.nbytes)
+                counter.step(target.name, nbytes=target.nbytes)
             if i + 1 == len(items) or items[i + 1][0] != part:
                 records = [by_name[t.name] for t in parts[part]]
                 computed += len(records) - len(kept)
@@ -315,7 +288,6 @@ def _scan_share(
                 records_out.extend(records)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
-        progress.finish()
     stats = {
         "wall_seconds": round(time.perf_counter() - started, 3),
         "bytes_read": ckpt.bytes_read,

@@ -13,12 +13,12 @@ The data behind every plot comes from :func:`report_data` (pure; see :mod:`plate
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from plate_inspect.atomic import atomic_write
 from plate_inspect.bundle import Bundle
 from plate_inspect.errors import ConfigError, ReportError
+from plate_inspect.progress import ProgressCallback
 from plate_inspect.reports.data import (
     DEFAULT_BINS,
     DEFAULT_MAX_POINTS,
@@ -50,7 +50,7 @@ def render_report(
     labels: list[str] | None = None,
     max_points: int = DEFAULT_MAX_POINTS,
     bins: int = DEFAULT_BINS,
-    progress: Callable[[int, int, str], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> str:
     """The report's HTML text for ``bundles`` (raises BundleError for incomplete or incompatible bundles)."""
     from plate_inspect.reports.html import render_page
@@ -70,7 +70,7 @@ def write_report(
     labels: list[str] | None = None,
     max_points: int = DEFAULT_MAX_POINTS,
     bins: int = DEFAULT_BINS,
-    progress: Callable[[int, int, str], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Path:
     """Write ONE self-contained HTML report for one bundle (single view) or several (comparison); returns its path.
 

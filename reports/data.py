@@ -20,6 +20,7 @@ from plate_inspect import __version__
 from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord
 from plate_inspect.errors import BundleError
 from plate_inspect.geometry import energy_rank
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import expert_of
 
 #: Metrics drawn as layer x module-type heatmaps: record attribute -> (title, number format for hover).
@@ -640,9 +641,9 @@ def report_data(
     labels: list[str] | None = None,
     max_points: int = DEFAULT_MAX_POINTS,
     bins: int = DEFAULT_BINS,
-    progress: Any = None,
+    progress: ProgressCallback | None = None,
 ) -> ReportData:
-    """Check the bundles and compute the data of every view. ``progress(done, total, name)`` is called per module.
+    """Check the bundles and compute the data of every view; ``progress`` gets events counting modules.
 
     Modules outside expert groups get full spectra and score histograms; experts are aggregated per (layer,
     module type) group, with compact per-expert spectra for drill-down (see :class:`ExpertGroup`).
@@ -659,7 +660,8 @@ def report_data(
     spectra: dict[str, list[SpectrumView]] = {}
     histograms: dict[str, list[ScoreHistogram]] = {}
     rows: dict[str, dict[str, Any]] = {}
-    done = 0
+    counter = ProgressCounter(as_callback(progress, "report_data"), len(modules), "modules")
+    counter.start()
     for name in dense:
         md = read_module(bundles, name)
         spectra[name] = [spectrum_view(b, name, max_points, s) for b, s in zip(bundles, md.spectra, strict=True)]
@@ -678,9 +680,7 @@ def report_data(
                 for j, b in enumerate(bundles)
             ]
         rows[name] = row
-        done += 1
-        if progress is not None:
-            progress(done, len(modules), name)
+        counter.step(name)
     for group in groups:
         ref = group[0]
         stored = read_tensors(bundles[0], ref.names, "spectrum")
@@ -690,9 +690,7 @@ def report_data(
             b_sets = [read_tensors(b, ref.names, "plate_B_idx") for b in bundles]
             overlaps = [float(np.mean([b_overlap(b_sets[0][n], bs[n]) for n in ref.names])) for bs in b_sets]
         rows[ref.names[0]] = group_row(list(group), overlaps)
-        done += len(ref.names)
-        if progress is not None:
-            progress(done, len(modules), ref.id)
+        counter.step(ref.id, units=len(ref.names))
     shown = set(modules)
     return ReportData(
         labels=labels,

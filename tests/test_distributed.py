@@ -121,16 +121,12 @@ _KILL_RANK_1 = textwrap.dedent(
     """
     import os, signal, sys
     import plate_inspect
-    from plate_inspect.scanner import ScanProgress
 
-    class KillRank1(ScanProgress):
-        n = 0
-        def module_done(self, name, nbytes):
-            self.n += 1
-            if os.environ["RANK"] == "1" and self.n == 9:  # in its second part: its first part is written
-                os.kill(os.getpid(), signal.SIGKILL)
+    def kill_rank_1(event):
+        if os.environ["RANK"] == "1" and event.done == 9:  # in its second part: its first part is written
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    plate_inspect.scan(sys.argv[1], sys.argv[2], r=8, progress=KillRank1())
+    plate_inspect.scan(sys.argv[1], sys.argv[2], r=8, progress=kill_rank_1)
     """
 )
 

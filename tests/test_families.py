@@ -200,6 +200,42 @@ def test_deepseek_mtp_layer_only_when_asked(ckpts, tmp_path):
     assert set(plate_inspect.Bundle.load(out).modules) == want
 
 
+def test_include_mtp_is_a_setting_of_the_bundle(ckpts, tmp_path):
+    """include_mtp is recorded in the manifest, is part of the settings digest and the identity, and a rescan
+    with the other value never reuses the bundle (nor its part files) silently."""
+    from plate_inspect.errors import BundleError
+
+    path, out = ckpts["deepseek_v3"].path, tmp_path / "b"
+    small = dict(r=R, max_rank=8, layers=[1, 2])
+    without = plate_inspect.scan(path, out, **small)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["include_mtp"] is False
+    assert all(not n.startswith("model.layers.2.") for n in without.modules)
+    with pytest.raises(BundleError, match="other settings"):
+        plate_inspect.scan(path, out, include_mtp=True, **small)
+    with_mtp = plate_inspect.scan(path, out, include_mtp=True, overwrite=True, **small)
+    assert json.loads((out / "manifest.json").read_text())["config"]["include_mtp"] is True
+    assert {n for n in with_mtp.modules if n.startswith("model.layers.2.")} == {
+        t.name for t in select_targets(Checkpoint.open(path), include_mtp=True)[0] if t.layer == 2
+    }
+    assert with_mtp.stats()["modules_resumed"] == 0
+    # identity oracle: sha256 of the canonical JSON of settings (now with include_mtp), variant and modules
+    stored = load_all(path)
+    sha = {n: "sha256:" + hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in stored.items()}
+    modules = sorted([rec.name, sha[rec.name + ".weight"], rec.dtype, rec.shape, rec.layout] for rec in with_mtp)
+    config = json.loads((out / "manifest.json").read_text())["config"]
+    oracle = json.dumps({"settings": config, "variant": None, "modules": modules}, sort_keys=True)
+    assert with_mtp.manifest.identity == "sha256:" + hashlib.sha256(oracle.encode()).hexdigest()
+    # the same layer-1 modules, other include_mtp: the layer-1 part of the MTP bundle vouches for nothing
+    layer1 = plate_inspect.scan(path, tmp_path / "l1", r=R, max_rank=8, layers=[1])
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "layer-00001.safetensors").write_bytes((out / "layer-00001.safetensors").read_bytes())
+    again = plate_inspect.scan(path, mixed, r=R, max_rank=8, layers=[1])
+    assert again.stats()["modules_resumed"] == 0
+    assert again.manifest.identity == layer1.manifest.identity
+
+
 def test_routers_only_when_named(ckpts):
     ckpt = Checkpoint.open(ckpts["qwen2_moe"].path)
     chosen, _ = select_targets(ckpt, ["mlp.gate", "shared_expert_gate"])
@@ -357,6 +393,7 @@ def test_expert_groups_by_part_type_and_size(ckpts):
 def test_batched_scan_matches_per_module_scan(ckpts, family, tmp_path, monkeypatch):
     """The scanner's batched path (forced on CPU with expert_group) against its per-module path and the oracle."""
     from plate_inspect import scanner
+    from plate_inspect.bundle import ScanSettings
     from plate_inspect.scanner import plan_scan, run_scan
 
     batch_sizes = []
@@ -365,10 +402,10 @@ def test_batched_scan_matches_per_module_scan(ckpts, family, tmp_path, monkeypat
         scanner, "batched_plate_geometry", lambda w, *a, **kw: batch_sizes.append(len(w)) or real(w, *a, **kw)
     )
     path = ckpts[family].path
-    plan = dict(r=R, tau=TAU, max_rank=MAX_RANK, precision="float64")
-    one = run_scan(plan_scan(path, **plan), tmp_path / "one")
+    settings = ScanSettings(r=R, tau=TAU, max_rank=MAX_RANK, precision="float64")
+    one = run_scan(plan_scan(path, settings), tmp_path / "one")
     assert batch_sizes == []  # CPU default: one module at a time
-    grouped = run_scan(plan_scan(path, **plan), tmp_path / "grouped", expert_group=8)
+    grouped = run_scan(plan_scan(path, settings), tmp_path / "grouped", expert_group=8)
     n_experts = 3  # per MoE layer, both families' defaults
     assert batch_sizes == [n_experts] * (2 if family == "llama4" else 6)  # one eigensolve per projection and layer
     assert grouped.modules == one.modules

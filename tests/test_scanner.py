@@ -147,20 +147,16 @@ _KILLER = textwrap.dedent(
     """
     import os, signal, sys
     import plate_inspect
-    from plate_inspect.scanner import ScanProgress
-
-    class Killer(ScanProgress):
-        def __init__(self, after, how):
-            self.n, self.after, self.how = 0, after, how
-        def module_done(self, name, nbytes):
-            self.n += 1
-            if self.n == self.after:
-                if self.how == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                raise KeyboardInterrupt
 
     src, out, after, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    plate_inspect.scan(src, out, r=8, progress=Killer(after, how))
+
+    def killer(event):
+        if event.done == after:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise KeyboardInterrupt
+
+    plate_inspect.scan(src, out, r=8, progress=killer)
     """
 )
 
@@ -308,7 +304,14 @@ def test_identity_covers_every_module_fingerprint_and_the_settings(tmp_path, qwe
     fingerprints = sorted(
         [n, sha256_of(stored[n + ".weight"]), "BF16", [*stored[n + ".weight"].shape], "linear"] for n in a.modules
     )
-    oracle = {"settings": json.loads(json.dumps(m.settings.to_json())), "variant": None, "modules": fingerprints}
+    # the settings as format v1 first wrote them (no include_mtp key): bundles made before it keep their identity
+    v1_settings = {
+        "r": R, "tau": 0.9, "max_rank": 512, "seed": 0, "sketch_dim": None, "anchors": 256, "target_modules": None,
+        "layers": None, "precision": "float32", "q_dtype": "float32",
+        "tau_grid": [0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99],
+    }  # fmt: skip
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["config"] == {**v1_settings, "include_mtp": False}
+    oracle = {"settings": v1_settings, "variant": None, "modules": fingerprints}
     expected = "sha256:" + hashlib.sha256(json.dumps(oracle, sort_keys=True).encode()).hexdigest()
     assert m.identity == expected
     b = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R, seed=1)

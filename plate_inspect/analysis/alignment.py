@@ -18,7 +18,7 @@ an iterable of inputs; :func:`hf_text_alignment` runs a local Hugging Face model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from torch import nn
 
 from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh
+from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches
 
 #: The text used for the README's MiniLM table: scikit-learn's bundled dataset descriptions (real English prose
@@ -186,12 +187,13 @@ def collect_input_moments(
     inputs: Iterable[Any],
     target_modules: Sequence[str] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
-    on_batch: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, ActivationMoments]:
     """Run ``model`` on every input and accumulate X^T X of each target layer's input (streamed, float64).
 
     An input is passed as ``model(**item)`` for a dict, ``model(*item)`` for a tuple/list, else ``model(item)``;
     ``forward(model, item)`` overrides that. Every leading dimension of a layer input counts as a sample row.
+    ``progress`` gets one event per forward pass (unit "batches"; total known when ``inputs`` has a length).
     """
     modules = select_linear_modules(model, target_modules)
     moments: dict[str, ActivationMoments] = {}
@@ -214,13 +216,14 @@ def collect_input_moments(
         handles.append(mod.register_forward_pre_hook(make_hook(name, d_in)))
     was_training = model.training
     model.eval()
+    counter = ProgressCounter(progress, len(inputs) if isinstance(inputs, Sized) else None, "batches")
+    counter.start()
     try:
         with torch.no_grad():
-            for item in inputs:
+            for i, item in enumerate(inputs):
                 out = forward(model, item) if forward is not None else _call(model, item)
                 del out
-                if on_batch is not None:
-                    on_batch(1)
+                counter.step(f"batch {i + 1}")
     finally:
         for h in handles:
             h.remove()
@@ -364,7 +367,7 @@ def hf_text_alignment(
     target_modules: Sequence[str] | None = None,
     n_random: int = 8,
     seed: int = 0,
-    on_batch: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> list[AlignmentRecord]:
     """Alignment records for a local HF model dir run on ``text`` (unpadded windows, so no pad tokens count)."""
     ks = _check_ks(ks)
@@ -374,7 +377,7 @@ def hf_text_alignment(
     if max_pos:
         seq_len = min(seq_len, int(max_pos))
     inputs = hf_text_inputs(tokenizer, text, seq_len=seq_len, max_tokens=max_tokens)
-    moments = collect_input_moments(model, inputs, target_modules, on_batch=on_batch)
+    moments = collect_input_moments(model, inputs, target_modules, progress=progress)
     modules = dict(model.named_modules())
     records: list[AlignmentRecord] = []
     for name, m in moments.items():

@@ -36,6 +36,7 @@ from torch.func import functional_call, grad, jvp, vjp
 
 from plate_inspect.errors import ConfigError, CurvatureError
 from plate_inspect.geometry import module_seed
+from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.train.variants import variant_geometry
 
 Params = dict[str, torch.Tensor]
@@ -536,16 +537,19 @@ def analyze_families(
     rhos: Sequence[float] = DEFAULT_RHOS,
     seed: int = 0,
     forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    on_family: Callable[[str], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> list[CurvatureRecord]:
-    """The Python API: one :class:`CurvatureRecord` per family for any model, loss and old-task data loader."""
+    """The Python API: one :class:`CurvatureRecord` per family for any model, loss and old-task data loader.
+
+    ``progress`` gets one event per analysed family (unit "families")."""
+    counter = ProgressCounter(progress, len(families), "families")
+    counter.start()
     problem = OldTaskProblem(model, loss_fn, data, forward=forward)
     beta = problem.output_hessian_bound()
     out = []
     for fam in families:
         out.append(analyze_family(problem, fam, n_probes=n_probes, rhos=rhos, seed=seed, beta=beta))
-        if on_family is not None:
-            on_family(fam.name)
+        counter.step(fam.name)
     return out
 
 

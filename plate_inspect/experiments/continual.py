@@ -20,7 +20,7 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,10 @@ from plate_inspect.experiments.methods import (
     default_budgets,
     prepare,
 )
+from plate_inspect.progress import ProgressCallback, ProgressCounter
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 PAPER_STEPS = 2400  # the paper's MNIST protocol: 10 epochs of ~30k images at batch 128 per task
 RECORD_KEYS = (
@@ -228,13 +232,14 @@ def run_continual(
     out_dir: str | os.PathLike,
     seeds: int | list[int] = 10,
     settings: ContinualSettings | None = None,
-    console: Any = None,
-    on_run: digits.Progress | None = None,
+    console: Console | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ContinualResult:
     """Run the benchmark over ``seeds`` (a count -> 0..K-1, or a list); write results.json, summary.md, the HTML.
 
     Finished runs are appended to OUT/runs.jsonl as they complete; rerunning with the same settings skips them
-    (an interrupted run resumes). ``on_run`` is called with a label after every run.
+    (an interrupted run resumes). ``progress`` gets one event per run of ``plan`` (unit "runs"; runs already in
+    runs.jsonl count as done in the opening event).
     """
     s = settings or ContinualSettings()
     s.validate()
@@ -254,6 +259,9 @@ def run_continual(
     todo = plan(s, seed_list)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 3-layer MLP: threads only add overhead (and contend on a shared machine)
+    finished = sum(1 for seed, st, m, b in todo if (m, b.id, seed, st) in done)
+    counter = ProgressCounter(progress, len(todo), "runs", done=finished)
+    counter.start()
     try:
         for seed in seed_list:
             mine = [r for r in todo if r[0] == seed and (r[2], r[3].id, seed, r[1]) not in done]
@@ -265,8 +273,7 @@ def run_continual(
                 with jsonl.open("a") as f:
                     f.write(json.dumps(asdict(rec)) + "\n")
                 done[rec.key] = rec
-                if on_run is not None:
-                    on_run(f"seed {seed} steps {steps}: {method} {budget.id}")
+                counter.step(f"seed {seed} steps {steps}: {method} {budget.id}")
     finally:
         torch.set_num_threads(torch_threads)
     records = [done[(m, b.id, seed, st)] for seed, st, m, b in todo]
@@ -279,7 +286,9 @@ def _settings_dict(s: ContinualSettings) -> dict[str, Any]:
     return d
 
 
-def write_outputs(out: Path, records: list[RunRecord], s: ContinualSettings, console: Any = None) -> ContinualResult:
+def write_outputs(
+    out: Path, records: list[RunRecord], s: ContinualSettings, console: Console | None = None
+) -> ContinualResult:
     """results.json (validated), summary.md and continual.html from ``records``; print the table to ``console``."""
     from plate_inspect.experiments.continual_report import markdown_report, rich_table, write_html
 

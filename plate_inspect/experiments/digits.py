@@ -20,7 +20,6 @@ from plate_inspect.errors import ConfigError
 
 DATA_SETS = ("digits", "fashion-mnist")
 BACKBONE = ("fc1", "fc2", "fc3")
-Progress = Callable[[str], None]  # the one progress-callback style of the experiments: called with what just finished
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLATE_RHO, backbone_shapes
+from plate_inspect.progress import ProgressCallback, ProgressCounter
 
 SEQUENTIAL_METHODS = ("plate", "lora", "osf")
 N_TASKS = 4
@@ -141,7 +142,7 @@ def run_sequential(
     steps: int = PAPER_PAIR_STEPS,
     data: str = "digits",
     data_root: str | os.PathLike | None = None,
-    on_run: digits.Progress | None = None,
+    progress: ProgressCallback | None = None,
     r: int = 8,
     tau: float = 0.98,
     lora_rank: int = 1,
@@ -149,16 +150,20 @@ def run_sequential(
 ) -> SequentialResult:
     """Run the four-task protocol for every method and seed (a count -> 0..K-1, or a list); write OUT/sequential.json.
 
-    The file is rewritten after every (seed, method), so an interrupted run keeps what finished.
+    The file is rewritten after every (seed, method), so an interrupted run keeps what finished. ``progress``
+    gets one event per (seed, method) (unit "runs").
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)
     result = SequentialResult(out / "sequential.json")
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    counter = ProgressCounter(progress, len(seed_list) * len(methods), "runs")
+    counter.start()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for seed in range(seeds) if isinstance(seeds, int) else seeds:
+        for seed in seed_list:
             seed_dir = out / f"seed{seed}"
             seed_dir.mkdir(parents=True, exist_ok=True)
             model = digits.train_stage1(tasks[0], seed, steps=steps, n_tasks=N_TASKS)
@@ -171,8 +176,7 @@ def run_sequential(
                 for t, j, acc in [(1, 1, acc1), *accs]:
                     result.records.append(SequentialRecord(method, seed, data, steps, t, j, acc, n_train))
                 _write_sequential(result, methods, {"r": r, "tau": tau, "lora_rank": lora_rank, "osf_n": osf_n})
-                if on_run is not None:
-                    on_run(f"seed {seed}: {method}")
+                counter.step(f"seed {seed}: {method}")
     finally:
         torch.set_num_threads(threads)
     return result

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from plate_inspect.bundle import Bundle
+from plate_inspect.bundle import Bundle, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import BundleError, CheckpointError
 from plate_inspect.train.core import geometry_digest, merged_copy
@@ -157,26 +157,17 @@ def _header_metadata(file: Path) -> dict[str, str]:
 def rescan(
     merged: str | os.PathLike, previous: Bundle | str | os.PathLike, out: str | os.PathLike, **overrides: Any
 ) -> Bundle:
-    """Scan the merged checkpoint with the scanner, using the previous bundle's settings (``overrides`` win)."""
-    from plate_inspect.scanner import scan
+    """Scan the merged checkpoint with the scanner, using the previous bundle's settings (``overrides`` win: any
+    :class:`ScanSettings` field, or ``device``/``overwrite``/``progress`` of :func:`run_scan`)."""
+    import dataclasses
+
+    from plate_inspect.scanner import plan_scan, run_scan
 
     prev = previous if isinstance(previous, Bundle) else Bundle.load(previous)
-    s = prev.settings
-    settings: dict[str, Any] = {
-        "r": s.r,
-        "tau": s.tau,
-        "max_rank": s.max_rank,
-        "seed": s.seed,
-        "sketch_dim": s.sketch_dim,
-        "anchors": s.anchors,
-        "target_modules": list(s.target_modules) if s.target_modules else None,
-        "layers": list(s.layers) if s.layers is not None else None,
-        "precision": s.precision,
-        "q_dtype": s.q_dtype,
-        "tau_grid": s.tau_grid,
-    }
-    settings.update(overrides)
-    return scan(merged, out, **settings)
+    fields = {k: v for k, v in overrides.items() if k in ScanSettings.__dataclass_fields__}
+    run = {k: v for k, v in overrides.items() if k not in fields}
+    settings = dataclasses.replace(prev.settings, **fields)
+    return run_scan(plan_scan(merged, settings), out, **run)
 
 
 def sequential_step(

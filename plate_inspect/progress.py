@@ -1,0 +1,131 @@
+"""The one way a long-running function reports progress: a ``progress`` callback that receives ProgressEvents.
+
+Every long-running public function (``scan``/``run_scan``, ``audit``, ``write_report``/``report_data``,
+``collect_input_moments``/``hf_text_alignment``, ``analyze_families``, ``run_continual``, ``run_sequential``)
+takes ``progress: ProgressCallback | None`` (keyword ``progress``). It is called once with ``done=0`` before
+the first unit of work, then once after every finished unit (a module, a batch, a family, a run): ``done``
+never decreases and the last event has ``done == total`` when the total is known. The CLI draws these events
+with one rich bar (``plate_inspect.cli.common.progress_bar``); anything else (a log line, a GUI, a test) is a
+plain function of one argument.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """Where a long run stands: ``done`` of ``total`` units finished, the last one being ``label``."""
+
+    done: int
+    total: int | None  # None when the number of units is not known up front (an iterator of batches)
+    unit: str  # what is counted: "modules", "batches", "families", "runs"
+    label: str = ""  # what just finished ("" for the opening event)
+    bytes_done: int | None = None  # bytes read so far, where units differ in size (the scan)
+    bytes_total: int | None = None
+
+
+ProgressCallback = Callable[[ProgressEvent], None]
+
+
+class _ScanProgressLike(Protocol):
+    """The pre-0.x scanner front end (``ScanProgress``): accepted for one release, with a DeprecationWarning."""
+
+    def start(self, total_modules: int, total_bytes: int, already_done: int, already_bytes: int) -> None: ...
+
+    def module_done(self, name: str, nbytes: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class ProgressCounter:
+    """Counts the finished units of one run and sends the events; with no callback it does nothing."""
+
+    def __init__(
+        self,
+        progress: ProgressCallback | None,
+        total: int | None,
+        unit: str,
+        *,
+        done: int = 0,
+        bytes_total: int | None = None,
+    ) -> None:
+        """``done``: units already finished before this run (a resumed run's opening event starts there)."""
+        self.progress = progress
+        self.total = total
+        self.unit = unit
+        self.done = done
+        self.bytes_total = bytes_total
+        self.bytes_done = 0 if bytes_total is not None else None
+
+    def start(self) -> None:
+        """The opening event (done=0): a front end shows the total before the first, possibly long, unit."""
+        self._send("")
+
+    def step(self, label: str, units: int = 1, nbytes: int = 0) -> None:
+        """``units`` more units finished, the last one being ``label`` (``nbytes`` of input read for them)."""
+        self.done += units
+        if self.bytes_done is not None:
+            self.bytes_done += nbytes
+        self._send(label)
+
+    def _send(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress(ProgressEvent(self.done, self.total, self.unit, label, self.bytes_done, self.bytes_total))
+
+
+def as_callback(progress: object, where: str) -> ProgressCallback | None:
+    """``progress`` as a ProgressCallback; the old styles (a ScanProgress object, ``f(done, total, name)``) are
+    adapted for one release with a DeprecationWarning."""
+    if progress is None:
+        return None
+    if all(hasattr(progress, a) for a in ("start", "module_done", "finish")):
+        _deprecated(where, "a ScanProgress object")
+        return _from_scan_progress(progress)  # type: ignore[arg-type]
+    if not callable(progress):
+        raise TypeError(f"{where}: progress must be a function of one ProgressEvent, got {type(progress).__name__}")
+    if _positional_arity(progress) == 3:
+        _deprecated(where, "progress(done, total, name)")
+        old = progress
+        return lambda e: old(e.done, e.total, e.label) if e.done else None
+    return progress  # type: ignore[return-value]
+
+
+def _deprecated(where: str, style: str) -> None:
+    warnings.warn(
+        f"{where}: {style} is deprecated and will stop working in the next release; pass a function that takes "
+        "one plate_inspect.progress.ProgressEvent",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+
+def _positional_arity(fn: object) -> int | None:
+    """How many positional arguments ``fn`` requires (None when it cannot be told)."""
+    try:
+        params = inspect.signature(fn).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def _from_scan_progress(front: _ScanProgressLike) -> ProgressCallback:
+    """Events -> the ScanProgress calls (start on the opening event, module_done per module, finish at the end)."""
+    last_bytes = [0]
+
+    def send(e: ProgressEvent) -> None:
+        if e.done == 0:
+            front.start(e.total or 0, e.bytes_total or 0, 0, 0)
+        else:
+            front.module_done(e.label, (e.bytes_done or 0) - last_bytes[0])
+        last_bytes[0] = e.bytes_done or 0
+        if e.total is not None and e.done == e.total:
+            front.finish()
+
+    return send
