@@ -1,0 +1,204 @@
+"""One progress style: every long-running API sends ProgressEvents whose ``done`` starts at 0, never decreases
+and ends at ``total``, where total is the real number of units (modules, batches, families, runs), counted
+here independently of the code under test (tensor names read with safetensors' own loader, lines written
+to runs.jsonl, the inputs and families the test itself builds)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import load_all
+from rich.console import Console
+from torch import nn
+
+import plate_inspect
+from plate_inspect.progress import ProgressEvent
+
+QWEN_TARGET = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+class Recorder:
+    """A progress callback that keeps every event."""
+
+    def __init__(self) -> None:
+        self.events: list[ProgressEvent] = []
+
+    def __call__(self, event: ProgressEvent) -> None:
+        self.events.append(event)
+
+    def check(self, total: int | None, unit: str, units: int | None = None) -> None:
+        """Opening event at 0, monotone, ending at ``units`` (= total unless total is unknown)."""
+        ev = self.events
+        assert ev, "no progress event"
+        assert ev[0].label == "" and all(e.unit == unit and e.total == total for e in ev)
+        done = [e.done for e in ev]
+        assert done == sorted(done) and len(set(done)) == len(done)  # strictly increasing: one event per step
+        assert done[-1] == (total if units is None else units)
+        assert all(e.label for e in ev[1:])
+
+
+@pytest.fixture(scope="module")
+def qwen_targets(qwen_ckpt):
+    """(name, stored bytes) of every Qwen2 target weight, by tensor name, read with safetensors' loader."""
+    return {n[: -len(".weight")]: t.numel() * t.element_size() for n, t in load_all(qwen_ckpt.path).items()
+            if QWEN_TARGET.search(n)}  # fmt: skip
+
+
+def test_scan_reports_every_module_and_its_bytes(qwen_ckpt, qwen_targets, tmp_path):
+    rec = Recorder()
+    plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, progress=rec)
+    rec.check(len(qwen_targets), "modules")
+    assert len(qwen_targets) == 14
+    assert {e.label for e in rec.events[1:]} == set(qwen_targets)
+    assert rec.events[-1].bytes_total == rec.events[-1].bytes_done == sum(qwen_targets.values())
+    steps = [b.bytes_done - a.bytes_done for a, b in zip(rec.events, rec.events[1:], strict=False)]
+    assert steps == [qwen_targets[e.label] for e in rec.events[1:]]
+    again = Recorder()  # a rescan that keeps every module still reads and reports each one
+    plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, progress=again)
+    again.check(len(qwen_targets), "modules")
+
+
+def test_scan_on_two_worker_processes_counts_all_modules(qwen_ckpt, qwen_targets, tmp_path):
+    rec = Recorder()
+    plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, devices="cpu,cpu", progress=rec)
+    rec.check(len(qwen_targets), "modules")
+    assert sorted(e.label for e in rec.events[1:]) == sorted(qwen_targets)
+    assert rec.events[-1].bytes_done == sum(qwen_targets.values())
+
+
+def test_old_scan_progress_object_still_works_with_a_warning(qwen_ckpt, qwen_targets, tmp_path):
+    from plate_inspect.scanner import ScanProgress
+
+    calls: list[tuple] = []
+
+    class Old(ScanProgress):
+        def start(self, total_modules, total_bytes, already_done, already_bytes):
+            calls.append(("start", total_modules, total_bytes))
+
+        def module_done(self, name, nbytes):
+            calls.append(("module", name, nbytes))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    with pytest.warns(DeprecationWarning, match="ScanProgress"):
+        plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, layers=[0], progress=Old())
+    layer0 = {n: b for n, b in qwen_targets.items() if ".layers.0." in n}
+    assert calls[0] == ("start", len(layer0), sum(layer0.values())) and calls[-1] == ("finish",)
+    assert {(n, b) for _, n, b in calls[1:-1]} == set(layer0.items())
+
+
+def test_audit_reports_every_module(qwen_ckpt, qwen_targets):
+    from plate_inspect.audit import audit
+
+    rec = Recorder()
+    records = audit(qwen_ckpt.path, qwen_ckpt.path, r=8, progress=rec)
+    rec.check(len(qwen_targets), "modules")
+    assert [e.label for e in rec.events[1:]] == [r.module for r in records]
+
+
+def test_report_counts_modules_and_expert_groups(qwen_ckpt, qwen_targets, tmp_path):
+    from plate_inspect.reports import report_data, write_report
+    from plate_inspect.testing.synthetic import write_family
+
+    bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8)
+    rec = Recorder()
+    write_report([bundle], tmp_path / "r.html", progress=rec)
+    rec.check(len(qwen_targets), "modules")
+    # a MoE bundle: experts are aggregated per (layer, type) group, one step of as many units as experts
+    ckpt = write_family(tmp_path / "mixtral", "mixtral")
+    moe = plate_inspect.scan(ckpt.path, tmp_path / "moe", r=4, max_rank=16)
+    stored = [n for n in load_all(ckpt.path) if n.endswith(".weight") and re.search(r"(proj|w[123])\.weight$", n)]
+    rec = Recorder()
+    report_data([moe], progress=rec)
+    rec.check(len(stored), "modules")
+    n_experts = json.loads((ckpt.path / "config.json").read_text())["num_local_experts"]
+    group_steps = [b.done - a.done for a, b in zip(rec.events, rec.events[1:], strict=False) if b.done - a.done > 1]
+    assert group_steps and set(group_steps) == {n_experts}
+
+
+def test_old_three_argument_report_callback_still_works(qwen_ckpt, qwen_targets, tmp_path):
+    from plate_inspect.reports import report_data
+
+    bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, layers=[0])
+    seen: list[tuple[int, int]] = []
+    with pytest.warns(DeprecationWarning, match=r"progress\(done, total, name\)"):
+        report_data([bundle], progress=lambda done, total, name: seen.append((done, total)))
+    n = sum(".layers.0." in name for name in qwen_targets)
+    assert seen == [(i, n) for i in range(1, n + 1)]
+
+
+def test_activation_moments_count_batches():
+    from plate_inspect.analysis.alignment import collect_input_moments
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    batches = [torch.randn(5, 4) for _ in range(7)]
+    rec = Recorder()
+    collect_input_moments(model, batches, progress=rec)
+    rec.check(len(batches), "batches")
+    streamed = Recorder()  # an iterator: the total is unknown, the count still reaches the number of batches
+    collect_input_moments(model, iter(batches), progress=streamed)
+    streamed.check(None, "batches", units=len(batches))
+
+
+def test_curvature_counts_families():
+    from plate_inspect.analysis.curvature import analyze_families, full_family, lora_family
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.arange(12) % 3
+    families = [full_family(model), lora_family(model, ["2"], rank=1, seed=0)]
+    rec = Recorder()
+    records = analyze_families(model, F.cross_entropy, [(x, y)], families, n_probes=2, rhos=(0.1,), progress=rec)
+    rec.check(len(families), "families")
+    assert [e.label for e in rec.events[1:]] == [r.family for r in records] == [f.name for f in families]
+
+
+def test_continual_counts_runs_and_resumes(tmp_path):
+    from plate_inspect.experiments.continual import ContinualSettings, run_continual
+
+    settings = ContinualSettings(methods=("full_ft", "lora"), steps=(3,), stage1_steps=3)
+    rec = Recorder()
+    run_continual(tmp_path, seeds=1, settings=settings, progress=rec)
+    runs = len((tmp_path / "runs.jsonl").read_text().splitlines())  # what actually ran
+    assert runs >= 2
+    rec.check(runs, "runs")
+    again = Recorder()  # everything is done: one opening event at total
+    run_continual(tmp_path, seeds=1, settings=settings, progress=again)
+    assert [(e.done, e.total) for e in again.events] == [(runs, runs)]
+
+
+def test_sequential_counts_seed_method_runs(tmp_path):
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    rec = Recorder()
+    result = run_sequential(tmp_path, ["lora"], seeds=[0, 1], steps=2, progress=rec)
+    pairs = {(r.seed, r.method) for r in result.records}
+    rec.check(len(pairs), "runs")
+    assert len(pairs) == 2
+
+
+def test_cli_bar_draws_done_of_total_and_bytes(monkeypatch):
+    from plate_inspect.cli import common
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(common, "err_console", Console(file=buffer, width=200, force_terminal=False))
+    with common.progress_bar("scan") as show:
+        show(ProgressEvent(0, 3, "modules", "", 0, 3 * 2**20))
+        show(ProgressEvent(3, 3, "modules", "model.layers.0.mlp.down_proj", 3 * 2**20, 3 * 2**20))
+    text = buffer.getvalue()
+    assert "3/3" in text and "modules" in text and "model.layers.0.mlp.down_proj" in text
+    assert "3.15 MB/3.15 MB" in text  # 3 * 2**20 bytes in decimal units
+    with common.progress_bar("scan", quiet=True) as show:
+        assert show is None
+
+
+def test_a_non_callable_progress_is_a_type_error(qwen_ckpt, tmp_path):
+    with warnings.catch_warnings(), pytest.raises(TypeError, match="ProgressEvent"):
+        plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, progress=42)
