@@ -683,8 +683,9 @@ def report_data(
         counter.step(name)
     for group in groups:
         ref = group[0]
-        stored = read_tensors(bundles[0], ref.names, "spectrum")
-        add_expert_spectra(ref, [stored[n] for n in ref.names])
+        for b, g in zip(bundles, group, strict=True):  # every bundle's experts can be drilled into
+            stored = read_tensors(b, g.names, "spectrum")
+            add_expert_spectra(g, [stored[n] for n in g.names])
         overlaps = None
         if len(bundles) > 1:
             b_sets = [read_tensors(b, ref.names, "plate_B_idx") for b in bundles]

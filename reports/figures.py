@@ -433,34 +433,37 @@ def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
 EXPERT_METRICS = {"k": "k", "captured_energy": "energy", "mean_redundancy": "score"}
 
 
-def expert_box_figure(groups: list[ExpertGroup], metric: str) -> Figure:
+def expert_box_figure(groups: list[list[ExpertGroup]], metric: str, labels: list[str] | None = None) -> Figure:
     """Per layer, the distribution over experts (min, quartiles, max, mean) of one metric; one box per module
-    type. Statistics are computed here, so the page carries 6 numbers per box, not one per expert."""
+    type and bundle (``groups[b]``: bundle b's groups; several bundles: boxes side by side, named
+    'type [label]'). Statistics are computed here, so the page carries 6 numbers per box, not one per expert."""
     types: list[str] = []
-    for g in groups:
+    for g in groups[0]:
         if g.module_type not in types:
             types.append(g.module_type)
+    labels = labels or [str(b) for b in range(len(groups))]
+    floor = ENERGY_FLOOR if metric == "captured_energy" else -math.inf  # log axis: exact zeros at the floor
     data = []
     for t, mtype in enumerate(types):
-        members = [g for g in groups if g.module_type == mtype]
-        floor = ENERGY_FLOOR if metric == "captured_energy" else -math.inf  # log axis: exact zeros at the floor
-        stats = [distribution([max(v, floor) for v in getattr(g, EXPERT_METRICS[metric])]) for g in members]
-        data.append(
-            {
-                "type": "box",
-                "name": mtype,
-                "x": [str(g.layer) for g in members],
-                "lowerfence": [_sig(s["min"]) for s in stats],
-                "q1": [_sig(s["q1"]) for s in stats],
-                "median": [_sig(s["median"]) for s in stats],
-                "q3": [_sig(s["q3"]) for s in stats],
-                "upperfence": [_sig(s["max"]) for s in stats],
-                "mean": [_sig(s["mean"]) for s in stats],
-                "boxpoints": False,
-                "marker": {"color": color(t)},
-                "line": {"width": 1},
-            }
-        )
+        for b, bundle_groups in enumerate(groups):
+            members = [g for g in bundle_groups if g.module_type == mtype]
+            stats = [distribution([max(v, floor) for v in getattr(g, EXPERT_METRICS[metric])]) for g in members]
+            data.append(
+                {
+                    "type": "box",
+                    "name": mtype if len(groups) == 1 else f"{mtype} [{labels[b]}]",
+                    "x": [str(g.layer) for g in members],
+                    "lowerfence": [_sig(s["min"]) for s in stats],
+                    "q1": [_sig(s["q1"]) for s in stats],
+                    "median": [_sig(s["median"]) for s in stats],
+                    "q3": [_sig(s["q3"]) for s in stats],
+                    "upperfence": [_sig(s["max"]) for s in stats],
+                    "mean": [_sig(s["mean"]) for s in stats],
+                    "boxpoints": False,
+                    "marker": {"color": color(t * len(groups) + b)},
+                    "line": {"width": 1},
+                }
+            )
     title = {"k": "k over experts", "captured_energy": "captured energy over experts (log)"}.get(
         metric, "mean redundancy over experts"
     )

@@ -84,34 +84,43 @@ def page_model(rd: ReportData) -> dict[str, Any]:
 
 
 def expert_model(rd: ReportData) -> dict[str, Any]:
-    """The page's expert views (reference bundle): per-layer distributions, and per group the per-expert values
-    and compact spectra the drill-down draws. Member names are the group label with '*' replaced by the expert."""
-    ref = [g[0] for g in rd.expert_groups]
-    if not ref:
+    """The page's expert views, for every bundle: per-layer distributions, and per group and bundle the per-expert
+    values and compact spectra the drill-down draws. Member names are the group label with '*' replaced by the
+    expert (the same experts in every bundle: check_bundles saw to that)."""
+    if not rd.expert_groups:
         return {"expertGroups": [], "expertBoxes": []}
     groups = [
         {
-            "id": g.id,
-            "layer": g.layer,
-            "type": g.module_type,
-            "label": g.label,
-            "shape": g.shape,
-            "r": g.r,
-            "experts": g.experts,
-            "k": g.k,
-            "energy": [_sig(v, 3) for v in g.energy],
-            "score": [_sig(v, 3) for v in g.score],
-            "specIndex": g.spectrum_index,
-            "spectra": g.spectra,
+            "id": group[0].id,
+            "layer": group[0].layer,
+            "type": group[0].module_type,
+            "label": group[0].label,
+            "shape": group[0].shape,
+            "experts": group[0].experts,
+            "bundles": [
+                {
+                    "r": g.r,
+                    "k": g.k,
+                    "energy": [_sig(v, 3) for v in g.energy],
+                    "score": [_sig(v, 3) for v in g.score],
+                    "specIndex": g.spectrum_index,
+                    "spectra": g.spectra,
+                }
+                for g in group
+            ],
         }
-        for g in ref
+        for group in rd.expert_groups
     ]
-    boxes = [{"id": f"experts-box-{m}", "figure": F.expert_box_figure(ref, m)} for m in F.EXPERT_METRICS]
+    per_bundle = [list(gs) for gs in zip(*rd.expert_groups, strict=True)]
+    boxes = [
+        {"id": f"experts-box-{m}", "figure": F.expert_box_figure(per_bundle, m, rd.labels)} for m in F.EXPERT_METRICS
+    ]
     return {
         "expertGroups": groups,
         "expertBoxes": boxes,
         "expertBarsBase": F.EXPERT_BARS_BASE,
         "expertSpectrumBase": F.EXPERT_SPECTRUM_BASE,
+        "bundleColors": [F.color(b) for b in range(len(rd.labels))],
     }
 
 
@@ -275,7 +284,7 @@ def expert_section(model: dict[str, Any], rd: ReportData) -> str:
     n = sum(len(g["experts"]) for g in model["expertGroups"])
     note = f"{n:,} expert modules in {len(model['expertGroups'])} groups (layer x module type)"
     if len(rd.labels) > 1:
-        note += f"; distributions and drill-down show {rd.labels[0]}, heatmaps and table compare"
+        note += f"; every view shows each of {', '.join(rd.labels)}"
     note += "."
     return EXPERT_SECTION.replace("%%EXPERT_BOXES%%", boxes).replace("%%EXPERT_NOTE%%", html.escape(note))
 

@@ -109,30 +109,39 @@ SCRIPT = r"""
   D.expertBoxes.forEach(function (b) { draw(b.id, b.figure); });
   function sub(text) { return "<br><span style='font-size:11px;color:#666'>" + text + "</span>"; }
   function showExpert(g, pos) {
-    var idx = g.specIndex, vals = g.spectra[pos], x = [], y = [], dIn = g.shape[1], k = g.k[pos];
-    for (var i = 0; i < vals.length; i++) {
-      if (vals[i] !== null) { x.push(idx[i]); y.push(Math.pow(10, vals[i])); }
-    }
-    var base = D.expertSpectrumBase, start = dIn - k + 1;
-    var trace = merge(base.data[0], { x: x, y: y,
-      hovertemplate: "direction %{x}<br>eigenvalue %{y:.3e}<extra></extra>" });
+    // one line per bundle: the same expert's compact spectrum; the Q band is the first bundle's bottom k
+    var dIn = g.shape[1], many = g.bundles.length > 1, base = D.expertSpectrumBase;
+    var traces = g.bundles.map(function (b, j) {
+      var idx = b.specIndex, vals = b.spectra[pos], x = [], y = [];
+      for (var i = 0; i < vals.length; i++) {
+        if (vals[i] !== null) { x.push(idx[i]); y.push(Math.pow(10, vals[i])); }
+      }
+      var extra = many ? { name: D.labels[j], line: { color: D.bundleColors[j] },
+                           marker: merge(base.data[0].marker, { color: D.bundleColors[j] }) } : {};
+      return merge(base.data[0], merge(extra, { x: x, y: y,
+        hovertemplate: (many ? D.labels[j] + ": " : "") + "direction %{x}<br>eigenvalue %{y:.3e}<extra></extra>" }));
+    });
+    var first = g.bundles[0], k = first.k[pos], start = dIn - k + 1, idx0 = first.specIndex;
+    var drawn = first.spectra[pos].length;
+    var kText = many ? "k = " + g.bundles.map(function (b, j) { return D.labels[j] + " " + b.k[pos]; }).join(", ")
+                     : "k = " + k + ", captured energy " + Number(first.energy[pos]).toExponential(2);
     var layout = merge(base.layout, {
       title: { text: "Expert spectrum: " + g.label.replace("*", String(g.experts[pos])) +
-        sub("k = " + k + ", captured energy " + Number(g.energy[pos]).toExponential(2) + "; " + x.length +
-            " evenly spaced eigenvalues drawn" + (vals.length < dIn ? "; directions past " + idx[idx.length - 1] +
-            " are null" : "")) },
+        sub(kText + "; " + traces[0].x.length + " evenly spaced eigenvalues drawn" +
+            (drawn < dIn ? "; directions past " + idx0[idx0.length - 1] + " are null" : "")) },
+      showlegend: many,
       xaxis: { range: [0.5, dIn + 0.5] },
       shapes: [{ type: "rect", xref: "x", yref: "paper", x0: start - 0.5, x1: dIn + 0.5, y0: 0, y1: 1,
                  fillcolor: "#636efa", opacity: 0.12, line: { width: 0 } }],
       annotations: [{ x: dIn + 0.5, y: 0.02, xref: "x", yref: "paper", showarrow: false, xanchor: "right",
-                      yanchor: "bottom", text: "Q: bottom k=" + k + " directions (" + start + ".." + dIn + ")",
-                      font: { size: 10 } }]
+                      yanchor: "bottom", text: "Q" + (many ? " [" + D.labels[0] + "]" : "") + ": bottom k=" + k +
+                      " directions (" + start + ".." + dIn + ")", font: { size: 10 } }]
     });
     expertSelect.value = String(pos);
-    return Plotly.react("expert-spectrum-plot", [trace], layout, CONFIG);
+    return Plotly.react("expert-spectrum-plot", traces, layout, CONFIG);
   }
   function showGroup(id) {
-    var g = G[groupIndex[id]], bars = D.expertBarsBase;
+    var g = G[groupIndex[id]], bars = D.expertBarsBase, many = g.bundles.length > 1;
     currentGroup = g;
     groupSelect.value = id;
     var frag = document.createDocumentFragment();
@@ -140,12 +149,17 @@ SCRIPT = r"""
       var o = document.createElement("option"); o.value = String(i); o.textContent = "expert " + e; frag.appendChild(o);
     });
     expertSelect.replaceChildren(frag);
-    var trace = merge(bars.data[0], { x: g.experts, y: g.k,
-      customdata: g.energy.map(function (v, i) { return [v, g.score[i]]; }),
-      marker: merge(bars.data[0].marker, { color: g.score }) });
-    var layout = merge(bars.layout, { title: { text: "k per expert: " + g.label +
-      sub("[d_out, d_in] = [" + g.shape.join(", ") + "], r = " + g.r + "; colour: mean redundancy") } });
-    var p = Plotly.react("expert-bars-plot", [trace], layout, CONFIG).then(function (el) {
+    // one bar series per bundle (side by side); a single bundle's bars are coloured by mean redundancy
+    var traces = g.bundles.map(function (b, j) {
+      var marker = many ? { color: D.bundleColors[j], showscale: false } : { color: b.score };
+      return merge(bars.data[0], { x: g.experts, y: b.k, name: many ? D.labels[j] : "k", marker: marker,
+        customdata: b.energy.map(function (v, i) { return [v, b.score[i]]; }) });
+    });
+    var rs = g.bundles.map(function (b) { return b.r; }).join("/");
+    var layout = merge(bars.layout, { barmode: "group", showlegend: many, title: { text: "k per expert: " + g.label +
+      sub("[d_out, d_in] = [" + g.shape.join(", ") + "], r = " + rs +
+          (many ? "; one bar per bundle" : "; colour: mean redundancy")) } });
+    var p = Plotly.react("expert-bars-plot", traces, layout, CONFIG).then(function (el) {
       if (!barsBound) {
         barsBound = true;
         el.on("plotly_click", function (ev) { showExpert(currentGroup, ev.points[0].pointIndex); });
@@ -300,8 +314,8 @@ SCRIPT = r"""
 EXPERT_SECTION = """<section id="experts"><h2>Experts</h2>
 <p class="note">%%EXPERT_NOTE%% Per layer, the distribution over experts (box: quartiles; whiskers: min and max;
 dashed: mean) of k, the captured energy and the mean redundancy. Pick a group (or click a heatmap cell or table
-row of experts) to see each expert's k, coloured by its mean redundancy; click an expert for its spectrum, drawn
-from a few evenly spaced eigenvalues.</p>
+row of experts) to see each expert's k (one bundle: coloured by its mean redundancy; several: one bar per bundle);
+click an expert for its spectrum (one line per bundle), drawn from a few evenly spaced eigenvalues.</p>
 <div class="grid">%%EXPERT_BOXES%%</div>
 <div class="controls"><label for="group-select">expert group</label> <select id="group-select"></select>
 <label for="expert-select">expert</label> <select id="expert-select"></select></div>

@@ -196,6 +196,40 @@ def test_moe_report_drill_down(chromium, tmp_path, artifacts):
     assert got["afterRowClick"] == "experts:0:mlp.experts.gate_proj"
 
 
+# In comparison mode the drill-down draws one bar series and one spectrum line per bundle.
+COMPARE_EXPERTS = EXPERT_INTERACT.replace(
+    '  out.spectrumTitle = document.querySelector("#expert-spectrum-plot .gtitle").textContent;',
+    """  out.spectrumTitle = document.querySelector("#expert-spectrum-plot .gtitle").textContent;
+  out.barSeries = document.getElementById("expert-bars-plot").data.map(t => [t.name, t.y]);
+  out.spectrumLines = document.getElementById("expert-spectrum-plot").data.map(t => t.name);
+  out.boxTraces = document.getElementById("experts-box-k").data.map(t => t.name);""",
+)
+
+
+@pytest.mark.slow
+def test_moe_comparison_report_drill_down_shows_every_bundle(chromium, tmp_path, artifacts):
+    """Two MoE bundles compared: the expert boxes, bars and spectra show both bundles; clicks still work."""
+    paths = [
+        write_fake_bundle(tmp_path / name, 3, MOE_DENSE, r=8, tau=tau, max_rank=16, seed=seed, experts=MOE_EXPERTS,
+                          n_experts=8)
+        for name, tau, seed in (("a", 0.9, 0), ("b", 0.7, 5))
+    ]  # fmt: skip
+    bundles = [Bundle.load(p) for p in paths]
+    html = write_report(bundles, tmp_path / "cmp.html", labels=["a", "b"])
+    check = open_report(html, screenshot=artifacts / "report-moe-compare.png", script=COMPARE_EXPERTS)
+    heatmaps = {f"heatmap-{m}-{b}" for m in METRICS for b in (0, 1)} | {"heatmap-overlap-1"}
+    assert_clean(check, STATIC_PLOTS | EXPERT_PLOTS | heatmaps)
+    got = check.details["script"]
+    assert got["groups"] == 6 and got["group"] == "experts:2:mlp.experts.down_proj" and got["bars"] == 16
+    names = [f"model.layers.2.mlp.experts.{e}.down_proj" for e in range(8)]
+    assert got["barSeries"] == [[label, [b.record(n).k for n in names]] for label, b in zip("ab", bundles, strict=True)]
+    assert got["spectrumLines"] == ["a", "b"] and got["expert"] == "5"
+    ks = [b.record(names[5]).k for b in bundles]
+    assert f"k = a {ks[0]}, b {ks[1]}" in got["spectrumTitle"]
+    assert got["boxTraces"] == [f"mlp.experts.{p} [{x}]" for p in ("gate_proj", "down_proj") for x in "ab"]
+    assert got["afterHeatmapClick"] == "experts:1:mlp.experts.down_proj"
+
+
 @pytest.mark.slow
 def test_60_layer_256_expert_report_renders(chromium, tmp_path, artifacts):
     """DeepSeek-V3-shaped bundle (60 layers x 256 experts x 3 + 8 dense per layer): renders, no console errors."""

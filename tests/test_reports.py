@@ -593,7 +593,7 @@ def test_expert_groups_match_manifest(moe_bundle):
 def test_expert_box_statistics(moe_bundle):
     man = manifest_json(moe_bundle)["modules"]
     groups = [g[0] for g in report_data([moe_bundle]).expert_groups]
-    fig = F.expert_box_figure(groups, "mean_redundancy")
+    fig = F.expert_box_figure([groups], "mean_redundancy")
     assert [t["name"] for t in fig["data"]] == ["mlp.experts.gate_proj", "mlp.experts.down_proj"]
     for trace in fig["data"]:
         for layer, lo, med, hi, mean in zip(
@@ -628,6 +628,44 @@ def test_expert_page_model_and_info(moe_bundle, tmp_path):
     assert "expert groups" in res.output and "mlp.experts.down_proj" in res.output
     line = next(x for x in res.output.splitlines() if "mlp.experts.down_proj" in x and "3 x 6" in x)
     assert f"{min(ks)}/{np.median(ks):.0f}/{max(ks)}" in line
+
+
+def test_comparison_shows_every_bundles_experts(moe_bundle, tmp_path):
+    """Comparison mode: each bundle's per-expert values, compact spectra and box statistics are on the page,
+    checked against that bundle's own manifest and stored spectra."""
+    other = Bundle.load(
+        write_fake_bundle(tmp_path / "moe2", 3, MOE_DENSE, r=8, tau=0.7, max_rank=16, seed=5, experts=MOE_EXPERTS,
+                          n_experts=6)
+    )  # fmt: skip
+    bundles, labels = [moe_bundle, other], ["a", "b"]
+    html = write_report(bundles, tmp_path / "cmp.html", labels=labels).read_text()
+    data = extract_data(html)
+    assert len(data["expertGroups"]) == 6
+    mans = [manifest_json(b)["modules"] for b in bundles]
+    stored = [raw_tensors(b) for b in bundles]
+    assert [g[0].k for g in report_data([other]).expert_groups] != [
+        g[0].k for g in report_data([moe_bundle]).expert_groups
+    ]
+    for g in data["expertGroups"]:
+        names = [g["label"].replace("*", str(e)) for e in g["experts"]]
+        assert len(g["bundles"]) == 2
+        for man, tensors, per in zip(mans, stored, g["bundles"], strict=True):
+            assert per["k"] == [man[n]["k"] for n in names]
+            assert per["r"] == man[names[0]]["r"]
+            assert per["score"] == pytest.approx([man[n]["mean_redundancy"] for n in names], rel=5e-3)  # 3 digits
+            for n, logs in zip(names, per["spectra"], strict=True):
+                s = tensors[f"{n}.spectrum"].double().numpy()
+                np.testing.assert_allclose(logs, np.log10(s[np.array(per["specIndex"]) - 1]), atol=0.006)
+    box = next(b["figure"] for b in data["expertBoxes"] if b["id"] == "experts-box-k")
+    names = [t["name"] for t in box["data"]]
+    assert names == [f"mlp.experts.{p} [{lab}]" for p in ("gate_proj", "down_proj") for lab in labels]
+    for trace in box["data"]:
+        mtype, lab = trace["name"][:-4], trace["name"][-2]
+        man = mans[labels.index(lab)]
+        for layer, med in zip(trace["x"], trace["median"], strict=True):
+            ks = [m["k"] for m in man.values() if m["layer"] == int(layer) and m["module_type"] == mtype]
+            assert len(ks) == 6 and med == pytest.approx(float(np.median(ks)), rel=1e-3)
+    assert "every view shows each of a, b" in html
 
 
 def test_dense_bundle_has_no_expert_section(small_bundle):
