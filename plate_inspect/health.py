@@ -29,10 +29,17 @@ Conventions, matched to weightwatcher 0.7.7 (read from its source; tested agains
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+#: A spectrum or weight as the functions here take it: a torch tensor, a numpy array or a list of floats.
+Spectrum = Union["torch.Tensor", np.ndarray, Sequence[float]]
 
 #: Eigenvalues at or below this are left out of the power-law fit (WeightWatcher's EVALS_THRESH).
 PL_THRESHOLD = 1e-5
@@ -41,7 +48,7 @@ SMALL_N = 20
 _ENTROPY_EPS = 1e-10
 
 
-def _as_numpy(spectrum: Any) -> np.ndarray:
+def _as_numpy(spectrum: Spectrum) -> np.ndarray:
     if hasattr(spectrum, "detach"):
         spectrum = spectrum.detach().to("cpu").double().numpy()
     return np.clip(np.asarray(spectrum, dtype=np.float64).ravel(), 0.0, None)
@@ -59,7 +66,7 @@ class PowerLawFit:
     num_pl_spikes: int  # eigenvalues >= xmin
 
 
-def fit_power_law(spectrum: Any) -> PowerLawFit | None:
+def fit_power_law(spectrum: Spectrum) -> PowerLawFit | None:
     """Power-law fit of the spectrum's tail (see the module docstring); None with fewer than 2 eigenvalues > 1e-5."""
     evals = _as_numpy(spectrum)
     data = np.sort(evals[evals > PL_THRESHOLD])
@@ -93,25 +100,25 @@ def fit_power_law(spectrum: Any) -> PowerLawFit | None:
 
 
 # --------------------------------------------------------------------------- norms, ranks, entropy
-def spectral_norm(spectrum: Any) -> float:
+def spectral_norm(spectrum: Spectrum) -> float:
     """lambda_max: the largest eigenvalue of X^T X (squared largest singular value), WeightWatcher's convention."""
     return float(np.max(_as_numpy(spectrum)))
 
 
-def stable_rank(spectrum: Any) -> float:
+def stable_rank(spectrum: Spectrum) -> float:
     """||X||_F^2 / ||X||_2^2 = sum(lambda) / lambda_max."""
     evals = _as_numpy(spectrum)
     top = float(np.max(evals))
     return float(np.sum(evals)) / top if top > 0 else 0.0
 
 
-def numerical_rank(spectrum: Any, n_max: int) -> int:
+def numerical_rank(spectrum: Spectrum, n_max: int) -> int:
     """Singular values above s_max * N * eps(float64), N the larger dimension (numpy's matrix_rank tolerance)."""
     sv = np.sqrt(_as_numpy(spectrum))
     return int(np.count_nonzero(sv > np.max(sv) * n_max * np.finfo(np.float64).eps))
 
 
-def matrix_entropy(spectrum: Any, n_max: int) -> float:
+def matrix_entropy(spectrum: Spectrum, n_max: int) -> float:
     """Spectral entropy normalised by log(rank): 1 for a flat spectrum, near 0 for rank one."""
     evals = _as_numpy(spectrum)
     p = evals / np.sum(evals) + _ENTROPY_EPS
@@ -137,7 +144,7 @@ def _mp_density(x: np.ndarray, q: float, sigma: float) -> tuple[np.ndarray, floa
     return val, lo, hi
 
 
-def fit_marchenko_pastur(spectrum: Any, n: int, m: int, bandwidth: float = 0.1) -> MPFit:
+def fit_marchenko_pastur(spectrum: Spectrum, n: int, m: int, bandwidth: float = 0.1) -> MPFit:
     """Fit the MP bulk to the spectrum of an n x m matrix (any orientation); see the module docstring."""
     from scipy import optimize
     from sklearn.neighbors import KernelDensity
@@ -177,7 +184,7 @@ def fit_marchenko_pastur(spectrum: Any, n: int, m: int, bandwidth: float = 0.1) 
 
 
 # --------------------------------------------------------------------------- the manifest record
-def health_record(spectrum: Any, shape: tuple[int, int] | list[int], spectrum_of: str = "W_frozen") -> dict:
+def health_record(spectrum: Spectrum, shape: tuple[int, int] | list[int], spectrum_of: str = "W_frozen") -> dict:
     """Every metric of one module as a JSON-able dict (for the bundle manifest); NaN-free (None when undefined).
 
     ``spectrum``: eigenvalues of X^T X; ``shape``: X's [rows, cols] (for a W_frozen spectrum: the frozen rows'
@@ -213,7 +220,7 @@ def health_record(spectrum: Any, shape: tuple[int, int] | list[int], spectrum_of
 
 
 # --------------------------------------------------------------------------- W's own spectrum
-def weight_spectrum(weight: Any) -> Any:
+def weight_spectrum(weight: torch.Tensor | np.ndarray) -> torch.Tensor:
     """Eigenvalues of W^T W (descending, length min(d_out, d_in)) from the small-side Gram matrix: one syrk and one
     eigvalsh, the cost of W's own spectrum on top of the scan's (which computes W_frozen's)."""
     import torch
@@ -225,6 +232,6 @@ def weight_spectrum(weight: Any) -> Any:
     return factor_symmetric(gram, vectors=False).eigenvalues().clamp_min(0).flip(0).cpu()
 
 
-def health_of_weight(weight: Any) -> dict:
+def health_of_weight(weight: torch.Tensor | np.ndarray) -> dict:
     """:func:`health_record` of W itself (d_out x d_in): the call the scanner makes per module."""
     return health_record(weight_spectrum(weight), tuple(weight.shape), "W")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 #: The text used for the README's MiniLM table: scikit-learn's bundled dataset descriptions (real English prose
 #: written by the scikit-learn authors, shipped inside the scikit-learn wheel, which plate-inspect depends on).
@@ -307,7 +310,7 @@ def token_windows(ids: list[int], window: int, max_tokens: int | None) -> Iterat
         yield ids[i : i + window]
 
 
-def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, Any]:
+def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
     """(model, tokenizer) from a local Hugging Face directory, never contacting the hub."""
     try:
         import transformers
@@ -333,7 +336,7 @@ def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, Any]:
     return model, tokenizer
 
 
-def special_token_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
+def special_token_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
     """The special token ids a tokenizer puts before and after a single sequence (e.g. [CLS] ... [SEP])."""
     probe = "hello"
     bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
@@ -344,7 +347,9 @@ def special_token_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def hf_text_inputs(tokenizer: Any, text: str, seq_len: int = 256, max_tokens: int | None = None) -> list[dict]:
+def hf_text_inputs(
+    tokenizer: PreTrainedTokenizerBase, text: str, seq_len: int = 256, max_tokens: int | None = None
+) -> list[dict]:
     """Model inputs from text: the tokenized text cut into windows of seq_len tokens (special tokens added)."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if not ids:

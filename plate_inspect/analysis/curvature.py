@@ -24,9 +24,11 @@ and the matched-capacity ablations Random-B, Random-Q and High-energy-Q.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +40,10 @@ from plate_inspect.errors import ConfigError, CurvatureError
 from plate_inspect.geometry import module_seed
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.train.variants import variant_geometry
+
+if TYPE_CHECKING:
+    from plate_inspect.bundle import Bundle
+    from plate_inspect.experiments.digits import Task
 
 Params = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -187,7 +193,7 @@ def lora_family(
 
 
 def plate_family(
-    model: nn.Module, bundle: Any, variant: str = "plate", seed: int = 0, modules: Sequence[str] | None = None
+    model: nn.Module, bundle: Bundle, variant: str = "plate", seed: int = 0, modules: Sequence[str] | None = None
 ) -> UpdateFamily:
     """The PLATE subspace {B A Q^T} of every bundle module (or a matched-capacity ablation of it).
 
@@ -559,18 +565,16 @@ class DigitsSetup:
     """Stage 1 of the digits benchmark: the trained model, its checkpoint, its bundle and task 1 data."""
 
     model: nn.Module
-    checkpoint: Any
-    bundle: Any
-    task1: Any
+    checkpoint: Path
+    bundle: Bundle
+    task1: Task
     task1_test_accuracy: float
 
 
 def digits_stage1(
-    out_dir: Any, epochs: int = 30, seed: int = 0, r: int = 8, tau: float = 0.98, max_rank: int = 256
+    out_dir: str | os.PathLike, epochs: int = 30, seed: int = 0, r: int = 8, tau: float = 0.98, max_rank: int = 256
 ) -> DigitsSetup:
     """Train the digits MLP on task 1, save it as safetensors, scan fc1/fc2/fc3 into a PLATE bundle."""
-    from pathlib import Path
-
     from plate_inspect.experiments import digits
     from plate_inspect.scanner import scan
 

@@ -230,7 +230,7 @@ def _prepare_lora(method: str, rank: int, model: nn.Module, stage1: StageOne) ->
     max_rank = min(min(s) for s in backbone_shapes(model))
     if not 1 <= rank <= max_rank and method in ("pissa", "mica", "corda", "o_lora"):
         raise ConfigError(f"{method}: rank {rank} exceeds the smallest layer dimension {max_rank}")
-    init: Any = {"lora": True, "o_lora": True, "pissa": "pissa", "mica": "mica", "corda": "corda"}[method]
+    init: bool | str = {"lora": True, "o_lora": True, "pissa": "pissa", "mica": "mica", "corda": "corda"}[method]
     kwargs: dict[str, Any] = {}
     if method == "corda":
         from peft.tuners.lora.config import CordaConfig

@@ -23,13 +23,16 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLATE_RHO, backbone_shapes
 from plate_inspect.progress import ProgressCallback, ProgressCounter
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 SEQUENTIAL_METHODS = ("plate", "lora", "osf")
 N_TASKS = 4
@@ -193,7 +196,7 @@ def _write_sequential(result: SequentialResult, methods, settings: dict[str, Any
     result.path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def print_matrix(result: SequentialResult, console: Any) -> None:
+def print_matrix(result: SequentialResult, console: Console) -> None:
     """One accuracy matrix per method (mean over seeds, %): rows = after task t, columns = task j."""
     from rich.table import Table
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from torch import nn
 from plate_inspect.checkpoint import fingerprint_tensor
 from plate_inspect.dtypes import FLOAT_DTYPES
 from plate_inspect.errors import BundleError, PlateInspectError
+
+if TYPE_CHECKING:
+    from plate_inspect.bundle import Bundle, ModuleRecord
 
 SKETCH_SIZE = 8
 SKETCH_SEED = 20240917
@@ -99,7 +102,7 @@ def weight_fingerprint(w: torch.Tensor, stored_dtype: str) -> str:
     return fingerprint_tensor(w)
 
 
-def source_reference(bundle: Any, name: str) -> WeightSketch | None:
+def source_reference(bundle: Bundle, name: str) -> WeightSketch | None:
     """The sketch of module ``name``'s weight read from the bundle's source checkpoint, if it is here and unchanged."""
     from plate_inspect.checkpoint import Checkpoint
 
@@ -125,10 +128,10 @@ def source_reference(bundle: Any, name: str) -> WeightSketch | None:
 def check_weight(
     module: nn.Module,
     name: str,
-    record: Any,
+    record: ModuleRecord,
     layout: str,
     reference: WeightSketch | None = None,
-    bundle: Any = None,
+    bundle: Bundle | None = None,
 ) -> WeightSketch:
     """Refuse (BundleError) a weight that is neither the bundle's nor a rounded copy of it; return its reference sketch.
 
