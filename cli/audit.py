@@ -31,25 +31,7 @@ from plate_inspect.targets import parse_layers
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write a self-contained HTML audit.")
 @click.option("--top", type=int, default=30, show_default=True, help="Rows of the table (0: all).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def audit_command(
-    base,
-    tuned,
-    bundle,
-    tau,
-    r,
-    anchors,
-    sketch_dim,
-    seed,
-    target_modules,
-    layers,
-    precision,
-    revision,
-    offline,
-    as_json,
-    report,
-    top,
-    quiet,
-):
+def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json, report, top, quiet, **settings):
     """Audit TUNED against BASE from the weights alone: for every module with update dW,
 
     \b
@@ -71,21 +53,15 @@ def audit_command(
     from plate_inspect.audit import TABLE_COLUMNS, audit, rank_by_risk, summarize, table_cells
 
     with progress_bar("audit", quiet=quiet or as_json, transient=True) as progress:
-        records = audit(
+        records = audit(  # settings: --tau, --r, --anchors, --sketch-dim, --seed, --precision, --revision by name
             base,
             tuned,
             bundle,
-            tau=tau,
-            r=r,
-            anchors=anchors,
-            sketch_dim=sketch_dim,
-            seed=seed,
             target_modules=split_names(target_modules),
             layers=parse_layers(layers),
-            precision=precision,
-            revision=revision,
             offline=True if offline else None,
             progress=progress,
+            **settings,
         )
     if report is not None:
         from plate_inspect.reports.audit import write_audit_report
@@ -97,7 +73,9 @@ def audit_command(
     ranked = rank_by_risk(records)
     shown = ranked if top <= 0 else ranked[:top]
     table = Table(
-        title=f"modules by risk (tau={tau:g}; {len(shown)} of {len(records)})", box=box.SIMPLE_HEAD, pad_edge=False
+        title=f"modules by risk (tau={settings['tau']:g}; {len(shown)} of {len(records)})",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
     )
     for col in TABLE_COLUMNS:
         table.add_column(col, justify="left" if col == "module" else "right", no_wrap=col == "module")

@@ -120,26 +120,7 @@ def reuse_line(stats: dict) -> str:
 @click.option("--report", "make_report", is_flag=True, help="Also write <out>/report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def scan_command(
-    model,
-    out,
-    r,
-    tau,
-    max_rank,
-    seed,
-    anchors,
-    sketch_dim,
-    target_modules,
-    layers,
-    precision,
-    q_dtype,
-    device,
-    devices,
-    revision,
-    offline,
-    include_mtp,
-    overwrite,
-    make_report,
-    quiet,
+    model, out, target_modules, layers, device, devices, revision, offline, overwrite, make_report, quiet, **settings
 ):
     """Compute redundancy, B, energy spectra, k(tau) and Q for every target module of MODEL.
 
@@ -159,24 +140,13 @@ def scan_command(
       plate-inspect scan Qwen/Qwen2.5-7B --tau 0.9 --r 64 --max-rank 512 --out bundles/qwen7b
       plate-inspect scan model.safetensors --target-modules q_proj,v_proj --layers 0-3
     """
+    # the remaining options (--r, --tau, ..., --include-mtp) are ScanSettings fields by name: one settings object
+    settings = ScanSettings(target_modules=split_names(target_modules), layers=parse_layers(layers), **settings)
     if model is None:
         model = str(default_model_path())
         out = out or Path("bundles") / "all-MiniLM-L6-v2"
         err_console.print(f"no model given: scanning {DEFAULT_MODEL_NAME}")
     out = out or default_out_dir(model)
-    settings = ScanSettings(
-        r=r,
-        tau=tau,
-        max_rank=max_rank,
-        seed=seed,
-        sketch_dim=sketch_dim,
-        anchors=anchors,
-        target_modules=split_names(target_modules),
-        layers=parse_layers(layers),
-        precision=precision,
-        q_dtype=q_dtype,
-        include_mtp=include_mtp,
-    )
     plan = plan_scan(model, settings, revision=revision, offline=True if offline else None)
     root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if root:

@@ -57,6 +57,22 @@ def _base_layout(title: str, height: int = 380) -> dict[str, Any]:
     }
 
 
+def _line_label(x: float, y: float, text: str, font: dict[str, Any], yanchor: str = "top") -> dict[str, Any]:
+    """A label at data x, paper y (the top or bottom of a marked line or band), right-aligned on a white backing."""
+    return {
+        "x": x,
+        "y": y,
+        "xref": "x",
+        "yref": "paper",
+        "text": text,
+        "showarrow": False,
+        "xanchor": "right",
+        "yanchor": yanchor,
+        "bgcolor": "rgba(255,255,255,0.8)",
+        "font": font,
+    }
+
+
 def _vline(x: float, color_: str, dash: str = "dash", yref: str = "paper") -> dict[str, Any]:
     return {
         "type": "line",
@@ -146,20 +162,8 @@ def ktau_figure(curves: list[list[KTauCurve]], taus: list[float], labels: list[s
                     }
                 )
         shapes.append(_vline(tau, "#444", DASHES[(b + 1) % len(DASHES)]))
-        annotations.append(
-            {
-                "x": tau,
-                "y": 1.0 - 0.07 * b,
-                "xref": "x",
-                "yref": "paper",
-                "text": f"tau = {tau:g}" + (f" ({label})" if multi else " (this bundle)"),
-                "showarrow": False,
-                "xanchor": "right",
-                "yanchor": "top",
-                "bgcolor": "rgba(255,255,255,0.8)",
-                "font": {"size": 11},
-            }
-        )
+        text = f"tau = {tau:g}" + (f" ({label})" if multi else " (this bundle)")
+        annotations.append(_line_label(tau, 1.0 - 0.07 * b, text, {"size": 11}))
     layout = _base_layout("k(tau) per module type (mean over its modules)", height=420)
     layout.update(
         xaxis={"title": {"text": "tau (energy fraction of the top directions Q avoids)"}},
@@ -280,18 +284,9 @@ def _tau_cut(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[
             "line": {"color": col, "width": 1, "dash": "dot"},
         },
     ]
-    label = {
-        "x": v.m_tau + 0.5,
-        "y": 1.0 - 0.08 * b,
-        "xref": "x",
-        "yref": "paper",
-        "text": f" tau={v.tau:g} cut: top {v.m_tau} directions hold {v.tau:g} of the energy " + suffix,
-        "showarrow": False,
-        "xanchor": "left" if v.m_tau < 0.5 * v.d_in else "right",
-        "yanchor": "top",
-        "bgcolor": "rgba(255,255,255,0.8)",
-        "font": {"size": 10, "color": col},
-    }
+    text = f" tau={v.tau:g} cut: top {v.m_tau} directions hold {v.tau:g} of the energy " + suffix
+    label = _line_label(v.m_tau + 0.5, 1.0 - 0.08 * b, text, {"size": 10, "color": col})
+    label["xanchor"] = "left" if v.m_tau < 0.5 * v.d_in else "right"
     return shapes, label
 
 
@@ -313,18 +308,8 @@ def _q_band(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[s
             "line": {"width": 0},
         }
 
-    label = {
-        "x": v.d_in + 0.5,
-        "y": 0.04 * (b + 1) + 0.06 * b,
-        "xref": "x",
-        "yref": "paper",
-        "text": f"Q: bottom k={v.k} directions ({v.k_start}..{v.d_in})" + suffix,
-        "showarrow": False,
-        "xanchor": "right",
-        "yanchor": "bottom",
-        "bgcolor": "rgba(255,255,255,0.8)",
-        "font": {"size": 10, "color": col},
-    }
+    text = f"Q: bottom k={v.k} directions ({v.k_start}..{v.d_in})" + suffix
+    label = _line_label(v.d_in + 0.5, 0.04 * (b + 1) + 0.06 * b, text, {"size": 10, "color": col}, yanchor="bottom")
     return [rect(0.04 * b, 0.04 * (b + 1), 0.35), rect(0, 1, 0.06)], label
 
 
@@ -406,20 +391,8 @@ def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
             }
         )
         shapes.append(_vline(h.cutoff, col, "dash"))
-        annotations.append(
-            {
-                "x": h.cutoff,
-                "y": 1.0 - 0.08 * b,
-                "xref": "x",
-                "yref": "paper",
-                "text": f"B: top r={h.r} of {h.d_out} rows, score >= {h.cutoff:.4g}" + (f" ({label})" if multi else ""),
-                "showarrow": False,
-                "xanchor": "right",
-                "yanchor": "top",
-                "bgcolor": "rgba(255,255,255,0.8)",
-                "font": {"size": 10, "color": col},
-            }
-        )
+        text = f"B: top r={h.r} of {h.d_out} rows, score >= {h.cutoff:.4g}" + (f" ({label})" if multi else "")
+        annotations.append(_line_label(h.cutoff, 1.0 - 0.08 * b, text, {"size": 10, "color": col}))
     layout = {
         "title": {"text": f"Redundancy scores: {hists[0].name}"},
         "shapes": shapes,

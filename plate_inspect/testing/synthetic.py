@@ -188,12 +188,41 @@ def write_llama_like(
     return ckpt
 
 
+def _write_layered(
+    out: Path,
+    config: dict,
+    layers: int,
+    gen: torch.Generator,
+    dtype: torch.dtype,
+    head: dict[str, tuple[int, int]],
+    layer_prefix: str,
+    modules: dict[str, tuple[int, int]],
+    norms: dict[str, int],
+    tail: dict[str, int],
+    conv1d: bool = False,
+) -> SyntheticCheckpoint:
+    """One-file checkpoint from tables: random ``head`` tensors, then per layer every module of ``modules``
+    ([d_out, d_in], planted structure, a zero bias; stored [d_in, d_out] when ``conv1d``) and the ``norms`` (ones of
+    the given width) under ``layer_prefix.N``, then the ``tail`` norms; config.json beside it."""
+    out = Path(out)
+    tensors = {name: torch.randn(*shape, generator=gen).to(dtype) for name, shape in head.items()}
+    for layer in range(layers):
+        prefix = f"{layer_prefix}.{layer}"
+        for suffix, (d_out, d_in) in modules.items():
+            w, _ = structured_weight(d_out, d_in, gen)
+            tensors[f"{prefix}.{suffix}.weight"] = (w.T.contiguous() if conv1d else w).to(dtype)
+            tensors[f"{prefix}.{suffix}.bias"] = torch.zeros(d_out, dtype=dtype)
+        tensors.update({f"{prefix}.{norm}.weight": torch.ones(width, dtype=dtype) for norm, width in norms.items()})
+    tensors.update({f"{norm}.weight": torch.ones(width, dtype=dtype) for norm, width in tail.items()})
+    total = _save_single(tensors, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return SyntheticCheckpoint(out, config, total_bytes=total)
+
+
 def write_gpt2(
     out: str | Path, *, layers: int = 2, n_embd: int = 48, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> SyntheticCheckpoint:
     """A GPT-2-layout checkpoint: Conv1D weights stored [d_in, d_out] (``h.N.attn.c_attn.weight`` ...)."""
-    out = Path(out)
-    gen = torch.Generator().manual_seed(seed)
     config = {
         "model_type": "gpt2",
         "n_embd": n_embd,
@@ -203,27 +232,17 @@ def write_gpt2(
         "vocab_size": 100,
         "n_positions": 64,
     }
-    tensors: dict[str, torch.Tensor] = {
-        "wte.weight": torch.randn(100, n_embd, generator=gen).to(dtype),
-        "wpe.weight": torch.randn(64, n_embd, generator=gen).to(dtype),
-    }
-    shapes = {  # [d_out, d_in]; stored transposed
+    modules = {  # [d_out, d_in]; stored transposed
         "attn.c_attn": (3 * n_embd, n_embd),
         "attn.c_proj": (n_embd, n_embd),
         "mlp.c_fc": (4 * n_embd, n_embd),
         "mlp.c_proj": (n_embd, 4 * n_embd),
     }
-    for layer in range(layers):
-        for suffix, (d_out, d_in) in shapes.items():
-            w, _ = structured_weight(d_out, d_in, gen)
-            tensors[f"h.{layer}.{suffix}.weight"] = w.T.contiguous().to(dtype)
-            tensors[f"h.{layer}.{suffix}.bias"] = torch.zeros(d_out, dtype=dtype)
-        tensors[f"h.{layer}.ln_1.weight"] = torch.ones(n_embd, dtype=dtype)
-        tensors[f"h.{layer}.ln_2.weight"] = torch.ones(n_embd, dtype=dtype)
-    tensors["ln_f.weight"] = torch.ones(n_embd, dtype=dtype)
-    total = _save_single(tensors, out)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return SyntheticCheckpoint(out, config, total_bytes=total)
+    head = {"wte.weight": (100, n_embd), "wpe.weight": (64, n_embd)}
+    norms = {"ln_1": n_embd, "ln_2": n_embd}
+    gen = torch.Generator().manual_seed(seed)
+    tail = {"ln_f": n_embd}
+    return _write_layered(Path(out), config, layers, gen, dtype, head, "h", modules, norms, tail, conv1d=True)
 
 
 def write_bert(
@@ -236,8 +255,6 @@ def write_bert(
     seed: int = 0,
 ) -> SyntheticCheckpoint:
     """A BERT-layout checkpoint (``bert.encoder.layer.N.attention.self.query.weight`` ...) + config.json."""
-    out = Path(out)
-    gen = torch.Generator().manual_seed(seed)
     config = {
         "model_type": "bert",
         "hidden_size": hidden,
@@ -246,11 +263,7 @@ def write_bert(
         "num_attention_heads": 4,
         "vocab_size": 50,
     }
-    tensors: dict[str, torch.Tensor] = {
-        "bert.embeddings.word_embeddings.weight": torch.randn(50, hidden, generator=gen).to(dtype),
-        "bert.pooler.dense.weight": torch.randn(hidden, hidden, generator=gen).to(dtype),
-    }
-    shapes = {
+    modules = {
         "attention.self.query": (hidden, hidden),
         "attention.self.key": (hidden, hidden),
         "attention.self.value": (hidden, hidden),
@@ -258,16 +271,10 @@ def write_bert(
         "intermediate.dense": (intermediate, hidden),
         "output.dense": (hidden, intermediate),
     }
-    for layer in range(layers):
-        for suffix, (d_out, d_in) in shapes.items():
-            w, _ = structured_weight(d_out, d_in, gen)
-            tensors[f"bert.encoder.layer.{layer}.{suffix}.weight"] = w.to(dtype)
-            tensors[f"bert.encoder.layer.{layer}.{suffix}.bias"] = torch.zeros(d_out, dtype=dtype)
-        tensors[f"bert.encoder.layer.{layer}.attention.output.LayerNorm.weight"] = torch.ones(hidden, dtype=dtype)
-        tensors[f"bert.encoder.layer.{layer}.output.LayerNorm.weight"] = torch.ones(hidden, dtype=dtype)
-    total = _save_single(tensors, out)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return SyntheticCheckpoint(out, config, total_bytes=total)
+    head = {"bert.embeddings.word_embeddings.weight": (50, hidden), "bert.pooler.dense.weight": (hidden, hidden)}
+    norms = {"attention.output.LayerNorm": hidden, "output.LayerNorm": hidden}
+    gen = torch.Generator().manual_seed(seed)
+    return _write_layered(Path(out), config, layers, gen, dtype, head, "bert.encoder.layer", modules, norms, {})
 
 
 # --------------------------------------------------------------------------- model families (real names, small dims)
