@@ -30,6 +30,12 @@ def digits_bundle(ckpt: Path, out: Path, r: int = 16, tau: float = 0.8):
     return scan(ckpt, out, r=r, tau=tau, max_rank=256, target_modules=BACKBONE, overwrite=True)
 
 
+def digits_setup(root: Path, r: int = 16, tau: float = 0.8) -> tuple[Path, Path, object]:
+    """(root, checkpoint, bundle): an untrained seed-0 digits checkpoint and its bundle, the trainer tests' fixture."""
+    _, ckpt = digits_checkpoint(root / "ckpt", seed=0)
+    return root, ckpt, digits_bundle(ckpt, root / "bundle", r=r, tau=tau)
+
+
 def load_digits(path: Path) -> digits.DigitsMLP:
     model = digits.DigitsMLP()
     model.load_state_dict(load_file(str(path)))

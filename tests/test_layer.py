@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import helpers_train
 import pytest
 import torch
 from helpers_train import (
@@ -30,10 +31,7 @@ from plate_inspect.train.layer import (
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layer")
-    model, ckpt = digits_checkpoint(root / "ckpt", seed=0)
-    bundle = digits_bundle(ckpt, root / "bundle", r=16, tau=0.8)
-    return root, ckpt, bundle
+    return helpers_train.digits_setup(tmp_path_factory.mktemp("layer"))
 
 
 def _x(n=9, d=64, seed=1):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import helpers_train
 import pytest
 import torch
 from helpers_train import (
@@ -23,10 +24,7 @@ from plate_inspect.train.peft import PlateConfig, PlateLayer
 
 @pytest.fixture(scope="module")
 def digits_setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("peft_digits")
-    _, ckpt = digits_checkpoint(root / "ckpt", seed=0)
-    bundle = digits_bundle(ckpt, root / "bundle", r=16, tau=0.8)
-    return root, ckpt, bundle
+    return helpers_train.digits_setup(tmp_path_factory.mktemp("peft_digits"))
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import helpers_train
 import pytest
 import torch
-from helpers_train import BACKBONE, dense_plate_weight, digits_bundle, digits_checkpoint, load_digits
+from helpers_train import BACKBONE, dense_plate_weight, load_digits
 from peft import PeftModel, get_peft_model
 
 from plate_inspect.errors import ConfigError
@@ -16,10 +17,7 @@ from plate_inspect.train.peft import PlateConfig, PlateLayer
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plan")
-    _, ckpt = digits_checkpoint(root / "ckpt", seed=0)
-    bundle = digits_bundle(ckpt, root / "bundle", r=16, tau=0.8)
-    return root, ckpt, bundle
+    return helpers_train.digits_setup(tmp_path_factory.mktemp("plan"))
 
 
 def _plan(bundle, ks: dict[str, int]) -> dict:
