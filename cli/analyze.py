@@ -36,6 +36,18 @@ def _float_list(value: str, what: str) -> list[float]:
     return out
 
 
+def _family(name: str, model, bundle, lora_rank: int, seed: int):
+    """The update family ``name`` (full_backbone, lora or a PLATE variant) on the digits MLP's backbone."""
+    from plate_inspect.analysis.curvature import full_family, lora_family, plate_family
+
+    backbone = ["fc1", "fc2", "fc3"]
+    if name == "full_backbone":
+        return full_family(model, [f"{m}.{p}" for m in backbone for p in ("weight", "bias")], name="full_backbone")
+    if name == "lora":
+        return lora_family(model, backbone, lora_rank, seed=seed)
+    return plate_family(model, bundle, variant=name, seed=seed, modules=backbone)
+
+
 # --------------------------------------------------------------------------- align
 @click.command("align")
 @click.argument("model", required=False)
@@ -184,9 +196,6 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
         analyze_families,
         batches,
         digits_stage1,
-        full_family,
-        lora_family,
-        plate_family,
     )
 
     rho_values = _float_list(rhos, "--rho")
@@ -211,16 +220,7 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
             err_console.print("stage 1: train the digits MLP on task 1, scan it")
         setup = digits_stage1(out, epochs=epochs, seed=seed, r=r, tau=tau, max_rank=max_rank)
         model, bundle = setup.model, setup.bundle
-        backbone = ["fc1", "fc2", "fc3"]
-        fams = []
-        for name in wanted:
-            if name == "full_backbone":
-                params = [f"{m}.{p}" for m in backbone for p in ("weight", "bias")]
-                fams.append(full_family(model, params, name="full_backbone"))
-            elif name == "lora":
-                fams.append(lora_family(model, backbone, lora_rank, seed=seed))
-            else:
-                fams.append(plate_family(model, bundle, variant=name, seed=seed, modules=backbone))
+        fams = [_family(name, model, bundle, lora_rank, seed) for name in wanted]
         with progress_bar("curvature", quiet=quiet or as_json) as progress:
             records = analyze_families(
                 model,

@@ -20,8 +20,14 @@ _MAX_BARS = 40
 
 def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
     """Plotly specs: risk bars (top modules), protected share vs chance, and a layer x type heatmap."""
+    heat = _share_heatmap(records)
+    return {"bars": _risk_bars(records), "scatter": _share_scatter(records), **({"heatmap": heat} if heat else {})}
+
+
+def _risk_bars(records: list[AuditRecord]) -> dict[str, Any]:
+    """The highest-risk modules as bars."""
     ranked = rank_by_risk(records)[:_MAX_BARS]
-    bars = {
+    return {
         "data": [
             {
                 "type": "bar",
@@ -38,8 +44,12 @@ def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
             "height": 460,
         },
     }
+
+
+def _share_scatter(records: list[AuditRecord]) -> dict[str, Any]:
+    """Protected input share against a dense random update's (the diagonal), coloured by frozen-row share."""
     xs = [r.chance_share for r in records]
-    scatter = {
+    return {
         "data": [
             {
                 "type": "scatter",
@@ -75,11 +85,17 @@ def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
             "height": 460,
         },
     }
+
+
+def _share_heatmap(records: list[AuditRecord]) -> dict[str, Any] | None:
+    """Protected input share per layer and module type (None when no module sits in a numbered layer)."""
     layers = sorted({layer_of(r.module) for r in records if layer_of(r.module) is not None})
     types = sorted({module_type_of(r.module) for r in records})
     cell = {(layer_of(r.module), module_type_of(r.module)): r for r in records}
+    if not layers:
+        return None
     z = [[cell[(lay, t)].protected_input_share if (lay, t) in cell else None for t in types] for lay in layers]
-    heat = {
+    return {
         "data": [
             {
                 "type": "heatmap",
@@ -99,7 +115,6 @@ def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
             "height": max(300, 40 + 22 * len(layers)),
         },
     }
-    return {"bars": bars, "scatter": scatter, **({"heatmap": heat} if layers else {})}
 
 
 def _table(records: list[AuditRecord]) -> str:

@@ -241,22 +241,47 @@ def _check(cdp: CDPPipe, url: str, screenshot, width, full_page, max_height, tim
     report_error = evaluate("window.__reportError || null")
     shot = None
     if screenshot is not None:
-        height = 1000
-        if full_page:
-            metrics = cdp.send("Page.getLayoutMetrics", session=session)
-            height = int(min(max_height, metrics.get("cssContentSize", {}).get("height", 1000)))
-            cdp.send(
-                "Emulation.setDeviceMetricsOverride",
-                {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
-                session=session,
-            )
-            time.sleep(0.8)  # plotly relayouts on resize
-        png = cdp.send("Page.captureScreenshot", {"format": "png"}, session=session, timeout=timeout)["data"]
-        shot = Path(screenshot)
-        shot.parent.mkdir(parents=True, exist_ok=True)
-        shot.write_bytes(base64.b64decode(png))
-    console_errors, exceptions, requests = [], [], []
-    for ev in list(cdp.events):
+        shot = _screenshot(cdp, session, Path(screenshot), width, full_page, max_height, timeout)
+    console_errors, exceptions, requests = _page_problems(list(cdp.events))
+    return PageCheck(
+        ready=ready,
+        report_error=report_error,
+        console_errors=console_errors,
+        exceptions=exceptions,
+        network_requests=requests,
+        plots=plots,
+        title=title,
+        screenshot=shot,
+        details=details,
+    )
+
+
+def _screenshot(
+    cdp: CDPPipe, session: str, path: Path, width: int, full_page: bool, max_height: int, timeout: float
+) -> Path:
+    """A PNG of the page (the whole page up to ``max_height`` when ``full_page``), written to ``path``."""
+    height = 1000
+    if full_page:
+        metrics = cdp.send("Page.getLayoutMetrics", session=session)
+        height = int(min(max_height, metrics.get("cssContentSize", {}).get("height", 1000)))
+        cdp.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+            session=session,
+        )
+        time.sleep(0.8)  # plotly relayouts on resize
+    png = cdp.send("Page.captureScreenshot", {"format": "png"}, session=session, timeout=timeout)["data"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(base64.b64decode(png))
+    return path
+
+
+def _page_problems(events: list[dict[str, Any]]) -> tuple[list[str], list[str], list[str]]:
+    """(console errors and warnings, uncaught exceptions, network requests) from the DevTools events."""
+    console_errors: list[str] = []
+    exceptions: list[str] = []
+    requests: list[str] = []
+    for ev in events:
         method, params = ev.get("method"), ev.get("params", {})
         if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert", "warning"):
             console_errors.append(
@@ -272,14 +297,4 @@ def _check(cdp: CDPPipe, url: str, screenshot, width, full_page, max_height, tim
             req_url = params.get("request", {}).get("url", "")
             if not req_url.startswith(("file:", "data:", "about:", "blob:")):
                 requests.append(req_url)
-    return PageCheck(
-        ready=ready,
-        report_error=report_error,
-        console_errors=console_errors,
-        exceptions=exceptions,
-        network_requests=requests,
-        plots=plots,
-        title=title,
-        screenshot=shot,
-        details=details,
-    )
+    return console_errors, exceptions, requests
