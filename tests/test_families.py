@@ -198,6 +198,7 @@ def test_deepseek_mtp_layer_only_when_asked(ckpts, tmp_path):
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     assert set(plate_inspect.Bundle.load(out).modules) == want
+    assert json.loads((out / "manifest.json").read_text())["config"]["include_mtp"] is True  # the CLI's settings
 
 
 def test_include_mtp_is_a_setting_of_the_bundle(ckpts, tmp_path):

@@ -366,3 +366,22 @@ def test_cli_says_how_many_modules_changed(tmp_path, qwen_ckpt):
     again = CliRunner().invoke(cli, args)
     assert again.exit_code == 0
     assert "1 of 7 modules changed since the bundle was made: recomputed 1, kept 6" in again.output
+
+
+def test_scan_settings_check_and_normalise_themselves():
+    """ScanSettings is the one carrier of a scan's settings: bad values are ConfigErrors, lists become tuples."""
+    from plate_inspect.bundle import ScanSettings
+    from plate_inspect.errors import ConfigError
+
+    s = ScanSettings(tau=1 - 0.1, layers=[3, 1], target_modules=["q_proj"], tau_grid=[0.9, 0.5, 0.9], include_mtp=1)
+    assert (s.layers, s.target_modules, s.tau_grid, s.include_mtp) == ((3, 1), ("q_proj",), (0.5, 0.9), True)
+    assert ScanSettings.from_json(s.to_json()) == s
+    for bad, match in [
+        (dict(r=0), "r must be"),
+        (dict(tau=1.0), "tau must"),
+        (dict(precision="float16"), "precision"),
+        (dict(q_dtype="int8"), "q dtype"),
+        (dict(tau_grid=[0.5, 1.5]), "tau grid"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            ScanSettings(**bad)
