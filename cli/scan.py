@@ -250,7 +250,8 @@ def verify_command(bundle, model, revision):
     """
     from plate_inspect.verify import verify
 
-    report = verify(bundle, model, revision=revision)
+    with progress_bar("verify", transient=True) as progress:
+        report = verify(bundle, model, revision=revision, progress=progress)
     for problem in report.problems:
         console.print(f"[red]x[/] {problem}")
     target = f" against {model}" if model else ""

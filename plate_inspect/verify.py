@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plate_inspect.bundle import Bundle
+from plate_inspect.bundle import Bundle, ModuleRecord
 from plate_inspect.checkpoint import Checkpoint
-from plate_inspect.targets import EXPERT_LAYOUTS, modules_by_name
+from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.targets import EXPERT_LAYOUTS, TargetModule, modules_by_name
 
 
 @dataclass
@@ -31,12 +32,13 @@ def verify(
     source: str | os.PathLike | None = None,
     revision: str | None = None,
     orthonormality_tol: float = 1e-3,
+    progress: ProgressCallback | None = None,
 ) -> VerifyReport:
     """Validate a bundle's tensors; with ``source``, also check every module's weight fingerprint.
 
     The manifest's identity must match its settings and fingerprints. Structural checks per module: B indices
     sorted, unique, in range, of length r; Q of shape [d_in, k] with orthonormal columns (max |Q^T Q - I| <= tol;
-    bf16 Q needs a looser tol); spectrum descending, >= 0.
+    bf16 Q needs a looser tol); spectrum descending, >= 0. ``progress`` gets one event per module checked.
     """
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
     report = VerifyReport(str(b.path), str(source) if source is not None else None)
@@ -44,32 +46,47 @@ def verify(
     if b.manifest.identity and b.manifest.identity != b.manifest.content_identity():
         report.problems.append("manifest: identity does not match its settings and module fingerprints (edited?)")
     modules = modules_by_name(ckpt) if ckpt is not None else {}  # 3-D expert slices included
+    counter = ProgressCounter(progress, len(b.manifest.modules), "modules")
+    counter.start()
     for rec in b:
         report.modules_checked += 1
-        where = f"module '{rec.name}'"
-        b_idx, q, spectrum = b.b_idx(rec.name), b.q(rec.name, torch.float64), b.spectrum(rec.name)
-        if b_idx.numel() != rec.r or (b_idx.numel() and (b_idx.min() < 0 or b_idx.max() >= rec.d_out)):
-            report.problems.append(f"{where}: B indices out of range or not r={rec.r} of them")
-        elif b_idx.numel() > 1 and not bool((b_idx[1:] > b_idx[:-1]).all()):
-            report.problems.append(f"{where}: B indices not strictly ascending")
-        if tuple(q.shape) != (rec.d_in, rec.k):
-            report.problems.append(f"{where}: Q has shape {list(q.shape)}, manifest says [{rec.d_in}, {rec.k}]")
-        else:
-            err = float((q.T @ q - torch.eye(rec.k, dtype=q.dtype)).abs().max())
-            if err > orthonormality_tol:
-                report.problems.append(f"{where}: Q columns not orthonormal (max |Q^T Q - I| = {err:.2e})")
-        if spectrum.numel() and (bool((spectrum < 0).any()) or bool((spectrum[1:] > spectrum[:-1]).any())):
-            report.problems.append(f"{where}: spectrum not descending and non-negative")
-        if ckpt is not None:
-            target = modules.get(rec.name)
-            if target is None:
-                report.problems.append(f"{where}: the checkpoint has no weight for this module")
-                continue
-            if (
-                ckpt.weight_fingerprint(
-                    target.logical_name, expert=target.expert if target.layout in EXPERT_LAYOUTS else None
-                )
-                != rec.fingerprint
-            ):
-                report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
+        _check_module(b, rec, ckpt, modules, orthonormality_tol, report)
+        counter.step(rec.name)
     return report
+
+
+def _check_module(
+    b: Bundle,
+    rec: ModuleRecord,
+    ckpt: Checkpoint | None,
+    modules: dict[str, TargetModule],
+    orthonormality_tol: float,
+    report: VerifyReport,
+) -> None:
+    """Append this module's problems (structure; with a checkpoint, its weight fingerprint) to the report."""
+    where = f"module '{rec.name}'"
+    b_idx, q, spectrum = b.b_idx(rec.name), b.q(rec.name, torch.float64), b.spectrum(rec.name)
+    if b_idx.numel() != rec.r or (b_idx.numel() and (b_idx.min() < 0 or b_idx.max() >= rec.d_out)):
+        report.problems.append(f"{where}: B indices out of range or not r={rec.r} of them")
+    elif b_idx.numel() > 1 and not bool((b_idx[1:] > b_idx[:-1]).all()):
+        report.problems.append(f"{where}: B indices not strictly ascending")
+    if tuple(q.shape) != (rec.d_in, rec.k):
+        report.problems.append(f"{where}: Q has shape {list(q.shape)}, manifest says [{rec.d_in}, {rec.k}]")
+    else:
+        err = float((q.T @ q - torch.eye(rec.k, dtype=q.dtype)).abs().max())
+        if err > orthonormality_tol:
+            report.problems.append(f"{where}: Q columns not orthonormal (max |Q^T Q - I| = {err:.2e})")
+    if spectrum.numel() and (bool((spectrum < 0).any()) or bool((spectrum[1:] > spectrum[:-1]).any())):
+        report.problems.append(f"{where}: spectrum not descending and non-negative")
+    if ckpt is not None:
+        target = modules.get(rec.name)
+        if target is None:
+            report.problems.append(f"{where}: the checkpoint has no weight for this module")
+            return
+        if (
+            ckpt.weight_fingerprint(
+                target.logical_name, expert=target.expert if target.layout in EXPERT_LAYOUTS else None
+            )
+            != rec.fingerprint
+        ):
+            report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")

@@ -94,6 +94,14 @@ def test_old_scan_progress_object_still_works_with_a_warning(qwen_ckpt, qwen_tar
     assert {(n, b) for _, n, b in calls[1:-1]} == set(layer0.items())
 
 
+def test_verify_reports_every_module(qwen_ckpt, qwen_targets, tmp_path):
+    bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8)
+    rec = Recorder()
+    assert plate_inspect.verify(bundle, qwen_ckpt.path, progress=rec).ok
+    rec.check(len(qwen_targets), "modules")
+    assert {e.label for e in rec.events[1:]} == set(qwen_targets)
+
+
 def test_audit_reports_every_module(qwen_ckpt, qwen_targets):
     from plate_inspect.audit import audit
 
