@@ -108,11 +108,21 @@ SCRIPT = r"""
   });
   D.expertBoxes.forEach(function (b) { draw(b.id, b.figure); });
   function sub(text) { return "<br><span style='font-size:11px;color:#666'>" + text + "</span>"; }
+  var PACK = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_", packCode = {};
+  for (var pc = 0; pc < PACK.length; pc++) { packCode[PACK[pc]] = pc; }
+  function unpackLogs(text) {  // reports/html.py pack_logs: 3 base64 chars per log10 value, code 0 = zero
+    var out = [];
+    for (var i = 0; i < text.length; i += 3) {
+      var c = packCode[text[i]] * 4096 + packCode[text[i + 1]] * 64 + packCode[text[i + 2]];
+      out.push(c === 0 ? null : (c - 1) / 100 - 100);
+    }
+    return out;
+  }
   function showExpert(g, pos) {
     // one line per bundle: the same expert's compact spectrum; the Q band is the first bundle's bottom k
     var dIn = g.shape[1], many = g.bundles.length > 1, base = D.expertSpectrumBase;
     var traces = g.bundles.map(function (b, j) {
-      var idx = b.specIndex, vals = b.spectra[pos], x = [], y = [];
+      var idx = b.specIndex, vals = unpackLogs(b.spectra[pos]), x = [], y = [];
       for (var i = 0; i < vals.length; i++) {
         if (vals[i] !== null) { x.push(idx[i]); y.push(Math.pow(10, vals[i])); }
       }
@@ -122,7 +132,7 @@ SCRIPT = r"""
         hovertemplate: (many ? D.labels[j] + ": " : "") + "direction %{x}<br>eigenvalue %{y:.3e}<extra></extra>" }));
     });
     var first = g.bundles[0], k = first.k[pos], start = dIn - k + 1, idx0 = first.specIndex;
-    var drawn = first.spectra[pos].length;
+    var drawn = first.spectra[pos].length / 3;
     var kText = many ? "k = " + g.bundles.map(function (b, j) { return D.labels[j] + " " + b.k[pos]; }).join(", ")
                      : "k = " + k + ", captured energy " + Number(first.energy[pos]).toExponential(2);
     var layout = merge(base.layout, {

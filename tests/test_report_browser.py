@@ -202,6 +202,7 @@ COMPARE_EXPERTS = EXPERT_INTERACT.replace(
     """  out.spectrumTitle = document.querySelector("#expert-spectrum-plot .gtitle").textContent;
   out.barSeries = document.getElementById("expert-bars-plot").data.map(t => [t.name, t.y]);
   out.spectrumLines = document.getElementById("expert-spectrum-plot").data.map(t => t.name);
+  out.spectrumXY = document.getElementById("expert-spectrum-plot").data.map(t => [t.x, t.y]);
   out.boxTraces = document.getElementById("experts-box-k").data.map(t => t.name);""",
 )
 
@@ -224,6 +225,9 @@ def test_moe_comparison_report_drill_down_shows_every_bundle(chromium, tmp_path,
     names = [f"model.layers.2.mlp.experts.{e}.down_proj" for e in range(8)]
     assert got["barSeries"] == [[label, [b.record(n).k for n in names]] for label, b in zip("ab", bundles, strict=True)]
     assert got["spectrumLines"] == ["a", "b"] and got["expert"] == "5"
+    for bundle, (xs, ys) in zip(bundles, got["spectrumXY"], strict=True):  # the page unpacked the stored values
+        stored = bundle.spectrum(names[5]).double()
+        assert len(xs) == 24 and ys == pytest.approx([float(stored[x - 1]) for x in xs], rel=0.012)
     ks = [b.record(names[5]).k for b in bundles]
     assert f"k = a {ks[0]}, b {ks[1]}" in got["spectrumTitle"]
     assert got["boxTraces"] == [f"mlp.experts.{p} [{x}]" for p in ("gate_proj", "down_proj") for x in "ab"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import string
 from pathlib import Path
 
 import numpy as np
@@ -630,6 +631,26 @@ def test_expert_page_model_and_info(moe_bundle, tmp_path):
     assert f"{min(ks)}/{np.median(ks):.0f}/{max(ks)}" in line
 
 
+def unpack_logs(text: str) -> list[float | None]:
+    """Decode the page's packed spectra from the format's definition: 3 url-safe base64 digits (RFC 4648) per
+    value, code 0 = an exact zero, code c = log10 value (c - 1) / 100 - 100."""
+    alphabet = string.ascii_uppercase + string.ascii_lowercase + string.digits + "-_"
+    digits = [alphabet.index(ch) for ch in text]
+    codes = [digits[i] * 4096 + digits[i + 1] * 64 + digits[i + 2] for i in range(0, len(digits), 3)]
+    return [None if c == 0 else (c - 1) / 100 - 100 for c in codes]
+
+
+def test_packed_spectra_round_trip_to_a_hundredth_of_a_decade():
+    from plate_inspect.reports.html import pack_logs
+
+    values = [3.14159, 0.0, -0.004, -45.678, 38.2, None, 12.345]
+    got = unpack_logs(pack_logs(values))
+    assert got[5] is None and len(got) == len(values)
+    for v, g in zip(values, got, strict=True):
+        if v is not None:
+            assert abs(g - v) <= 0.005 + 1e-9
+
+
 def test_comparison_shows_every_bundles_experts(moe_bundle, tmp_path):
     """Comparison mode: each bundle's per-expert values, compact spectra and box statistics are on the page,
     checked against that bundle's own manifest and stored spectra."""
@@ -653,7 +674,8 @@ def test_comparison_shows_every_bundles_experts(moe_bundle, tmp_path):
             assert per["k"] == [man[n]["k"] for n in names]
             assert per["r"] == man[names[0]]["r"]
             assert per["score"] == pytest.approx([man[n]["mean_redundancy"] for n in names], rel=5e-3)  # 3 digits
-            for n, logs in zip(names, per["spectra"], strict=True):
+            for n, packed in zip(names, per["spectra"], strict=True):
+                logs = unpack_logs(packed)
                 s = tensors[f"{n}.spectrum"].double().numpy()
                 np.testing.assert_allclose(logs, np.log10(s[np.array(per["specIndex"]) - 1]), atol=0.006)
     box = next(b["figure"] for b in data["expertBoxes"] if b["id"] == "experts-box-k")
