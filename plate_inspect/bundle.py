@@ -31,8 +31,10 @@ from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
 from plate_inspect.atomic import atomic_write
+from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
+from plate_inspect.geometry import DEFAULT_TAU_GRID, validate_settings
 
 FORMAT_NAME = "plate-init-bundle"
 FORMAT_VERSION = 1
@@ -65,13 +67,10 @@ class ScanSettings:
     layers: tuple[int, ...] | None = None
     precision: str = "float32"
     q_dtype: str = "float32"
-    tau_grid: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)
+    tau_grid: tuple[float, ...] = DEFAULT_TAU_GRID
     include_mtp: bool = False  # DeepSeek's multi-token-prediction layer: it changes the planned modules
 
     def __post_init__(self) -> None:
-        from plate_inspect.dtypes import PRECISIONS
-        from plate_inspect.geometry import validate_settings
-
         validate_settings(
             r=self.r, tau=self.tau, max_rank=self.max_rank, n_anchors=self.anchors, sketch_dim=self.sketch_dim
         )
