@@ -34,7 +34,7 @@ ProgressCallback = Callable[[ProgressEvent], None]
 
 
 class _ScanProgressLike(Protocol):
-    """The pre-0.x scanner front end (``ScanProgress``): accepted for one release, with a DeprecationWarning."""
+    """The old scanner front end (``ScanProgress``): still accepted for one release, with a DeprecationWarning."""
 
     def start(self, total_modules: int, total_bytes: int, already_done: int, already_bytes: int) -> None: ...
 
