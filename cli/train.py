@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from plate_inspect.cli.common import console, err_console
+from plate_inspect.cli.common import console, err_console, progress_bar
 
 
 @click.command("merge")
@@ -39,7 +39,8 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
     """
     from plate_inspect.train.sequential import merge_checkpoint, rescan
 
-    result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite)
+    with progress_bar("merge") as progress:
+        result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite, progress=progress)
     console.print(
         f"merged {len(result.merged_modules)} modules into {len(result.files)} file(s) in [bold]{result.out}[/]"
     )

@@ -14,9 +14,10 @@ import math
 import os
 import resource
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import closing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -229,77 +230,120 @@ def _scan_share(
     )
     counter.start()
     settings = writer.manifest.settings
-    computed = reused = changed = 0
+    tally = {"computed": 0, "reused": 0, "changed": 0}
     records_out: list[ModuleRecord] = []
-    # One reader thread reads and hashes the next work item while this one is computed: at most one extra item
-    # in memory, and disk time and hashing overlap compute.
-    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read")
-    try:
-        upcoming = reader.submit(_load_all, ckpt, items[0][1]) if items else None
-        old: dict[str, ModuleRecord] = {}
-        by_name: dict[str, ModuleRecord] = {}
-        tensors: dict[str, torch.Tensor] = {}
-        kept: list[str] = []
+    state = _PartState({})
+    with closing(_read_ahead(ckpt, [members for _, members in items], pin=device.type == "cuda")) as weights:
         for i, (part, members) in enumerate(items):
+            loaded = next(weights)  # (not zipped: zip's reused result tuple would keep this item's weights alive)
             if i == 0 or items[i - 1][0] != part:
-                old, by_name, tensors, kept = writer.reusable(part), {}, {}, []
-            loaded = upcoming.result()
-            upcoming = reader.submit(_load_all, ckpt, items[i + 1][1]) if i + 1 < len(items) else None
-            todo: list[tuple[TargetModule, tuple[torch.Tensor, str]]] = []
-            for target, (oriented, fingerprint) in zip(members, loaded, strict=True):
-                prior = old.get(target.name)
-                if prior is not None and weight_key(prior) == (
-                    fingerprint,
-                    target.tensor.dtype,
-                    tuple(target.shape),
-                    target.layout,
-                ):
-                    by_name[target.name] = prior
-                    kept.append(target.name)
-                else:
-                    todo.append((target, (oriented, fingerprint)))
-                    changed += prior is not None
+                state = _PartState(writer.reusable(part))
+            todo = state.triage(members, loaded)
+            tally["changed"] += sum(t.name in state.old for t, _ in todo)
             del loaded
-            if len(todo) == 1:
-                (target, (oriented, fingerprint)), todo = todo[0], []
-                outputs = [(target, _scan_module(oriented, fingerprint, target, settings, device, part))]
-                del oriented
-            elif todo:
-                targets = [t for t, _ in todo]
-                results = _scan_group([w for _, w in todo], targets, settings, device, part)
-                outputs = list(zip(targets, results, strict=True))
-            else:
-                outputs = []
+            for target, (record, module_tensors) in _compute(todo, settings, device, part):
+                state.add(target, record, module_tensors)
             del todo
-            for target, (record, module_tensors) in outputs:
-                by_name[target.name] = record
-                tensors.update(module_tensors)
             for target in members:
                 counter.step(target.name, nbytes=target.nbytes)
             if i + 1 == len(items) or items[i + 1][0] != part:
-                records = [by_name[t.name] for t in parts[part]]
-                computed += len(records) - len(kept)
-                reused += len(kept)
-                if len(kept) == len(records) and set(old) == set(kept):
-                    writer.add_records(records)  # the part on disk is exactly this part: leave it alone
-                else:
-                    tensors.update(read_part_tensors(writer.path / part, kept) if kept else {})
-                    writer.write_part(part, records, tensors)
-                records_out.extend(records)
-    finally:
-        reader.shutdown(wait=True, cancel_futures=True)
+                records_out.extend(state.close(writer, part, parts[part], tally))
     stats = {
         "wall_seconds": round(time.perf_counter() - started, 3),
         "bytes_read": ckpt.bytes_read,
         "peak_rss_bytes": peak_rss_bytes(),
-        "modules_scanned": computed,
-        "modules_resumed": reused,
-        "modules_changed": changed,
+        "modules_scanned": tally["computed"],
+        "modules_resumed": tally["reused"],
+        "modules_changed": tally["changed"],
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
         "blas_threads": blas_threads(),
     }
     return ShareResult(records_out, stats)
+
+
+def _read_ahead(
+    ckpt: Checkpoint, items: list[list[TargetModule]], pin: bool
+) -> Iterator[list[tuple[torch.Tensor, str]]]:
+    """Each work item's (oriented weight, fingerprint) pairs, read and hashed by one thread one item ahead.
+
+    Disk time and hashing overlap compute, with at most one extra item in memory. ``pin``: the weights come in
+    page-locked host memory, so their copy to a CUDA device is a fast DMA (used when the scan computes on CUDA).
+    """
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read")
+    try:
+        upcoming = reader.submit(_load_all, ckpt, items[0], pin) if items else None
+        for i in range(len(items)):
+            loaded = [upcoming.result()]  # the old future (which holds the result too) is dropped just below
+            upcoming = reader.submit(_load_all, ckpt, items[i + 1], pin) if i + 1 < len(items) else None
+            yield loaded.pop()  # this frame keeps no reference while the caller computes
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class _PartState:
+    """One part file being assembled: its reusable records on disk, the records and tensors so far, what was kept."""
+
+    old: dict[str, ModuleRecord]
+    by_name: dict[str, ModuleRecord] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)
+
+    def triage(
+        self, members: list[TargetModule], loaded: list[tuple[torch.Tensor, str]]
+    ) -> list[tuple[TargetModule, tuple[torch.Tensor, str]]]:
+        """Keep the members whose stored record matches the weight just read; return the rest, to compute."""
+        todo = []
+        for target, (oriented, fingerprint) in zip(members, loaded, strict=True):
+            prior = self.old.get(target.name)
+            if prior is not None and weight_key(prior) == (
+                fingerprint,
+                target.tensor.dtype,
+                tuple(target.shape),
+                target.layout,
+            ):
+                self.by_name[target.name] = prior
+                self.kept.append(target.name)
+            else:
+                todo.append((target, (oriented, fingerprint)))
+        return todo
+
+    def add(self, target: TargetModule, record: ModuleRecord, tensors: dict[str, torch.Tensor]) -> None:
+        """A freshly computed module."""
+        self.by_name[target.name] = record
+        self.tensors.update(tensors)
+
+    def close(
+        self, writer: BundleWriter, part: str, members: list[TargetModule], tally: dict[str, int]
+    ) -> list[ModuleRecord]:
+        """Write the part (or leave it alone when every module was kept) and return its records in plan order."""
+        records = [self.by_name[t.name] for t in members]
+        tally["computed"] += len(records) - len(self.kept)
+        tally["reused"] += len(self.kept)
+        if len(self.kept) == len(records) and set(self.old) == set(self.kept):
+            writer.add_records(records)  # the part on disk is exactly this part: leave it alone
+        else:
+            self.tensors.update(read_part_tensors(writer.path / part, self.kept) if self.kept else {})
+            writer.write_part(part, records, self.tensors)
+        return records
+
+
+def _compute(
+    todo: list[tuple[TargetModule, tuple[torch.Tensor, str]]],
+    settings: ScanSettings,
+    device: torch.device,
+    part: str,
+) -> list[tuple[TargetModule, tuple[ModuleRecord, dict[str, torch.Tensor]]]]:
+    """Records and tensors of the modules to compute: one alone, several same-shaped experts batched."""
+    if len(todo) == 1:
+        (target, (oriented, fingerprint)), todo[:] = todo[0], []  # the caller's list no longer holds the weight
+        return [(target, _scan_module(oriented, fingerprint, target, settings, device, part))]
+    if not todo:
+        return []
+    targets = [t for t, _ in todo]
+    results = _scan_group([w for _, w in todo], targets, settings, device, part)
+    return list(zip(targets, results, strict=True))
 
 
 def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -> Manifest:
@@ -328,8 +372,9 @@ def blas_threads() -> list[dict[str, Any]]:
     return [{k: pool.get(k) for k in keys} for pool in threadpool_info()]
 
 
-def _load_all(ckpt: Checkpoint, targets: list[TargetModule]) -> list[tuple[torch.Tensor, str]]:
-    return [load_target(ckpt, t) for t in targets]
+def _load_all(ckpt: Checkpoint, targets: list[TargetModule], pin: bool = False) -> list[tuple[torch.Tensor, str]]:
+    loaded = [load_target(ckpt, t) for t in targets]
+    return [(w.pin_memory(), fp) for w, fp in loaded] if pin else loaded
 
 
 def _group_size(device: torch.device, expert_group: int | None) -> int:
@@ -343,7 +388,8 @@ def _group_size(device: torch.device, expert_group: int | None) -> int:
 
 def _compute_weight(oriented: torch.Tensor, target: TargetModule, settings: ScanSettings, device: torch.device):
     """The weight upcast to the compute precision on the device; NaN/Inf refused."""
-    weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision]).contiguous()
+    # non_blocking: a pinned host tensor (CUDA scans) goes over DMA while this thread queues the next kernels
+    weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision], non_blocking=True).contiguous()
     # a sum is non-finite if any element is (or on overflow, where the exact check below clears it)
     if not math.isfinite(float(weight.sum())) and not bool(torch.isfinite(weight).all()):
         raise CheckpointError(

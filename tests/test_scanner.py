@@ -385,3 +385,30 @@ def test_scan_settings_check_and_normalise_themselves():
     ]:
         with pytest.raises(ConfigError, match=match):
             ScanSettings(**bad)
+
+
+def test_read_ahead_reads_each_item_once_and_keeps_no_weight_alive(qwen_ckpt):
+    """The reader yields every item's weights (equal to safetensors' own tensors) and holds none of them itself:
+    once the consumer drops an item, it is freed while the next one is read (memory = one item + one ahead)."""
+    import gc
+    import weakref
+    from contextlib import closing
+
+    plan = scanner_mod.plan_scan(qwen_ckpt.path, plate_inspect.ScanSettings(r=R, tau=TAU, max_rank=MAX_RANK))
+    items = [[t] for t in plan.targets]
+    oracle = load_all(qwen_ckpt.path)
+    refs = []
+    with closing(scanner_mod._read_ahead(plan.checkpoint, items, pin=False)) as weights:
+        for (target,) in items:
+            loaded = next(weights)
+            ((weight, fingerprint),) = loaded
+            stored = oracle[target.tensor.name]
+            assert fingerprint == sha256_of(stored)
+            assert torch.equal(weight, stored)
+            refs.append(weakref.ref(weight))
+            del loaded, weight
+            gc.collect()
+            assert refs[-1]() is None, f"{target.name}: the reader still holds the weight"
+        with pytest.raises(StopIteration):
+            next(weights)
+    assert len(refs) == len(plan.targets)

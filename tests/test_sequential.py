@@ -93,7 +93,13 @@ def test_merge_keeps_sharded_bf16_layout(qwen_ckpt, tmp_path):
     randomize_adapters(params, seed=0, scale=0.05)
     adapter = save_adapter(model, tmp_path / "adapter.safetensors")
     out = tmp_path / "merged"
-    result = merge_checkpoint(src, adapter, out)
+    events = []
+    result = merge_checkpoint(src, adapter, out, progress=events.append)
+    # one progress event per tensor written, bytes adding up to the stored sizes (counted by safetensors' loader)
+    stored = load_all(src)
+    assert [e.done for e in events] == list(range(len(stored) + 1))
+    assert sorted(e.label for e in events[1:]) == sorted(stored)
+    assert events[-1].bytes_done == events[-1].bytes_total == sum(t.numel() * t.element_size() for t in stored.values())
     assert sorted(p.name for p in result.files) == sorted(p.name for p in src.glob("*.safetensors"))
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     assert (out / "model.safetensors.index.json").read_text() == (src / "model.safetensors.index.json").read_text()

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from plate_inspect.bundle import Bundle, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import BundleError, CheckpointError
+from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.train.core import geometry_digest, merged_copy
 from plate_inspect.train.layer import module_geometry, read_adapter
 
@@ -51,13 +52,14 @@ def merge_checkpoint(
     out: str | os.PathLike,
     bundle: Bundle | str | os.PathLike | None = None,
     overwrite: bool = False,
+    progress: ProgressCallback | None = None,
 ) -> MergeResult:
     """Write ``source`` with the adapter merged (W[B] += rho A Q^T) to ``out``: same files, names, dtypes, layout.
 
     The adapter's recorded weight fingerprints must match the source's weights and its B/Q digests the bundle's
     (the bundle recorded in the adapter unless ``bundle`` is given); otherwise BundleError. Files are written into
     a temporary directory next to ``out`` and moved into place only after every check passed: a failure leaves
-    ``out`` as it was.
+    ``out`` as it was. ``progress`` gets one event per tensor written (unit "tensors", with bytes read).
     """
     ckpt = Checkpoint.open(source)
     tensors_a, meta = read_adapter(adapter)
@@ -85,6 +87,10 @@ def merge_checkpoint(
         by_file.setdefault(info.file, []).append(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    counter = ProgressCounter(
+        progress, len(ckpt.tensors), "tensors", bytes_total=sum(i.nbytes for i in ckpt.tensors.values())
+    )
+    counter.start()
     try:
         merged = []
         for file in ckpt.files:
@@ -103,6 +109,7 @@ def merge_checkpoint(
                     merged.append(module)
                 else:
                     shard[name] = _tensor_from_bytes(ckpt.read_bytes(name), info.dtype, info.shape)
+                counter.step(name, nbytes=info.nbytes)
             save_file(shard, str(tmp / file.name), metadata=_header_metadata(file) or None)
             del shard
         single_file = Path(source).is_file()
