@@ -41,15 +41,23 @@ def symmetric_eigh(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.linalg.eigh(s)
 
 
-def orthonormalize(m: torch.Tensor) -> torch.Tensor:
+def symmetric_eigvalsh(s: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues (ascending) of a symmetric matrix; reads its lower triangle."""
+    if s.device.type == "cpu":
+        return torch.from_numpy(scipy.linalg.eigh(s.numpy(), eigvals_only=True, driver="evd", check_finite=False))
+    return torch.linalg.eigvalsh(s)
+
+
+def orthonormalize(m: torch.Tensor, passes: int = 2) -> torch.Tensor:
     """An orthonormal basis of m's column span, in m's column order (leading columns span leading columns).
 
     CholeskyQR2: Gram matrix and triangular solve in m's dtype (BLAS-3, much faster than Householder QR for
     tall blocks), Cholesky of the small Gram in float64; twice, so the columns are orthonormal to m's
-    precision. Falls back to Householder QR when the Gram matrix is not numerically positive definite.
+    precision (``passes=1`` suffices when m is orthonormal to rounding already). Falls back to Householder QR
+    when the Gram matrix is not numerically positive definite.
     """
     x = m
-    for _ in range(2):
+    for _ in range(passes):
         chol, info = torch.linalg.cholesky_ex(matmul(x.T, x).double())
         if int(info) != 0:
             return torch.linalg.qr(m.double()).Q.to(m.dtype)
@@ -221,9 +229,15 @@ def k_for_tau(spectrum: torch.Tensor, tau: float, d_in: int, max_rank: int) -> i
 
 
 # --------------------------------------------------------------------------- Q: low-energy input basis
-#: Extra candidate directions the Rayleigh-Ritz step gets beyond k: the bottom eigenvectors of a float32
-#: Gram matrix mix the exact bottom-k eigenspace with nearby directions, and a wider candidate span holds it.
-RITZ_OVERSAMPLE = 256
+#: Candidate directions beyond k for the Rayleigh-Ritz step: the bottom eigenvectors of a float32 Gram matrix mix
+#: the exact bottom-k eigenspace with nearby directions, and a wider candidate span holds it. A first round uses
+#: the smaller number; the larger one runs only when the first has not converged (see RITZ_PROBE).
+RITZ_OVERSAMPLE: tuple[int, ...] = (64, 256)
+#: Convergence check of a round: the Ritz energy with the last RITZ_PROBE candidates left out may exceed the
+#: round's energy by at most RITZ_TOLERANCE x (0.01 x energy + 1e-6 x tr(G)), i.e. a small fraction of the
+#: exactness bound's allowance; otherwise the next, wider round runs.
+RITZ_PROBE = 32
+RITZ_TOLERANCE = 0.05
 
 
 @dataclass
@@ -270,19 +284,27 @@ class FrozenRows:
         return k if self.keep is None else k[self.keep][:, self.keep].contiguous()
 
 
-def rayleigh_ritz(rows: FrozenRows, candidates: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+def rayleigh_ritz(
+    rows: FrozenRows, candidates: torch.Tensor, k: int, probe: int = 0
+) -> tuple[torch.Tensor, list[float]]:
     """The best k-dimensional subspace of span(candidates) for G, and its energy tr(Q^T G Q).
 
     The energies are measured on W_f itself, not on a Gram matrix: Y = W_f S in the working precision is
     accurate to rounding relative to |W_f| |S|, so the small energies that decide the bottom subspace come
-    out right where a float32 Gram matrix (error ~ eps * ||G||) would blur them. H = Y^T Y and its
-    eigendecomposition are float64.
+    out right where a float32 Gram matrix (error ~ eps * ||G||) would blur them; H = Y^T Y inherits that
+    (its rounding is relative to the columns of Y, which are small), its eigendecomposition is float64.
+    Returns Q and the energies [with all candidates, with the last ``probe`` left out] (the latter only when
+    ``probe``): nested because the candidates' leading columns span the leading candidates.
     """
-    s = orthonormalize(candidates)
-    y = rows.times(s).double()
-    theta, vectors = symmetric_eigh(matmul(y.T, y))
+    s = orthonormalize(candidates, passes=1)  # eigenvectors: orthonormal to rounding, one pass restores it
+    y = rows.times(s)
+    h = matmul(y.T, y).double()
+    theta, vectors = symmetric_eigh(h)
     q = matmul(s, vectors[:, :k].to(device=s.device, dtype=s.dtype).contiguous())
-    return q.contiguous(), float(theta[:k].clamp_min(0).sum())
+    energies = [float(theta[:k].clamp_min(0).sum())]
+    if probe:
+        energies.append(float(symmetric_eigvalsh(h[:-probe, :-probe].contiguous())[:k].clamp_min(0).sum()))
+    return q.contiguous(), energies
 
 
 def _gram_trace(gram: torch.Tensor) -> float:
@@ -295,17 +317,26 @@ def bottom_eigenspace_from_input_gram(
     """Tall W_f (or wide with k possibly beyond the null space): work on G = W_f^T W_f, d_in x d_in.
 
     One factorisation of G gives the spectrum and the k + RITZ_OVERSAMPLE bottom eigenvectors; the
-    Rayleigh-Ritz step on W_f then picks the exact bottom-k subspace within their span.
+    Rayleigh-Ritz step on W_f then picks the exact bottom-k subspace within their span. A round whose last
+    RITZ_PROBE candidates still lower the energy by more than RITZ_TOLERANCE of the allowance is followed by a
+    wider one.
     """
     d_in = rows.weight.shape[1]
     gram = rows.input_gram()
     total = _gram_trace(gram)
     factor = factor_symmetric(gram, backend)
+    del gram
     spectrum = factor.eigenvalues().clamp_min(0).flip(0)[: min(rows.n_rows, d_in)]
     k = k_for_tau(spectrum, tau, d_in, max_rank)
-    candidates = factor.bottom_vectors(min(d_in, k + RITZ_OVERSAMPLE)).to(rows.weight.device, rows.weight.dtype)
-    q, energy = rayleigh_ritz(rows, candidates, k)
-    return FrozenBasis(spectrum.to(torch.float32), k, q, energy / total if total > 0 else 0.0)
+    for extra in RITZ_OVERSAMPLE:
+        p = min(d_in, k + extra)
+        probe = min(RITZ_PROBE, p - k) if p < d_in else 0  # all of R^d_in: nothing can be missing
+        candidates = factor.bottom_vectors(p).to(rows.weight.device, rows.weight.dtype)
+        q, energies = rayleigh_ritz(rows, candidates, k, probe)
+        del candidates
+        if not probe or energies[1] - energies[0] <= RITZ_TOLERANCE * (0.01 * energies[0] + 1e-6 * total):
+            break
+    return FrozenBasis(spectrum.to(torch.float32), k, q, energies[0] / total if total > 0 else 0.0)
 
 
 def null_vectors(c: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:
