@@ -85,8 +85,11 @@ class SymmetricEigen:
         """All eigenvalues, ascending."""
         raise NotImplementedError
 
-    def bottom_vectors(self, p: int) -> torch.Tensor:
-        """Eigenvectors of the p smallest eigenvalues, ascending, as columns."""
+    def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
+        """Eigenvectors start..p-1 of the p smallest eigenvalues (ascending), as columns.
+
+        Calls for consecutive ranges return columns of one and the same orthonormal set.
+        """
         raise NotImplementedError
 
 
@@ -106,6 +109,7 @@ class TridiagonalEigen(SymmetricEigen):
         if info != 0:
             raise np.linalg.LinAlgError(f"sytrd failed (info={info})")
         self.n = a.shape[0]
+        self._z: np.ndarray | None = None
 
     def _lapack(self, name: str):
         return scipy.linalg.lapack.get_lapack_funcs(name, (self.diag,))
@@ -128,16 +132,28 @@ class TridiagonalEigen(SymmetricEigen):
             raise np.linalg.LinAlgError(f"ormqr failed (info={info})")
         return np.concatenate([x[:1], out], axis=0)
 
-    def bottom_vectors(self, p: int) -> torch.Tensor:
-        if p == 0:
+    def tridiagonal_vectors(self, p: int) -> np.ndarray:
+        """The p bottom eigenvectors of T (stemr in float64), kept for the largest p asked so far.
+
+        float64 although T is float32: T's bottom eigenvalues sit within ~1e-7 ||T|| of each other, and a
+        float32 MRRR mixes their eigenvectors (residuals ~ n eps ||T||) more than the Gram matrix's own
+        rounding does; measured at Qwen2.5-7B sizes, a Rayleigh-Ritz on W_f then misses the exact bottom
+        subspace by up to ~the whole exactness allowance, where float64 vectors of the same T leave < 0.2 of it.
+        """
+        if self._z is None or self._z.shape[1] < p:
+            d, e = self.diag.astype(np.float64), np.append(self.offdiag, 0).astype(np.float64)
+            stemr, stemr_lwork = scipy.linalg.lapack.get_lapack_funcs(("stemr", "stemr_lwork"), (d,))
+            work, iwork, info = stemr_lwork(d.copy(), e.copy(), 2, 0, 0, 1, p)
+            m, _, z, info = stemr(d, e, 2, 0, 0, 1, p, lwork=int(work), liwork=int(iwork), overwrite_d=1)
+            if info != 0 or m != p:
+                raise np.linalg.LinAlgError(f"stemr failed (info={info}, found {m} of {p} vectors)")
+            self._z = z[:, :p].astype(self.diag.dtype)
+        return self._z[:, :p]
+
+    def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
+        if p <= start:
             return torch.zeros(self.n, 0, dtype=torch.from_numpy(self.diag).dtype)
-        stemr, stemr_lwork = self._lapack("stemr"), self._lapack("stemr_lwork")
-        e = np.append(self.offdiag, 0).astype(self.diag.dtype)
-        work, iwork, info = stemr_lwork(self.diag.copy(), e.copy(), 2, 0, 0, 1, p)
-        m, _, z, info = stemr(self.diag.copy(), e, 2, 0, 0, 1, p, compute_v=True, lwork=int(work), liwork=int(iwork))
-        if info != 0 or m != p:
-            raise np.linalg.LinAlgError(f"stemr failed (info={info}, found {m} of {p} vectors)")
-        return torch.from_numpy(self._apply_reflectors(z[:, :p]))
+        return torch.from_numpy(self._apply_reflectors(self.tridiagonal_vectors(p)[:, start:p]))
 
 
 class DenseEigen(SymmetricEigen):
@@ -152,8 +168,8 @@ class DenseEigen(SymmetricEigen):
     def eigenvalues(self) -> torch.Tensor:
         return self.values
 
-    def bottom_vectors(self, p: int) -> torch.Tensor:
-        return self.vectors[:, :p]
+    def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
+        return self.vectors[:, start:p]
 
 
 def factor_symmetric(s: torch.Tensor, backend: str = "auto", vectors: bool = True) -> SymmetricEigen:
@@ -284,20 +300,38 @@ class FrozenRows:
         return k if self.keep is None else k[self.keep][:, self.keep].contiguous()
 
 
-def rayleigh_ritz(
-    rows: FrozenRows, candidates: torch.Tensor, k: int, probe: int = 0
-) -> tuple[torch.Tensor, list[float]]:
-    """The best k-dimensional subspace of span(candidates) for G, and its energy tr(Q^T G Q).
+@dataclass
+class RitzCandidates:
+    """An orthonormal candidate block S (d_in x p) and Y = W_f S, grown column block by column block."""
+
+    s: torch.Tensor
+    y: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: FrozenRows) -> RitzCandidates:
+        w = rows.weight
+        return cls(w.new_zeros(w.shape[1], 0), w.new_zeros(rows.n_rows, 0))
+
+    def extend(self, rows: FrozenRows, vectors: torch.Tensor) -> RitzCandidates:
+        """S and Y with ``vectors`` appended, orthonormalised against S (eigenvectors of one run: already
+        orthonormal to rounding, so one projection and one CholeskyQR pass restore it); Y only for the new ones."""
+        if self.s.shape[1]:
+            vectors = vectors - matmul(self.s, matmul(self.s.T.contiguous(), vectors))
+        new = orthonormalize(vectors, passes=1)
+        return RitzCandidates(torch.cat([self.s, new], dim=1), torch.cat([self.y, rows.times(new)], dim=1))
+
+
+def rayleigh_ritz(candidates: RitzCandidates, k: int, probe: int = 0) -> tuple[torch.Tensor, list[float]]:
+    """The best k-dimensional subspace of span(S) for G, and its energy tr(Q^T G Q).
 
     The energies are measured on W_f itself, not on a Gram matrix: Y = W_f S in the working precision is
     accurate to rounding relative to |W_f| |S|, so the small energies that decide the bottom subspace come
     out right where a float32 Gram matrix (error ~ eps * ||G||) would blur them; H = Y^T Y inherits that
     (its rounding is relative to the columns of Y, which are small), its eigendecomposition is float64.
     Returns Q and the energies [with all candidates, with the last ``probe`` left out] (the latter only when
-    ``probe``): nested because the candidates' leading columns span the leading candidates.
+    ``probe``): nested because S's leading columns span the leading candidates.
     """
-    s = orthonormalize(candidates, passes=1)  # eigenvectors: orthonormal to rounding, one pass restores it
-    y = rows.times(s)
+    s, y = candidates.s, candidates.y
     h = matmul(y.T, y).double()
     theta, vectors = symmetric_eigh(h)
     q = matmul(s, vectors[:, :k].to(device=s.device, dtype=s.dtype).contiguous())
@@ -328,12 +362,13 @@ def bottom_eigenspace_from_input_gram(
     del gram
     spectrum = factor.eigenvalues().clamp_min(0).flip(0)[: min(rows.n_rows, d_in)]
     k = k_for_tau(spectrum, tau, d_in, max_rank)
+    candidates = RitzCandidates.empty(rows)
     for extra in RITZ_OVERSAMPLE:
         p = min(d_in, k + extra)
+        new = factor.bottom_vectors(p, start=candidates.s.shape[1])
+        candidates = candidates.extend(rows, new.to(rows.weight.device, rows.weight.dtype))
         probe = min(RITZ_PROBE, p - k) if p < d_in else 0  # all of R^d_in: nothing can be missing
-        candidates = factor.bottom_vectors(p).to(rows.weight.device, rows.weight.dtype)
-        q, energies = rayleigh_ritz(rows, candidates, k, probe)
-        del candidates
+        q, energies = rayleigh_ritz(candidates, k, probe)
         if not probe or energies[1] - energies[0] <= RITZ_TOLERANCE * (0.01 * energies[0] + 1e-6 * total):
             break
     return FrozenBasis(spectrum.to(torch.float32), k, q, energies[0] / total if total > 0 else 0.0)
