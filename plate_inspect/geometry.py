@@ -96,8 +96,9 @@ class SymmetricEigen:
 class TridiagonalEigen(SymmetricEigen):
     """LAPACK on CPU: one tridiagonal reduction S = H T H^T (sytrd) serves everything.
 
-    Eigenvalues come from T alone (sterf), the p bottom eigenvectors from T (stemr, O(n p)) mapped back by
-    the Householder reflectors (ormqr on the subdiagonal block, what ormtr does). No full eigh.
+    Eigenvalues come from T alone (sterf), the p bottom eigenvectors from T (in float64: MRRR, or divide and
+    conquer when p >= n/4) mapped back by the Householder reflectors (ormqr on the subdiagonal block, what
+    ormtr does). No full eigh of the d x d matrix.
     Overwrites ``s`` (the caller's scratch Gram matrix).
     """
 

@@ -3,7 +3,8 @@
 Exact means, for every module: tr(Q^T G Q) <= 1.01 x (sum of the k smallest eigenvalues of G) + 1e-6 x tr(G),
 with G = W_f^T W_f in float64 from the stored weights, and k the definition on the exact spectrum.
 Hard spectra: sigma_i ~ i^-alpha (alpha 0.5, 1, 2) with 4 directions 30x larger and near-duplicate rows,
-stored in float32 and in bf16, in every shape class of an LLM layer.
+stored in float32 and in bf16, in every shape class of an LLM layer; with -m slow also at the trust issue's
+sizes and at Qwen2.5-7B sizes (gate 18944x3584, q/o 3584x3584), where the float32 Gram's rounding is largest.
 """
 
 from __future__ import annotations
