@@ -112,6 +112,12 @@ def test_exact_at_qwen_7b_sizes(shape, alpha, orthogonal):
     check_hard_case(*SEVEN_B_SHAPES[shape], alpha, "bf16", "lapack", orthogonal)
 
 
+@pytest.mark.slow
+def test_torch_code_path_exact_at_qwen_7b_gate():
+    # the path CUDA takes (float32 torch.linalg.eigh candidates), on the case the former LAPACK path failed
+    check_hard_case(*SEVEN_B_SHAPES["gate-7b"], 0.5, "bf16", "torch", orthogonal=False)
+
+
 def test_issue_example_square_layer_with_outliers():
     # the trust issue's case: 768x768, sigma_i ~ 1/i, 4 directions 30x larger, r=64, tau=0.9, max_rank=512;
     # the former float32 path captured ~60x the optimum here
