@@ -41,15 +41,23 @@ def symmetric_eigh(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.linalg.eigh(s)
 
 
-def orthonormalize(m: torch.Tensor) -> torch.Tensor:
+def symmetric_eigvalsh(s: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues (ascending) of a symmetric matrix; reads its lower triangle."""
+    if s.device.type == "cpu":
+        return torch.from_numpy(scipy.linalg.eigh(s.numpy(), eigvals_only=True, driver="evd", check_finite=False))
+    return torch.linalg.eigvalsh(s)
+
+
+def orthonormalize(m: torch.Tensor, passes: int = 2) -> torch.Tensor:
     """An orthonormal basis of m's column span, in m's column order (leading columns span leading columns).
 
     CholeskyQR2: Gram matrix and triangular solve in m's dtype (BLAS-3, much faster than Householder QR for
     tall blocks), Cholesky of the small Gram in float64; twice, so the columns are orthonormal to m's
-    precision. Falls back to Householder QR when the Gram matrix is not numerically positive definite.
+    precision (``passes=1`` suffices when m is orthonormal to rounding already). Falls back to Householder QR
+    when the Gram matrix is not numerically positive definite.
     """
     x = m
-    for _ in range(2):
+    for _ in range(passes):
         chol, info = torch.linalg.cholesky_ex(matmul(x.T, x).double())
         if int(info) != 0:
             return torch.linalg.qr(m.double()).Q.to(m.dtype)
@@ -77,16 +85,20 @@ class SymmetricEigen:
         """All eigenvalues, ascending."""
         raise NotImplementedError
 
-    def bottom_vectors(self, p: int) -> torch.Tensor:
-        """Eigenvectors of the p smallest eigenvalues, ascending, as columns."""
+    def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
+        """Eigenvectors start..p-1 of the p smallest eigenvalues (ascending), as columns.
+
+        Calls for consecutive ranges return columns of one and the same orthonormal set.
+        """
         raise NotImplementedError
 
 
 class TridiagonalEigen(SymmetricEigen):
     """LAPACK on CPU: one tridiagonal reduction S = H T H^T (sytrd) serves everything.
 
-    Eigenvalues come from T alone (sterf), the p bottom eigenvectors from T (stemr, O(n p)) mapped back by
-    the Householder reflectors (ormqr on the subdiagonal block, what ormtr does). No full eigh.
+    Eigenvalues come from T alone (sterf), the p bottom eigenvectors from T (in float64: MRRR, or divide and
+    conquer when p >= n/4) mapped back by the Householder reflectors (ormqr on the subdiagonal block, what
+    ormtr does). No full eigh of the d x d matrix.
     Overwrites ``s`` (the caller's scratch Gram matrix).
     """
 
@@ -98,11 +110,14 @@ class TridiagonalEigen(SymmetricEigen):
         if info != 0:
             raise np.linalg.LinAlgError(f"sytrd failed (info={info})")
         self.n = a.shape[0]
+        self._z: np.ndarray | None = None
 
     def _lapack(self, name: str):
         return scipy.linalg.lapack.get_lapack_funcs(name, (self.diag,))
 
     def eigenvalues(self) -> torch.Tensor:
+        if self.n == 1:  # LAPACK's wrappers want a non-empty off-diagonal
+            return torch.from_numpy(self.diag.copy())
         values, info = self._lapack("sterf")(self.diag.copy(), self.offdiag.copy())
         if info != 0:
             raise np.linalg.LinAlgError(f"sterf failed (info={info})")
@@ -120,16 +135,37 @@ class TridiagonalEigen(SymmetricEigen):
             raise np.linalg.LinAlgError(f"ormqr failed (info={info})")
         return np.concatenate([x[:1], out], axis=0)
 
-    def bottom_vectors(self, p: int) -> torch.Tensor:
-        if p == 0:
+    def tridiagonal_vectors(self, p: int) -> np.ndarray:
+        """The p bottom eigenvectors of T in float64 (MRRR, or divide and conquer when p >= n/4), kept for the
+        largest p asked so far.
+
+        float64 although T is float32: T's bottom eigenvalues sit within ~1e-7 ||T|| of each other, and a
+        float32 MRRR mixes their eigenvectors (residuals ~ n eps ||T||) more than the Gram matrix's own
+        rounding does; measured at Qwen2.5-7B sizes, a Rayleigh-Ritz on W_f then misses the exact bottom
+        subspace by up to ~the whole exactness allowance, where float64 vectors of the same T leave < 0.2 of it.
+        """
+        if self._z is None or self._z.shape[1] < p:
+            d, e = self.diag.astype(np.float64), self.offdiag.astype(np.float64)
+            if self.n == 1:
+                z, m, info = np.ones((1, 1)), 1, 0
+            elif 4 * p >= self.n:  # a quarter of all vectors or more: divide and conquer for all was faster (measured)
+                _, z, info = scipy.linalg.lapack.dstevd(d, e, overwrite_d=1, overwrite_e=1)
+                m = self.n if info == 0 else 0
+            else:
+                e = np.append(e, 0)
+                work, iwork, info = scipy.linalg.lapack.dstemr_lwork(d.copy(), e.copy(), 2, 0, 0, 1, p)
+                m, _, z, info = scipy.linalg.lapack.dstemr(
+                    d, e, 2, 0, 0, 1, p, lwork=int(work), liwork=int(iwork), overwrite_d=1
+                )
+            if info != 0 or m < p:
+                raise np.linalg.LinAlgError(f"tridiagonal eigenvectors failed (info={info}, found {m} of {p})")
+            self._z = z[:, :p].astype(self.diag.dtype)
+        return self._z[:, :p]
+
+    def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
+        if p <= start:
             return torch.zeros(self.n, 0, dtype=torch.from_numpy(self.diag).dtype)
-        stemr, stemr_lwork = self._lapack("stemr"), self._lapack("stemr_lwork")
-        e = np.append(self.offdiag, 0).astype(self.diag.dtype)
-        work, iwork, info = stemr_lwork(self.diag.copy(), e.copy(), 2, 0, 0, 1, p)
-        m, _, z, info = stemr(self.diag.copy(), e, 2, 0, 0, 1, p, compute_v=True, lwork=int(work), liwork=int(iwork))
-        if info != 0 or m != p:
-            raise np.linalg.LinAlgError(f"stemr failed (info={info}, found {m} of {p} vectors)")
-        return torch.from_numpy(self._apply_reflectors(z[:, :p]))
+        return torch.from_numpy(self._apply_reflectors(self.tridiagonal_vectors(p)[:, start:p]))
 
 
 class DenseEigen(SymmetricEigen):
@@ -144,8 +180,8 @@ class DenseEigen(SymmetricEigen):
     def eigenvalues(self) -> torch.Tensor:
         return self.values
 
-    def bottom_vectors(self, p: int) -> torch.Tensor:
-        return self.vectors[:, :p]
+    def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
+        return self.vectors[:, start:p]
 
 
 def factor_symmetric(s: torch.Tensor, backend: str = "auto", vectors: bool = True) -> SymmetricEigen:
@@ -221,9 +257,15 @@ def k_for_tau(spectrum: torch.Tensor, tau: float, d_in: int, max_rank: int) -> i
 
 
 # --------------------------------------------------------------------------- Q: low-energy input basis
-#: Extra candidate directions the Rayleigh-Ritz step gets beyond k: the bottom eigenvectors of a float32
-#: Gram matrix mix the exact bottom-k eigenspace with nearby directions, and a wider candidate span holds it.
-RITZ_OVERSAMPLE = 256
+#: Candidate directions beyond k for the Rayleigh-Ritz step: the bottom eigenvectors of a float32 Gram matrix mix
+#: the exact bottom-k eigenspace with nearby directions, and a wider candidate span holds it. A first round uses
+#: the smaller number; the larger one runs only when the first has not converged (see RITZ_PROBE).
+RITZ_OVERSAMPLE: tuple[int, ...] = (64, 256)
+#: Convergence check of a round: the Ritz energy with the last RITZ_PROBE candidates left out may exceed the
+#: round's energy by at most RITZ_TOLERANCE x (0.01 x energy + 1e-6 x tr(G)), i.e. a small fraction of the
+#: exactness bound's allowance; otherwise the next, wider round runs.
+RITZ_PROBE = 32
+RITZ_TOLERANCE = 0.05
 
 
 @dataclass
@@ -270,19 +312,45 @@ class FrozenRows:
         return k if self.keep is None else k[self.keep][:, self.keep].contiguous()
 
 
-def rayleigh_ritz(rows: FrozenRows, candidates: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
-    """The best k-dimensional subspace of span(candidates) for G, and its energy tr(Q^T G Q).
+@dataclass
+class RitzCandidates:
+    """An orthonormal candidate block S (d_in x p) and Y = W_f S, grown column block by column block."""
+
+    s: torch.Tensor
+    y: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: FrozenRows) -> RitzCandidates:
+        w = rows.weight
+        return cls(w.new_zeros(w.shape[1], 0), w.new_zeros(rows.n_rows, 0))
+
+    def extend(self, rows: FrozenRows, vectors: torch.Tensor) -> RitzCandidates:
+        """S and Y with ``vectors`` appended, orthonormalised against S (eigenvectors of one run: already
+        orthonormal to rounding, so one projection and one CholeskyQR pass restore it); Y only for the new ones."""
+        if self.s.shape[1]:
+            vectors = vectors - matmul(self.s, matmul(self.s.T.contiguous(), vectors))
+        new = orthonormalize(vectors, passes=1)
+        return RitzCandidates(torch.cat([self.s, new], dim=1), torch.cat([self.y, rows.times(new)], dim=1))
+
+
+def rayleigh_ritz(candidates: RitzCandidates, k: int, probe: int = 0) -> tuple[torch.Tensor, list[float]]:
+    """The best k-dimensional subspace of span(S) for G, and its energy tr(Q^T G Q).
 
     The energies are measured on W_f itself, not on a Gram matrix: Y = W_f S in the working precision is
     accurate to rounding relative to |W_f| |S|, so the small energies that decide the bottom subspace come
-    out right where a float32 Gram matrix (error ~ eps * ||G||) would blur them. H = Y^T Y and its
-    eigendecomposition are float64.
+    out right where a float32 Gram matrix (error ~ eps * ||G||) would blur them; H = Y^T Y inherits that
+    (its rounding is relative to the columns of Y, which are small), its eigendecomposition is float64.
+    Returns Q and the energies [with all candidates, with the last ``probe`` left out] (the latter only when
+    ``probe``): nested because S's leading columns span the leading candidates.
     """
-    s = orthonormalize(candidates)
-    y = rows.times(s).double()
-    theta, vectors = symmetric_eigh(matmul(y.T, y))
+    s, y = candidates.s, candidates.y
+    h = matmul(y.T, y).double()
+    theta, vectors = symmetric_eigh(h)
     q = matmul(s, vectors[:, :k].to(device=s.device, dtype=s.dtype).contiguous())
-    return q.contiguous(), float(theta[:k].clamp_min(0).sum())
+    energies = [float(theta[:k].clamp_min(0).sum())]
+    if probe:
+        energies.append(float(symmetric_eigvalsh(h[:-probe, :-probe].contiguous())[:k].clamp_min(0).sum()))
+    return q.contiguous(), energies
 
 
 def _gram_trace(gram: torch.Tensor) -> float:
@@ -295,17 +363,27 @@ def bottom_eigenspace_from_input_gram(
     """Tall W_f (or wide with k possibly beyond the null space): work on G = W_f^T W_f, d_in x d_in.
 
     One factorisation of G gives the spectrum and the k + RITZ_OVERSAMPLE bottom eigenvectors; the
-    Rayleigh-Ritz step on W_f then picks the exact bottom-k subspace within their span.
+    Rayleigh-Ritz step on W_f then picks the exact bottom-k subspace within their span. A round whose last
+    RITZ_PROBE candidates still lower the energy by more than RITZ_TOLERANCE of the allowance is followed by a
+    wider one.
     """
     d_in = rows.weight.shape[1]
     gram = rows.input_gram()
     total = _gram_trace(gram)
     factor = factor_symmetric(gram, backend)
+    del gram
     spectrum = factor.eigenvalues().clamp_min(0).flip(0)[: min(rows.n_rows, d_in)]
     k = k_for_tau(spectrum, tau, d_in, max_rank)
-    candidates = factor.bottom_vectors(min(d_in, k + RITZ_OVERSAMPLE)).to(rows.weight.device, rows.weight.dtype)
-    q, energy = rayleigh_ritz(rows, candidates, k)
-    return FrozenBasis(spectrum.to(torch.float32), k, q, energy / total if total > 0 else 0.0)
+    candidates = RitzCandidates.empty(rows)
+    for extra in RITZ_OVERSAMPLE:
+        p = min(d_in, k + extra)
+        new = factor.bottom_vectors(p, start=candidates.s.shape[1])
+        candidates = candidates.extend(rows, new.to(rows.weight.device, rows.weight.dtype))
+        probe = min(RITZ_PROBE, p - k) if p < d_in else 0  # all of R^d_in: nothing can be missing
+        q, energies = rayleigh_ritz(candidates, k, probe)
+        if not probe or energies[1] - energies[0] <= RITZ_TOLERANCE * (0.01 * energies[0] + 1e-6 * total):
+            break
+    return FrozenBasis(spectrum.to(torch.float32), k, q, energies[0] / total if total > 0 else 0.0)
 
 
 def null_vectors(c: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:

@@ -397,7 +397,8 @@ def _compute_weight(oriented: torch.Tensor, target: TargetModule, settings: Scan
             "the checkpoint is corrupt or was saved after a diverged run"
         )
     # Gram entries reach max|w|^2 * max(d_out, d_in): past the dtype's range they overflow and no eigensolver copes
-    largest = float(weight.abs().max()) if weight.numel() else 0.0
+    lo, hi = torch.aminmax(weight) if weight.numel() else (torch.zeros(()), torch.zeros(()))
+    largest = max(-float(lo), float(hi))  # one pass, no |W| copy
     if largest * largest * max(weight.shape) > torch.finfo(weight.dtype).max / 16:
         hint = " or scan with --precision float64" if weight.dtype != torch.float64 else ""
         raise CheckpointError(
