@@ -5,7 +5,9 @@ and their Random-B / Least-redundant-B variants (same Q). A unit (output row of 
 output is 0 on every task-1 training input. Printed: the fraction of dead units in each B. Intervention: with
 PLATE's Q fixed, train the adapter + head 2 for 2,400 steps on task 2 with B = PLATE's rows, B = r random rows,
 B = r random *live* rows and B = r random *dead* rows (when there are r), and measure the task-1 KL and task-2 accuracy.
-Usage: .venv/bin/python benchmarks/arena_dead_units.py [--seeds 3] [--steps 2400]
+Also printed: the fraction of each B's dead rows that are live on task-2 training inputs (a unit dead on task 1
+but live on task 2 can be updated without touching task-1 outputs and still serve task 2).
+Usage: .venv/bin/python benchmarks/arena_dead_units.py [--seeds 3] [--steps 2400] [--data digits|fashion-mnist]
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--data", choices=("digits", "fashion-mnist"), default="digits")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    task1, task2 = digits.load_digit_tasks()
+    task1, task2 = digits.load_tasks(args.data)
     rows: dict[tuple, list[tuple[float, float, float]]] = {}
     for seed in range(args.seeds):
         with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +68,8 @@ def main() -> None:
             digits.save_model(model, ckpt)
             before = model(task1.x_test, task=1).detach()
             live = live_units(model, task1.x_train)
-            init = digits.initial_model(64, seed).state_dict()
+            live2 = live_units(model, task2.x_train)
+            init = digits.initial_model(task1.d_in, seed).state_dict()
             s1 = StageOne(seed, Path(tmp), ckpt, task1, init)
             for r, tau in ((8, 0.98), (32, 0.9)):
                 plate = Bundle.load(s1.bundle(r, tau))
@@ -85,7 +89,13 @@ def main() -> None:
                 for variant in ("random_b", "least_redundant_b"):
                     vb = Bundle.load(s1.bundle(r, tau, variant))
                     dead_frac = statistics.fmean(float((~live[m][vb.b_idx(m)]).float().mean()) for m in BACKBONE)
-                    rows.setdefault((r, tau, f"{variant} (variant bundle)", "dead"), []).append((dead_frac, 0, 0))
+                    # of B's rows dead on task 1, the fraction live on task 2 (1.0 when none is dead: nothing to ask)
+                    revived = statistics.fmean(
+                        float(live2[m][b][~live[m][b]].float().mean()) if bool((~live[m][b]).any()) else 1.0
+                        for m in BACKBONE
+                        for b in [vb.b_idx(m)]
+                    )
+                    rows.setdefault((r, tau, f"{variant} (variant bundle)", "dead"), []).append((dead_frac, revived, 0))
                 for name, b_rows in choices.items():
                     if b_rows is None:
                         continue
@@ -102,7 +112,8 @@ def main() -> None:
     for (r, tau, name, kind), vals in rows.items():
         dead = statistics.fmean(v[0] for v in vals)
         if kind == "dead":
-            print(f"| {r}, {tau} | {name} | {len(vals)} | {dead:.3f} | | |")
+            revived = statistics.fmean(v[1] for v in vals)
+            print(f"| {r}, {tau} | {name} | {len(vals)} | {dead:.3f} (live on task 2: {revived:.2f}) | | |")
         else:
             kl = statistics.fmean(v[1] for v in vals)
             acc = statistics.fmean(v[2] for v in vals)
