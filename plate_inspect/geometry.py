@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.linalg
 import torch
 
+from plate_inspect._lapack_nogil import (
+    apply_tridiagonal_reflectors,
+    tridiagonal_eigenvalues,
+    tridiagonal_eigenvectors,
+    tridiagonalize,
+)
 from plate_inspect.errors import ConfigError
 
 #: tau values at which every module's k is recorded, for k(tau) curves in reports.
@@ -78,6 +85,10 @@ def module_seed(seed: int, name: str) -> int:
 
 
 # --------------------------------------------------------------------------- symmetric eigenproblems
+#: Tridiagonal eigenvector ranges at least this long are computed by two MRRR runs (see TridiagonalEigen).
+MRRR_SPLIT_MIN = 256
+
+
 class SymmetricEigen:
     """One symmetric matrix, factorised once: all its eigenvalues and its bottom eigenvectors."""
 
@@ -96,76 +107,72 @@ class SymmetricEigen:
 class TridiagonalEigen(SymmetricEigen):
     """LAPACK on CPU: one tridiagonal reduction S = H T H^T (sytrd) serves everything.
 
-    Eigenvalues come from T alone (sterf), the p bottom eigenvectors from T (in float64: MRRR, or divide and
-    conquer when p >= n/4) mapped back by the Householder reflectors (ormqr on the subdiagonal block, what
-    ormtr does). No full eigh of the d x d matrix.
+    Eigenvalues come from T alone (sterf), the p bottom eigenvectors from T (in float64: MRRR on index ranges,
+    or divide and conquer for all when a range is a large share of n) mapped back by the Householder reflectors
+    (ormtr, reading them where sytrd left them). No full eigh of the d x d matrix.
     Overwrites ``s`` (the caller's scratch Gram matrix).
     """
 
     def __init__(self, s: torch.Tensor) -> None:
-        a = s.numpy().T  # symmetric: the transpose is the same matrix, Fortran-ordered, so LAPACK works in place
-        sytrd, sytrd_lwork = scipy.linalg.lapack.get_lapack_funcs(("sytrd", "sytrd_lwork"), (a,))
-        lwork, _ = sytrd_lwork(a.shape[0], lower=1)
-        self.reflectors, self.diag, self.offdiag, self.tau, info = sytrd(a, lower=1, lwork=int(lwork), overwrite_a=1)
-        if info != 0:
-            raise np.linalg.LinAlgError(f"sytrd failed (info={info})")
-        self.n = a.shape[0]
-        self._z: np.ndarray | None = None
+        self.reflectors = s.numpy().T  # symmetric: the transpose is the same matrix, Fortran-ordered: in place
+        self.diag, self.offdiag, self.tau = tridiagonalize(self.reflectors)
+        self.n = self.reflectors.shape[0]
+        self._values: np.ndarray | None = None
+        self._all_vectors: np.ndarray | None = None
 
-    def _lapack(self, name: str):
-        return scipy.linalg.lapack.get_lapack_funcs(name, (self.diag,))
+    def _ascending_values(self) -> np.ndarray:
+        if self._values is None:
+            self._values = tridiagonal_eigenvalues(self.diag, self.offdiag)
+        return self._values
 
     def eigenvalues(self) -> torch.Tensor:
-        if self.n == 1:  # LAPACK's wrappers want a non-empty off-diagonal
-            return torch.from_numpy(self.diag.copy())
-        values, info = self._lapack("sterf")(self.diag.copy(), self.offdiag.copy())
-        if info != 0:
-            raise np.linalg.LinAlgError(f"sterf failed (info={info})")
-        return torch.from_numpy(values)
+        return torch.from_numpy(self._ascending_values().copy())
 
-    def _apply_reflectors(self, x: np.ndarray) -> np.ndarray:
-        """H x for the reflectors of sytrd (lower): they act on rows 1..n-1."""
-        if self.n < 2:
-            return x
-        ormqr = self._lapack("ormqr")
-        args = ("L", "N", self.reflectors[1:, :-1], self.tau, np.asfortranarray(x[1:]))
-        _, work, _ = ormqr(*args, lwork=-1)
-        out, _, info = ormqr(*args, lwork=int(work[0]), overwrite_c=1)
-        if info != 0:
-            raise np.linalg.LinAlgError(f"ormqr failed (info={info})")
-        return np.concatenate([x[:1], out], axis=0)
+    def _mrrr_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """[start, stop) as one or two inclusive index ranges; a long range is cut at the widest eigenvalue gap
+        in its middle third, so that no close cluster is split between two MRRR runs."""
+        if stop - start < MRRR_SPLIT_MIN:
+            return [(start, stop - 1)]
+        values = self._ascending_values()
+        lo, hi = start + (stop - start) // 3, start + 2 * (stop - start) // 3
+        cut = lo + int(np.argmax(np.diff(values[lo - 1 : hi].astype(np.float64))))
+        return [(start, cut - 1), (cut, stop - 1)]
 
-    def tridiagonal_vectors(self, p: int) -> np.ndarray:
-        """The p bottom eigenvectors of T in float64 (MRRR, or divide and conquer when p >= n/4), kept for the
-        largest p asked so far.
+    def tridiagonal_vectors(self, p: int, start: int = 0) -> np.ndarray:
+        """Eigenvectors start..p-1 of T (ascending eigenvalues) in float64, as T's dtype.
 
         float64 although T is float32: T's bottom eigenvalues sit within ~1e-7 ||T|| of each other, and a
         float32 MRRR mixes their eigenvectors (residuals ~ n eps ||T||) more than the Gram matrix's own
         rounding does; measured at Qwen2.5-7B sizes, a Rayleigh-Ritz on W_f then misses the exact bottom
         subspace by up to ~the whole exactness allowance, where float64 vectors of the same T leave < 0.2 of it.
+        MRRR (dstemr) runs on index ranges, a long one as two halves on two threads (GIL released:
+        ``_lapack_nogil``); the split depends on T alone, never on the thread count, so the bits do not either.
+        When p reaches a quarter of n, divide and conquer for all vectors (dstevd) was faster (measured).
         """
-        if self._z is None or self._z.shape[1] < p:
-            d, e = self.diag.astype(np.float64), self.offdiag.astype(np.float64)
-            if self.n == 1:
-                z, m, info = np.ones((1, 1)), 1, 0
-            elif 4 * p >= self.n:  # a quarter of all vectors or more: divide and conquer for all was faster (measured)
-                _, z, info = scipy.linalg.lapack.dstevd(d, e, overwrite_d=1, overwrite_e=1)
-                m = self.n if info == 0 else 0
-            else:
-                e = np.append(e, 0)
-                work, iwork, info = scipy.linalg.lapack.dstemr_lwork(d.copy(), e.copy(), 2, 0, 0, 1, p)
-                m, _, z, info = scipy.linalg.lapack.dstemr(
-                    d, e, 2, 0, 0, 1, p, lwork=int(work), liwork=int(iwork), overwrite_d=1
-                )
-            if info != 0 or m < p:
-                raise np.linalg.LinAlgError(f"tridiagonal eigenvectors failed (info={info}, found {m} of {p})")
-            self._z = z[:, :p].astype(self.diag.dtype)
-        return self._z[:, :p]
+        d, e = self.diag.astype(np.float64), self.offdiag.astype(np.float64)
+        if self.n == 1:
+            z = np.ones((1, 1))
+        elif self._all_vectors is not None or 4 * p >= self.n:
+            if self._all_vectors is None:
+                _, z_all, info = scipy.linalg.lapack.dstevd(d, e, overwrite_d=1, overwrite_e=1)
+                if info != 0:
+                    raise np.linalg.LinAlgError(f"dstevd failed (info={info})")
+                self._all_vectors = z_all
+            z = self._all_vectors
+        else:
+            ranges = self._mrrr_ranges(start, p)
+            workers = min(len(ranges), max(1, torch.get_num_threads()))
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="plate-mrrr") as pool:
+                parts = list(pool.map(lambda r: tridiagonal_eigenvectors(d, e, *r), ranges))
+            return np.asfortranarray(np.concatenate(parts, axis=1), dtype=self.diag.dtype)
+        return z[:, start:p].astype(self.diag.dtype)
 
     def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
         if p <= start:
             return torch.zeros(self.n, 0, dtype=torch.from_numpy(self.diag).dtype)
-        return torch.from_numpy(self._apply_reflectors(self.tridiagonal_vectors(p)[:, start:p]))
+        return torch.from_numpy(
+            apply_tridiagonal_reflectors(self.reflectors, self.tau, self.tridiagonal_vectors(p, start))
+        )
 
 
 class DenseEigen(SymmetricEigen):

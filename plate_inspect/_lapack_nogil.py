@@ -1,0 +1,170 @@
+"""LAPACK routines called without the GIL, so that two Python threads can run them on two cores at once.
+
+scipy's f2py wrappers hold the GIL for the whole call; its Cython LAPACK (``scipy.linalg.cython_lapack``, a public,
+stable API) exports every routine as a C function pointer, and ctypes releases the GIL around foreign calls.
+Only what the scan needs is here: the MRRR eigenvectors of a symmetric tridiagonal matrix for an index range, and
+the back-transformation of vectors by the reflectors of a tridiagonal reduction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import numpy as np
+import scipy.linalg.cython_lapack
+
+_int_p = ctypes.POINTER(ctypes.c_int)
+_double_p = ctypes.POINTER(ctypes.c_double)
+_char_p = ctypes.c_char_p
+
+
+@cache
+def _lapack_function(name: str, *argtypes) -> ctypes._CFuncPtr:
+    """A routine of scipy's Cython LAPACK as a ctypes function (Fortran convention: every argument by reference)."""
+    capsule = scipy.linalg.cython_lapack.__pyx_capi__[name]
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return ctypes.CFUNCTYPE(None, *argtypes)(get_pointer(capsule, get_name(capsule)))
+
+
+def _dstemr() -> ctypes._CFuncPtr:
+    argtypes = [_char_p, _char_p, _int_p] + [_double_p] * 4 + [_int_p] * 3 + [_double_p] * 2 + [_int_p] * 4
+    return _lapack_function("dstemr", *argtypes, _double_p, _int_p, _int_p, _int_p, _int_p)
+
+
+def _ormtr(dtype: np.dtype) -> ctypes._CFuncPtr:
+    real_p = {np.dtype(np.float32): ctypes.POINTER(ctypes.c_float), np.dtype(np.float64): _double_p}[np.dtype(dtype)]
+    name = "sormtr" if np.dtype(dtype) == np.float32 else "dormtr"
+    argtypes = [_char_p, _char_p, _char_p, _int_p, _int_p, real_p, _int_p, real_p, real_p, _int_p, real_p, _int_p]
+    return _lapack_function(name, *argtypes, _int_p)
+
+
+def _ptr(a: np.ndarray, kind=None):
+    return a.ctypes.data_as(kind if kind is not None else _real_p(a.dtype))
+
+
+def _real_p(dtype: np.dtype):
+    return ctypes.POINTER(ctypes.c_float) if np.dtype(dtype) == np.float32 else _double_p
+
+
+def _ints(*values: int) -> list[ctypes.c_int]:
+    return [ctypes.c_int(v) for v in values]
+
+
+def tridiagonal_eigenvectors(diag: np.ndarray, offdiag: np.ndarray, first: int, last: int) -> np.ndarray:
+    """Eigenvectors ``first..last`` (0-based, inclusive, ascending eigenvalues) of the symmetric tridiagonal
+    matrix with ``diag`` (n) and ``offdiag`` (n - 1), float64, by MRRR (LAPACK dstemr), as an n x m array.
+
+    Releases the GIL for the whole computation. Raises ``np.linalg.LinAlgError`` when LAPACK reports failure.
+    """
+    n = int(diag.shape[0])
+    m_wanted = last - first + 1
+    d = np.array(diag, dtype=np.float64)  # dstemr overwrites d and e
+    e = np.zeros(n, dtype=np.float64)
+    e[: n - 1] = offdiag
+    n_, il, iu, ldz, nzc = (ctypes.c_int(v) for v in (n, first + 1, last + 1, n, m_wanted))
+    vl, vu = ctypes.c_double(0.0), ctypes.c_double(0.0)
+    found, info, tryrac = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(1)
+    w = np.zeros(n, dtype=np.float64)
+    z = np.zeros((n, m_wanted), dtype=np.float64, order="F")
+    isuppz = np.zeros(2 * max(1, m_wanted), dtype=np.int32)
+
+    def call(work: np.ndarray, lwork: int, iwork: np.ndarray, liwork: int) -> None:
+        _dstemr()(
+            b"V", b"I", ctypes.byref(n_), _ptr(d, _double_p), _ptr(e, _double_p), ctypes.byref(vl),
+            ctypes.byref(vu), ctypes.byref(il), ctypes.byref(iu), ctypes.byref(found), _ptr(w, _double_p),
+            _ptr(z, _double_p), ctypes.byref(ldz), ctypes.byref(nzc), _ptr(isuppz, _int_p), ctypes.byref(tryrac),
+            _ptr(work, _double_p), ctypes.byref(ctypes.c_int(lwork)), _ptr(iwork, _int_p),
+            ctypes.byref(ctypes.c_int(liwork)), ctypes.byref(info),
+        )  # fmt: skip
+
+    query_work, query_iwork = np.zeros(1, dtype=np.float64), np.zeros(1, dtype=np.int32)
+    call(query_work, -1, query_iwork, -1)
+    lwork, liwork = max(1, int(query_work[0])), max(1, int(query_iwork[0]))
+    call(np.zeros(lwork, dtype=np.float64), lwork, np.zeros(liwork, dtype=np.int32), liwork)
+    if info.value != 0 or found.value < m_wanted:
+        raise np.linalg.LinAlgError(
+            f"dstemr failed (info={info.value}, found {found.value} of {m_wanted} eigenvectors)"
+        )
+    return z
+
+
+def apply_tridiagonal_reflectors(reflectors: np.ndarray, tau: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """H x, where H holds the Householder reflectors of a lower sytrd (``reflectors``: the n x n array sytrd
+    overwrote, Fortran order; ``tau``: n - 1 scalars) and x is n x p (LAPACK ormtr, in place on a Fortran copy).
+
+    Reads the reflectors where they lie (no copy of the n x n array) and releases the GIL.
+    """
+    n, p = x.shape
+    if not (reflectors.flags.f_contiguous and reflectors.shape == (n, n) and reflectors.dtype == x.dtype):
+        raise ValueError("apply_tridiagonal_reflectors needs the n x n Fortran-ordered sytrd output of x's dtype")
+    c = np.array(x, order="F", copy=True)
+    tau = np.ascontiguousarray(tau, dtype=x.dtype)
+    ormtr = _ormtr(x.dtype)
+    m_, n_, lda, ldc, info = _ints(n, p, n, n, 0)
+
+    def call(work: np.ndarray, lwork: int) -> None:
+        ormtr(
+            b"L", b"L", b"N", ctypes.byref(m_), ctypes.byref(n_), _ptr(reflectors), ctypes.byref(lda), _ptr(tau),
+            _ptr(c), ctypes.byref(ldc), _ptr(work), ctypes.byref(ctypes.c_int(lwork)), ctypes.byref(info),
+        )  # fmt: skip
+
+    query = np.zeros(1, dtype=x.dtype)
+    call(query, -1)
+    lwork = max(1, int(query[0]))
+    call(np.zeros(lwork, dtype=x.dtype), lwork)
+    if info.value != 0:
+        raise np.linalg.LinAlgError(f"ormtr failed (info={info.value})")
+    return c
+
+
+def _real_function(name: str, dtype: np.dtype, *kinds: str) -> ctypes._CFuncPtr:
+    """``s<name>``/``d<name>`` with argument kinds: c (char), i (int), r (real array or scalar of ``dtype``)."""
+    prefix = "s" if np.dtype(dtype) == np.float32 else "d"
+    types = {"c": _char_p, "i": _int_p, "r": _real_p(dtype)}
+    return _lapack_function(prefix + name, *(types[k] for k in kinds))
+
+
+def tridiagonalize(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reduce the symmetric n x n Fortran-ordered ``a`` (lower triangle read) to tridiagonal T = H^T a H in place
+    (LAPACK sytrd, lower). Returns T's diagonal, off-diagonal and the reflectors' scalars tau; ``a`` keeps the
+    reflectors (for :func:`apply_tridiagonal_reflectors`). Releases the GIL.
+    """
+    n = a.shape[0]
+    if not (a.flags.f_contiguous and a.shape == (n, n) and a.dtype in (np.float32, np.float64)):
+        raise ValueError("tridiagonalize needs a square Fortran-ordered float32/float64 array")
+    sytrd = _real_function("sytrd", a.dtype, "c", "i", "r", "i", "r", "r", "r", "r", "i", "i")
+    d = np.zeros(n, dtype=a.dtype)
+    e = np.zeros(max(1, n - 1), dtype=a.dtype)
+    tau = np.zeros(max(1, n - 1), dtype=a.dtype)
+    n_, lda, info = _ints(n, max(1, n), 0)
+
+    def call(work: np.ndarray, lwork: int) -> None:
+        sytrd(
+            b"L", ctypes.byref(n_), _ptr(a), ctypes.byref(lda), _ptr(d), _ptr(e), _ptr(tau), _ptr(work),
+            ctypes.byref(ctypes.c_int(lwork)), ctypes.byref(info),
+        )  # fmt: skip
+
+    query = np.zeros(1, dtype=a.dtype)
+    call(query, -1)
+    lwork = max(1, int(query[0]))
+    call(np.zeros(lwork, dtype=a.dtype), lwork)
+    if info.value != 0:
+        raise np.linalg.LinAlgError(f"sytrd failed (info={info.value})")
+    return d, e[: max(0, n - 1)], tau[: max(0, n - 1)]
+
+
+def tridiagonal_eigenvalues(diag: np.ndarray, offdiag: np.ndarray) -> np.ndarray:
+    """All eigenvalues, ascending, of the symmetric tridiagonal matrix (LAPACK sterf, in T's dtype). GIL-free."""
+    d = np.array(diag, copy=True)
+    e = np.zeros(max(1, d.shape[0] - 1), dtype=d.dtype)
+    e[: d.shape[0] - 1] = offdiag
+    sterf = _real_function("sterf", d.dtype, "i", "r", "r", "i")
+    n_, info = _ints(d.shape[0], 0)
+    sterf(ctypes.byref(n_), _ptr(d), _ptr(e), ctypes.byref(info))
+    if info.value != 0:
+        raise np.linalg.LinAlgError(f"sterf failed (info={info.value})")
+    return d
