@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -99,8 +100,13 @@ print(json.dumps({"wall_s": wall, "load_s": load_s, "peak_rss": peak_rss_bytes()
 """
 
 
-def run_py(code: str, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+#: The scan runs as `plate-inspect scan` runs it: the CLI sets OMP_WAIT_POLICY=PASSIVE before torch loads (unless set).
+SCAN_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
+def run_py(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=full_env)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -148,17 +154,18 @@ def main() -> None:
     if args.baseline_layers:
         n = str(args.baseline_layers)
         base = run_py(_BASELINE, str(ckpt_dir), n)
-        stream = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle-subset"), n, args.device)
+        stream = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle-subset"), n, args.device, env=SCAN_ENV)
         print(f"naive baseline, {n} layers (whole state dict loaded in {base['load_s']:.1f} s): {fmt(base)}")
         print(f"streaming scan, {n} layers:                                 {fmt(stream)}")
         print(
             f"ratio baseline/streaming: time {base['wall_s'] / stream['wall_s']:.2f}x, "
             f"peak RSS {base['peak_rss'] / stream['peak_rss']:.2f}x"
         )
-    full = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle"), args.scan_layers, args.device)
+    full = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle"), args.scan_layers, args.device, env=SCAN_ENV)
     n_layers = shape["layers"] if args.scan_layers == "all" else int(args.scan_layers)
     print(f"streaming scan, {args.scan_layers} layers: {fmt(full)}  mean k {full['mean_k']:.1f}")
     print(f"  (one-time library imports before the clock: {full['imports_s']:.1f} s, left out as for the floor)")
+    print(f"  (scan with OMP_WAIT_POLICY={SCAN_ENV['OMP_WAIT_POLICY']}, as `plate-inspect scan` sets it)")
     print(f"  per layer: {full['wall_s'] / n_layers:.2f} s")
     if args.floor:
         floor = run_py(_FLOOR, str(ckpt_dir), args.scan_layers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -36,3 +37,19 @@ def test_import_plate_inspect_is_lazy_but_complete():
     code = "import sys, plate_inspect; assert 'torch' not in sys.modules; print(plate_inspect.Bundle.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "Bundle"
+
+
+def test_scan_command_chooses_passive_openmp_before_torch_loads(monkeypatch):
+    """`plate-inspect scan` asks libgomp for passive waiting, unless torch is already loaded or the user chose."""
+    from plate_inspect.cli import main as cli_main
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))
+    cli_main._passive_openmp()  # torch already loaded: too late, nothing set
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delitem(sys.modules, "torch")
+    cli_main._passive_openmp()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli_main._passive_openmp()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
