@@ -216,24 +216,33 @@ def anchor_indices(d_out: int, n_anchors: int) -> torch.Tensor:
 
 
 def redundancy_scores(
-    weight: torch.Tensor, n_anchors: int = 256, sketch_dim: int | None = None, seed: int = 0
+    weight: torch.Tensor,
+    n_anchors: int = 256,
+    sketch_dim: int | None = None,
+    seed: int = 0,
+    row_gram: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """s_i = mean over anchor rows j != i of |cos(w_i, w_j)|, as float32 [d_out].
 
-    Exact cosines by default (d_out * |A| * d_in flops). With ``sketch_dim`` D, the paper's estimate: cosines
-    of z_i = w_i R / ||w_i|| for a seeded Gaussian R (d_in x D, scaled by 1/sqrt(D)). An anchor's similarity
-    to itself is left out, so anchors are not favoured; all-zero rows score 0.
+    Exact cosines by default (d_out * |A| * d_in flops, or none when ``row_gram`` = W W^T is given: its anchor
+    columns are the dot products). With ``sketch_dim`` D, the paper's estimate: cosines of z_i = w_i R / ||w_i||
+    for a seeded Gaussian R (d_in x D, scaled by 1/sqrt(D)). An anchor's similarity to itself is left out, so
+    anchors are not favoured; all-zero rows score 0.
     """
     d_out, d_in = weight.shape
     anchors = anchor_indices(d_out, n_anchors).to(weight.device)
-    norms = torch.linalg.vector_norm(weight, dim=1)
+    if row_gram is not None and not sketch_dim:
+        norms = torch.diagonal(row_gram).clamp_min(0).sqrt()
+    else:
+        norms = torch.linalg.vector_norm(weight, dim=1)
     inv = torch.where(norms > 0, 1.0 / norms.clamp_min(torch.finfo(weight.dtype).tiny), torch.zeros_like(norms))
     if sketch_dim:
         proj = seeded_gaussian(d_in, int(sketch_dim), seed, weight) / math.sqrt(int(sketch_dim))
         z = matmul(weight, proj) * inv[:, None]
         cos = matmul(z, z[anchors].T.contiguous()).abs()
     else:
-        cos = matmul(weight, weight[anchors].T.contiguous()).abs() * inv[:, None] * inv[anchors][None, :]
+        dots = row_gram[:, anchors] if row_gram is not None else matmul(weight, weight[anchors].T.contiguous())
+        cos = dots.abs() * inv[:, None] * inv[anchors][None, :]
     cos[anchors, torch.arange(len(anchors), device=weight.device)] = 0.0
     is_anchor = torch.zeros(d_out, dtype=weight.dtype, device=weight.device)
     is_anchor[anchors] = 1.0
@@ -419,16 +428,19 @@ def null_vectors(c: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor
     return torch.from_numpy(z)
 
 
-def null_space_basis(rows: FrozenRows, tau: float, max_rank: int, seed: int, backend: str = "auto") -> FrozenBasis:
+def null_space_basis(
+    rows: FrozenRows, tau: float, max_rank: int, seed: int, backend: str = "auto", gram: torch.Tensor | None = None
+) -> FrozenBasis:
     """Wide W_f whose k surely fits in the null space (max_rank <= d_in - n_f): Q is all null directions.
 
-    Only K = W_f W_f^T (n_f x n_f) is factorised, for its eigenvalues (G's nonzero spectrum). Q comes from
+    Only K = W_f W_f^T (n_f x n_f; ``gram`` when the caller has it) is factorised, for its eigenvalues (G's
+    nonzero spectrum). Q comes from
     n_f + k input coordinates J, a seeded random subset: the null space of the n_f x (n_f + k) column block
     W_f[:, J] (:func:`null_vectors`), zero outside J, lies in W_f's null space. Deterministic for a seed;
     any basis of null directions is an exact bottom-k eigenspace (all its eigenvalues are 0).
     """
     d_in, n_f = rows.weight.shape[1], rows.n_rows
-    gram = rows.output_gram()
+    gram = rows.output_gram() if gram is None else gram
     total = _gram_trace(gram)
     spectrum = factor_symmetric(gram, backend, vectors=False).eigenvalues().clamp_min(0).flip(0)
     k = k_for_tau(spectrum, tau, d_in, max_rank)
@@ -444,6 +456,11 @@ def null_space_basis(rows: FrozenRows, tau: float, max_rank: int, seed: int, bac
     return FrozenBasis(spectrum.to(torch.float32), k, q, energy / total if total > 0 else 0.0)
 
 
+def fits_null_space(n_frozen: int, d_in: int, max_rank: int) -> bool:
+    """Whether k <= max_rank surely fits in W_f's null space (wide W_f): then Q is null directions only."""
+    return n_frozen < d_in and max_rank <= d_in - n_frozen
+
+
 def frozen_energy_basis(
     frozen: torch.Tensor,
     tau: float,
@@ -451,6 +468,7 @@ def frozen_energy_basis(
     seed: int = 0,
     keep: torch.Tensor | None = None,
     backend: str = "auto",
+    output_gram: torch.Tensor | None = None,
 ) -> FrozenBasis:
     """Spectrum, k(tau) and the exact bottom-k eigenspace Q of G = W_f^T W_f, factorising the small side once.
 
@@ -459,11 +477,12 @@ def frozen_energy_basis(
     (:func:`null_space_basis`); otherwise G is (:func:`bottom_eigenspace_from_input_gram`): tall W_f, or
     wide by less than max_rank rows (square layers after removing B), where G is at most max_rank larger.
     ``backend``: "lapack" (CPU tridiagonal), "torch" (torch.linalg.eigh, any device) or "auto".
+    ``output_gram``: W_f W_f^T when the caller already has it (used on the null-space path only).
     """
     rows = FrozenRows(frozen, keep)
     d_in = frozen.shape[1]
-    if rows.n_rows < d_in and max_rank <= d_in - rows.n_rows:
-        return null_space_basis(rows, tau, max_rank, seed, backend)
+    if fits_null_space(rows.n_rows, d_in, max_rank):
+        return null_space_basis(rows, tau, max_rank, seed, backend, gram=output_gram)
     return bottom_eigenspace_from_input_gram(rows, tau, max_rank, backend)
 
 
@@ -502,16 +521,21 @@ def plate_geometry(
     validate_settings(r=r, tau=tau, max_rank=max_rank, n_anchors=n_anchors, sketch_dim=sketch_dim)
     if weight.ndim != 2 or not weight.is_floating_point() or weight.dtype not in (torch.float32, torch.float64):
         raise ConfigError(f"plate_geometry needs a 2-D float32/float64 weight, got {weight.dtype}{list(weight.shape)}")
-    d_out, _ = weight.shape
-    scores = redundancy_scores(weight, n_anchors=n_anchors, sketch_dim=sketch_dim, seed=seed)
-    b_idx = select_redundant_rows(scores, effective_r(r, d_out))
+    d_out, d_in = weight.shape
+    r_eff = effective_r(r, d_out)
+    # wide weights: K = W W^T serves the redundancy scores (its anchor columns) and, cut to the frozen rows, the
+    # spectrum; no separate W W_anchors^T product
+    row_gram = matmul(weight, weight.T) if not sketch_dim and fits_null_space(d_out - r_eff, d_in, max_rank) else None
+    scores = redundancy_scores(weight, n_anchors=n_anchors, sketch_dim=sketch_dim, seed=seed, row_gram=row_gram)
+    b_idx = select_redundant_rows(scores, r_eff)
     frozen = weight if overwrite_input else weight.clone()
     frozen[b_idx.to(frozen.device)] = 0
     keep_mask = torch.ones(d_out, dtype=torch.bool)
     keep_mask[b_idx] = False
     keep = torch.nonzero(keep_mask).flatten().to(frozen.device)
-    basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend)
-    d_in = weight.shape[1]
+    output_gram = row_gram[keep][:, keep].contiguous() if row_gram is not None else None
+    del row_gram
+    basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend, output_gram=output_gram)
     k_by_tau = {t: k_for_tau(basis.spectrum, t, d_in, max_rank) for t in sorted({*tau_grid, tau})}
     return ModuleGeometry(scores.cpu(), b_idx.cpu(), basis, k_by_tau)
 

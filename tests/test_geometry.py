@@ -125,6 +125,22 @@ def test_anchor_self_similarity_is_excluded():
     assert s.tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0])
 
 
+def test_scores_from_the_row_gram_equal_the_direct_ones_and_wide_weights_plant_b():
+    """Wide weights take their scores from K = W W^T (its anchor columns); same scores, same planted B."""
+    gen = torch.Generator().manual_seed(17)
+    w, planted = structured_weight(48, 400, gen, planted=6)  # wide: k = 64 fits in the null space
+    direct = redundancy_scores(w.double())
+    via_gram = redundancy_scores(w.double(), row_gram=w.double() @ w.double().T)
+    torch.testing.assert_close(via_gram, direct, rtol=0, atol=1e-12)
+    w[5] = 0  # an all-zero row scores 0 either way
+    assert float(redundancy_scores(w, row_gram=w @ w.T)[5]) == 0.0
+    geo = plate_geometry(w, 6, 0.9, 64)
+    assert geo.b_idx.tolist() == planted
+    frozen = w.double().clone()
+    frozen[geo.b_idx] = 0
+    assert float((frozen @ geo.basis.q.double()).norm()) < 1e-4 * float(frozen.norm())  # Q: null directions
+
+
 def test_sketched_scores_approach_exact_with_large_sketch():
     gen = torch.Generator().manual_seed(7)
     w, _ = structured_weight(64, 32, gen, planted=8)
