@@ -17,17 +17,31 @@ import scipy.linalg.cython_lapack
 _int_p = ctypes.POINTER(ctypes.c_int)
 _double_p = ctypes.POINTER(ctypes.c_double)
 _char_p = ctypes.c_char_p
+_float_p = ctypes.POINTER(ctypes.c_float)
+#: How scipy's Cython LAPACK spells each argument type in its capsules' prototypes.
+_C_NAMES = {_char_p: "char *", _int_p: "int *", _float_p: "s *", _double_p: "d *"}
 
 
 @cache
 def _lapack_function(name: str, *argtypes) -> ctypes._CFuncPtr:
-    """A routine of scipy's Cython LAPACK as a ctypes function (Fortran convention: every argument by reference)."""
+    """A routine of scipy's Cython LAPACK as a ctypes function (Fortran convention: every argument by reference).
+
+    The capsule names its C prototype; it must be exactly the one ``argtypes`` describe (32-bit ints), or the call
+    would read garbage, so a scipy built differently is refused with a clear error instead.
+    """
     capsule = scipy.linalg.cython_lapack.__pyx_capi__[name]
     get_name = ctypes.pythonapi.PyCapsule_GetName
     get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    signature = get_name(capsule)
+    expected = "void (" + ", ".join(_C_NAMES[t] for t in argtypes) + ")"
+    if signature.decode().replace("__pyx_t_5scipy_6linalg_13cython_lapack_", "") != expected:
+        raise RuntimeError(
+            f"scipy.linalg.cython_lapack.{name} has the prototype {signature.decode()!r}, not {expected!r}: this "
+            "scipy build is not supported by plate_inspect._lapack_nogil; please report it with `pip show scipy`"
+        )
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    return ctypes.CFUNCTYPE(None, *argtypes)(get_pointer(capsule, get_name(capsule)))
+    return ctypes.CFUNCTYPE(None, *argtypes)(get_pointer(capsule, signature))
 
 
 def _dstemr() -> ctypes._CFuncPtr:
@@ -36,7 +50,7 @@ def _dstemr() -> ctypes._CFuncPtr:
 
 
 def _ormtr(dtype: np.dtype) -> ctypes._CFuncPtr:
-    real_p = {np.dtype(np.float32): ctypes.POINTER(ctypes.c_float), np.dtype(np.float64): _double_p}[np.dtype(dtype)]
+    real_p = _real_p(dtype)
     name = "sormtr" if np.dtype(dtype) == np.float32 else "dormtr"
     argtypes = [_char_p, _char_p, _char_p, _int_p, _int_p, real_p, _int_p, real_p, real_p, _int_p, real_p, _int_p]
     return _lapack_function(name, *argtypes, _int_p)
@@ -47,7 +61,7 @@ def _ptr(a: np.ndarray, kind=None):
 
 
 def _real_p(dtype: np.dtype):
-    return ctypes.POINTER(ctypes.c_float) if np.dtype(dtype) == np.float32 else _double_p
+    return _float_p if np.dtype(dtype) == np.float32 else _double_p
 
 
 def _ints(*values: int) -> list[ctypes.c_int]:

@@ -103,3 +103,25 @@ def test_split_bottom_vectors_equal_the_dense_bottom_eigenspace():
     more = factor.bottom_vectors(p + 30, start=p).numpy()
     assert np.abs(v.T @ more).max() < 1e-9
     np.testing.assert_allclose(np.abs(np.sum(more * u[:, p : p + 30], axis=0)), 1.0, atol=1e-8)
+
+
+def test_a_scipy_with_other_lapack_prototypes_is_refused_clearly(monkeypatch):
+    """If scipy's Cython LAPACK ever exported another prototype (e.g. 64-bit ints), calling it would read garbage:
+    the capsule's own prototype is checked first."""
+    import ctypes
+
+    import scipy.linalg.cython_lapack
+
+    from plate_inspect import _lapack_nogil
+
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    name = ctypes.create_string_buffer(b"void (int64_t *, d *, d *, int64_t *)")  # kept alive by this frame
+    fake = new_capsule(ctypes.addressof(name), name, None)
+    monkeypatch.setitem(scipy.linalg.cython_lapack.__pyx_capi__, "dsterf", fake)
+    _lapack_nogil._lapack_function.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="not supported"):
+            tridiagonal_eigenvalues(np.ones(3), np.ones(2))
+    finally:
+        _lapack_nogil._lapack_function.cache_clear()
