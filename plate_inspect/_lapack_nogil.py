@@ -49,13 +49,6 @@ def _dstemr() -> ctypes._CFuncPtr:
     return _lapack_function("dstemr", *argtypes, _double_p, _int_p, _int_p, _int_p, _int_p)
 
 
-def _ormtr(dtype: np.dtype) -> ctypes._CFuncPtr:
-    real_p = _real_p(dtype)
-    name = "sormtr" if np.dtype(dtype) == np.float32 else "dormtr"
-    argtypes = [_char_p, _char_p, _char_p, _int_p, _int_p, real_p, _int_p, real_p, real_p, _int_p, real_p, _int_p]
-    return _lapack_function(name, *argtypes, _int_p)
-
-
 def _ptr(a: np.ndarray, kind=None):
     return a.ctypes.data_as(kind if kind is not None else _real_p(a.dtype))
 
@@ -117,7 +110,7 @@ def apply_tridiagonal_reflectors(reflectors: np.ndarray, tau: np.ndarray, x: np.
         raise ValueError("apply_tridiagonal_reflectors needs the n x n Fortran-ordered sytrd output of x's dtype")
     c = np.array(x, order="F", copy=True)
     tau = np.ascontiguousarray(tau, dtype=x.dtype)
-    ormtr = _ormtr(x.dtype)
+    ormtr = _real_function("ormtr", x.dtype, "c", "c", "c", "i", "i", "r", "i", "r", "r", "i", "r", "i", "i")
     m_, n_, lda, ldc, info = _ints(n, p, n, n, 0)
 
     def call(work: np.ndarray, lwork: int) -> None:
@@ -126,13 +119,18 @@ def apply_tridiagonal_reflectors(reflectors: np.ndarray, tau: np.ndarray, x: np.
             _ptr(c), ctypes.byref(ldc), _ptr(work), ctypes.byref(ctypes.c_int(lwork)), ctypes.byref(info),
         )  # fmt: skip
 
-    query = np.zeros(1, dtype=x.dtype)
+    _run_with_workspace(call, x.dtype, "ormtr", info)
+    return c
+
+
+def _run_with_workspace(call, dtype: np.dtype, name: str, info: ctypes.c_int) -> None:
+    """LAPACK's workspace protocol: ask with lwork = -1, run with the size it answers, raise if info != 0."""
+    query = np.zeros(1, dtype=dtype)
     call(query, -1)
     lwork = max(1, int(query[0]))
-    call(np.zeros(lwork, dtype=x.dtype), lwork)
+    call(np.zeros(lwork, dtype=dtype), lwork)
     if info.value != 0:
-        raise np.linalg.LinAlgError(f"ormtr failed (info={info.value})")
-    return c
+        raise np.linalg.LinAlgError(f"{name} failed (info={info.value})")
 
 
 def _real_function(name: str, dtype: np.dtype, *kinds: str) -> ctypes._CFuncPtr:
@@ -162,12 +160,7 @@ def tridiagonalize(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             ctypes.byref(ctypes.c_int(lwork)), ctypes.byref(info),
         )  # fmt: skip
 
-    query = np.zeros(1, dtype=a.dtype)
-    call(query, -1)
-    lwork = max(1, int(query[0]))
-    call(np.zeros(lwork, dtype=a.dtype), lwork)
-    if info.value != 0:
-        raise np.linalg.LinAlgError(f"sytrd failed (info={info.value})")
+    _run_with_workspace(call, a.dtype, "sytrd", info)
     return d, e[: max(0, n - 1)], tau[: max(0, n - 1)]
 
 
