@@ -2,8 +2,9 @@
 
 scipy's f2py wrappers hold the GIL for the whole call; its Cython LAPACK (``scipy.linalg.cython_lapack``, a public,
 stable API) exports every routine as a C function pointer, and ctypes releases the GIL around foreign calls.
-Only what the scan needs is here: the MRRR eigenvectors of a symmetric tridiagonal matrix for an index range, and
-the back-transformation of vectors by the reflectors of a tridiagonal reduction.
+Only what the scan needs is here: the tridiagonal reduction of a symmetric matrix (sytrd), the tridiagonal
+matrix's eigenvalues (sterf) and its MRRR eigenvectors for an index range (dstemr), and the back-transformation of
+vectors by the reduction's reflectors (ormtr).
 """
 
 from __future__ import annotations
@@ -44,11 +45,6 @@ def _lapack_function(name: str, *argtypes) -> ctypes._CFuncPtr:
     return ctypes.CFUNCTYPE(None, *argtypes)(get_pointer(capsule, signature))
 
 
-def _dstemr() -> ctypes._CFuncPtr:
-    argtypes = [_char_p, _char_p, _int_p] + [_double_p] * 4 + [_int_p] * 3 + [_double_p] * 2 + [_int_p] * 4
-    return _lapack_function("dstemr", *argtypes, _double_p, _int_p, _int_p, _int_p, _int_p)
-
-
 def _ptr(a: np.ndarray, kind=None):
     return a.ctypes.data_as(kind if kind is not None else _real_p(a.dtype))
 
@@ -72,20 +68,20 @@ def tridiagonal_eigenvectors(diag: np.ndarray, offdiag: np.ndarray, first: int, 
     d = np.array(diag, dtype=np.float64)  # dstemr overwrites d and e
     e = np.zeros(n, dtype=np.float64)
     e[: n - 1] = offdiag
-    n_, il, iu, ldz, nzc = (ctypes.c_int(v) for v in (n, first + 1, last + 1, n, m_wanted))
+    n_, il, iu, ldz, nzc, found, info, tryrac = _ints(n, first + 1, last + 1, n, m_wanted, 0, 0, 1)
     vl, vu = ctypes.c_double(0.0), ctypes.c_double(0.0)
-    found, info, tryrac = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(1)
+    kinds = ("c", "c", "i", "r", "r", "r", "r", "i", "i", "i", "r", "r", "i", "i", "i", "i", "r", "i", "i", "i", "i")
+    dstemr = _real_function("stemr", np.float64, *kinds)
     w = np.zeros(n, dtype=np.float64)
     z = np.zeros((n, m_wanted), dtype=np.float64, order="F")
     isuppz = np.zeros(2 * max(1, m_wanted), dtype=np.int32)
 
     def call(work: np.ndarray, lwork: int, iwork: np.ndarray, liwork: int) -> None:
-        _dstemr()(
-            b"V", b"I", ctypes.byref(n_), _ptr(d, _double_p), _ptr(e, _double_p), ctypes.byref(vl),
-            ctypes.byref(vu), ctypes.byref(il), ctypes.byref(iu), ctypes.byref(found), _ptr(w, _double_p),
-            _ptr(z, _double_p), ctypes.byref(ldz), ctypes.byref(nzc), _ptr(isuppz, _int_p), ctypes.byref(tryrac),
-            _ptr(work, _double_p), ctypes.byref(ctypes.c_int(lwork)), _ptr(iwork, _int_p),
-            ctypes.byref(ctypes.c_int(liwork)), ctypes.byref(info),
+        dstemr(
+            b"V", b"I", ctypes.byref(n_), _ptr(d), _ptr(e), ctypes.byref(vl), ctypes.byref(vu), ctypes.byref(il),
+            ctypes.byref(iu), ctypes.byref(found), _ptr(w), _ptr(z), ctypes.byref(ldz), ctypes.byref(nzc),
+            _ptr(isuppz, _int_p), ctypes.byref(tryrac), _ptr(work), ctypes.byref(ctypes.c_int(lwork)),
+            _ptr(iwork, _int_p), ctypes.byref(ctypes.c_int(liwork)), ctypes.byref(info),
         )  # fmt: skip
 
     query_work, query_iwork = np.zeros(1, dtype=np.float64), np.zeros(1, dtype=np.int32)

@@ -118,7 +118,7 @@ class TridiagonalEigen(SymmetricEigen):
         self.diag, self.offdiag, self.tau = tridiagonalize(self.reflectors)
         self.n = self.reflectors.shape[0]
         self._values: np.ndarray | None = None
-        self._all_vectors: np.ndarray | None = None
+        self._all: np.ndarray | None = None
 
     def _ascending_values(self) -> np.ndarray:
         if self._values is None:
@@ -149,23 +149,25 @@ class TridiagonalEigen(SymmetricEigen):
         ``_lapack_nogil``); the split depends on T alone, never on the thread count, so the bits do not either.
         When p reaches a quarter of n, divide and conquer for all vectors (dstevd) was faster (measured).
         """
-        d, e = self.diag.astype(np.float64), self.offdiag.astype(np.float64)
         if self.n == 1:
-            z = np.ones((1, 1))
-        elif self._all_vectors is not None or 4 * p >= self.n:
-            if self._all_vectors is None:
-                _, z_all, info = scipy.linalg.lapack.dstevd(d, e, overwrite_d=1, overwrite_e=1)
-                if info != 0:
-                    raise np.linalg.LinAlgError(f"dstevd failed (info={info})")
-                self._all_vectors = z_all
-            z = self._all_vectors
-        else:
-            ranges = self._mrrr_ranges(start, p)
-            workers = min(len(ranges), max(1, torch.get_num_threads()))
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="plate-mrrr") as pool:
-                parts = list(pool.map(lambda r: tridiagonal_eigenvectors(d, e, *r), ranges))
-            return np.asfortranarray(np.concatenate(parts, axis=1), dtype=self.diag.dtype)
-        return z[:, start:p].astype(self.diag.dtype)
+            return np.ones((1, 1), dtype=self.diag.dtype)[:, start:p]
+        if 4 * p >= self.n:  # (p only grows between rounds: once here, every later round is too)
+            return self._all_vectors()[:, start:p].astype(self.diag.dtype)
+        d, e = self.diag.astype(np.float64), self.offdiag.astype(np.float64)
+        ranges = self._mrrr_ranges(start, p)
+        workers = min(len(ranges), max(1, torch.get_num_threads()))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="plate-mrrr") as pool:
+            parts = list(pool.map(lambda r: tridiagonal_eigenvectors(d, e, *r), ranges))
+        return np.asfortranarray(np.concatenate(parts, axis=1), dtype=self.diag.dtype)
+
+    def _all_vectors(self) -> np.ndarray:
+        """All eigenvectors of T in float64 (divide and conquer), computed once."""
+        if self._all is None:
+            d, e = self.diag.astype(np.float64), self.offdiag.astype(np.float64)
+            _, self._all, info = scipy.linalg.lapack.dstevd(d, e, overwrite_d=1, overwrite_e=1)
+            if info != 0:
+                raise np.linalg.LinAlgError(f"dstevd failed (info={info})")
+        return self._all
 
     def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
         if p <= start:
@@ -434,10 +436,9 @@ def null_space_basis(
     """Wide W_f whose k surely fits in the null space (max_rank <= d_in - n_f): Q is all null directions.
 
     Only K = W_f W_f^T (n_f x n_f; ``gram`` when the caller has it) is factorised, for its eigenvalues (G's
-    nonzero spectrum). Q comes from
-    n_f + k input coordinates J, a seeded random subset: the null space of the n_f x (n_f + k) column block
-    W_f[:, J] (:func:`null_vectors`), zero outside J, lies in W_f's null space. Deterministic for a seed;
-    any basis of null directions is an exact bottom-k eigenspace (all its eigenvalues are 0).
+    nonzero spectrum). Q comes from n_f + k input coordinates J, a seeded random subset: the null space of the
+    n_f x (n_f + k) column block W_f[:, J] (:func:`null_vectors`), zero outside J, lies in W_f's null space.
+    Deterministic for a seed; any basis of null directions is an exact bottom-k eigenspace (all eigenvalues 0).
     """
     d_in, n_f = rows.weight.shape[1], rows.n_rows
     gram = rows.output_gram() if gram is None else gram
@@ -525,7 +526,8 @@ def plate_geometry(
     r_eff = effective_r(r, d_out)
     # wide weights: K = W W^T serves the redundancy scores (its anchor columns) and, cut to the frozen rows, the
     # spectrum; no separate W W_anchors^T product
-    row_gram = matmul(weight, weight.T) if not sketch_dim and fits_null_space(d_out - r_eff, d_in, max_rank) else None
+    wide = not sketch_dim and fits_null_space(d_out - r_eff, d_in, max_rank)
+    row_gram = FrozenRows(weight).output_gram() if wide else None
     scores = redundancy_scores(weight, n_anchors=n_anchors, sketch_dim=sketch_dim, seed=seed, row_gram=row_gram)
     b_idx = select_redundant_rows(scores, r_eff)
     frozen = weight if overwrite_input else weight.clone()
