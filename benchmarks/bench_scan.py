@@ -3,6 +3,8 @@
     python benchmarks/bench_scan.py --shape qwen2.5-7b            # streaming scan: wall time, peak RSS, GB read
     python benchmarks/bench_scan.py --shape qwen2.5-1.5b --gen-layers 2 --floor
                                                                   # + the floor, same layers, same run
+    python benchmarks/bench_scan.py --shape qwen2.5-7b --gen-layers 2 --floor --repeat 5
+                                                                  # + 5 alternating scan/floor pairs: median ratio
     python benchmarks/bench_scan.py --shape qwen2.5-1.5b --baseline-layers 2
                                                                   # + naive baseline in the same run
 
@@ -28,6 +30,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
+
+from plate_inspect.cli.main import SCAN_RUNTIME_ENV
 
 SHAPES = {
     # Qwen2.5 configs: hidden, intermediate, layers, q heads, kv heads
@@ -100,8 +105,10 @@ print(json.dumps({"wall_s": wall, "load_s": load_s, "peak_rss": peak_rss_bytes()
 """
 
 
-#: The scan runs as `plate-inspect scan` runs it: the CLI sets OMP_WAIT_POLICY=PASSIVE before torch loads (unless set).
-SCAN_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+#: Every measured process runs as `plate-inspect scan` runs: with the runtime settings the CLI makes before torch
+#: loads (passive OpenMP waiting, huge pages for torch tensors), unless set in this environment. The floor gets them
+#: too: its upcast is a torch tensor, and huge pages would speed it up as much as the scan's.
+RUN_ENV = {key: os.environ.get(key, value) for key, value in SCAN_RUNTIME_ENV.items()}
 
 
 def run_py(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
@@ -129,6 +136,7 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.5, help="power-law exponent of the weights' singular values")
     ap.add_argument("--floor", action="store_true", help="also measure the floor on the scanned layers")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=1, help="N > 1: N more scan/floor pairs, alternating; median ratio")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     args = ap.parse_args()
 
@@ -153,22 +161,34 @@ def main() -> None:
 
     if args.baseline_layers:
         n = str(args.baseline_layers)
-        base = run_py(_BASELINE, str(ckpt_dir), n)
-        stream = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle-subset"), n, args.device, env=SCAN_ENV)
+        base = run_py(_BASELINE, str(ckpt_dir), n, env=RUN_ENV)
+        stream = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle-subset"), n, args.device, env=RUN_ENV)
         print(f"naive baseline, {n} layers (whole state dict loaded in {base['load_s']:.1f} s): {fmt(base)}")
         print(f"streaming scan, {n} layers:                                 {fmt(stream)}")
         print(
             f"ratio baseline/streaming: time {base['wall_s'] / stream['wall_s']:.2f}x, "
             f"peak RSS {base['peak_rss'] / stream['peak_rss']:.2f}x"
         )
-    full = run_py(_SCAN, str(ckpt_dir), str(args.workdir / "bundle"), args.scan_layers, args.device, env=SCAN_ENV)
+    scan_args = (str(ckpt_dir), str(args.workdir / "bundle"), args.scan_layers, args.device)
+    floor_args = (str(ckpt_dir), args.scan_layers)
+    if args.repeat > 1:  # scan and floor alternate, so that drifts of the machine hit both alike
+        walls = {"scan": [], "floor": []}
+        for _ in range(args.repeat):
+            walls["scan"].append(run_py(_SCAN, *scan_args, env=RUN_ENV)["wall_s"])
+            walls["floor"].append(run_py(_FLOOR, *floor_args, env=RUN_ENV)["wall_s"])
+        ratios = sorted(s / f for s, f in zip(walls["scan"], walls["floor"], strict=True))
+        for name, values in walls.items():
+            runs = " ".join(f"{v:.1f}" for v in values)
+            print(f"{name:5s} x{args.repeat}: {runs} s (median {median(values):.1f})")
+        print(f"scan / floor per pair: {' '.join(f'{r:.2f}' for r in ratios)}x; median {median(ratios):.2f}x")
+    full = run_py(_SCAN, *scan_args, env=RUN_ENV)
     n_layers = shape["layers"] if args.scan_layers == "all" else int(args.scan_layers)
     print(f"streaming scan, {args.scan_layers} layers: {fmt(full)}  mean k {full['mean_k']:.1f}")
     print(f"  (one-time library imports before the clock: {full['imports_s']:.1f} s, left out as for the floor)")
-    print(f"  (scan with OMP_WAIT_POLICY={SCAN_ENV['OMP_WAIT_POLICY']}, as `plate-inspect scan` sets it)")
+    print(f"  (every run with {' '.join(f'{k}={v}' for k, v in RUN_ENV.items())}, as `plate-inspect scan` sets them)")
     print(f"  per layer: {full['wall_s'] / n_layers:.2f} s")
     if args.floor:
-        floor = run_py(_FLOOR, str(ckpt_dir), args.scan_layers)
+        floor = run_py(_FLOOR, *floor_args, env=RUN_ENV)
         print(f"floor (read + small-side Gram + eigvalsh), same layers: {fmt(floor)}")
         ratio = full["wall_s"] / floor["wall_s"]
         print(f"  per layer: {floor['wall_s'] / n_layers:.2f} s;  scan / floor = {ratio:.2f}x")

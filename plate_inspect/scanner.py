@@ -15,7 +15,7 @@ import os
 import resource
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,6 +222,8 @@ def _scan_share(
     A module is kept when its existing part file (same settings) holds a record whose weight fingerprint, dtype,
     shape and layout equal the weight just read; a part is rewritten only if one of its modules was computed.
     Same-shaped experts of a part are read and solved together in groups of ``group_size`` (plate_inspect.batched).
+    Weights are read one work item ahead (:func:`_read_ahead`) and each part file is written (and fsynced) by a
+    second thread while the next part computes; leaving, by return or by error, waits for that write.
     """
     started = time.perf_counter()
     items = expert_groups([(part, t) for part, members in parts.items() for t in members], group_size)
@@ -233,7 +235,11 @@ def _scan_share(
     tally = {"computed": 0, "reused": 0, "changed": 0}
     records_out: list[ModuleRecord] = []
     state = _PartState({})
-    with closing(_read_ahead(ckpt, [members for _, members in items], pin=device.type == "cuda")) as weights:
+    written: Future[list[ModuleRecord]] | None = None  # the part being written while the next one computes
+    with (
+        closing(_read_ahead(ckpt, [members for _, members in items], pin=device.type == "cuda")) as weights,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-write") as part_writer,  # exit: waits for it
+    ):
         for i, (part, members) in enumerate(items):
             loaded = next(weights)  # (not zipped: zip's reused result tuple would keep this item's weights alive)
             if i == 0 or items[i - 1][0] != part:
@@ -247,7 +253,11 @@ def _scan_share(
             for target in members:
                 counter.step(target.name, nbytes=target.nbytes)
             if i + 1 == len(items) or items[i + 1][0] != part:
-                records_out.extend(state.close(writer, part, parts[part], tally))
+                if written is not None:  # at most one part waits for its write; a failed write raises here
+                    records_out.extend(written.result())
+                written = part_writer.submit(state.close, writer, part, parts[part], tally)
+        if written is not None:
+            records_out.extend(written.result())
     stats = {
         "wall_seconds": round(time.perf_counter() - started, 3),
         "bytes_read": ckpt.bytes_read,

@@ -39,17 +39,21 @@ def test_import_plate_inspect_is_lazy_but_complete():
     assert out.strip() == "Bundle"
 
 
-def test_scan_command_chooses_passive_openmp_before_torch_loads(monkeypatch):
-    """`plate-inspect scan` asks libgomp for passive waiting, unless torch is already loaded or the user chose."""
+def test_scan_command_sets_its_runtime_env_before_torch_loads(monkeypatch):
+    """`plate-inspect scan` asks libgomp for passive waiting and torch for huge pages, unless torch is already
+    loaded (too late) or the user chose a value."""
     from plate_inspect.cli import main as cli_main
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert set(cli_main.SCAN_RUNTIME_ENV) == {"OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE"}
+    for key in cli_main.SCAN_RUNTIME_ENV:
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))
-    cli_main._passive_openmp()  # torch already loaded: too late, nothing set
-    assert "OMP_WAIT_POLICY" not in os.environ
+    cli_main._scan_runtime_env()  # torch already loaded: too late, nothing set
+    assert not set(cli_main.SCAN_RUNTIME_ENV) & set(os.environ)
     monkeypatch.delitem(sys.modules, "torch")
-    cli_main._passive_openmp()
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    cli_main._scan_runtime_env()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    cli_main._passive_openmp()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    cli_main._scan_runtime_env()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
