@@ -308,17 +308,8 @@ class FrozenRows:
         return self.weight.shape[0] if self.keep is None else int(self.keep.numel())
 
     def times(self, x: torch.Tensor) -> torch.Tensor:
-        """W_f x, one row per kept row."""
-        y = matmul(self.weight, x)
-        return y if self.keep is None else y[self.keep]
-
-    def transpose_times(self, y: torch.Tensor) -> torch.Tensor:
-        """W_f^T y for y with one row per kept row."""
-        if self.keep is not None:
-            full = torch.zeros(self.weight.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-            full[self.keep] = y
-            y = full
-        return matmul(self.weight.T, y.contiguous())
+        """W_f x with a zero row for every zeroed row of ``weight`` (no gather: Y^T Y is the same)."""
+        return matmul(self.weight, x)
 
     def input_gram(self) -> torch.Tensor:
         """G = W_f^T W_f (d_in x d_in); the zeroed rows add nothing."""
@@ -332,7 +323,8 @@ class FrozenRows:
 
 @dataclass
 class RitzCandidates:
-    """An orthonormal candidate block S (d_in x p) and Y = W_f S, grown column block by column block."""
+    """An orthonormal candidate block S (d_in x p) and Y = W_f S (with the zero rows of FrozenRows.times), grown
+    column block by column block."""
 
     s: torch.Tensor
     y: torch.Tensor
@@ -340,7 +332,7 @@ class RitzCandidates:
     @classmethod
     def empty(cls, rows: FrozenRows) -> RitzCandidates:
         w = rows.weight
-        return cls(w.new_zeros(w.shape[1], 0), w.new_zeros(rows.n_rows, 0))
+        return cls(w.new_zeros(w.shape[1], 0), w.new_zeros(w.shape[0], 0))
 
     def extend(self, rows: FrozenRows, vectors: torch.Tensor) -> RitzCandidates:
         """S and Y with ``vectors`` appended, orthonormalised against S (eigenvectors of one run: already
@@ -348,6 +340,8 @@ class RitzCandidates:
         if self.s.shape[1]:
             vectors = vectors - matmul(self.s, matmul(self.s.T.contiguous(), vectors))
         new = orthonormalize(vectors, passes=1)
+        if not self.s.shape[1]:
+            return RitzCandidates(new, rows.times(new))
         return RitzCandidates(torch.cat([self.s, new], dim=1), torch.cat([self.y, rows.times(new)], dim=1))
 
 
@@ -460,9 +454,8 @@ def _lu_null_vectors_lapack(c: torch.Tensor, k: int) -> torch.Tensor:
     lu, pivots, info = getrf(a)
     if info < 0:  # info > 0: an exactly zero pivot in U, harmless here (U is never inverted)
         raise np.linalg.LinAlgError(f"getrf failed (info={info})")
-    w1 = scipy.linalg.solve_triangular(
-        lu[:n, :n], -lu[n : n + k, :n].T, trans="T", lower=True, unit_diagonal=True, check_finite=False
-    )
+    (trsm,) = scipy.linalg.blas.get_blas_funcs(("trsm",), (lu,))
+    w1 = trsm(-1.0, lu[:n, :n], lu[n : n + k, :n].T, side=0, lower=1, trans_a=1, diag=1)  # -L1^-T L2^T
     return _unpivot(_stack_null_coordinates(torch.from_numpy(w1), c.shape[1]), pivots)
 
 

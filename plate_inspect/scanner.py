@@ -222,8 +222,9 @@ def _scan_share(
     A module is kept when its existing part file (same settings) holds a record whose weight fingerprint, dtype,
     shape and layout equal the weight just read; a part is rewritten only if one of its modules was computed.
     Same-shaped experts of a part are read and solved together in groups of ``group_size`` (plate_inspect.batched).
-    Weights are read one work item ahead (:func:`_read_ahead`) and each part file is written (and fsynced) by a
-    second thread while the next part computes; leaving, by return or by error, waits for that write.
+    Weights are read one work item ahead (:func:`_read_ahead`); a second thread makes each part's records (with
+    their health metrics) and writes (and fsyncs) the part file while the next part computes. Leaving, by return
+    or by error, waits for that write.
     """
     started = time.perf_counter()
     items = expert_groups([(part, t) for part, members in parts.items() for t in members], group_size)
@@ -236,6 +237,7 @@ def _scan_share(
     records_out: list[ModuleRecord] = []
     state = _PartState({})
     written: Future[list[ModuleRecord]] | None = None  # the part being written while the next one computes
+    buffer = UpcastBuffer()
     with (
         closing(_read_ahead(ckpt, [members for _, members in items], pin=device.type == "cuda")) as weights,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-write") as part_writer,  # exit: waits for it
@@ -247,8 +249,8 @@ def _scan_share(
             todo = state.triage(members, loaded)
             tally["changed"] += sum(t.name in state.old for t, _ in todo)
             del loaded
-            for target, (record, module_tensors) in _compute(todo, settings, device, part):
-                state.add(target, record, module_tensors)
+            for target, geo, fingerprint in _compute(todo, settings, device, buffer):
+                state.add(target, geo, fingerprint)
             del todo
             for target in members:
                 counter.step(target.name, nbytes=target.nbytes)
@@ -299,6 +301,7 @@ class _PartState:
     by_name: dict[str, ModuleRecord] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)
+    computed: list[tuple[TargetModule, ModuleGeometry, str]] = field(default_factory=list)
 
     def triage(
         self, members: list[TargetModule], loaded: list[tuple[torch.Tensor, str]]
@@ -319,15 +322,20 @@ class _PartState:
                 todo.append((target, (oriented, fingerprint)))
         return todo
 
-    def add(self, target: TargetModule, record: ModuleRecord, tensors: dict[str, torch.Tensor]) -> None:
-        """A freshly computed module."""
-        self.by_name[target.name] = record
-        self.tensors.update(tensors)
+    def add(self, target: TargetModule, geo: ModuleGeometry, fingerprint: str) -> None:
+        """A freshly computed module (its record is made when the part closes)."""
+        self.computed.append((target, geo, fingerprint))
 
     def close(
         self, writer: BundleWriter, part: str, members: list[TargetModule], tally: dict[str, int]
     ) -> list[ModuleRecord]:
-        """Write the part (or leave it alone when every module was kept) and return its records in plan order."""
+        """Make the computed modules' records (health metrics included) and tensors, write the part (or leave it
+        alone when every module was kept) and return its records in plan order."""
+        settings = writer.manifest.settings
+        for target, geo, fingerprint in self.computed:
+            self.by_name[target.name], tensors = module_outputs(target, geo, fingerprint, settings, part)
+            self.tensors.update(tensors)
+        self.computed.clear()
         records = [self.by_name[t.name] for t in members]
         tally["computed"] += len(records) - len(self.kept)
         tally["reused"] += len(self.kept)
@@ -343,17 +351,18 @@ def _compute(
     todo: list[tuple[TargetModule, tuple[torch.Tensor, str]]],
     settings: ScanSettings,
     device: torch.device,
-    part: str,
-) -> list[tuple[TargetModule, tuple[ModuleRecord, dict[str, torch.Tensor]]]]:
-    """Records and tensors of the modules to compute: one alone, several same-shaped experts batched."""
+    buffer: UpcastBuffer | None = None,
+) -> list[tuple[TargetModule, ModuleGeometry, str]]:
+    """(target, geometry, fingerprint) of the modules to compute: one alone (upcast into ``buffer``), same-shaped
+    experts batched."""
     if len(todo) == 1:
         (target, (oriented, fingerprint)), todo[:] = todo[0], []  # the caller's list no longer holds the weight
-        return [(target, _scan_module(oriented, fingerprint, target, settings, device, part))]
+        return [(target, _scan_module(oriented, target, settings, device, buffer), fingerprint)]
     if not todo:
         return []
     targets = [t for t, _ in todo]
-    results = _scan_group([w for _, w in todo], targets, settings, device, part)
-    return list(zip(targets, results, strict=True))
+    geos = _scan_group([w for _, (w, _) in todo], targets, settings, device)
+    return [(t, geo, fp) for (t, (_, fp)), geo in zip(todo, geos, strict=True)]
 
 
 def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -> Manifest:
@@ -396,10 +405,39 @@ def _group_size(device: torch.device, expert_group: int | None) -> int:
     return DEFAULT_GROUP_SIZE if device.type == "cuda" else 1
 
 
-def _compute_weight(oriented: torch.Tensor, target: TargetModule, settings: ScanSettings, device: torch.device):
-    """The weight upcast to the compute precision on the device; NaN/Inf refused."""
-    # non_blocking: a pinned host tensor (CUDA scans) goes over DMA while this thread queues the next kernels
-    weight = oriented.to(device=device, dtype=PRECISIONS[settings.precision], non_blocking=True).contiguous()
+class UpcastBuffer:
+    """Reusable host memory for the one weight being computed, grown to the largest module on first need.
+
+    Upcasting into it is a plain copy; a fresh weight-sized tensor per module cost page faults, and with huge pages
+    compaction stalls besides (Qwen2.5-7B down projection in a scan: 0.26-0.48 s fresh, 0.011 s reused). Peak
+    memory is unchanged: the largest fresh upcast was resident at its module anyway.
+    """
+
+    def __init__(self) -> None:
+        self._storage: torch.Tensor | None = None
+
+    def upcast(self, oriented: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``oriented`` as a contiguous ``dtype`` tensor in this buffer (valid until the next call)."""
+        n = oriented.numel()
+        if self._storage is None or self._storage.dtype != dtype or self._storage.numel() < n:
+            self._storage = None  # the old block goes before the larger one comes
+            self._storage = torch.empty(n, dtype=dtype)
+        return self._storage[:n].view(oriented.shape).copy_(oriented)
+
+
+def _compute_weight(
+    oriented: torch.Tensor,
+    target: TargetModule,
+    settings: ScanSettings,
+    device: torch.device,
+    buffer: UpcastBuffer | None = None,
+):
+    """The weight upcast to the compute precision on the device (on CPU into ``buffer`` if given); NaN/Inf refused."""
+    dtype = PRECISIONS[settings.precision]
+    if buffer is not None and device.type == "cpu":
+        weight = buffer.upcast(oriented, dtype)
+    else:  # non_blocking: a pinned host tensor (CUDA scans) goes over DMA while this thread queues the next kernels
+        weight = oriented.to(device=device, dtype=dtype, non_blocking=True).contiguous()
     # a sum is non-finite if any element is (or on overflow, where the exact check below clears it)
     if not math.isfinite(float(weight.sum())) and not bool(torch.isfinite(weight).all()):
         raise CheckpointError(
@@ -420,14 +458,13 @@ def _compute_weight(oriented: torch.Tensor, target: TargetModule, settings: Scan
 
 def _scan_module(
     oriented: torch.Tensor,
-    fingerprint: str,
     target: TargetModule,
     settings: ScanSettings,
     device: torch.device,
-    part: str,
-) -> tuple[ModuleRecord, dict[str, torch.Tensor]]:
-    """Geometry and bundle record of one module from its d_out x d_in weight (consumed: freed here)."""
-    weight = _compute_weight(oriented, target, settings, device)
+    buffer: UpcastBuffer | None = None,
+) -> ModuleGeometry:
+    """Geometry of one module from its d_out x d_in weight (consumed: freed here)."""
+    weight = _compute_weight(oriented, target, settings, device, buffer)
     del oriented
     try:
         geo = plate_geometry(
@@ -447,18 +484,14 @@ def _scan_module(
             "checkpoint is not corrupt, or scan with --precision float64"
         ) from None
     del weight
-    return module_outputs(target, geo, fingerprint, settings, part)
+    return geo
 
 
 def _scan_group(
-    loaded: list[tuple[torch.Tensor, str]],
-    targets: list[TargetModule],
-    settings: ScanSettings,
-    device: torch.device,
-    part: str,
-) -> list[tuple[ModuleRecord, dict[str, torch.Tensor]]]:
-    """Geometry and bundle records of same-shaped experts, solved together (one batched eigensolve)."""
-    weights = torch.stack([_compute_weight(w, t, settings, device) for (w, _), t in zip(loaded, targets, strict=True)])
+    loaded: list[torch.Tensor], targets: list[TargetModule], settings: ScanSettings, device: torch.device
+) -> list[ModuleGeometry]:
+    """Geometry of same-shaped experts, solved together (one batched eigensolve)."""
+    weights = torch.stack([_compute_weight(w, t, settings, device) for w, t in zip(loaded, targets, strict=True)])
     geos = batched_plate_geometry(
         weights,
         settings.r,
@@ -470,7 +503,7 @@ def _scan_group(
         tau_grid=settings.tau_grid,
     )
     del weights
-    return [module_outputs(t, geo, fp, settings, part) for t, geo, (_, fp) in zip(targets, geos, loaded, strict=True)]
+    return geos
 
 
 def module_outputs(

@@ -145,16 +145,19 @@ def test_rescan_of_finished_bundle_is_a_no_op_and_other_settings_refuse(tmp_path
 
 _KILLER = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, time
     import plate_inspect
 
     src, out, after, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 
     def killer(event):
         if event.done == after:
-            if how == "kill":
+            if how == "kill":  # the finished part is written by a second thread: kill once it is on disk
+                deadline = time.monotonic() + 60
+                while not os.path.exists(os.path.join(out, "layer-00000.safetensors")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt  # (an interrupt waits for that write itself)
 
     plate_inspect.scan(src, out, r=8, progress=killer)
     """
@@ -184,6 +187,28 @@ def test_resume_after_kill_gives_identical_bundle(tmp_path, qwen_ckpt, how):
         if p.name != "scan_stats.json":
             assert (out / p.name).read_bytes() == p.read_bytes(), p.name
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_failed_part_write_stops_the_scan_with_its_error_and_keeps_finished_parts(tmp_path, qwen_ckpt, monkeypatch):
+    # parts are written by a second thread: its error must surface, and a rerun resumes from what it wrote
+    from plate_inspect.bundle import BundleWriter
+    from plate_inspect.errors import BundleError
+
+    original = BundleWriter.write_part
+
+    def write_first_part_only(self, part, records, tensors):
+        if part != "layer-00000.safetensors":
+            raise BundleError(f"{part}: no space left on device")
+        original(self, part, records, tensors)
+
+    out = tmp_path / "b"
+    monkeypatch.setattr(BundleWriter, "write_part", write_first_part_only)
+    with pytest.raises(BundleError, match="layer-00001.safetensors: no space left"):
+        plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    assert (out / "layer-00000.safetensors").exists() and not (out / "layer-00001.safetensors").exists()
+    monkeypatch.setattr(BundleWriter, "write_part", original)
+    resumed = plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    assert resumed.stats()["modules_resumed"] == 7 and len(resumed) == 14
 
 
 def test_verify_detects_other_weights(tmp_path, qwen_ckpt):
