@@ -211,6 +211,19 @@ def test_failed_part_write_stops_the_scan_with_its_error_and_keeps_finished_part
     assert resumed.stats()["modules_resumed"] == 7 and len(resumed) == 14
 
 
+def test_upcast_buffer_reuses_one_block_grown_to_the_largest_weight():
+    buffer = scanner_mod.UpcastBuffer()
+    gen = torch.Generator().manual_seed(3)
+    small, large = (torch.randn(s, generator=gen).to(torch.bfloat16) for s in ((6, 5), (9, 8)))
+    a = buffer.upcast(small, torch.float32)
+    assert torch.equal(a, small.float()) and a.is_contiguous()
+    b = buffer.upcast(large.T, torch.float32)  # a transposed view (GPT-2 Conv1D layout) comes out contiguous
+    assert torch.equal(b, large.T.float()) and b.is_contiguous()
+    c = buffer.upcast(small, torch.float32)  # smaller again: the same block, no new allocation
+    assert c.data_ptr() == b.data_ptr() and torch.equal(c, small.float())
+    assert buffer.upcast(small, torch.float64).dtype == torch.float64
+
+
 def test_verify_detects_other_weights(tmp_path, qwen_ckpt):
     bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R)
     assert verify(bundle, qwen_ckpt.path).ok
