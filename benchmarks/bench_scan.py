@@ -63,13 +63,13 @@ print(json.dumps({"wall_s": wall, "peak_rss": peak_rss_bytes(), "bytes_read": s[
 
 _FLOOR = """
 import json, sys, time
+from concurrent.futures import ThreadPoolExecutor
 import numpy as np, scipy.linalg
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.scanner import peak_rss_bytes
 from plate_inspect.targets import load_target, select_targets
 src, layers = sys.argv[1], sys.argv[2]
 layers = None if layers == "all" else list(range(int(layers)))
-from concurrent.futures import ThreadPoolExecutor
 t = time.perf_counter()
 ckpt = Checkpoint.open(src)
 targets, _ = select_targets(ckpt, None, layers)
