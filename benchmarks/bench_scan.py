@@ -113,8 +113,9 @@ print(json.dumps({"wall_s": wall, "load_s": load_s, "peak_rss": peak_rss_bytes()
 
 
 #: Every measured process runs as `plate-inspect scan` runs: with the runtime settings the CLI makes before torch
-#: loads (passive OpenMP waiting, huge pages for torch tensors), unless set in this environment. The floor gets them
-#: too: its upcast is a torch tensor, and huge pages would speed it up as much as the scan's.
+#: loads (passive OpenMP waiting, short OpenBLAS spinning, huge pages for torch tensors), unless set in this
+#: environment. The floor gets them too: its upcast is a torch tensor and its Gram and eigvalsh run in NumPy's and
+#: SciPy's OpenBLAS, and these settings speed it up as they speed up the scan.
 RUN_ENV = {key: os.environ.get(key, value) for key, value in SCAN_RUNTIME_ENV.items()}
 
 

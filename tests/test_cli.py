@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import click
+import pytest
 
 from plate_inspect.cli.main import COMMANDS, LazyGroup
 
@@ -39,21 +40,29 @@ def test_import_plate_inspect_is_lazy_but_complete():
     assert out.strip() == "Bundle"
 
 
-def test_scan_command_sets_its_runtime_env_before_torch_loads(monkeypatch):
-    """`plate-inspect scan` asks libgomp for passive waiting and torch for huge pages, unless torch is already
-    loaded (too late) or the user chose a value."""
+@pytest.mark.parametrize("loaded", ["torch", "numpy", "scipy"])
+def test_scan_command_sets_its_runtime_env_before_its_libraries_load(monkeypatch, loaded):
+    """`plate-inspect scan` asks libgomp for passive waiting, OpenBLAS for short spinning and torch for huge pages,
+    unless torch, NumPy or SciPy is already loaded (each reads its variables at load: too late) or the user chose a
+    value."""
     from plate_inspect.cli import main as cli_main
 
-    assert set(cli_main.SCAN_RUNTIME_ENV) == {"OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE"}
+    assert set(cli_main.SCAN_RUNTIME_ENV) == {"OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT", "THP_MEM_ALLOC_ENABLE"}
     for key in cli_main.SCAN_RUNTIME_ENV:
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))
-    cli_main._scan_runtime_env()  # torch already loaded: too late, nothing set
+    for name in ("torch", "numpy", "scipy"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, loaded, object())
+    cli_main._scan_runtime_env()  # one of them already loaded: too late, nothing set
     assert not set(cli_main.SCAN_RUNTIME_ENV) & set(os.environ)
-    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.delitem(sys.modules, loaded)
     cli_main._scan_runtime_env()
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert {key: os.environ[key] for key in cli_main.SCAN_RUNTIME_ENV} == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OPENBLAS_THREAD_TIMEOUT": "20",
+        "THP_MEM_ALLOC_ENABLE": "1",
+    }
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "28")
     cli_main._scan_runtime_env()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["OPENBLAS_THREAD_TIMEOUT"] == "28"
