@@ -241,10 +241,10 @@ def redundancy_scores(
     if sketch_dim:
         proj = seeded_gaussian(d_in, int(sketch_dim), seed, weight) / math.sqrt(int(sketch_dim))
         z = matmul(weight, proj) * inv[:, None]
-        cos = matmul(z, z[anchors].T.contiguous()).abs()
-    else:
+        cos = matmul(z, z[anchors].T.contiguous()).abs_()
+    else:  # in place on the fresh d_out x |A| product: no second and third copy of it
         dots = row_gram[:, anchors] if row_gram is not None else matmul(weight, weight[anchors].T.contiguous())
-        cos = dots.abs() * inv[:, None] * inv[anchors][None, :]
+        cos = dots.abs_().mul_(inv[:, None]).mul_(inv[anchors][None, :])
     cos[anchors, torch.arange(len(anchors), device=weight.device)] = 0.0
     is_anchor = torch.zeros(d_out, dtype=weight.dtype, device=weight.device)
     is_anchor[anchors] = 1.0
