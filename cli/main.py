@@ -36,9 +36,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 #: held the core OpenBLAS needed next (7B-shaped layers on 2 cores: 15.8 -> 14.9 s each).
 #: OPENBLAS_THREAD_TIMEOUT=20: OpenBLAS workers spin 2^20 cycles (~0.3 ms) after a call instead of 2^28 (~0.1 s),
 #: long enough to stay awake between the BLAS calls of one LAPACK routine, short enough not to hold a core the
-#: other pool needs (Qwen2.5-1.5B-shaped 2 layers: scan 6.7 -> 4.6 s). THP_MEM_ALLOC_ENABLE=1: torch backs large
-#: tensors with 2 MiB pages, as NumPy already does; a fresh 271 MB upcast of a 7B gate weight took 0.054 s in
-#: 4 KiB page faults, 0.014 s with huge pages.
+#: other pool needs (Qwen2.5-1.5B-shaped 2 layers, medians of 3: scan 6.7 -> 5.0 s). THP_MEM_ALLOC_ENABLE=1: torch
+#: backs large tensors with 2 MiB pages, as NumPy already does; a fresh 271 MB upcast of a 7B gate weight
+#: took 0.054 s in 4 KiB page faults, 0.014 s with huge pages.
 SCAN_RUNTIME_ENV: dict[str, str] = {
     "OMP_WAIT_POLICY": "PASSIVE",
     "OPENBLAS_THREAD_TIMEOUT": "20",
