@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The checks that need a GPU (issues 11 and 13), for a session that has the device machine. One step per call,
+# since a call may run 10 minutes; logs go to $OUT (the folder the device tool brings back), else ./device-logs.
+#
+#   bash scripts/device_checks.sh tests   # pytest -m cuda: CUDA scan vs CPU + dense oracle, PLATE layer on CUDA
+#   bash scripts/device_checks.sh train   # PLATE vs LoRA training step, bf16 autocast, peak memory
+#   bash scripts/device_checks.sh scan    # Qwen2.5-7B-shaped scan on CUDA (generates the 15 GB checkpoint first)
+#
+# The device image already holds torch (CUDA), safetensors, peft, transformers, scipy, scikit-learn, rich and
+# click; this project is installed on top without dependencies and without the network. PYTHON overrides the
+# interpreter (default python3, the one that holds torch there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step=${1:?usage: bash scripts/device_checks.sh tests|train|scan}
+py=${PYTHON:-python3}
+logs=${OUT:-device-logs}
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1
+
+"$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$logs/install.log" 2>&1 \
+    || { cat "$logs/install.log"; exit 1; }
+"$py" - <<'EOF' 2>&1 | tee "$logs/device.txt"
+import torch
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+EOF
+
+case "$step" in
+    tests) "$py" -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$logs/pytest_cuda.log" ;;
+    train) "$py" benchmarks/bench_train.py --device cuda --dtype bfloat16 --reps 20 --memory 2>&1 \
+               | tee "$logs/bench_train_cuda.log" ;;
+    scan) "$py" benchmarks/bench_scan.py --shape qwen2.5-7b --device cuda --workdir /tmp/plate-bench 2>&1 \
+              | tee "$logs/bench_scan_cuda.log" ;;
+    *) echo "unknown step '$step': use tests, train or scan" >&2; exit 2 ;;
+esac
