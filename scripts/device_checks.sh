@@ -11,25 +11,35 @@
 # interpreter (default python3, the one that holds torch there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+repo=$PWD
 step=${1:?usage: bash scripts/device_checks.sh tests|train|scan}
 py=${PYTHON:-python3}
-logs=${OUT:-device-logs}
+logs=${OUT:-$PWD/device-logs}
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 
-"$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$logs/install.log" 2>&1 \
-    || { cat "$logs/install.log"; exit 1; }
+if ! "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$logs/install.log" 2>&1; then
+    # e.g. an older setuptools than pyproject asks for: the same packages as a source tree on PYTHONPATH
+    src=$(mktemp -d)
+    cp -r plate_inspect "$src/"
+    ln -s "$PWD/cli" "$src/plate_inspect/cli"
+    ln -s "$PWD/reports" "$src/plate_inspect/reports"
+    export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}"
+    cd "$src"  # so that the repository's own plate_inspect/ (no cli/ inside) does not shadow it
+    echo "pip install failed (see install.log): using $src on PYTHONPATH" | tee -a "$logs/install.log"
+fi
 "$py" - <<'EOF' 2>&1 | tee "$logs/device.txt"
-import torch
+import plate_inspect.cli.main, torch
+print("plate_inspect from", plate_inspect.__file__)
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
 EOF
 
 case "$step" in
-    tests) "$py" -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$logs/pytest_cuda.log" ;;
-    train) "$py" benchmarks/bench_train.py --device cuda --dtype bfloat16 --reps 20 --memory 2>&1 \
+    tests) "$py" -m pytest -m cuda -q -p no:cacheprovider "$repo/tests" 2>&1 | tee "$logs/pytest_cuda.log" ;;
+    train) "$py" "$repo/benchmarks/bench_train.py" --device cuda --dtype bfloat16 --reps 20 --memory 2>&1 \
                | tee "$logs/bench_train_cuda.log" ;;
-    scan) "$py" benchmarks/bench_scan.py --shape qwen2.5-7b --device cuda --workdir /tmp/plate-bench 2>&1 \
+    scan) "$py" "$repo/benchmarks/bench_scan.py" --shape qwen2.5-7b --device cuda --workdir /tmp/plate-bench 2>&1 \
               | tee "$logs/bench_scan_cuda.log" ;;
     *) echo "unknown step '$step': use tests, train or scan" >&2; exit 2 ;;
 esac
