@@ -118,6 +118,32 @@ def test_hand_checkable_values():
     assert fit.num_pl_spikes == int(np.sum(sample >= fit.xmin))
 
 
+def _power_law_fit_by_definition(evals: np.ndarray) -> tuple[float, float, float]:
+    """Clauset-Shalizi-Newman as the module docstring states it, one candidate xmin at a time (the oracle)."""
+    data = np.sort(evals[evals > 1e-5])
+    best = (math.inf, 0.0, 0.0)  # (KS distance, alpha, xmin)
+    for i in range(len(data) - 1):
+        tail = data[i:]
+        alpha = 1.0 + len(tail) / float(np.sum(np.log(tail / data[i])))
+        if not alpha > 1:
+            continue
+        fitted_cdf = 1.0 - (tail / data[i]) ** (1.0 - alpha)
+        ks = float(np.max(np.abs(fitted_cdf - np.arange(len(tail)) / len(tail))))
+        best = min(best, (ks, alpha, float(data[i])), key=lambda b: b[0])
+    return best
+
+
+@pytest.mark.parametrize("size", [25, 128, 129, 300, 1536])
+def test_power_law_fit_matches_its_definition_across_chunks(size):
+    # the KS distances are computed a chunk of candidate xmins at a time: sizes around and across chunk edges
+    g = np.random.default_rng(size)
+    evals = np.concatenate([(1 - g.random(size - 5)) ** (-1 / 1.2), [0.0, 1e-7, 3e-6, 50.0, 80.0]])
+    ks, alpha, xmin = _power_law_fit_by_definition(evals)
+    fit = fit_power_law(evals)
+    assert fit.xmin == xmin and fit.alpha == pytest.approx(alpha, rel=1e-12)
+    assert fit.ks_distance == pytest.approx(ks, rel=1e-9, abs=1e-12)
+
+
 def test_marchenko_pastur_sees_planted_spikes():
     g = np.random.default_rng(2)
     n, m = 800, 200
