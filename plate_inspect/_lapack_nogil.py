@@ -4,7 +4,7 @@ scipy's f2py wrappers hold the GIL for the whole call; its Cython LAPACK (``scip
 stable API) exports every routine as a C function pointer, and ctypes releases the GIL around foreign calls.
 Only what the scan needs is here: the tridiagonal reduction of a symmetric matrix (sytrd), the tridiagonal
 matrix's eigenvalues (sterf) and its MRRR eigenvectors for an index range (dstemr), and the back-transformation of
-vectors by the reduction's reflectors (ormtr).
+vectors by the reduction's reflectors (larft + larfb, blocked as ormtr does it).
 """
 
 from __future__ import annotations
@@ -95,27 +95,52 @@ def tridiagonal_eigenvectors(diag: np.ndarray, offdiag: np.ndarray, first: int, 
     return z
 
 
+#: Reflectors applied per block by :func:`apply_tridiagonal_reflectors`. LAPACK's ormtr uses ILAENV's block (32 in
+#: OpenBLAS); 128 applied 576 vectors 28-32% faster at n = 1536 and 3584 on this project's 2-core machine (larger
+#: blocks make the rank-nb updates BLAS-3 enough; 256 was no faster).
+REFLECTOR_BLOCK = 128
+
+
 def apply_tridiagonal_reflectors(reflectors: np.ndarray, tau: np.ndarray, x: np.ndarray) -> np.ndarray:
     """H x, where H holds the Householder reflectors of a lower sytrd (``reflectors``: the n x n array sytrd
-    overwrote, Fortran order; ``tau``: n - 1 scalars) and x is n x p (LAPACK ormtr, in place on a Fortran copy).
+    overwrote, Fortran order; ``tau``: n - 1 scalars) and x is n x p, on a Fortran copy of x.
 
-    Reads the reflectors where they lie (no copy of the n x n array) and releases the GIL.
+    What LAPACK ormtr does (ormqr on the reflectors below the subdiagonal), with blocks of REFLECTOR_BLOCK
+    reflectors: larft forms a block's triangular factor, larfb applies it with matrix products, the last block
+    first (H = H_1 H_2 ... H_{n-1}). Reads the reflectors where they lie (no copy of the n x n array) and releases
+    the GIL.
     """
     n, p = x.shape
     if not (reflectors.flags.f_contiguous and reflectors.shape == (n, n) and reflectors.dtype == x.dtype):
         raise ValueError("apply_tridiagonal_reflectors needs the n x n Fortran-ordered sytrd output of x's dtype")
     c = np.array(x, order="F", copy=True)
-    tau = np.ascontiguousarray(tau, dtype=x.dtype)
-    ormtr = _real_function("ormtr", x.dtype, "c", "c", "c", "i", "i", "r", "i", "r", "r", "i", "r", "i", "i")
-    m_, n_, lda, ldc, info = _ints(n, p, n, n, 0)
+    k = n - 1  # reflectors; number i acts on rows i + 1 .. n - 1, its vector stored from row i + 2 of column i
+    if k < 1 or p == 0:
+        return c
+    dtype = x.dtype
+    tau = np.ascontiguousarray(tau, dtype=dtype)
+    larft = _real_function("larft", dtype, "c", "c", "i", "i", "r", "i", "r", "r", "i")
+    larfb = _real_function("larfb", dtype, "c", "c", "c", "c", "i", "i", "i", "r", "i", "r", "i", "r", "i", "r", "i")
+    nb = min(REFLECTOR_BLOCK, k)
+    t = np.zeros((nb, nb), dtype=dtype, order="F")
+    work = np.zeros((p, nb), dtype=dtype, order="F")
+    ld, cols, ldt = _ints(n, p, nb)
+    real_p = _real_p(dtype)
 
-    def call(work: np.ndarray, lwork: int) -> None:
-        ormtr(
-            b"L", b"L", b"N", ctypes.byref(m_), ctypes.byref(n_), _ptr(reflectors), ctypes.byref(lda), _ptr(tau),
-            _ptr(c), ctypes.byref(ldc), _ptr(work), ctypes.byref(ctypes.c_int(lwork)), ctypes.byref(info),
+    def at(a: np.ndarray, offset: int):  # pointer to element ``offset`` of a (column-major flat index)
+        return ctypes.cast(a.ctypes.data + offset * a.itemsize, real_p)
+
+    for i in range(((k - 1) // nb) * nb, -1, -nb):
+        rows, width = _ints(k - i, min(nb, k - i))
+        v = at(reflectors, (i + 1) + i * n)  # the block's unit lower trapezoid starts at A[i + 1, i]
+        larft(
+            b"F", b"C", ctypes.byref(rows), ctypes.byref(width), v, ctypes.byref(ld), at(tau, i), _ptr(t),
+            ctypes.byref(ldt),
         )  # fmt: skip
-
-    _run_with_workspace(call, x.dtype, "ormtr", info)
+        larfb(
+            b"L", b"N", b"F", b"C", ctypes.byref(rows), ctypes.byref(cols), ctypes.byref(width), v, ctypes.byref(ld),
+            _ptr(t), ctypes.byref(ldt), at(c, i + 1), ctypes.byref(ld), _ptr(work), ctypes.byref(cols),
+        )  # fmt: skip
     return c
 
 

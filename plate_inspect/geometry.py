@@ -109,7 +109,7 @@ class TridiagonalEigen(SymmetricEigen):
 
     Eigenvalues come from T alone (sterf), the p bottom eigenvectors from T (in float64: MRRR on index ranges,
     or divide and conquer for all when a range is a large share of n) mapped back by the Householder reflectors
-    (ormtr, reading them where sytrd left them). No full eigh of the d x d matrix.
+    (blocked as LAPACK ormtr does it, reading them where sytrd left them). No full eigh of the d x d matrix.
     Overwrites ``s`` (the caller's scratch Gram matrix).
     """
 

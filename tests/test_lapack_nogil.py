@@ -28,9 +28,10 @@ def _tridiagonal(d: np.ndarray, e: np.ndarray) -> np.ndarray:
     return np.diag(d) + np.diag(e, 1) + np.diag(e, -1)
 
 
+@pytest.mark.parametrize("n", [2, 60, 300])  # 300: the reflectors in 3 blocks (128, 128, 43)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_tridiagonal_reduction_keeps_the_spectrum_and_its_reflectors_map_vectors_back(dtype):
-    s = _symmetric(60, dtype)
+def test_tridiagonal_reduction_keeps_the_spectrum_and_its_reflectors_map_vectors_back(dtype, n):
+    s = _symmetric(n, dtype)
     a = np.asfortranarray(s.copy())
     d, e, tau = tridiagonalize(a)
     oracle = np.linalg.eigvalsh(s.astype(np.float64))
@@ -38,10 +39,16 @@ def test_tridiagonal_reduction_keeps_the_spectrum_and_its_reflectors_map_vectors
     np.testing.assert_allclose(tridiagonal_eigenvalues(d, e), oracle, rtol=0, atol=tol * oracle.max())
     # T's eigenvectors, mapped back by the reflectors, are eigenvectors of s
     w, z = np.linalg.eigh(_tridiagonal(d.astype(np.float64), e.astype(np.float64)))
-    v = apply_tridiagonal_reflectors(a, tau, z[:, :7].astype(dtype)).astype(np.float64)
-    residual = s.astype(np.float64) @ v - v * w[:7]
+    p = min(7, n)
+    v = apply_tridiagonal_reflectors(a, tau, z[:, :p].astype(dtype)).astype(np.float64)
+    residual = s.astype(np.float64) @ v - v * w[:p]
     assert np.abs(residual).max() < tol * oracle.max()
-    np.testing.assert_allclose(v.T @ v, np.eye(7), atol=10 * tol)
+    np.testing.assert_allclose(v.T @ v, np.eye(p), atol=10 * tol)
+    # all n vectors: H itself, orthogonal, and H T H^T = s
+    h = apply_tridiagonal_reflectors(a, tau, np.eye(n, dtype=dtype)).astype(np.float64)
+    np.testing.assert_allclose(h.T @ h, np.eye(n), atol=10 * tol)
+    t = _tridiagonal(d.astype(np.float64), e.astype(np.float64))
+    assert np.abs(h @ t @ h.T - s).max() < tol * oracle.max()
 
 
 def test_mrrr_eigenvectors_of_an_index_range_match_the_dense_oracle():
