@@ -275,13 +275,19 @@ def k_for_tau(spectrum: torch.Tensor, tau: float, d_in: int, max_rank: int) -> i
 
 
 # --------------------------------------------------------------------------- Q: low-energy input basis
+def exactness_allowance(optimum: float, total: float) -> float:
+    """How far Q's energy tr(Q^T G Q) may lie above the optimum (the k smallest eigenvalues' sum) and still count
+    as exact: 1% of the optimum plus 1e-6 of tr(G). The Ritz and null-space steps spend small fractions of it."""
+    return 0.01 * optimum + 1e-6 * total
+
+
 #: Candidate directions beyond k for the Rayleigh-Ritz step: the bottom eigenvectors of a float32 Gram matrix mix
 #: the exact bottom-k eigenspace with nearby directions, and a wider candidate span holds it. A first round uses
 #: the smaller number; the larger one runs only when the first has not converged (see RITZ_PROBE).
 RITZ_OVERSAMPLE: tuple[int, ...] = (64, 256)
 #: Convergence check of a round: the Ritz energy with the last RITZ_PROBE candidates left out may exceed the
-#: round's energy by at most RITZ_TOLERANCE x (0.01 x energy + 1e-6 x tr(G)), i.e. a small fraction of the
-#: exactness bound's allowance; otherwise the next, wider round runs.
+#: round's energy by at most RITZ_TOLERANCE x exactness_allowance(energy, tr(G)), a small fraction of the bound;
+#: otherwise the next, wider round runs.
 RITZ_PROBE = 32
 RITZ_TOLERANCE = 0.05
 
@@ -393,13 +399,14 @@ def bottom_eigenspace_from_input_gram(
         candidates = candidates.extend(rows, new.to(rows.weight.device, rows.weight.dtype))
         probe = min(RITZ_PROBE, p - k) if p < d_in else 0  # all of R^d_in: nothing can be missing
         q, energies = rayleigh_ritz(candidates, k, probe)
-        if not probe or energies[1] - energies[0] <= RITZ_TOLERANCE * (0.01 * energies[0] + 1e-6 * total):
+        if not probe or energies[1] - energies[0] <= RITZ_TOLERANCE * exactness_allowance(energies[0], total):
             break
     return FrozenBasis(spectrum.to(torch.float32), k, q, energies[0] / total if total > 0 else 0.0)
 
 
 #: LU null vectors are kept when their energy ||C Z||_F^2 uses at most this fraction of the exactness allowance
-#: (1e-6 tr(G)), else Householder ones are computed. Qwen2.5-7B down shapes: LU's used ~1e-6 of it, Householder's ~3e-9.
+#: (exactness_allowance with optimum 0: 1e-6 tr(G)), else Householder ones are computed. Qwen2.5-7B down shapes:
+#: LU's used ~1e-6 of it, Householder's ~3e-9.
 NULL_LU_TOLERANCE = 1e-4
 
 
@@ -499,7 +506,7 @@ def null_space_basis(
         z = null_vectors(block, k, backend, method).to(rows.weight.device)
         residual = matmul(block, z.contiguous()).double()
         energy = float((residual * residual).sum())
-        if energy <= NULL_LU_TOLERANCE * 1e-6 * total:
+        if energy <= NULL_LU_TOLERANCE * exactness_allowance(0.0, total):  # the optimum is 0 here
             break
     q = torch.zeros(d_in, k, dtype=rows.weight.dtype, device=rows.weight.device)
     q[cols] = z.to(q.dtype)
