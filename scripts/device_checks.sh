@@ -4,6 +4,7 @@
 #
 #   bash scripts/device_checks.sh tests   # pytest -m cuda: CUDA scan vs CPU + dense oracle, PLATE layer on CUDA
 #   bash scripts/device_checks.sh train   # PLATE vs LoRA training step, bf16 autocast, peak memory
+#   bash scripts/device_checks.sh steps   # per-module step times of the CUDA geometry, 7B and 1.5B shapes (~1 min)
 #   bash scripts/device_checks.sh scan    # Qwen2.5-7B-shaped scan on CUDA (generates the 15 GB checkpoint first)
 #
 # The device image already holds torch (CUDA), safetensors, peft, transformers, scipy, scikit-learn, rich and
@@ -12,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
-step=${1:?usage: bash scripts/device_checks.sh tests|train|scan}
+step=${1:?usage: bash scripts/device_checks.sh tests|train|steps|scan}
 py=${PYTHON:-python3}
 logs=${OUT:-$PWD/device-logs}
 mkdir -p "$logs"
@@ -39,7 +40,10 @@ case "$step" in
     tests) "$py" -m pytest -m cuda -q -p no:cacheprovider "$repo/tests" 2>&1 | tee "$logs/pytest_cuda.log" ;;
     train) "$py" "$repo/benchmarks/bench_train.py" --device cuda --dtype bfloat16 --reps 20 --memory 2>&1 \
                | tee "$logs/bench_train_cuda.log" ;;
+    steps) for shape in qwen2.5-7b qwen2.5-1.5b; do
+               "$py" "$repo/benchmarks/bench_geometry_steps.py" --shape "$shape" --device cuda --repeat 2
+           done 2>&1 | tee "$logs/bench_steps_cuda.log" ;;
     scan) "$py" "$repo/benchmarks/bench_scan.py" --shape qwen2.5-7b --device cuda --workdir /tmp/plate-bench 2>&1 \
               | tee "$logs/bench_scan_cuda.log" ;;
-    *) echo "unknown step '$step': use tests, train or scan" >&2; exit 2 ;;
+    *) echo "unknown step '$step': use tests, train, steps or scan" >&2; exit 2 ;;
 esac
