@@ -10,9 +10,12 @@ the parts (:mod:`plate_inspect.distributed`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
+import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -240,7 +243,7 @@ def _scan_share(
     buffer = UpcastBuffer()
     with (
         closing(_read_ahead(ckpt, [members for _, members in items], pin=device.type == "cuda")) as weights,
-        ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-write") as part_writer,  # exit: waits for it
+        ThreadPoolExecutor(1, "plate-write", initializer=_yield_to_compute) as part_writer,  # exit: waits for it
     ):
         for i, (part, members) in enumerate(items):
             loaded = next(weights)  # (not zipped: zip's reused result tuple would keep this item's weights alive)
@@ -274,6 +277,22 @@ def _scan_share(
     return ShareResult(records_out, stats)
 
 
+#: Niceness of the scan's reader and part-writer threads (Linux, where it is per thread); see _yield_to_compute.
+HELPER_THREAD_NICENESS = 10
+
+
+def _yield_to_compute() -> None:
+    """Lower the calling helper thread's CPU priority, so that reading, hashing, health fits and part encoding run
+    on the cycles the linear algebra leaves free instead of taking a core from one of its BLAS threads (a
+    multi-threaded BLAS call runs at the pace of its slowest thread). Linux only; elsewhere, or if refused, the
+    thread keeps its priority. 10, not 19: a reader at 19 would crawl on a machine busy with other work."""
+    if sys.platform.startswith("linux"):
+        thread = threading.get_native_id()
+        with contextlib.suppress(OSError):  # never raises a priority (the process may already run niced)
+            niceness = max(os.getpriority(os.PRIO_PROCESS, thread), HELPER_THREAD_NICENESS)
+            os.setpriority(os.PRIO_PROCESS, thread, niceness)
+
+
 def _read_ahead(
     ckpt: Checkpoint, items: list[list[TargetModule]], pin: bool
 ) -> Iterator[list[tuple[torch.Tensor, str]]]:
@@ -282,7 +301,7 @@ def _read_ahead(
     Disk time and hashing overlap compute, with at most one extra item in memory. ``pin``: the weights come in
     page-locked host memory, so their copy to a CUDA device is a fast DMA (used when the scan computes on CUDA).
     """
-    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read")
+    reader = ThreadPoolExecutor(1, "plate-read", initializer=_yield_to_compute)
     try:
         upcoming = reader.submit(_load_all, ckpt, items[0], pin) if items else None
         for i in range(len(items)):

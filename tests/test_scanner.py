@@ -450,3 +450,36 @@ def test_read_ahead_reads_each_item_once_and_keeps_no_weight_alive(qwen_ckpt):
         with pytest.raises(StopIteration):
             next(weights)
     assert len(refs) == len(plan.targets)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is a Linux feature")
+def test_reader_and_writer_threads_yield_the_cores_to_the_compute_thread(tmp_path, qwen_ckpt, monkeypatch):
+    """Reading/hashing and part writing run at a higher niceness than the thread that runs the BLAS calls, so they
+    use the cycles it leaves free; the main thread's own priority is untouched (CI runs at niceness 0)."""
+    import threading
+
+    from plate_inspect.bundle import BundleWriter
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = niceness()
+    seen: dict[str, set[tuple[str, int]]] = {"read": set(), "write": set(), "compute": set()}
+    load, write, geometry = scanner_mod.load_target, BundleWriter.write_part, scanner_mod.plate_geometry
+
+    def spy(kind, fn):
+        def wrapped(*args, **kwargs):
+            seen[kind].add((threading.current_thread().name, niceness()))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(scanner_mod, "load_target", spy("read", load))
+    monkeypatch.setattr(BundleWriter, "write_part", spy("write", write))
+    monkeypatch.setattr(scanner_mod, "plate_geometry", spy("compute", geometry))
+    plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R)
+    expected = max(base, scanner_mod.HELPER_THREAD_NICENESS)  # lowered to 10, never raised (a niced run stays so)
+    assert {p for _, p in seen["read"]} == {expected} and {p for _, p in seen["write"]} == {expected}
+    assert all(name.startswith("plate-read") for name, _ in seen["read"])
+    assert all(name.startswith("plate-write") for name, _ in seen["write"])
+    assert seen["compute"] == {(threading.main_thread().name, base)} and niceness() == base
