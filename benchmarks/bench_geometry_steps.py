@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plate_inspect.cli.main import SCAN_RUNTIME_ENV  # noqa: E402  (imports neither torch nor numpy)
+from plate_inspect.cli.main import SCAN_RUNTIME_ENV  # (imports neither torch nor numpy)
 
 for _key, _value in SCAN_RUNTIME_ENV.items():
     os.environ.setdefault(_key, _value)
 
 import torch  # noqa: E402
-from bench_scan import SHAPES  # noqa: E402
+from bench_scan import SHAPES  # noqa: E402  (this script's folder is on sys.path)
 
 from plate_inspect import geometry  # noqa: E402
 from plate_inspect.health import health_record  # noqa: E402

@@ -453,9 +453,10 @@ def test_read_ahead_reads_each_item_once_and_keeps_no_weight_alive(qwen_ckpt):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is a Linux feature")
-def test_reader_and_writer_threads_yield_the_cores_to_the_compute_thread(tmp_path, qwen_ckpt, monkeypatch):
-    """Reading/hashing and part writing run at a higher niceness than the thread that runs the BLAS calls, so they
-    use the cycles it leaves free; the main thread's own priority is untouched (CI runs at niceness 0)."""
+def test_reader_thread_yields_the_cores_to_the_compute_thread(tmp_path, qwen_ckpt, monkeypatch):
+    """Reading and hashing run at a higher niceness than the thread that runs the BLAS calls, so they use the
+    cycles it leaves free; the main thread keeps its priority, and so does the part writer (a writer that yields
+    holds its part's tensors longer: more peak memory). CI runs at niceness 0."""
     import threading
 
     from plate_inspect.bundle import BundleWriter
@@ -479,7 +480,8 @@ def test_reader_and_writer_threads_yield_the_cores_to_the_compute_thread(tmp_pat
     monkeypatch.setattr(scanner_mod, "plate_geometry", spy("compute", geometry))
     plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R)
     expected = max(base, scanner_mod.HELPER_THREAD_NICENESS)  # lowered to 10, never raised (a niced run stays so)
-    assert {p for _, p in seen["read"]} == {expected} and {p for _, p in seen["write"]} == {expected}
+    assert {p for _, p in seen["read"]} == {expected}
     assert all(name.startswith("plate-read") for name, _ in seen["read"])
+    assert {p for _, p in seen["write"]} == {base}
     assert all(name.startswith("plate-write") for name, _ in seen["write"])
     assert seen["compute"] == {(threading.main_thread().name, base)} and niceness() == base
