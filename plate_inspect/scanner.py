@@ -225,9 +225,9 @@ def _scan_share(
     A module is kept when its existing part file (same settings) holds a record whose weight fingerprint, dtype,
     shape and layout equal the weight just read; a part is rewritten only if one of its modules was computed.
     Same-shaped experts of a part are read and solved together in groups of ``group_size`` (plate_inspect.batched).
-    Weights are read one work item ahead (:func:`_read_ahead`); a second thread makes each part's records (with
-    their health metrics) and writes (and fsyncs) the part file while the next part computes. Leaving, by return
-    or by error, waits for that write.
+    Weights are read one work item ahead (:func:`_read_ahead`, at a lower CPU priority); a second thread makes
+    each part's records (with their health metrics) and writes (and fsyncs) the part file while the next part
+    computes. Leaving, by return or by error, waits for that write.
     """
     started = time.perf_counter()
     items = expert_groups([(part, t) for part, members in parts.items() for t in members], group_size)
@@ -278,11 +278,11 @@ def _scan_share(
 
 
 #: Niceness of the scan's reader thread (Linux, where it is per thread); see _yield_to_compute.
-HELPER_THREAD_NICENESS = 10
+READER_NICENESS = 10
 
 
 def _yield_to_compute() -> None:
-    """Lower the calling helper thread's CPU priority, so that reading and hashing run on the cycles the linear
+    """Lower the calling thread's CPU priority (the reader's), so that reading and hashing run on the cycles the linear
     algebra leaves free instead of taking a core from one of its BLAS threads (a multi-threaded BLAS call runs at
     the pace of its slowest thread). Linux only; elsewhere, or if refused, the thread keeps its priority. 10, not
     19: a reader at 19 would crawl on a machine busy with other work. Used for the reader only: a part writer
@@ -290,7 +290,7 @@ def _yield_to_compute() -> None:
     if sys.platform.startswith("linux"):
         thread = threading.get_native_id()
         with contextlib.suppress(OSError):  # never raises a priority (the process may already run niced)
-            niceness = max(os.getpriority(os.PRIO_PROCESS, thread), HELPER_THREAD_NICENESS)
+            niceness = max(os.getpriority(os.PRIO_PROCESS, thread), READER_NICENESS)
             os.setpriority(os.PRIO_PROCESS, thread, niceness)
 
 
@@ -302,7 +302,7 @@ def _read_ahead(
     Disk time and hashing overlap compute, with at most one extra item in memory. ``pin``: the weights come in
     page-locked host memory, so their copy to a CUDA device is a fast DMA (used when the scan computes on CUDA).
     """
-    reader = ThreadPoolExecutor(1, "plate-read", initializer=_yield_to_compute)
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plate-read", initializer=_yield_to_compute)
     try:
         upcoming = reader.submit(_load_all, ckpt, items[0], pin) if items else None
         for i in range(len(items)):

@@ -479,7 +479,7 @@ def test_reader_thread_yields_the_cores_to_the_compute_thread(tmp_path, qwen_ckp
     monkeypatch.setattr(BundleWriter, "write_part", spy("write", write))
     monkeypatch.setattr(scanner_mod, "plate_geometry", spy("compute", geometry))
     plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R)
-    expected = max(base, scanner_mod.HELPER_THREAD_NICENESS)  # lowered to 10, never raised (a niced run stays so)
+    expected = max(base, scanner_mod.READER_NICENESS)  # lowered to 10, never raised (a niced run stays so)
     assert {p for _, p in seen["read"]} == {expected}
     assert all(name.startswith("plate-read") for name, _ in seen["read"])
     assert {p for _, p in seen["write"]} == {base}
