@@ -3,6 +3,7 @@
     python benchmarks/bench_geometry_steps.py --shape qwen2.5-1.5b            # CPU, best of 3 per module
     python benchmarks/bench_geometry_steps.py --shape qwen2.5-7b --repeat 1
     python benchmarks/bench_geometry_steps.py --shape qwen2.5-7b --device cuda
+    python benchmarks/bench_geometry_steps.py --backend torch     # CUDA's code path (torch eigh), here on CPU
 
 One bf16-stored weight per module kind (power-law spectrum sigma_i ~ i^-alpha, Gaussian factors, as in
 bench_scan.py), in memory: no checkpoint, no reading, no hashing, no part files. The floor is what
@@ -122,9 +123,11 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.5, help="power-law exponent of the weights' singular values")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=3, help="runs per module; the fastest geometry run is shown")
+    ap.add_argument("--backend", choices=("auto", "lapack", "torch"), default="auto", help="plate_geometry's backend")
     args = ap.parse_args()
     device = torch.device(args.device)
-    print(f"{args.shape}, alpha {args.alpha}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{args.shape}, alpha {args.alpha}, {device}, backend {args.backend}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"runtime: {' '.join(f'{k}={os.environ[k]}' for k in SCAN_RUNTIME_ENV)}")
     health_record([3.0, 2.0, 1.0], [3, 3])  # one-time imports (sklearn, scipy.optimize)
     per_layer = defaultdict(float)
@@ -138,7 +141,7 @@ def main() -> None:
             clock = StepClock(device)
             with clock.installed():
                 start = time.perf_counter()
-                geo = geometry.plate_geometry(weight, 64, 0.9, 512, overwrite_input=True)
+                geo = geometry.plate_geometry(weight, 64, 0.9, 512, overwrite_input=True, backend=args.backend)
                 clock.sync()
                 wall = time.perf_counter() - start
             start = time.perf_counter()
