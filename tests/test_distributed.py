@@ -119,11 +119,16 @@ def test_devices_workers_write_the_single_process_bundle(four_layers, reference,
 
 _KILL_RANK_1 = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, time
+    from pathlib import Path
     import plate_inspect
 
     def kill_rank_1(event):
-        if os.environ["RANK"] == "1" and event.done == 9:  # in its second part: its first part is written
+        if os.environ["RANK"] == "1" and event.done == 9:  # in its second part
+            # its first part (layer 1) went to the part-writer thread at done == 7: die once it is on disk
+            deadline = time.monotonic() + 60
+            while not (Path(sys.argv[2]) / "layer-00001.safetensors").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
 
     plate_inspect.scan(sys.argv[1], sys.argv[2], r=8, progress=kill_rank_1)
