@@ -324,7 +324,11 @@ class FrozenRows:
     def output_gram(self) -> torch.Tensor:
         """K = W_f W_f^T (n_f x n_f): same nonzero eigenvalues as G."""
         k = matmul(self.weight, self.weight.T)
-        return k if self.keep is None else k[self.keep][:, self.keep].contiguous()
+        return k if self.keep is None else k[self.keep[:, None], self.keep]  # one gather, no row-cut temporary
+
+    def columns(self, cols: torch.Tensor) -> torch.Tensor:
+        """W_f[:, cols] as a new contiguous matrix, gathered in one step (no intermediate row or column cut)."""
+        return self.weight[:, cols].contiguous() if self.keep is None else self.weight[self.keep[:, None], cols]
 
 
 @dataclass
@@ -500,8 +504,7 @@ def null_space_basis(
     k = k_for_tau(spectrum, tau, d_in, max_rank)
     g = torch.Generator(device="cpu").manual_seed(seed)
     cols = torch.sort(torch.randperm(d_in, generator=g)[: n_f + k]).values.to(rows.weight.device)
-    block = rows.weight[:, cols]
-    block = (block if rows.keep is None else block[rows.keep]).contiguous()
+    block = rows.columns(cols)
     for method in ("lu", "householder"):
         z = null_vectors(block, k, backend, method).to(rows.weight.device)
         residual = matmul(block, z.contiguous()).double()
@@ -591,7 +594,7 @@ def plate_geometry(
     keep_mask = torch.ones(d_out, dtype=torch.bool)
     keep_mask[b_idx] = False
     keep = torch.nonzero(keep_mask).flatten().to(frozen.device)
-    output_gram = row_gram[keep][:, keep].contiguous() if row_gram is not None else None
+    output_gram = row_gram[keep[:, None], keep] if row_gram is not None else None
     del row_gram
     basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend, output_gram=output_gram)
     k_by_tau = {t: k_for_tau(basis.spectrum, t, d_in, max_rank) for t in sorted({*tau_grid, tau})}
