@@ -302,6 +302,11 @@ class FrozenBasis:
     captured_energy: float  # tr(Q^T G Q) / tr(G)
 
 
+def kept_block(k: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The kept rows' block K[keep][:, keep] of a row Gram matrix K = W W^T, in one gather (no row-cut temporary)."""
+    return k if keep is None else k[keep[:, None], keep]
+
+
 @dataclass
 class FrozenRows:
     """W_f = weight[keep] without a row copy: ``weight`` has zeros outside ``keep`` (None: every row is kept)."""
@@ -323,8 +328,7 @@ class FrozenRows:
 
     def output_gram(self) -> torch.Tensor:
         """K = W_f W_f^T (n_f x n_f): same nonzero eigenvalues as G."""
-        k = matmul(self.weight, self.weight.T)
-        return k if self.keep is None else k[self.keep[:, None], self.keep]  # one gather, no row-cut temporary
+        return kept_block(matmul(self.weight, self.weight.T), self.keep)
 
     def columns(self, cols: torch.Tensor) -> torch.Tensor:
         """W_f[:, cols] as a new contiguous matrix, gathered in one step (no intermediate row or column cut)."""
@@ -594,7 +598,7 @@ def plate_geometry(
     keep_mask = torch.ones(d_out, dtype=torch.bool)
     keep_mask[b_idx] = False
     keep = torch.nonzero(keep_mask).flatten().to(frozen.device)
-    output_gram = row_gram[keep[:, None], keep] if row_gram is not None else None
+    output_gram = kept_block(row_gram, keep) if row_gram is not None else None
     del row_gram
     basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend, output_gram=output_gram)
     k_by_tau = {t: k_for_tau(basis.spectrum, t, d_in, max_rank) for t in sorted({*tau_grid, tau})}
