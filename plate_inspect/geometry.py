@@ -418,7 +418,9 @@ def bottom_eigenspace_from_input_gram(
 NULL_LU_TOLERANCE = 1e-4
 
 
-def null_vectors(c: torch.Tensor, k: int, backend: str = "auto", method: str = "lu") -> torch.Tensor:
+def null_vectors(
+    c: torch.Tensor, k: int, backend: str = "auto", method: str = "lu", overwrite_c: bool = False
+) -> torch.Tensor:
     """k orthonormal vectors z with C z = 0 to rounding, for an n x m matrix C with m >= n + k.
 
     "lu": partial-pivoted LU of C^T, P C^T = L U with L = [L1; L2] (L1 unit lower n x n, L2 k x n). With
@@ -426,19 +428,20 @@ def null_vectors(c: torch.Tensor, k: int, backend: str = "auto", method: str = "
     backward error, whatever C's rank (U is never inverted; |L| <= 1). Half the flops of Householder QR.
     "householder": the last k columns of the full orthogonal factor of C^T, ||C z|| ~ eps ||C|| however
     ill-conditioned C is (backward stable, no growth factor); the fallback when LU's residual is too large.
+    ``overwrite_c``: LAPACK may factorise a contiguous C in place (its values are lost) instead of a copy.
     """
     if method not in ("lu", "householder"):
         raise ConfigError(f"null-vector method must be lu or householder, got {method!r}")
     on_lapack = backend == "lapack" or (backend == "auto" and c.device.type == "cpu")
     if method == "lu":
-        return orthonormalize(_lu_null_vectors_lapack(c, k) if on_lapack else _lu_null_vectors_torch(c, k))
+        return orthonormalize(_lu_null_vectors_lapack(c, k, overwrite_c) if on_lapack else _lu_null_vectors_torch(c, k))
     n, m = c.shape
     unit = torch.zeros(m, k, dtype=c.dtype, device=c.device)
     unit[n : n + k] = torch.eye(k, dtype=c.dtype, device=c.device)
     if not on_lapack:
         reflectors, tau = torch.geqrf(c.T)
         return torch.ormqr(reflectors, tau, unit, left=True, transpose=False)
-    a = np.array(c.numpy().T, order="F")  # C^T, overwritten by geqrf
+    a = _transposed_for_lapack(c, overwrite_c)  # C^T, overwritten by geqrf
     geqrf, geqrf_lwork, ormqr = scipy.linalg.lapack.get_lapack_funcs(("geqrf", "geqrf_lwork", "ormqr"), (a,))
     work, _ = geqrf_lwork(m, n)
     reflectors, tau, _, info = geqrf(a, lwork=int(work), overwrite_a=1)
@@ -462,11 +465,18 @@ def _unpivot(w: torch.Tensor, pivots: np.ndarray) -> torch.Tensor:
     return z
 
 
-def _lu_null_vectors_lapack(c: torch.Tensor, k: int) -> torch.Tensor:
+def _transposed_for_lapack(c: torch.Tensor, overwrite: bool) -> np.ndarray:
+    """C^T in Fortran order for a LAPACK routine that overwrites its input: C's own storage (a contiguous C^T
+    view, so no copy) when ``overwrite``, else a copy."""
+    view = c.contiguous().numpy().T
+    return view if overwrite else np.array(view, order="F")
+
+
+def _lu_null_vectors_lapack(c: torch.Tensor, k: int, overwrite_c: bool = False) -> torch.Tensor:
     n = c.shape[0]
-    a = c.numpy().T  # C^T: a Fortran-ordered view of C, copied once by getrf
+    a = _transposed_for_lapack(c, overwrite_c)
     (getrf,) = scipy.linalg.lapack.get_lapack_funcs(("getrf",), (a,))
-    lu, pivots, info = getrf(a)
+    lu, pivots, info = getrf(a, overwrite_a=1)
     if info < 0:  # info > 0: an exactly zero pivot in U, harmless here (U is never inverted)
         raise np.linalg.LinAlgError(f"getrf failed (info={info})")
     (trsm,) = scipy.linalg.blas.get_blas_funcs(("trsm",), (lu,))
@@ -490,34 +500,53 @@ def _stack_null_coordinates(w1: torch.Tensor, m: int) -> torch.Tensor:
     return w
 
 
+@dataclass
+class OutputSpectrum:
+    """The eigenvalues of K = W_f W_f^T (descending, clamped at 0: G's nonzero spectrum) and tr(K) = tr(G)."""
+
+    values: torch.Tensor
+    trace: float
+
+
+def output_spectrum(gram: torch.Tensor, backend: str = "auto") -> OutputSpectrum:
+    """Factorise K = W_f W_f^T for its eigenvalues only; overwrites ``gram`` (the caller's scratch K)."""
+    trace = _gram_trace(gram)
+    return OutputSpectrum(factor_symmetric(gram, backend, vectors=False).eigenvalues().clamp_min(0).flip(0), trace)
+
+
 def null_space_basis(
-    rows: FrozenRows, tau: float, max_rank: int, seed: int, backend: str = "auto", gram: torch.Tensor | None = None
+    rows: FrozenRows,
+    tau: float,
+    max_rank: int,
+    seed: int,
+    backend: str = "auto",
+    spectrum: OutputSpectrum | None = None,
 ) -> FrozenBasis:
     """Wide W_f whose k surely fits in the null space (max_rank <= d_in - n_f): Q is all null directions.
 
-    Only K = W_f W_f^T (n_f x n_f; ``gram`` when the caller has it) is factorised, for its eigenvalues (G's
-    nonzero spectrum). Q comes from n_f + k input coordinates J, a seeded random subset: the null space of the
-    n_f x (n_f + k) column block W_f[:, J] (:func:`null_vectors`: LU, or Householder when LU's residual energy
-    exceeds NULL_LU_TOLERANCE of the allowance), zero outside J, lies in W_f's null space.
-    Deterministic for a seed; any basis of null directions is an exact bottom-k eigenspace (all eigenvalues 0).
+    Only K = W_f W_f^T (n_f x n_f) is factorised, for its eigenvalues (G's nonzero spectrum; ``spectrum`` when
+    the caller has it, so that K need not live on). Q comes from n_f + k input coordinates J, a seeded random
+    subset: the null space of the n_f x (n_f + k) column block W_f[:, J] (:func:`null_vectors`: LU, or
+    Householder when LU's residual energy exceeds NULL_LU_TOLERANCE of the allowance), zero outside J, lies in
+    W_f's null space. The block is factorised in place and gathered again for the residual: one block-sized
+    buffer at a time. Deterministic for a seed; any basis of null directions is an exact bottom-k eigenspace.
     """
     d_in, n_f = rows.weight.shape[1], rows.n_rows
-    gram = rows.output_gram() if gram is None else gram
-    total = _gram_trace(gram)
-    spectrum = factor_symmetric(gram, backend, vectors=False).eigenvalues().clamp_min(0).flip(0)
-    k = k_for_tau(spectrum, tau, d_in, max_rank)
+    spectrum = output_spectrum(rows.output_gram(), backend) if spectrum is None else spectrum
+    total = spectrum.trace
+    k = k_for_tau(spectrum.values, tau, d_in, max_rank)
     g = torch.Generator(device="cpu").manual_seed(seed)
     cols = torch.sort(torch.randperm(d_in, generator=g)[: n_f + k]).values.to(rows.weight.device)
-    block = rows.columns(cols)
     for method in ("lu", "householder"):
-        z = null_vectors(block, k, backend, method).to(rows.weight.device)
-        residual = matmul(block, z.contiguous()).double()
+        z = null_vectors(rows.columns(cols), k, backend, method, overwrite_c=True).to(rows.weight.device)
+        residual = matmul(rows.columns(cols), z.contiguous()).double()
         energy = float((residual * residual).sum())
+        del residual
         if energy <= NULL_LU_TOLERANCE * exactness_allowance(0.0, total):  # the optimum is 0 here
             break
     q = torch.zeros(d_in, k, dtype=rows.weight.dtype, device=rows.weight.device)
     q[cols] = z.to(q.dtype)
-    return FrozenBasis(spectrum.to(torch.float32), k, q, energy / total if total > 0 else 0.0)
+    return FrozenBasis(spectrum.values.to(torch.float32), k, q, energy / total if total > 0 else 0.0)
 
 
 def fits_null_space(n_frozen: int, d_in: int, max_rank: int) -> bool:
@@ -532,7 +561,7 @@ def frozen_energy_basis(
     seed: int = 0,
     keep: torch.Tensor | None = None,
     backend: str = "auto",
-    output_gram: torch.Tensor | None = None,
+    output_spectrum: OutputSpectrum | None = None,
 ) -> FrozenBasis:
     """Spectrum, k(tau) and the exact bottom-k eigenspace Q of G = W_f^T W_f, factorising the small side once.
 
@@ -541,12 +570,12 @@ def frozen_energy_basis(
     (:func:`null_space_basis`); otherwise G is (:func:`bottom_eigenspace_from_input_gram`): tall W_f, or
     wide by less than max_rank rows (square layers after removing B), where G is at most max_rank larger.
     ``backend``: "lapack" (CPU tridiagonal), "torch" (torch.linalg.eigh, any device) or "auto".
-    ``output_gram``: W_f W_f^T when the caller already has it (used on the null-space path only).
+    ``output_spectrum``: W_f W_f^T's, when the caller has factorised it (used on the null-space path only).
     """
     rows = FrozenRows(frozen, keep)
     d_in = frozen.shape[1]
     if fits_null_space(rows.n_rows, d_in, max_rank):
-        return null_space_basis(rows, tau, max_rank, seed, backend, gram=output_gram)
+        return null_space_basis(rows, tau, max_rank, seed, backend, spectrum=output_spectrum)
     return bottom_eigenspace_from_input_gram(rows, tau, max_rank, backend)
 
 
@@ -598,9 +627,10 @@ def plate_geometry(
     keep_mask = torch.ones(d_out, dtype=torch.bool)
     keep_mask[b_idx] = False
     keep = torch.nonzero(keep_mask).flatten().to(frozen.device)
-    output_gram = kept_block(row_gram, keep) if row_gram is not None else None
+    # the frozen block of K factorised here, so that neither K lives on into the null vectors' LU
+    spectrum = output_spectrum(kept_block(row_gram, keep), backend) if row_gram is not None else None
     del row_gram
-    basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend, output_gram=output_gram)
+    basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend, output_spectrum=spectrum)
     k_by_tau = {t: k_for_tau(basis.spectrum, t, d_in, max_rank) for t in sorted({*tau_grid, tau})}
     return ModuleGeometry(scores.cpu(), b_idx.cpu(), basis, k_by_tau)
 

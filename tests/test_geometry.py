@@ -133,6 +133,32 @@ def test_lu_null_vectors_are_null_and_orthonormal_for_rank_deficient_blocks(dtyp
     assert residual < 100 * eps and orthogonality < 100 * eps
 
 
+@pytest.mark.parametrize("method", ["lu", "householder"])
+def test_null_vectors_factorise_in_place_only_when_allowed(method):
+    # overwrite_c lets LAPACK reuse C's storage (the scan's memory peak on wide modules); without it C is intact
+    gen = torch.Generator().manual_seed(9)
+    c = torch.randn(40, 7, generator=gen) @ torch.randn(7, 100, generator=gen)
+    original = c.clone()
+    kept = null_vectors(c, 30, "lapack", method)
+    assert torch.equal(c, original)
+    overwritten = null_vectors(c, 30, "lapack", method, overwrite_c=True)
+    assert not torch.equal(c, original)  # the factors took C's place
+    assert torch.equal(kept, overwritten)  # same factorisation, same bits
+    residual, orthogonality = _null_residual_and_orthogonality(original, overwritten)
+    assert residual < 1e-5 and orthogonality < 1e-5
+
+
+def test_null_space_basis_leaves_the_weight_intact():
+    # the column block is factorised in place: it must be a gathered copy, never the caller's weight
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randn(48, 200, generator=gen)
+    original = w.clone()
+    basis = frozen_energy_basis(w, tau=0.9, max_rank=64)
+    assert torch.equal(w, original) and basis.k == 64
+    residual, _ = _null_residual_and_orthogonality(w.double(), basis.q.double())
+    assert residual < 1e-6
+
+
 def test_null_space_q_falls_back_to_householder_when_lu_grows():
     # W_f^T = Wilkinson's matrix (1 on the diagonal, -1 below, 1 in the last column) over 8 rows of small
     # entries: partial pivoting keeps the diagonal, U's last column doubles at every step (growth 2^59), and the
