@@ -23,6 +23,7 @@ from plate_inspect.geometry import (
     ModuleGeometry,
     anchor_indices,
     effective_r,
+    ieee_float32_matmul,
     k_for_tau,
     seeded_gaussian,
     select_redundant_rows,
@@ -85,6 +86,7 @@ def _bottom_k_wide(
     return q, float((wq * wq).sum()) / total if total > 0 else 0.0
 
 
+@ieee_float32_matmul()
 def batched_plate_geometry(
     weights: torch.Tensor,
     r: int,

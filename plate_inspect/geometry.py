@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +36,50 @@ DEFAULT_TAU_GRID: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99
 
 
 # --------------------------------------------------------------------------- linear-algebra backend
+_PRECISION_LOCK = threading.Lock()
+_precision_users = 0
+_saved_precision: tuple[str, ...] = ()
+
+
+def _matmul_precision() -> tuple[str, ...]:
+    """torch's float32 matmul precision: (CUDA, oneDNN) with the per-backend API (torch >= 2.9), else the legacy
+    setting. Reading the legacy one after the per-backend API was used raises in torch >= 2.9, and vice versa."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(torch.backends.mkldnn, "matmul"):
+        return (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+    return (torch.get_float32_matmul_precision(),)
+
+
+def _set_matmul_precision(state: tuple[str, ...]) -> None:
+    if len(state) == 2:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = state
+    else:
+        torch.set_float32_matmul_precision(state[0])
+
+
+@contextmanager
+def ieee_float32_matmul() -> Iterator[None]:
+    """float32 matmuls in IEEE float32 while the geometry runs, then the caller's setting back.
+
+    A training script's ``torch.set_float32_matmul_precision("high")`` or ``allow_tf32 = True`` (HF Trainer's
+    ``tf32=True``) makes CUDA Gram matrices and projections TF32, ~3 decimal digits: far from the exact Q the
+    geometry promises. The setting is process-wide, so nested and concurrent uses are counted and the first
+    one in saves it, the last one out restores it. Also a decorator.
+    """
+    global _precision_users, _saved_precision
+    with _PRECISION_LOCK:
+        if _precision_users == 0:
+            _saved_precision = _matmul_precision()
+            _set_matmul_precision(("ieee", "ieee") if len(_saved_precision) == 2 else ("highest",))
+        _precision_users += 1
+    try:
+        yield
+    finally:
+        with _PRECISION_LOCK:
+            _precision_users -= 1
+            if _precision_users == 0:
+                _set_matmul_precision(_saved_precision)
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b``; NumPy (OpenBLAS) on CPU, torch elsewhere. ``a.T @ a`` on CPU becomes a syrk."""
     if a.device.type == "cpu":
@@ -594,6 +641,7 @@ class ModuleGeometry:
         return self.basis.k
 
 
+@ieee_float32_matmul()
 def plate_geometry(
     weight: torch.Tensor,
     r: int,
@@ -610,6 +658,7 @@ def plate_geometry(
     """Redundancy, B, spectrum, k(tau) and Q for one d_out x d_in weight (float32 or float64).
 
     With ``overwrite_input`` the B rows of ``weight`` are zeroed in place instead of copying the matrix.
+    float32 matmuls run in IEEE float32 whatever the process's TF32 setting (:func:`ieee_float32_matmul`).
     """
     validate_settings(r=r, tau=tau, max_rank=max_rank, n_anchors=n_anchors, sketch_dim=sketch_dim)
     if weight.ndim != 2 or not weight.is_floating_point() or weight.dtype not in (torch.float32, torch.float64):

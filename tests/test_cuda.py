@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import dense_oracle, load_all
+from test_exactness import SHAPES, check_hard_case
 
 import plate_inspect
+from plate_inspect.geometry import _matmul_precision, _set_matmul_precision
 
 pytestmark = [
     pytest.mark.cuda,
@@ -31,3 +33,19 @@ def test_cuda_scan_matches_cpu_and_oracle(tmp_path, qwen_ckpt, precision):
         q = gpu.q(rec.name, torch.float64).numpy()
         np.testing.assert_allclose(q.T @ q, np.eye(k), atol=2e-5)
         assert np.trace(q.T @ gram @ q) / evals.sum() == pytest.approx(evals[:k].sum() / evals.sum(), abs=1e-5)
+
+
+@pytest.mark.parametrize("tf32", [False, True], ids=["ieee", "user-tf32"])
+@pytest.mark.parametrize("storage", ["float32", "bf16"])
+@pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_cuda_geometry_is_exact_on_hard_spectra(shape, alpha, storage, tf32):
+    # the CPU exactness grid, computed on the GPU (torch eigh, cuBLAS), also when the process turned TF32 on the
+    # way training scripts do (the geometry must compute in IEEE float32 anyway)
+    saved = _matmul_precision()
+    try:
+        if tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+        check_hard_case(*SHAPES[shape], alpha, storage, backend="auto", device="cuda")
+    finally:
+        _set_matmul_precision(saved)

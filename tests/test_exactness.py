@@ -56,8 +56,10 @@ def assert_exact(q: np.ndarray, k: int, spectrum: np.ndarray, w: np.ndarray, b_i
     return achieved / total
 
 
-def check_hard_case(d_out: int, d_in: int, alpha: float, storage: str, backend: str, orthogonal: bool = True) -> None:
-    """plate_geometry in float32 on one hard-spectrum weight, against the oracle."""
+def check_hard_case(
+    d_out: int, d_in: int, alpha: float, storage: str, backend: str, orthogonal: bool = True, device: str = "cpu"
+) -> None:
+    """plate_geometry in float32 on one hard-spectrum weight (on ``device``), against the oracle."""
     gen = torch.Generator().manual_seed(int(10 * alpha) + d_out + d_in)
     if orthogonal:
         w = hard_spectrum_weight(d_out, d_in, gen, alpha=alpha, duplicates=d_out // 16)
@@ -66,10 +68,10 @@ def check_hard_case(d_out: int, d_in: int, alpha: float, storage: str, backend: 
     if storage == "bf16":
         w = w.to(torch.bfloat16).float()
     stored = w.double().numpy()
-    geo = plate_geometry(w, 64, 0.9, 512, backend=backend)
-    assert geo.basis.q.dtype == torch.float32
+    geo = plate_geometry(w.to(device), 64, 0.9, 512, backend=backend)
+    assert geo.basis.q.dtype == torch.float32 and geo.basis.q.device.type == torch.device(device).type
     captured = assert_exact(
-        geo.basis.q.numpy(), geo.k, geo.basis.spectrum.double().numpy(), stored, geo.b_idx.numpy(), 0.9, 512
+        geo.basis.q.cpu().numpy(), geo.k, geo.basis.spectrum.double().cpu().numpy(), stored, geo.b_idx.numpy(), 0.9, 512
     )
     assert geo.basis.captured_energy == pytest.approx(captured, rel=1e-3, abs=1e-9)
 

@@ -7,12 +7,16 @@ import pytest
 import torch
 from conftest import dense_oracle
 
+import plate_inspect.batched
+import plate_inspect.geometry as geometry
+from plate_inspect.batched import batched_plate_geometry
 from plate_inspect.errors import ConfigError
 from plate_inspect.geometry import (
     anchor_indices,
     energy_rank,
     frozen_energy_basis,
     high_energy_basis,
+    ieee_float32_matmul,
     k_for_tau,
     least_redundant_rows,
     null_vectors,
@@ -250,3 +254,71 @@ def test_ablation_helpers():
     gram = w.numpy().T @ w.numpy()
     evals = np.linalg.eigvalsh(gram)
     assert np.trace(top.T @ gram @ top) == pytest.approx(evals[-5:].sum(), rel=1e-10)
+
+
+@pytest.fixture
+def user_matmul_precision():
+    """Restores torch's float32 matmul precision (process-wide) after a test that sets it as a user would."""
+    saved = geometry._matmul_precision()
+    yield
+    geometry._set_matmul_precision(saved)
+
+
+def _set_tf32_as_users_do(how: str) -> None:
+    if how == "legacy":  # torch.set_float32_matmul_precision: Lightning's advice, the TF32 docs
+        torch.set_float32_matmul_precision("high")
+    elif how == "allow_tf32":  # what HF Trainer's tf32=True sets
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:  # torch >= 2.9's per-backend API
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
+@pytest.mark.parametrize("how", ["legacy", "allow_tf32", "per-backend"])
+def test_geometry_runs_in_ieee_float32_whatever_the_process_tf32_setting(how, user_matmul_precision, monkeypatch):
+    # a TF32 Gram matrix keeps ~3 digits: the geometry must switch it off while it runs and give it back after
+    if how == "per-backend" and not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no per-backend precision API")
+    _set_tf32_as_users_do(how)
+    users = geometry._matmul_precision()
+    assert "tf32" in users or "high" in users  # the setting took: the test checks a real change
+    seen, real_validate = [], geometry.validate_settings
+
+    def spy(**settings):  # validate_settings: the first call inside both decorated functions
+        seen.append(geometry._matmul_precision())
+        return real_validate(**settings)
+
+    monkeypatch.setattr(geometry, "validate_settings", spy)
+    monkeypatch.setattr(plate_inspect.batched, "validate_settings", spy)
+    plate_geometry(torch.randn(64, 48), 4, 0.9, 16)
+    batched_plate_geometry(torch.randn(2, 64, 48), 4, 0.9, 16, seeds=[0, 1])
+    assert len(seen) == 2 and all(state in (("ieee", "ieee"), ("highest",)) for state in seen)
+    assert geometry._matmul_precision() == users  # the user's setting is back
+
+
+def test_precision_guard_holds_until_the_last_concurrent_user_leaves(user_matmul_precision):
+    torch.set_float32_matmul_precision("high")
+    users = geometry._matmul_precision()
+    first, second = ieee_float32_matmul(), ieee_float32_matmul()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # another thread's geometry is still running: stays IEEE
+    assert geometry._matmul_precision() in (("ieee", "ieee"), ("highest",))
+    second.__exit__(None, None, None)
+    assert geometry._matmul_precision() == users
+
+
+def test_weight_spectrum_for_health_runs_in_ieee_float32_too(user_matmul_precision, monkeypatch):
+    from plate_inspect.health import weight_spectrum
+
+    torch.set_float32_matmul_precision("high")
+    users, seen, real_factor = geometry._matmul_precision(), [], geometry.factor_symmetric
+
+    def spy(*args, **kwargs):
+        seen.append(geometry._matmul_precision())
+        return real_factor(*args, **kwargs)
+
+    monkeypatch.setattr(geometry, "factor_symmetric", spy)
+    weight = torch.randn(30, 20, dtype=torch.float64)
+    spectrum = weight_spectrum(weight)
+    assert seen and seen[0] in (("ieee", "ieee"), ("highest",)) and geometry._matmul_precision() == users
+    np.testing.assert_allclose(spectrum.numpy(), np.linalg.svd(weight.numpy(), compute_uv=False) ** 2, rtol=1e-10)
