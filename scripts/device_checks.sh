@@ -6,6 +6,8 @@
 #   bash scripts/device_checks.sh train   # PLATE vs LoRA training step, bf16 autocast, peak memory
 #   bash scripts/device_checks.sh steps   # per-module step times of the CUDA geometry, 7B and 1.5B shapes (~1 min)
 #   bash scripts/device_checks.sh scan    # Qwen2.5-7B-shaped scan on CUDA (generates the 15 GB checkpoint first)
+#   bash scripts/device_checks.sh quick   # tests, train and steps in one call (the machine is handed back after
+#                                         # ~30 s idle, and every fresh start costs minutes of the device budget)
 #
 # The device image already holds torch (CUDA), safetensors, peft, transformers, scipy, scikit-learn, rich and
 # click; this project is installed on top without dependencies and without the network. PYTHON overrides the
@@ -13,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
-step=${1:?usage: bash scripts/device_checks.sh tests|train|steps|scan}
+step=${1:?usage: bash scripts/device_checks.sh tests|train|steps|scan|quick}
 py=${PYTHON:-python3}
 logs=${OUT:-$PWD/device-logs}
 mkdir -p "$logs"
@@ -36,6 +38,17 @@ print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
 EOF
 
+if [ "$step" = quick ]; then  # each step logs on its own; one failing does not stop the others
+    rc=0
+    for part in tests train steps; do
+        echo "=== $part" | tee -a "$logs/quick.log"
+        SECONDS=0
+        bash "$0" "$part" >>"$logs/quick.log" 2>&1 || { rc=$?; echo "=== $part failed (exit $rc)" | tee -a "$logs/quick.log"; }
+        echo "=== $part took ${SECONDS} s" | tee -a "$logs/quick.log"
+    done
+    exit "$rc"
+fi
+
 case "$step" in
     tests) "$py" -m pytest -m cuda -q -p no:cacheprovider "$repo/tests" 2>&1 | tee "$logs/pytest_cuda.log" ;;
     train) "$py" "$repo/benchmarks/bench_train.py" --device cuda --dtype bfloat16 --reps 20 --memory 2>&1 \
@@ -45,5 +58,5 @@ case "$step" in
            done 2>&1 | tee "$logs/bench_steps_cuda.log" ;;
     scan) "$py" "$repo/benchmarks/bench_scan.py" --shape qwen2.5-7b --device cuda --workdir /tmp/plate-bench 2>&1 \
               | tee "$logs/bench_scan_cuda.log" ;;
-    *) echo "unknown step '$step': use tests, train, steps or scan" >&2; exit 2 ;;
+    *) echo "unknown step '$step': use tests, train, steps, scan or quick" >&2; exit 2 ;;
 esac
