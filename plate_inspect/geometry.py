@@ -555,7 +555,7 @@ class OutputSpectrum:
     trace: float
 
 
-def output_spectrum(gram: torch.Tensor, backend: str = "auto") -> OutputSpectrum:
+def output_gram_spectrum(gram: torch.Tensor, backend: str = "auto") -> OutputSpectrum:
     """Factorise K = W_f W_f^T for its eigenvalues only; overwrites ``gram`` (the caller's scratch K)."""
     trace = _gram_trace(gram)
     return OutputSpectrum(factor_symmetric(gram, backend, vectors=False).eigenvalues().clamp_min(0).flip(0), trace)
@@ -579,7 +579,7 @@ def null_space_basis(
     buffer at a time. Deterministic for a seed; any basis of null directions is an exact bottom-k eigenspace.
     """
     d_in, n_f = rows.weight.shape[1], rows.n_rows
-    spectrum = output_spectrum(rows.output_gram(), backend) if spectrum is None else spectrum
+    spectrum = output_gram_spectrum(rows.output_gram(), backend) if spectrum is None else spectrum
     total = spectrum.trace
     k = k_for_tau(spectrum.values, tau, d_in, max_rank)
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -677,7 +677,7 @@ def plate_geometry(
     keep_mask[b_idx] = False
     keep = torch.nonzero(keep_mask).flatten().to(frozen.device)
     # the frozen block of K factorised here, so that neither K lives on into the null vectors' LU
-    spectrum = output_spectrum(kept_block(row_gram, keep), backend) if row_gram is not None else None
+    spectrum = output_gram_spectrum(kept_block(row_gram, keep), backend) if row_gram is not None else None
     del row_gram
     basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend, output_spectrum=spectrum)
     k_by_tau = {t: k_for_tau(basis.spectrum, t, d_in, max_rank) for t in sorted({*tau_grid, tau})}
