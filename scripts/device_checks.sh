@@ -6,7 +6,8 @@
 #   bash scripts/device_checks.sh train   # PLATE vs LoRA training step, bf16 autocast, peak memory
 #   bash scripts/device_checks.sh steps   # per-module step times of the CUDA geometry, 7B and 1.5B shapes (~1 min)
 #   bash scripts/device_checks.sh scan    # Qwen2.5-7B-shaped scan on CUDA (generates the 15 GB checkpoint first)
-#   bash scripts/device_checks.sh quick   # tests, train and steps in one call (the machine is handed back after
+#   bash scripts/device_checks.sh scan2   # 2 layers of it on CUDA (3 GB to generate): a per-layer time, projected to 28
+#   bash scripts/device_checks.sh quick   # tests, train, steps and scan2 in one call (the machine is handed back after
 #                                         # ~30 s idle, and every fresh start costs minutes of the device budget)
 #
 # The device image already holds torch (CUDA), safetensors, peft, transformers, scipy, scikit-learn, rich and
@@ -15,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
-step=${1:?usage: bash scripts/device_checks.sh tests|train|steps|scan|quick}
+step=${1:?usage: bash scripts/device_checks.sh tests|train|steps|scan|scan2|quick}
 py=${PYTHON:-python3}
 logs=${OUT:-$PWD/device-logs}
 mkdir -p "$logs"
@@ -40,7 +41,7 @@ EOF
 
 if [ "$step" = quick ]; then  # each step logs on its own; one failing does not stop the others
     rc=0
-    for part in tests train steps; do
+    for part in tests train steps scan2; do
         echo "=== $part" | tee -a "$logs/quick.log"
         SECONDS=0
         bash "$0" "$part" >>"$logs/quick.log" 2>&1 || { rc=$?; echo "=== $part failed (exit $rc)" | tee -a "$logs/quick.log"; }
@@ -58,5 +59,7 @@ case "$step" in
            done 2>&1 | tee "$logs/bench_steps_cuda.log" ;;
     scan) "$py" "$repo/benchmarks/bench_scan.py" --shape qwen2.5-7b --device cuda --workdir /tmp/plate-bench 2>&1 \
               | tee "$logs/bench_scan_cuda.log" ;;
-    *) echo "unknown step '$step': use tests, train, steps, scan or quick" >&2; exit 2 ;;
+    scan2) "$py" "$repo/benchmarks/bench_scan.py" --shape qwen2.5-7b --gen-layers 2 --device cuda \
+               --workdir /tmp/plate-bench 2>&1 | tee "$logs/bench_scan2_cuda.log" ;;
+    *) echo "unknown step '$step': use tests, train, steps, scan, scan2 or quick" >&2; exit 2 ;;
 esac
