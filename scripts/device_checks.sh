@@ -2,7 +2,7 @@
 # The checks that need a GPU (issues 11 and 13), for a session that has the device machine. One step per call,
 # since a call may run 10 minutes; logs go to $OUT (the folder the device tool brings back), else ./device-logs.
 #
-#   bash scripts/device_checks.sh tests   # pytest -m cuda: CUDA scan vs CPU + dense oracle, PLATE layer on CUDA
+#   bash scripts/device_checks.sh tests   # pytest -m cuda: CUDA scan vs CPU + oracle, exactness grid (+TF32), PLATE layer
 #   bash scripts/device_checks.sh train   # PLATE vs LoRA training step, bf16 autocast, peak memory
 #   bash scripts/device_checks.sh steps   # per-module step times of the CUDA geometry, 7B and 1.5B shapes (~1 min)
 #   bash scripts/device_checks.sh scan    # Qwen2.5-7B-shaped scan on CUDA (generates the 15 GB checkpoint first)
