@@ -548,17 +548,18 @@ def _stack_null_coordinates(w1: torch.Tensor, m: int) -> torch.Tensor:
 
 
 @dataclass
-class OutputSpectrum:
-    """The eigenvalues of K = W_f W_f^T (descending, clamped at 0: G's nonzero spectrum) and tr(K) = tr(G)."""
+class GramSpectrum:
+    """The eigenvalues of a Gram matrix (descending, clamped at 0) and its trace. For K = W_f W_f^T: G's nonzero
+    spectrum and tr(G)."""
 
     values: torch.Tensor
     trace: float
 
 
-def output_gram_spectrum(gram: torch.Tensor, backend: str = "auto") -> OutputSpectrum:
-    """Factorise K = W_f W_f^T for its eigenvalues only; overwrites ``gram`` (the caller's scratch K)."""
+def gram_spectrum(gram: torch.Tensor, backend: str = "auto") -> GramSpectrum:
+    """Factorise a Gram matrix (W W^T or W^T W) for its eigenvalues only; overwrites ``gram`` (the caller's scratch)."""
     trace = _gram_trace(gram)
-    return OutputSpectrum(factor_symmetric(gram, backend, vectors=False).eigenvalues().clamp_min(0).flip(0), trace)
+    return GramSpectrum(factor_symmetric(gram, backend, vectors=False).eigenvalues().clamp_min(0).flip(0), trace)
 
 
 def null_space_basis(
@@ -567,7 +568,7 @@ def null_space_basis(
     max_rank: int,
     seed: int,
     backend: str = "auto",
-    spectrum: OutputSpectrum | None = None,
+    spectrum: GramSpectrum | None = None,
 ) -> FrozenBasis:
     """Wide W_f whose k surely fits in the null space (max_rank <= d_in - n_f): Q is all null directions.
 
@@ -579,7 +580,7 @@ def null_space_basis(
     buffer at a time. Deterministic for a seed; any basis of null directions is an exact bottom-k eigenspace.
     """
     d_in, n_f = rows.weight.shape[1], rows.n_rows
-    spectrum = output_gram_spectrum(rows.output_gram(), backend) if spectrum is None else spectrum
+    spectrum = gram_spectrum(rows.output_gram(), backend) if spectrum is None else spectrum
     total = spectrum.trace
     k = k_for_tau(spectrum.values, tau, d_in, max_rank)
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -608,7 +609,7 @@ def frozen_energy_basis(
     seed: int = 0,
     keep: torch.Tensor | None = None,
     backend: str = "auto",
-    output_spectrum: OutputSpectrum | None = None,
+    output_spectrum: GramSpectrum | None = None,
 ) -> FrozenBasis:
     """Spectrum, k(tau) and the exact bottom-k eigenspace Q of G = W_f^T W_f, factorising the small side once.
 
@@ -677,7 +678,7 @@ def plate_geometry(
     keep_mask[b_idx] = False
     keep = torch.nonzero(keep_mask).flatten().to(frozen.device)
     # the frozen block of K factorised here, so that neither K lives on into the null vectors' LU
-    spectrum = output_gram_spectrum(kept_block(row_gram, keep), backend) if row_gram is not None else None
+    spectrum = gram_spectrum(kept_block(row_gram, keep), backend) if row_gram is not None else None
     del row_gram
     basis = frozen_energy_basis(frozen, tau, max_rank, seed=seed, keep=keep, backend=backend, output_spectrum=spectrum)
     k_by_tau = {t: k_for_tau(basis.spectrum, t, d_in, max_rank) for t in sorted({*tau_grid, tau})}

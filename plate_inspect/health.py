@@ -245,12 +245,12 @@ def weight_spectrum(weight: torch.Tensor | np.ndarray) -> torch.Tensor:
     eigvalsh, the cost of W's own spectrum on top of the scan's (which computes W_frozen's)."""
     import torch
 
-    from plate_inspect.geometry import factor_symmetric, ieee_float32_matmul, matmul
+    from plate_inspect.geometry import gram_spectrum, ieee_float32_matmul, matmul
 
     w = weight if isinstance(weight, torch.Tensor) else torch.as_tensor(weight)
     with ieee_float32_matmul():  # no TF32 Gram on CUDA, whatever the process's setting
         gram = matmul(w, w.T) if w.shape[0] <= w.shape[1] else matmul(w.T, w)  # a.T @ a: a syrk in numpy
-        return factor_symmetric(gram, vectors=False).eigenvalues().clamp_min(0).flip(0).cpu()
+        return gram_spectrum(gram).values.cpu()
 
 
 def health_of_weight(weight: torch.Tensor | np.ndarray) -> dict:
