@@ -119,7 +119,13 @@ def test_mismatched_bundle_or_weights_refused(digits_setup, tmp_path):
 
 
 def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
+    import dataclasses
+
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    # transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name goes in v6)
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
     root, bundle = tiny_qwen
     model = AutoModelForCausalLM.from_pretrained(root / "model")
@@ -137,7 +143,7 @@ def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
         report_to=[],
         save_strategy="no",
         use_cpu=True,
-        gradient_checkpointing=True,
+        **{checkpointing: True},
         logging_steps=1,
         disable_tqdm=True,
     )
