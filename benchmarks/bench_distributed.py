@@ -26,6 +26,8 @@ from pathlib import Path
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # [d_out, d_in] and count per model, default PLATE targets (attention + MLP / experts; no router, no embeddings)
+QWEN25_7B = {"q/o": ((3584, 3584), 2 * 28), "k/v": ((512, 3584), 2 * 28), "gate/up": ((18944, 3584), 2 * 28),
+             "down": ((3584, 18944), 28)}  # fmt: skip
 QWEN25_72B = {"q/o": ((8192, 8192), 2 * 80), "k/v": ((1024, 8192), 2 * 80), "gate/up": ((29568, 8192), 2 * 80),
               "down": ((8192, 29568), 80)}  # fmt: skip
 DEEPSEEK_V3 = {
@@ -131,11 +133,19 @@ def project(args: argparse.Namespace) -> None:
     for (o, i, t), f in zip(rows, feats, strict=True):
         print(f"  {o:>5} x {i:<5} {t:7.2f} s   fit {float(coef @ f):7.2f} s")
     print(f"fit: seconds = {coef[0]:.3e} * s^2*l + {coef[1]:.3e} * s^3 + {coef[2]:.3e} * s*l*512")
+
+    def fitted_seconds(model: dict) -> float:
+        return sum(n * float(coef @ features(*s)) for s, n in model.values())
+
+    seven_b = fitted_seconds(QWEN25_7B)
+    print(f"CHECK Qwen2.5-7B: 196 modules, {seven_b / 3600:.2f} single-thread CPU hours by the fit (compare a measured"
+          " 7B scan)")  # fmt: skip
     for name, model in (("Qwen2.5-72B", QWEN25_72B), ("DeepSeek-V3 (bf16-dequantized)", DEEPSEEK_V3)):
-        total = sum(n * float(coef @ features(*s)) for s, n in model.values())
+        total = fitted_seconds(model)
         modules = sum(n for _, n in model.values())
         print(f"PROJECTION {name}: {modules} modules, {total / 3600:.1f} single-thread CPU hours; "
-              f"{total / 3600 / args.project_ranks:.2f} h on {args.project_ranks} one-thread ranks")  # fmt: skip
+              f"{total / 3600 / args.project_ranks:.2f} h on {args.project_ranks} one-thread ranks; "
+              f"{total / seven_b:.1f}x Qwen2.5-7B's work")  # fmt: skip
 
 
 def main() -> None:
