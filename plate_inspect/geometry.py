@@ -228,9 +228,9 @@ class DenseEigen(SymmetricEigen):
     """torch.linalg.eigh (every device): the full eigendecomposition, for CUDA and as the reference path.
 
     Eigenvectors in float64 although the Gram matrix is float32, for the reason TridiagonalEigen computes T's in
-    float64: the bottom eigenvalues lie within ~1e-7 of the top one, and a float32 eigensolver mixes their vectors
-    beyond what the Rayleigh-Ritz step can repair (measured at Qwen2.5-7B's q/o size, 3584 x 3584, alpha 0.5:
-    float32 candidates 1.55x the exactness allowance, float64 ones 0.02x). Eigenvalues alone stay in s's dtype.
+    float64: the bottom eigenvalues lie within ~1e-7 ||G|| of each other, and a float32 eigensolver mixes their
+    vectors beyond what the Rayleigh-Ritz step can repair (measured at Qwen2.5-7B's q/o size, 3584 x 3584, alpha
+    0.5: float32 candidates 1.55x the exactness allowance, float64 ones 0.001x). Eigenvalues alone stay in s's dtype.
     """
 
     def __init__(self, s: torch.Tensor, vectors: bool = True) -> None:
