@@ -118,7 +118,7 @@ def test_options_layers_targets_precision_qdtype(tmp_path, qwen_ckpt):
     assert b.modules == ["model.layers.1.mlp.down_proj", "model.layers.1.self_attn.q_proj"]
     assert b.q(b.modules[0], dtype=None).dtype == torch.bfloat16
     assert b.settings.precision == "float64"
-    report = verify(b, qwen_ckpt.path, orthonormality_tol=2e-2)
+    report = verify(b, qwen_ckpt.path)  # the default tolerance follows Q's stored dtype
     assert report.ok, report.problems
 
 
@@ -365,6 +365,42 @@ def test_scan_stats_record_blas_thread_pools(tmp_path, qwen_ckpt):
     assert recorded and recorded.items() <= pools.items()
     assert any(api in ("openblas", "mkl", "blis") for api, _ in recorded)  # the BLAS numpy/scipy use
     assert stats["torch_threads"] == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
+def test_verify_accepts_rounded_q_and_flags_a_bent_one(tmp_path, qwen_ckpt, q_dtype):
+    """A half-precision Q is orthonormal to its own rounding (bf16: |Q^T Q - I| up to ~eps = 7.8e-3): the CLI's
+    verify accepts it with no tolerance to pass; a Q with one column stretched by 10% is still refused."""
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+
+    out = tmp_path / "b"
+    b = plate_inspect.scan(qwen_ckpt.path, out, r=R, q_dtype=q_dtype)
+    worst = max(
+        float(
+            (b.q(n, torch.float64).T @ b.q(n, torch.float64) - torch.eye(b.record(n).k, dtype=torch.float64))
+            .abs()
+            .max()
+        )
+        for n in b.modules
+    )
+    assert worst < torch.finfo(getattr(torch, q_dtype)).eps  # rounding's own bound (the Cauchy-Schwarz one: eps)
+    if q_dtype == "bfloat16":
+        assert worst > 1e-3  # the former fixed tolerance 1e-3 refused these bundles
+    res = CliRunner().invoke(cli, ["verify", str(out), str(qwen_ckpt.path)])
+    assert res.exit_code == 0, res.output
+    name = "model.layers.1.self_attn.o_proj"
+    part = out / b.record(name).file
+    tensors = load_file(part)
+    q = tensors[f"{name}.plate_Q"].clone()
+    q[:, 0] *= 1.1  # |Q^T Q - I|_00 = 0.21
+    tensors[f"{name}.plate_Q"] = q
+    save_file(tensors, part, metadata={"format": "pt"})
+    report = verify(out, qwen_ckpt.path)
+    assert len(report.problems) == 1 and name in report.problems[0] and "not orthonormal" in report.problems[0]
+    res = CliRunner().invoke(cli, ["verify", str(out), str(qwen_ckpt.path)])
+    assert res.exit_code == 1 and "not orthonormal" in res.output
 
 
 def test_verify_notices_an_edited_manifest(tmp_path, qwen_ckpt):
