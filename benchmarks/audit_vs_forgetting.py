@@ -3,7 +3,7 @@
 Per seed: stage 1 trains the digits MLP on task 1 and saves it (the base); every stage-2 method of the continual
 benchmark (Full FT, LoRA r in 1..64, PLATE r x tau, the five matched-capacity ablations) trains on task 2; the
 tuned model is merged (LoRA merge_and_unload, PLATE unload) and its weights saved as safetensors; then
-``plate_inspect.audit.audit(base, tuned)`` scores it with the DEFAULT settings (B chosen as the scan does, r=64,
+``plate_inspect.audit(base, tuned)`` scores it with the DEFAULT settings (B chosen as the scan does, r=64,
 tau=0.9: one yardstick for every method, independent of the method's own bundle). Forgetting = task-1 test
 accuracy before minus after (points); also the symmetrised task-1 KL.
 
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from scipy.stats import spearmanr
 
-from plate_inspect.audit import audit, summarize
+from plate_inspect.auditing import audit, summarize
 from plate_inspect.experiments import continual, digits
 from plate_inspect.scanner import scan
 from plate_inspect.train.variants import make_variant

@@ -50,7 +50,7 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
       plate-inspect audit Qwen/Qwen2.5-7B ./lora-adapter --bundle bundles/qwen7b --json
       plate-inspect audit ./base adapter.safetensors --report audit.html
     """
-    from plate_inspect.audit import TABLE_COLUMNS, audit, rank_by_risk, summarize, table_cells
+    from plate_inspect.auditing import TABLE_COLUMNS, audit, rank_by_risk, summarize, table_cells
 
     with progress_bar("audit", quiet=quiet or as_json, transient=True) as progress:
         records = audit(  # settings: --tau, --r, --anchors, --sketch-dim, --seed, --precision, --revision by name

@@ -248,7 +248,7 @@ def verify_command(bundle, model, revision):
       plate-inspect verify bundles/qwen7b Qwen/Qwen2.5-7B
       plate-inspect verify bundles/mine            # structure only
     """
-    from plate_inspect.verify import verify
+    from plate_inspect.verification import verify
 
     with progress_bar("verify", transient=True) as progress:
         report = verify(bundle, model, revision=revision, progress=progress)

@@ -24,10 +24,10 @@ _LAZY = {
     "ConfigError": "plate_inspect.errors",
     "PlateInspectError": "plate_inspect.errors",
     "apply_bundle": "plate_inspect.train.layer",
-    "audit": "plate_inspect.audit",
+    "audit": "plate_inspect.auditing",
     "plan_budget": "plate_inspect.plan",
     "scan": "plate_inspect.scanner",
-    "verify": "plate_inspect.verify",
+    "verify": "plate_inspect.verification",
 }
 
 __all__ = [
@@ -62,10 +62,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects
-    from plate_inspect.audit import audit
+    from plate_inspect.auditing import audit
     from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings
     from plate_inspect.errors import BundleError, CheckpointError, ConfigError, PlateInspectError
     from plate_inspect.plan import plan_budget
     from plate_inspect.scanner import scan
     from plate_inspect.train.layer import apply_bundle
-    from plate_inspect.verify import verify
+    from plate_inspect.verification import verify

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from plate_inspect.audit import TABLE_COLUMNS, AuditRecord, rank_by_risk, summarize, table_cells
+from plate_inspect.auditing import TABLE_COLUMNS, AuditRecord, rank_by_risk, summarize, table_cells
 from plate_inspect.targets import layer_of, module_type_of
 
 _MAX_BARS = 40

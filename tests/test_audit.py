@@ -15,7 +15,7 @@ from helpers_train import BACKBONE, digits_bundle, digits_checkpoint, randomize_
 from safetensors.torch import save_file
 
 from plate_inspect import scan
-from plate_inspect.audit import (
+from plate_inspect.auditing import (
     AUDIT_KEYS,
     LowRankDelta,
     audit,

@@ -40,6 +40,44 @@ def test_import_plate_inspect_is_lazy_but_complete():
     assert out.strip() == "Bundle"
 
 
+SUBMODULES = ["plate_inspect.auditing", "plate_inspect.verification", "plate_inspect.reports.audit"]
+
+
+@pytest.mark.parametrize("first", ["the functions", *SUBMODULES])  # reports.audit imports auditing behind the scenes
+def test_exported_functions_stay_functions_whatever_is_imported_first(first):
+    """``plate_inspect.audit``/``verify`` are functions; no submodule import, before or after, turns them into modules
+    (they were modules named like them, and whichever was imported first won)."""
+    code = f"""
+import importlib, inspect, plate_inspect
+if {first!r} == "the functions":
+    plate_inspect.audit, plate_inspect.verify
+for mod in [{first!r}, *{SUBMODULES!r}]:
+    if mod.startswith("plate_inspect."):
+        importlib.import_module(mod)
+from plate_inspect.auditing import summarize
+from plate_inspect.verification import VerifyReport
+assert all(inspect.isfunction(getattr(plate_inspect, f)) for f in ["audit", "verify", "scan", "plan_budget"])
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_deprecated_peft_path_warns_and_still_works():
+    code = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from plate_inspect.peft import PlateConfig
+from plate_inspect.train.peft import PlateConfig as New
+assert PlateConfig is New
+assert any(w.category is DeprecationWarning and "plate_inspect.train.peft" in str(w.message) for w in caught), caught
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 @pytest.mark.parametrize("loaded", ["torch", "numpy", "scipy"])
 def test_scan_command_sets_its_runtime_env_before_its_libraries_load(monkeypatch, loaded):
     """`plate-inspect scan` asks libgomp for passive waiting, OpenBLAS for short spinning and torch for huge pages,

@@ -103,7 +103,7 @@ def test_verify_reports_every_module(qwen_ckpt, qwen_targets, tmp_path):
 
 
 def test_audit_reports_every_module(qwen_ckpt, qwen_targets):
-    from plate_inspect.audit import audit
+    from plate_inspect.auditing import audit
 
     rec = Recorder()
     records = audit(qwen_ckpt.path, qwen_ckpt.path, r=8, progress=rec)

@@ -245,7 +245,7 @@ def test_scan_of_fp8_checkpoint_equals_scan_of_its_oracle_dequantization(tmp_pat
 
     from plate_inspect.scanner import scan
     from plate_inspect.testing.synthetic import write_llama_like
-    from plate_inspect.verify import verify
+    from plate_inspect.verification import verify
 
     src = write_llama_like(tmp_path / "src", layers=1)
     stored = {}
