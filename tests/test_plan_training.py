@@ -77,6 +77,21 @@ def test_plan_errors(setup, tmp_path):
         apply_bundle(load_digits(ckpt), bundle, plan=tmp_path / "missing.json")
 
 
+def test_plan_is_tied_to_the_bundle_content_not_its_layout(setup, tmp_path):
+    """The layout-only source_signature (the same for any weights of these shapes, and any settings) no longer
+    passes for the bundle; a plan of a bundle with other settings over the same weights is refused too."""
+    root, ckpt, bundle = setup
+    by_layout = _plan(bundle, {"fc1": 2})
+    by_layout["bundle"]["identity"] = bundle.manifest.source_signature
+    with pytest.raises(ConfigError, match="made for bundle"):
+        apply_bundle(load_digits(ckpt), bundle, plan=by_layout)
+    other = helpers_train.digits_bundle(ckpt, tmp_path / "other", r=16, tau=0.5)
+    assert other.manifest.source_signature == bundle.manifest.source_signature
+    with pytest.raises(ConfigError, match="made for bundle"):
+        apply_bundle(load_digits(ckpt), other, plan=_plan(bundle, {"fc1": 2}))
+    assert apply_bundle(load_digits(ckpt), other, plan=_plan(other, {"fc1": 2}))  # its own plan applies
+
+
 def test_peft_plate_config_plan(setup, tmp_path):
     _, ckpt, bundle = setup
     k1 = 3

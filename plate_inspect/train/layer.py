@@ -191,11 +191,13 @@ def load_plan(plan: dict[str, Any] | str | os.PathLike | None, bundle: Bundle) -
     if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("format_version") != 1:
         raise ConfigError(f"{where}: not a plate-plan version 1 (format {plan.get('format')!r})")
     identity = (plan.get("bundle") or {}).get("identity")
-    accepted = {bundle.manifest.identity, bundle.manifest.source_signature} - {None, ""}
-    if identity not in accepted:
+    # the content identity (settings + every weight's fingerprint); a layout-only signature only for bundles
+    # written before identities existed, which have nothing better
+    expected = bundle.manifest.identity or bundle.manifest.source_signature
+    if identity != expected:
         raise ConfigError(
-            f"{where}: the plan was made for bundle {str(identity)[:24]!r}, not {bundle.path} "
-            f"({bundle.manifest.source_signature[:24]}...); make the plan from this bundle"
+            f"{where}: the plan was made for bundle {str(identity)[:31]!r}, not {bundle.path} "
+            f"(identity {expected[:31]}...); make the plan from this bundle (plate-inspect plan)"
         )
     modules = plan.get("modules")
     if not isinstance(modules, dict):
