@@ -171,6 +171,33 @@ def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
         torch.testing.assert_close(merged(input_ids=x).logits, out, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("autocast_adapter_dtype", [True, False])
+def test_carried_q_stays_in_a_bf16_models_dtype(digits_setup, tmp_path, autocast_adapter_dtype):
+    """peft upcasts adapter tensors to float32 by default; the carried Q stays bf16 (half the file), A is float32,
+    and the saved adapter reloads on a bf16 model to the same outputs."""
+    from safetensors.torch import load_file
+
+    _, ckpt, bundle = digits_setup
+    cfg = PlateConfig(bundle=str(bundle.path), carry_geometry=True)
+    pm = get_peft_model(load_digits(ckpt).to(torch.bfloat16), cfg, autocast_adapter_dtype=autocast_adapter_dtype)
+    layer = pm.base_model.model.fc1
+    assert layer.plate_Q["default"].dtype == torch.bfloat16
+    assert layer.plate_A["default"].dtype == torch.float32  # peft's model creation keeps A in float32
+    assert torch.equal(layer.plate_Q["default"], bundle.q("fc1").to(torch.bfloat16))
+    with torch.no_grad():
+        for p in pm.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    out = pm(x).detach()
+    pm.save_pretrained(tmp_path / "adapter")
+    stored = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert {stored[f"base_model.model.{m}.plate_Q"].dtype for m in BACKBONE} == {torch.bfloat16}
+    loaded = PeftModel.from_pretrained(load_digits(ckpt).to(torch.bfloat16), tmp_path / "adapter")
+    assert loaded.base_model.model.fc1.plate_Q["default"].dtype == torch.bfloat16
+    torch.testing.assert_close(loaded(x), out, rtol=0, atol=0)
+
+
 def test_adapter_carrying_b_and_q_loads_without_the_bundle(digits_setup, tmp_path):
     import shutil
 

@@ -272,6 +272,17 @@ class PlateModel(BaseTuner):
         self._prepare_plate(model, adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
 
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        """peft upcasts every bf16/fp16 adapter tensor to float32 (``autocast_adapter_dtype``, on by default): right
+        for A, but a carried Q stays in the model's dtype, as ``carry_geometry`` promises (half the adapter's size
+        in bf16; the widened values are the same, so the round trip is exact)."""
+        super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
+        for layer in self.model.modules():
+            if isinstance(layer, PlateLayer) and layer.plate_Q.persistent and adapter_name in layer.plate_Q:
+                weight = layer.get_base_layer().weight
+                if weight.is_floating_point() and layer.plate_Q[adapter_name].dtype != weight.dtype:
+                    layer.plate_Q[adapter_name] = layer.plate_Q[adapter_name].to(weight.dtype)
+
     def _prepare_plate(self, model: nn.Module, adapter_name: str) -> None:
         """Load the bundle (or the geometry the adapter carries), check weights and the recorded identity."""
         config: PlateConfig = self.peft_config[adapter_name]
