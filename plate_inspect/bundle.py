@@ -49,6 +49,10 @@ PART_METADATA_KEY = "plate_part"
 _LATER_SETTINGS: dict[str, object] = {"include_mtp": False}
 
 
+#: What to do about an output directory that holds another bundle, for Python and CLI users alike.
+REPLACE_HINT = "replace it with overwrite=True (CLI: --overwrite), or write elsewhere (CLI: --out)"
+
+
 @dataclass(frozen=True)
 class ScanSettings:
     """The settings that determine a bundle's content (two scans with equal settings agree bit for bit).
@@ -446,7 +450,7 @@ class BundleWriter:
                 old = Manifest.from_json(json.loads(existing.read_text()), existing)
             except (json.JSONDecodeError, OSError, BundleError):
                 raise BundleError(
-                    f"{self.path}: holds something that is not a matching bundle; pass --overwrite to replace it"
+                    f"{self.path}: holds something that is not a matching bundle; {REPLACE_HINT}"
                 ) from None
             self._refuse_other(old)
         elif self.overwrite:
@@ -463,12 +467,11 @@ class BundleWriter:
         if old.variant != self.manifest.variant:
             raise BundleError(
                 f"{self.path}: holds {state} bundle that is {describe_variant(old.variant)}, not "
-                f"{describe_variant(self.manifest.variant)}; pass --overwrite to replace it, or choose another --out"
+                f"{describe_variant(self.manifest.variant)}; {REPLACE_HINT}"
             )
         if old.settings != self.manifest.settings or old.planned != self.manifest.planned:
             raise BundleError(
-                f"{self.path}: holds {state} bundle made with other settings or target modules; "
-                "pass --overwrite to replace it, or choose another --out"
+                f"{self.path}: holds {state} bundle made with other settings or target modules; {REPLACE_HINT}"
             )
 
     def reusable(self, part: str) -> dict[str, ModuleRecord]:

@@ -90,6 +90,7 @@ def test_variant_refusals(variants, tmp_path):
     _, other = digits_checkpoint(tmp_path / "o", seed=5)
     with pytest.raises(BundleError, match="other weights"):
         make_variant(plate, other, "random_q", tmp_path / "y")
+    assert not (tmp_path / "y").exists()  # refused before the output directory is made
     a = make_variant(plate, ckpt, "random_q", tmp_path / "s1", seed=1)
     b = make_variant(plate, ckpt, "random_q", tmp_path / "s1b", seed=1)
     c = make_variant(plate, ckpt, "random_q", tmp_path / "s2", seed=2)

@@ -240,6 +240,7 @@ def apply_bundle(
     rho: float = 0.5,
     modules: list[str] | None = None,
     check_fingerprints: bool = True,
+    *,
     q_dtype: torch.dtype | None = torch.float32,
     plan: dict[str, Any] | str | os.PathLike | None = None,
     references: dict[str, WeightSketch] | None = None,
@@ -248,8 +249,9 @@ def apply_bundle(
 
     Before wrapping, each module's weight must be the one the bundle was made for (exact fingerprint, or a rounded
     copy of it: see ``weightcheck``); a mismatch raises BundleError naming the module and nothing is wrapped.
-    ``check_fingerprints=False`` skips that check, with a warning. ``plan`` (a plate-plan dict or JSON path) sets a
-    smaller k per module (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter).
+    ``check_fingerprints=False`` skips that check, with a warning. ``q_dtype``: the dtype the layers hold Q in
+    (None: as the bundle stores it). ``plan`` (a plate-plan dict or JSON path) sets a smaller k per module
+    (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter).
     """
     b = _as_bundle(bundle)
     names = list(modules) if modules is not None else b.modules

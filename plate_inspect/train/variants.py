@@ -35,7 +35,7 @@ from plate_inspect.geometry import (
     random_orthonormal,
     random_rows,
 )
-from plate_inspect.targets import load_target, modules_by_name
+from plate_inspect.targets import TargetModule, load_target, modules_by_name
 
 VARIANTS = ("random_b", "least_redundant_b", "random_q", "high_energy_q", "random_bq")
 
@@ -98,9 +98,11 @@ def make_variant(
         selection_note=f"{m.selection_note}; ablation {variant} (seed {seed}) of {src.path}",
         variant=variant_identity(src, variant, seed),
     )
+    modules = modules_by_name(ckpt)  # every weight by module name, 3-D expert slices and quantized storage included
+    if len(src):  # a wrong checkpoint is refused before ``out`` is touched (its smallest module, one extra read)
+        _source_weight(src, min(src, key=lambda rec: rec.d_out * rec.d_in), ckpt, modules, checkpoint)
     writer = BundleWriter(out, manifest, overwrite=overwrite)
     writer.open()
-    modules = modules_by_name(ckpt)  # every weight by module name, 3-D expert slices and quantized storage included
     parts: dict[str, list[str]] = {}
     for rec in src:
         parts.setdefault(rec.file, []).append(rec.name)
@@ -110,11 +112,7 @@ def make_variant(
         tensors: dict[str, torch.Tensor] = {}
         for name in names:
             rec = src.record(name)
-            if name not in modules:
-                raise BundleError(f"{src.path}: module '{name}' has no weight in {checkpoint}")
-            oriented, fp = load_target(ckpt, modules[name])
-            if fp != rec.fingerprint:
-                raise BundleError(f"{src.path}: module '{name}' was scanned from other weights than {checkpoint}")
+            oriented = _source_weight(src, rec, ckpt, modules, checkpoint)
             if name in old and weight_key(old[name]) == weight_key(rec):
                 records.append(old[name])
                 continue
@@ -155,6 +153,18 @@ def _variant_module(
         f"{name}.spectrum": src.spectrum(name),
     }
     return new, tensors
+
+
+def _source_weight(
+    src: Bundle, rec: ModuleRecord, ckpt: Checkpoint, modules: dict[str, TargetModule], checkpoint: str | os.PathLike
+) -> torch.Tensor:
+    """The module's weight (oriented [d_out, d_in]), refused unless it is the one the bundle was scanned from."""
+    if rec.name not in modules:
+        raise BundleError(f"{src.path}: module '{rec.name}' has no weight in {checkpoint}")
+    oriented, fp = load_target(ckpt, modules[rec.name])
+    if fp != rec.fingerprint:
+        raise BundleError(f"{src.path}: module '{rec.name}' was scanned from other weights than {checkpoint}")
+    return oriented
 
 
 def make_variants(
