@@ -123,3 +123,21 @@ def test_peft_get_peft_model_and_from_pretrained_on_a_cast_model(fp32_setup, tmp
     torch.testing.assert_close(loaded(x.bfloat16()).float(), out, rtol=0.05, atol=0.05)
     with pytest.raises(BundleError, match="fingerprint"):
         PeftModel.from_pretrained(copy.deepcopy(other).to(torch.bfloat16), tmp_path / "peft_adapter")
+
+
+def test_cast_model_with_prefixed_module_names(tmp_path):
+    """A bf16 GPT2LMHeadModel (modules ``transformer.h.0...``) over a float32 GPT-2 checkpoint (``h.0...``): the
+    rounded-copy check looks the source weight up by the bundle's name, not the model's (it raised before)."""
+    from transformers import GPT2LMHeadModel
+
+    from plate_inspect import scan
+    from plate_inspect.testing.synthetic import write_gpt2
+
+    ckpt = write_gpt2(tmp_path / "gpt2", layers=2)
+    bundle = scan(ckpt.path, tmp_path / "bundle", r=4, max_rank=16)
+    model = GPT2LMHeadModel.from_pretrained(ckpt.path, dtype=torch.bfloat16)
+    apply_bundle(model, bundle)
+    assert set(plate_layers(model)) == {f"transformer.{m}" for m in bundle.modules}
+    other = write_gpt2(tmp_path / "other", layers=2, seed=1)
+    with pytest.raises(BundleError, match="fingerprint|differs"):
+        apply_bundle(GPT2LMHeadModel.from_pretrained(other.path, dtype=torch.bfloat16), bundle)

@@ -149,7 +149,7 @@ def check_weight(
     if stored is None or not w.is_floating_point() or unit_roundoff(w.dtype) <= unit_roundoff(stored):
         raise BundleError(refused)
     if reference is None and bundle is not None:
-        reference = source_reference(bundle, name)
+        reference = source_reference(bundle, record.name)  # the bundle's name; ``name`` is the model's
     if reference is None:
         raise BundleError(
             f"module '{name}': the model holds {str(w.dtype).removeprefix('torch.')} weights but the bundle was made "
