@@ -114,6 +114,21 @@ class ScanSettings:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
+def geometry_digest(b_idx: torch.Tensor, q: torch.Tensor) -> str:
+    """Identity of one module's geometry: sha256 over B (int64) and Q widened to float32 (independent of Q's dtype).
+
+    A bundle stores Q in float32, bfloat16 or float16; all of them widen to float32 exactly, so the digest of the
+    bundle's Q is the same whatever dtype a trainer holds it in. Compute it from the bundle's Q, not from a Q that
+    was rounded in memory (``model.to(torch.bfloat16)`` rounds buffers too).
+    """
+    h = hashlib.sha256()
+    h.update(b_idx.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    qc = q.detach().to("cpu", torch.float32).contiguous()
+    h.update(b"float32" + str(list(qc.shape)).encode())
+    h.update(qc.view(torch.uint8).numpy().tobytes() if qc.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
 @dataclass
 class ModuleRecord:
     """Manifest entry for one adapted module."""
@@ -134,6 +149,7 @@ class ModuleRecord:
     file: str  # part file that holds this module's tensors
     variant: str | None = None  # None for a scanned bundle; an ablation name for derived bundles
     health: dict | None = None  # beyond (issue 15): plate_inspect.health.health_record of W; written only when set
+    geometry_digest: str | None = None  # geometry_digest(B, Q as stored), checked by verify; None in older bundles
 
     @property
     def d_out(self) -> int:
@@ -154,10 +170,11 @@ class ModuleRecord:
 
 
 def _record_json(rec: ModuleRecord) -> dict[str, Any]:
-    """A module record for the manifest; ``health`` only when present (beyond, issue 15)."""
+    """A module record for the manifest; ``health`` and ``geometry_digest`` only when present."""
     d = asdict(rec)
-    if d.get("health") is None:
-        d.pop("health", None)
+    for optional in ("health", "geometry_digest"):
+        if d.get(optional) is None:
+            d.pop(optional, None)
     return d
 
 

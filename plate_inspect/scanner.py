@@ -35,6 +35,7 @@ from plate_inspect.bundle import (
     Manifest,
     ModuleRecord,
     ScanSettings,
+    geometry_digest,
     read_part_tensors,
     weight_key,
 )
@@ -555,6 +556,7 @@ def module_outputs(
         f"{target.name}.redundancy": geo.redundancy,
         f"{target.name}.spectrum": basis.spectrum.cpu(),
     }
+    record.geometry_digest = geometry_digest(geo.b_idx, tensors[f"{target.name}.plate_Q"])
     return record, tensors
 
 

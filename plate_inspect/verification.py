@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plate_inspect.bundle import Bundle, ModuleRecord
+from plate_inspect.bundle import Bundle, ModuleRecord, geometry_digest
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import EXPERT_LAYOUTS, TargetModule, modules_by_name
@@ -90,6 +90,11 @@ def _check_module(
             report.problems.append(
                 f"{where}: Q columns not orthonormal (max |Q^T Q - I| = {err:.2e} > {tol:.1e} for {stored_q.dtype})"
             )
+    if rec.geometry_digest and geometry_digest(b_idx, stored_q) != rec.geometry_digest:
+        report.problems.append(
+            f"{where}: B or Q differ from what the scan wrote (geometry digest mismatch): the part file "
+            f"{rec.file} was edited or is corrupt; rescan with --overwrite"
+        )
     if spectrum.numel() and (bool((spectrum < 0).any()) or bool((spectrum[1:] > spectrum[:-1]).any())):
         report.problems.append(f"{where}: spectrum not descending and non-negative")
     if ckpt is not None:

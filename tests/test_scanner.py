@@ -398,9 +398,53 @@ def test_verify_accepts_rounded_q_and_flags_a_bent_one(tmp_path, qwen_ckpt, q_dt
     tensors[f"{name}.plate_Q"] = q
     save_file(tensors, part, metadata={"format": "pt"})
     report = verify(out, qwen_ckpt.path)
-    assert len(report.problems) == 1 and name in report.problems[0] and "not orthonormal" in report.problems[0]
+    assert all(name in p for p in report.problems)
+    assert ["not orthonormal" in p for p in report.problems] == [True, False]  # then the digest's own complaint
     res = CliRunner().invoke(cli, ["verify", str(out), str(qwen_ckpt.path)])
     assert res.exit_code == 1 and "not orthonormal" in res.output
+
+
+def test_verify_catches_swapped_or_bit_flipped_geometry(tmp_path, qwen_ckpt):
+    """Every record carries a digest of its B and Q as written; Q's swapped between two same-shaped modules (each
+    still orthonormal, so structure checks pass) and a single flipped low bit are both caught."""
+    out = tmp_path / "b"
+    b = plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    for name in b.modules:  # the digest's definition, computed here independently
+        h = hashlib.sha256(b.b_idx(name).numpy().astype("<i8").tobytes())
+        q = b.q(name, dtype=None).float().contiguous()
+        h.update(b"float32" + str(list(q.shape)).encode() + q.numpy().astype("<f4").tobytes())
+        assert b.record(name).geometry_digest == "sha256:" + h.hexdigest()
+    assert verify(out, qwen_ckpt.path).ok
+    v0, v1 = next(  # two modules of equal Q shape in different part files: a swap passes every structure check
+        (m, n)
+        for m in b.modules
+        for n in b.modules
+        if b.record(m).file < b.record(n).file and b.q(m).shape == b.q(n).shape
+    )
+    p0, p1 = out / b.record(v0).file, out / b.record(v1).file
+    t0, t1 = load_file(p0), load_file(p1)
+    meta0, meta1 = _part_metadata(p0), _part_metadata(p1)
+    t0[f"{v0}.plate_Q"], t1[f"{v1}.plate_Q"] = t1[f"{v1}.plate_Q"].clone(), t0[f"{v0}.plate_Q"].clone()
+    save_file(t0, p0, metadata=meta0)
+    save_file(t1, p1, metadata=meta1)
+    problems = verify(out, qwen_ckpt.path).problems
+    assert len(problems) == 2 and all("geometry digest" in p for p in problems), problems
+    assert {v0, v1} == {n for n in (v0, v1) for p in problems if f"'{n}'" in p}
+    plate_inspect.scan(qwen_ckpt.path, out, r=R, overwrite=True)
+    q_name = "model.layers.0.mlp.up_proj"
+    part = out / b.record(q_name).file
+    tensors, meta = load_file(part), _part_metadata(part)
+    tensors[f"{q_name}.plate_Q"].view(torch.int32)[3, 2] ^= 1  # one ulp
+    save_file(tensors, part, metadata=meta)
+    problems = verify(out).problems  # structure only, no model needed
+    assert len(problems) == 1 and q_name in problems[0] and "geometry digest" in problems[0]
+
+
+def _part_metadata(path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
 
 
 def test_verify_notices_an_edited_manifest(tmp_path, qwen_ckpt):

@@ -16,11 +16,11 @@ The backward picks independently: grad A = Z^T g (``z``: Z saved or recomputed) 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
+from plate_inspect.bundle import geometry_digest as geometry_digest  # re-exported: trainers digest B/Q with it
 from plate_inspect.errors import BundleError
 
 
@@ -42,21 +42,6 @@ def validate_geometry(
     if torch.unique(b).numel() != b.numel():
         raise BundleError(f"{where}: B has repeated rows; the bundle is corrupt (rescan it)")
     return b, q.detach()
-
-
-def geometry_digest(b_idx: torch.Tensor, q: torch.Tensor) -> str:
-    """Identity of one module's geometry: sha256 over B (int64) and Q widened to float32 (independent of Q's dtype).
-
-    A bundle stores Q in float32, bfloat16 or float16; all of them widen to float32 exactly, so the digest of the
-    bundle's Q is the same whatever dtype a trainer holds it in. Compute it from the bundle's Q, not from a Q that
-    was rounded in memory (``model.to(torch.bfloat16)`` rounds buffers too).
-    """
-    h = hashlib.sha256()
-    h.update(b_idx.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-    qc = q.detach().to("cpu", torch.float32).contiguous()
-    h.update(b"float32" + str(list(qc.shape)).encode())
-    h.update(qc.view(torch.uint8).numpy().tobytes() if qc.numel() else b"")
-    return "sha256:" + h.hexdigest()
 
 
 # --------------------------------------------------------------------------- evaluation orders

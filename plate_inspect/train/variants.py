@@ -25,7 +25,15 @@ from pathlib import Path
 
 import torch
 
-from plate_inspect.bundle import Bundle, BundleWriter, Manifest, ModuleRecord, read_part_tensors, weight_key
+from plate_inspect.bundle import (
+    Bundle,
+    BundleWriter,
+    Manifest,
+    ModuleRecord,
+    geometry_digest,
+    read_part_tensors,
+    weight_key,
+)
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.geometry import (
@@ -152,6 +160,7 @@ def _variant_module(
         f"{name}.redundancy": src.redundancy(name),
         f"{name}.spectrum": src.spectrum(name),
     }
+    new.geometry_digest = geometry_digest(tensors[f"{name}.plate_B_idx"], tensors[f"{name}.plate_Q"])
     return new, tensors
 
 
