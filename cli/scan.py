@@ -12,7 +12,7 @@ from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings
 from plate_inspect.cli.common import console, err_console, human_bytes, progress_bar, split_names
 from plate_inspect.distributed import rank_from_env
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
-from plate_inspect.scanner import default_out_dir, plan_scan, run_scan
+from plate_inspect.scanner import default_out_dir, plan_scan, previous_source, run_scan, same_model, source_record
 from plate_inspect.targets import parse_layers
 
 
@@ -151,6 +151,12 @@ def scan_command(
     root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if root:
         err_console.print(f"{len(plan.targets)} target modules ({plan.selection_note}) -> {out}")
+        before, now = previous_source(out), source_record(plan.checkpoint)
+        if before and not overwrite and not same_model(before, now):
+            err_console.print(
+                f"note: {out} holds a bundle of {before.get('id')}; updating it for {now.get('id')} (only modules "
+                "whose weights differ are recomputed; give another --out to keep it)"
+            )
     with progress_bar("scan", quiet=quiet or not root) as progress:
         bundle = run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
     if not root:

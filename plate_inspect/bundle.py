@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -486,9 +486,19 @@ class BundleWriter:
                 f"{self.path}: holds {state} bundle that is {describe_variant(old.variant)}, not "
                 f"{describe_variant(self.manifest.variant)}; {REPLACE_HINT}"
             )
-        if old.settings != self.manifest.settings or old.planned != self.manifest.planned:
+        if old.settings != self.manifest.settings:
+            changed = [
+                f"{f.name} {getattr(old.settings, f.name)!r} there, {getattr(self.manifest.settings, f.name)!r} here"
+                for f in fields(ScanSettings)
+                if getattr(old.settings, f.name) != getattr(self.manifest.settings, f.name)
+            ]
             raise BundleError(
-                f"{self.path}: holds {state} bundle made with other settings or target modules; {REPLACE_HINT}"
+                f"{self.path}: holds {state} bundle made with other settings ({'; '.join(changed)}); {REPLACE_HINT}"
+            )
+        if old.planned != self.manifest.planned:
+            raise BundleError(
+                f"{self.path}: holds {state} bundle of other target modules ({len(old.planned)} there, "
+                f"{len(self.manifest.planned)} here); {REPLACE_HINT}"
             )
 
     def reusable(self, part: str) -> dict[str, ModuleRecord]:

@@ -11,6 +11,7 @@ the parts (:mod:`plate_inspect.distributed`).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import resource
@@ -181,7 +182,7 @@ def run_scan(
             return distributed.scan_on_devices(plan, out, names, overwrite=overwrite, progress=progress)
         device = names[0]
     ckpt, settings = plan.checkpoint, plan.settings
-    source = ckpt.source.to_json() if ckpt.source else {"kind": "local", "id": str(ckpt.root)}
+    source = source_record(ckpt)
     manifest = Manifest(
         source=source,
         settings=settings,
@@ -588,7 +589,36 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def source_record(ckpt: Checkpoint) -> dict[str, Any]:
+    """The manifest's ``source``: a hub repo (id, revision, commit) or a local checkpoint's path."""
+    return ckpt.source.to_json() if ckpt.source else {"kind": "local", "id": str(ckpt.root)}
+
+
+def previous_source(out: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``source`` of the bundle already in ``out`` (None: no readable manifest there)."""
+    try:
+        return json.loads((Path(out) / "manifest.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def same_model(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two manifest sources name the same model (a local path resolved, or a hub repo at any revision)."""
+    a, b = a or {}, b or {}
+    if a.get("kind") != b.get("kind"):
+        return False
+    if a.get("kind") == "local":
+        return os.path.realpath(str(a.get("id"))) == os.path.realpath(str(b.get("id")))
+    return a.get("id") == b.get("id")
+
+
 def default_out_dir(source: str | os.PathLike) -> Path:
-    """bundles/<model name> in the working directory."""
-    name = Path(str(source).rstrip("/")).name.removesuffix(".safetensors") or "model"
+    """bundles/<model name> in the working directory: a hub repo's name, a local directory's own name (``.``
+    resolved), a file's stem, or its directory's name when the stem is the generic ``model``."""
+    path = Path(str(source))
+    if path.exists():
+        path = path.resolve()
+        if path.is_file():
+            path = path.parent if path.stem in ("model", "") else path.with_suffix("")
+    name = path.name or "model"
     return Path("bundles") / name

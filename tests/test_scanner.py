@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,7 +138,7 @@ def test_rescan_of_finished_bundle_is_a_no_op_and_other_settings_refuse(tmp_path
     before = (out / "manifest.json").read_bytes()
     plate_inspect.scan(qwen_ckpt.path, out, r=R)
     assert (out / "manifest.json").read_bytes() == before
-    with pytest.raises(plate_inspect.BundleError, match="--overwrite"):
+    with pytest.raises(plate_inspect.BundleError, match=f"other settings \\(r {R} there, {R + 1} here\\).*--overwrite"):
         plate_inspect.scan(qwen_ckpt.path, out, r=R + 1)
     b = plate_inspect.scan(qwen_ckpt.path, out, r=R + 1, overwrite=True)
     assert b.settings.r == R + 1
@@ -445,6 +446,37 @@ def _part_metadata(path) -> dict[str, str]:
 
     with safe_open(str(path), framework="pt") as f:
         return f.metadata()
+
+
+def test_scan_of_another_model_into_a_bundle_dir_says_so(tmp_path, qwen_ckpt, monkeypatch):
+    """Scanning a fine-tune into its base's bundle dir is an incremental update (documented); the CLI says that the
+    dir held another model's bundle, and default output names do not collide for ``<dir>/model.safetensors``."""
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+
+    out = tmp_path / "b"
+    plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    same = CliRunner().invoke(cli, ["scan", str(qwen_ckpt.path), "--out", str(out), "--r", str(R), "-q"])
+    assert same.exit_code == 0 and "note:" not in same.output
+    other = plate_inspect.testing.synthetic.write_llama_like(tmp_path / "other", layers=2, seed=1)
+    res = CliRunner().invoke(cli, ["scan", str(other.path), "--out", str(out), "--r", str(R), "-q"])
+    assert res.exit_code == 0, res.output
+    squeezed = "".join(res.output.split())  # rich folds long lines (and long paths) at its console width
+    assert f"holdsabundleof{qwen_ckpt.path};updatingitfor{other.path}" in squeezed
+    assert Bundle.load(out).manifest.source["id"] == str(other.path)
+
+    from plate_inspect.scanner import default_out_dir
+
+    (tmp_path / "m2").mkdir()
+    (tmp_path / "m2" / "model.safetensors").touch()
+    (tmp_path / "m2" / "finetuned.safetensors").touch()
+    assert default_out_dir(tmp_path / "m2" / "model.safetensors") == default_out_dir(tmp_path / "m2")
+    assert str(default_out_dir(tmp_path / "m2")) == str(Path("bundles") / "m2")
+    assert default_out_dir(tmp_path / "m2" / "finetuned.safetensors") == Path("bundles") / "finetuned"
+    assert default_out_dir("Qwen/Qwen2.5-7B") == Path("bundles") / "Qwen2.5-7B"
+    monkeypatch.chdir(tmp_path / "m2")
+    assert default_out_dir(".") == Path("bundles") / "m2"
 
 
 def test_verify_notices_an_edited_manifest(tmp_path, qwen_ckpt):
