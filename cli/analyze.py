@@ -85,6 +85,7 @@ def align_command(
       plate-inspect align ./my-bert --text corpus.txt --json > alignment.json
     """
     from plate_inspect.analysis.alignment import SKLEARN_TEXT_SOURCE, hf_text_alignment, read_text, sklearn_descr_text
+    from plate_inspect.targets import check_target_patterns
 
     k_values = _int_list(ks, "--k")
     if max_tokens is not None and max_tokens < 1:
@@ -93,6 +94,8 @@ def align_command(
         raise ConfigError(f"--seq-len must be at least 2, got {seq_len}")
     if random_draws < 1:
         raise ConfigError(f"--random-draws must be positive, got {random_draws}")
+    targets = split_names(target_modules)
+    check_target_patterns(targets)
     if model is None:
         from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 
@@ -103,7 +106,6 @@ def align_command(
         err_console.print(f"no --text given: using {SKLEARN_TEXT_SOURCE}")
     else:
         text = read_text(text_file)
-    targets = split_names(target_modules)
     with progress_bar("align", quiet=quiet or as_json) as progress:
         records = hf_text_alignment(
             model,
@@ -204,11 +206,10 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     unknown = [f for f in wanted if f not in known]
     if unknown or not wanted:
         raise ConfigError(f"--families: unknown {unknown or 'empty list'}; choose from {', '.join(known)}")
-    for name, value in (("--epochs", epochs), ("--lora-rank", lora_rank), ("--r", r), ("--max-rank", max_rank)):
+    counts = (("--epochs", epochs), ("--lora-rank", lora_rank), ("--r", r), ("--max-rank", max_rank))
+    for name, value in (*counts, ("--probes", probes)):  # --probes 0: medians over no probes are NaN
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value}")
-    if probes < 0:
-        raise ConfigError(f"--probes must be >= 0, got {probes}")
     _check_digits_ranks(r, lora_rank)
 
     tmp = None

@@ -10,7 +10,7 @@ from rich import box
 from rich.table import Table
 
 from plate_inspect.cli.common import console, progress_bar, split_names
-from plate_inspect.targets import parse_layers
+from plate_inspect.targets import check_target_patterns, parse_layers
 
 
 @click.command("audit")
@@ -52,6 +52,7 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
     """
     from plate_inspect.auditing import TABLE_COLUMNS, audit, rank_by_risk, summarize, table_cells
 
+    check_target_patterns(split_names(target_modules))
     with progress_bar("audit", quiet=quiet or as_json, transient=True) as progress:
         records = audit(  # settings: --tau, --r, --anchors, --sketch-dim, --seed, --precision, --revision by name
             base,

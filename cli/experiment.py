@@ -114,12 +114,7 @@ def sequential_command(out, data, methods, seeds, steps, data_root, no_progress)
     from plate_inspect.experiments.methods import parse_methods
     from plate_inspect.experiments.sequential_tasks import SEQUENTIAL_METHODS, print_matrix, run_sequential
 
-    names = parse_methods(methods)
-    from plate_inspect.errors import ConfigError
-
-    bad = [m for m in names if m not in SEQUENTIAL_METHODS]
-    if bad:
-        raise ConfigError(f"sequential: method '{bad[0]}' not supported; choose from {', '.join(SEQUENTIAL_METHODS)}")
+    names = parse_methods(methods, SEQUENTIAL_METHODS)
     with progress_bar("sequential", quiet=no_progress) as progress:
         result = run_sequential(out, names, seeds=seeds, steps=steps, data=data, data_root=data_root, progress=progress)
     print_matrix(result, console)

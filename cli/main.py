@@ -30,6 +30,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: What Ctrl-C leaves behind, for the commands that keep finished work; any other command just says "interrupted".
+INTERRUPT_NOTES: dict[str, str] = {
+    "scan": "finished modules are saved; rerun the same command to resume",
+    "experiment continual": "finished runs are saved (OUT/runs.jsonl); rerun the same command to resume",
+    "experiment sequential": "finished runs are in OUT/sequential.json; a rerun starts over",
+}
+
+
 #: Set for `plate-inspect scan` before torch, NumPy and SciPy load, unless the user set them (each is read once, at
 #: load). A scan hands work back and forth between three thread pools: torch's OpenMP threads, NumPy's OpenBLAS and
 #: SciPy's OpenBLAS (two separate libraries). OMP_WAIT_POLICY=PASSIVE: OpenMP threads that spin after each torch op
@@ -85,13 +93,16 @@ class LazyGroup(click.Group):
         return getattr(mod, attr, None)
 
     def invoke(self, ctx: click.Context):
+        words = [a for a in ctx.args if not a.startswith("-")][:1]  # a group's subcommand (experiment continual)
         try:
             return super().invoke(ctx)
         except PlateInspectError as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # names in e are not markup
             sys.exit(2)
         except KeyboardInterrupt:
-            err_console.print("[yellow]interrupted[/]: finished work is saved; rerun the same command to resume")
+            name = ctx.invoked_subcommand or ""
+            note = INTERRUPT_NOTES.get(" ".join([name, *words]), INTERRUPT_NOTES.get(name))
+            err_console.print("[yellow]interrupted[/]" + (f": {note}" if note else ""))
             sys.exit(130)
 
 

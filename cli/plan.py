@@ -68,7 +68,7 @@ def plan_command(bundle, budget, objective, out, as_json):
     console.print(table)
     bud = data["budget"]
     console.print(
-        f"budget {bud['params']:,} parameters ({bud['spec']}); planned {bud['spent']:,}; "
+        f"budget {_count(bud['params'])} parameters ({bud['spec']}); planned {bud['spent']:,}; "
         f"max captured energy {plan.max_captured_energy:.3e}, mean {plan.mean_captured_energy:.3e}"
     )
     if bud["limited_by_bundle"]:
@@ -77,3 +77,8 @@ def plan_command(bundle, budget, objective, out, as_json):
             "scan with a smaller --tau (or larger --max-rank) to plan more"
         )
     console.print(f"plan: {out}")
+
+
+def _count(n: int) -> str:
+    """A parameter count with thousands separators, or in e-notation when beyond any real model (--budget 1e30)."""
+    return f"{n:,}" if n < 10**15 else f"{n:.3e}"

@@ -12,6 +12,7 @@ from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings
 from plate_inspect.cli.common import console, err_console, human_bytes, progress_bar, split_names
 from plate_inspect.distributed import rank_from_env
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
+from plate_inspect.formatting import counted
 from plate_inspect.scanner import default_out_dir, plan_scan, previous_source, run_scan, same_model, source_record
 from plate_inspect.targets import parse_layers
 
@@ -150,7 +151,7 @@ def scan_command(
     plan = plan_scan(model, settings, revision=revision, offline=True if offline else None)
     root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if root:
-        err_console.print(f"{len(plan.targets)} target modules ({plan.selection_note}) -> {out}")
+        err_console.print(f"{counted(len(plan.targets), 'target module')} ({plan.selection_note}) -> {out}")
         before, now = previous_source(out), source_record(plan.checkpoint)
         if before and not overwrite and not same_model(before, now):
             err_console.print(
@@ -264,5 +265,8 @@ def verify_command(bundle, model, revision):
     if report.ok:
         console.print(f"[green]ok[/]: {report.modules_checked} modules verified{target}")
     else:
-        console.print(f"[red]FAILED[/]: {len(report.problems)} problems in {report.modules_checked} modules{target}")
+        console.print(
+            f"[red]FAILED[/]: {counted(len(report.problems), 'problem')} in "
+            f"{counted(report.modules_checked, 'module')}{target}"
+        )
         raise SystemExit(1)

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from plate_inspect.cli.common import console, err_console, progress_bar
+from plate_inspect.formatting import counted
 
 
 @click.command("merge")
@@ -21,7 +22,8 @@ from plate_inspect.cli.common import console, err_console, progress_bar
     "rescan_out",
     type=click.Path(path_type=Path),
     default=None,
-    help="Also rescan the merged checkpoint into this bundle directory (same settings as the old bundle).",
+    help="Also rescan the merged checkpoint into this bundle directory (same settings as the old bundle); "
+    "an existing bundle there is replaced only with --overwrite.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace existing files in --out / --rescan.")
 def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
@@ -37,16 +39,19 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 --rescan bundles/task2
     """
-    from plate_inspect.train.sequential import merge_checkpoint, rescan
+    from plate_inspect.train.sequential import check_rescan_out, merge_checkpoint, rescan
 
+    if rescan_out is not None:
+        check_rescan_out(rescan_out, overwrite)
     with progress_bar("merge") as progress:
         result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite, progress=progress)
     console.print(
-        f"merged {len(result.merged_modules)} modules into {len(result.files)} file(s) in [bold]{result.out}[/]"
+        f"merged {counted(len(result.merged_modules), 'module')} into {counted(len(result.files), 'file')} "
+        f"in [bold]{result.out}[/]"
     )
     if rescan_out is not None:
         from plate_inspect.train.layer import read_adapter
 
         _, meta = read_adapter(adapter)
         new = rescan(result.out, bundle or meta["bundle_path"], rescan_out, overwrite=overwrite)
-        err_console.print(f"rescanned: {len(new)} modules -> {new.path}")
+        err_console.print(f"rescanned: {counted(len(new), 'module')} -> {new.path}")

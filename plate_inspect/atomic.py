@@ -9,8 +9,10 @@ is a process-wide write, unsafe with threads).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 
 
@@ -48,6 +50,31 @@ def _create_temp(parent: Path, name: str) -> tuple[int, Path]:
     raise FileExistsError(f"{parent}: cannot create a unique temporary file for {name}")
 
 
+def make_temp_dir(parent: str | os.PathLike, name: str) -> Path:
+    """A new, empty directory ``.<name>.partial-<random>`` in ``parent``, created with mode 0o777 so that the umask
+    and default ACLs apply as to any new directory (``tempfile.mkdtemp`` gives 0o700: wrong once renamed)."""
+    parent = Path(parent)
+    for _ in range(100):
+        tmp = parent / f".{name}.partial-{secrets.token_hex(6)}"
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: cannot create a unique temporary directory for {name}")
+
+
+def new_file_mode(directory: str | os.PathLike) -> int:
+    """The permission bits a new file in ``directory`` gets (0o666 minus the umask, or the default ACL's), read
+    from a probe file: for files a library wrote with another mode (safetensors' save_file: 0o600)."""
+    fd, probe = _create_temp(Path(directory), "mode-probe")
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def _fsync_dir(directory: Path) -> None:
     """Make the rename durable where the platform allows it (best effort: some filesystems refuse)."""
     with contextlib.suppress(OSError):
@@ -56,3 +83,29 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def make_dirs(path: str | os.PathLike, what: str, option: str = "--out") -> Path:
+    """``mkdir -p path`` for an output directory; ConfigError (one line: the path, why, ``option`` to change) when
+    it cannot be made: a file in the way, no permission, a read-only or full disk."""
+    from plate_inspect.errors import ConfigError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"{path}: cannot create {what} ({os_error_reason(path, e)}); choose another {option}"
+        ) from None
+    return path
+
+
+def os_error_reason(path: str | os.PathLike, e: OSError) -> str:
+    """A short reason for an OSError on an output path: names the file in the way where a directory was needed."""
+    if e.errno in (errno.EEXIST, errno.ENOTDIR):
+        for p in (Path(path), *Path(path).parents):
+            if p.exists() and not p.is_dir():
+                return f"{p} is a file, not a directory"
+    if e.errno == errno.ENOSPC:
+        return "disk full"
+    return str(e.strerror or e)

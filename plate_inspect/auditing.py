@@ -34,6 +34,7 @@ from plate_inspect.bundle import Bundle
 from plate_inspect.checkpoint import Checkpoint, TensorInfo, parse_safetensors_header
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import (
+    check_sketch_dim,
     effective_r,
     energy_rank,
     matmul,
@@ -572,6 +573,9 @@ def audit(
     records = []
     counter = ProgressCounter(as_callback(progress, "audit"), len(targets), "modules")
     counter.start()
+    if geometry is None:
+        for target in targets:  # before any weight is read
+            check_sketch_dim(sketch_dim, target.shape[1], target.name)
     for target in targets:
         stored, fingerprint = load_target(base_ckpt, target)
         weight = stored.to(dtype).contiguous()

@@ -278,9 +278,10 @@ class Bundle:
         path = Path(path)
         mpath = path / MANIFEST
         if not mpath.exists():
-            raise BundleError(
-                f"{path}: not a bundle (no {MANIFEST}); create one with: plate-inspect scan MODEL --out {path}"
-            )
+            why = "does not exist" if not path.exists() else "is a file, not a bundle directory"
+            if path.is_dir():
+                why = f"not a bundle (no {MANIFEST})"
+            raise BundleError(f"{path}: {why}; create a bundle with: plate-inspect scan MODEL --out {path}")
         try:
             data = json.loads(mpath.read_text())
         except (OSError, json.JSONDecodeError) as e:

@@ -10,3 +10,8 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} TB"
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``(1, 'module')`` -> ``'1 module'``, ``(14, 'module')`` -> ``'14 modules'`` (``plural`` for irregular nouns)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

@@ -707,6 +707,16 @@ def validate_settings(
         raise ConfigError(f"sketch dim must be a positive integer, got {sketch_dim!r}")
 
 
+def check_sketch_dim(sketch_dim: int | None, d_in: int, module: str | None = None) -> None:
+    """Refuse a sketch wider than the rows it projects (its d_in x D Gaussian could need 100s of GB for nothing)."""
+    if sketch_dim is not None and sketch_dim > d_in:
+        where = f"module '{module}'" if module else "a target module"
+        raise ConfigError(
+            f"sketch dim {sketch_dim} is larger than the input dimension d_in={d_in} of {where}; "
+            f"use --sketch-dim {d_in} or less (or leave it out: exact cosines)"
+        )
+
+
 # --------------------------------------------------------------------------- matched-capacity ablations
 def random_rows(d_out: int, r: int, seed: int) -> torch.Tensor:
     """Random-B: r distinct output rows drawn uniformly (seeded), ascending int64."""

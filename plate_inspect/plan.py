@@ -212,10 +212,15 @@ def plan_budget(bundle: Bundle | str | os.PathLike, budget: str | int, objective
 
 
 def write_plan(plan: Plan, path: str | os.PathLike) -> Path:
-    """Write the plan JSON (atomically)."""
-    from plate_inspect.bundle import write_file
+    """Write the plan JSON (atomically); ConfigError naming the path when it cannot be written."""
+    from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(path, json.dumps(plan.to_json(), indent=2) + "\n")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; give a file name, e.g. -o {path / 'plan.json'}")
+    make_dirs(path.parent, "the plan's directory", "-o")
+    try:
+        atomic_write(path, json.dumps(plan.to_json(), indent=2) + "\n")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write the plan ({os_error_reason(path, e)}); choose another -o") from None
     return path

@@ -43,7 +43,7 @@ from plate_inspect.bundle import (
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.dtypes import PRECISIONS, Q_DTYPES
 from plate_inspect.errors import CheckpointError, ConfigError
-from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, module_seed, plate_geometry
+from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, check_sketch_dim, module_seed, plate_geometry
 from plate_inspect.health import health_record
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import TargetModule, load_target, select_targets
@@ -98,6 +98,7 @@ def plan_scan(
     )
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(ckpt.logical_weight(target.logical_name))
+        check_sketch_dim(settings.sketch_dim, target.shape[1], target.name)
     return ScanPlan(ckpt, targets, note, settings)
 
 

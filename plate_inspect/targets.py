@@ -191,8 +191,29 @@ def layer_of(name: str) -> int | None:
 
 def _matches(module: str, pattern: str) -> bool:
     if _REGEX_CHARS.search(pattern):
-        return re.fullmatch(pattern, module) is not None or re.search(pattern, module) is not None
+        try:
+            return re.fullmatch(pattern, module) is not None or re.search(pattern, module) is not None
+        except re.error as e:
+            raise _bad_pattern(pattern, e) from None
     return module == pattern or module.endswith("." + pattern)
+
+
+def check_target_patterns(patterns: Iterable[str] | None) -> None:
+    """ConfigError for a target-module pattern that looks like a regex but does not compile (``--target-modules '['``);
+    call it before any slow work: matching raises the same error, later."""
+    for pattern in patterns or ():
+        if _REGEX_CHARS.search(pattern):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise _bad_pattern(pattern, e) from None
+
+
+def _bad_pattern(pattern: str, e: re.error) -> ConfigError:
+    return ConfigError(
+        f"--target-modules: '{pattern}' is not a valid regular expression ({e}); "
+        "give module names (q_proj,v_proj) or a valid regex (escape literal characters with \\)"
+    )
 
 
 # --------------------------------------------------------------------------- logical weights
@@ -290,6 +311,7 @@ def select_targets(
     their language model's modules. Routers/gates are never default targets. DeepSeek's multi-token-prediction
     layer is left out unless ``include_mtp``.
     """
+    check_target_patterns(target_modules)
     model_type = str(ckpt.config.get("model_type", "")) or None
     packed = sorted(n for n in ckpt.tensors if n.endswith((".qweight", ".qzeros", ".g_idx")))
     if packed:

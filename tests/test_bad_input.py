@@ -237,8 +237,12 @@ def test_foreign_bundle_dir_refused_without_overwrite(tmp_path, model):
 
 
 def test_missing_and_incomplete_bundle(tmp_path, model):
-    assert_user_error(["info", tmp_path / "nothing-here"], "not a bundle")
-    assert_user_error(["verify", tmp_path / "nothing-here"], "not a bundle")
+    assert_user_error(["info", tmp_path / "nothing-here"], "nothing-here: does not exist")
+    assert_user_error(["verify", tmp_path / "nothing-here"], "does not exist")
+    (tmp_path / "afile").write_text("x")
+    assert_user_error(["info", tmp_path / "afile"], "afile: is a file, not a bundle directory")
+    (tmp_path / "empty").mkdir()
+    assert_user_error(["info", tmp_path / "empty"], "empty: not a bundle (no manifest.json)")
 
 
 def test_real_console_script_prints_no_traceback(tmp_path):

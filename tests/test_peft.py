@@ -236,7 +236,7 @@ def test_adapter_carrying_b_and_q_loads_without_the_bundle(digits_setup, tmp_pat
     cfg = json.loads((tmp_path / "lean" / "adapter_config.json").read_text())
     cfg["bundle"] = str(tmp_path / "no_bundle_here")
     (tmp_path / "lean" / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(BundleError, match="not a bundle"):
+    with pytest.raises(BundleError, match="no_bundle_here: does not exist"):
         PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "lean")
 
 

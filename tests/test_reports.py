@@ -527,7 +527,7 @@ def test_cli_report_single_and_compare(tmp_path, small_bundle, small_bundle_b):
     row = data["table"]["rows"][0]
     assert row[keys.index("dk1")] == row[keys.index("k1")] - row[keys.index("k0")]
     res = runner.invoke(cli, ["report", str(tmp_path / "missing"), "-o", str(tmp_path / "x.html")])
-    assert res.exit_code == 2 and "not a bundle" in res.output
+    assert res.exit_code == 2 and "missing: does not exist" in res.output
 
 
 def test_scan_with_report_flag(tmp_path, gpt2_ckpt):

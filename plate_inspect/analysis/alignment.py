@@ -18,6 +18,7 @@ an iterable of inputs; :func:`hf_text_alignment` runs a local Hugging Face model
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -310,6 +311,20 @@ def token_windows(ids: list[int], window: int, max_tokens: int | None) -> Iterat
         yield ids[i : i + window]
 
 
+#: Files a Hugging Face tokenizer is loaded from (one is enough; ``*.tiktoken`` files count too).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+#: Weights after the hidden layers (poolers, task heads): missing ones do not change the activations align reads.
+_HEAD_WEIGHT = re.compile(r"(^|\.)(pooler|classifier|score|lm_head|qa_outputs)\.")
+
+
 def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
     """(model, tokenizer) from a local Hugging Face directory, never contacting the hub."""
     try:
@@ -323,15 +338,31 @@ def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, PreTrainedTokenizer
         raise CheckpointError(f"{path}: not a directory; align needs a local Hugging Face model dir with a tokenizer")
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json; align needs a local Hugging Face model dir")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+        # without them AutoTokenizer may build an empty vocabulary (every word [UNK]): meaningless activations
+        raise CheckpointError(
+            f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+            "align needs the model's tokenizer: save it into the directory (tokenizer.save_pretrained)"
+        )
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a missing/broken tokenizer
         raise CheckpointError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e})") from None
+    verbosity = transformers.utils.logging.get_verbosity()
     try:
         transformers.utils.logging.disable_progress_bar()
-        model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
+        transformers.utils.logging.set_verbosity_error()  # its load report: the missing weights are checked below
+        model, info = transformers.AutoModel.from_pretrained(str(path), local_files_only=True, output_loading_info=True)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load the model ({type(e).__name__}: {e})") from None
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+    missing = sorted(k for k in info.get("missing_keys", ()) if not _HEAD_WEIGHT.search(k))
+    if missing:
+        raise CheckpointError(
+            f"{path}: the checkpoint lacks {len(missing)} weight{'s' if len(missing) != 1 else ''} the model needs "
+            f"(e.g. '{missing[0]}'), which transformers would initialise randomly; pass a complete model directory"
+        )
     model.eval()
     return model, tokenizer
 

@@ -36,6 +36,7 @@ from scipy.sparse.linalg import LinearOperator, eigsh
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp
 
+from plate_inspect.atomic import make_dirs
 from plate_inspect.errors import ConfigError, CurvatureError
 from plate_inspect.geometry import module_seed
 from plate_inspect.progress import ProgressCallback, ProgressCounter
@@ -578,8 +579,7 @@ def digits_stage1(
     from plate_inspect.experiments import digits
     from plate_inspect.scanner import scan
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_dirs(out_dir, "the output directory")
     task1, _ = digits.load_digit_tasks()
     model = digits.train_stage1(task1, seed=seed, epochs=epochs)
     ckpt = out_dir / "digits_task1.safetensors"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plate_inspect.atomic import make_dirs
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import (
@@ -246,8 +247,7 @@ def run_continual(
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     if not seed_list:
         raise ConfigError("seeds must be at least 1")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dirs(out_dir, "the output directory")
     settings_json = json.dumps(_settings_dict(s), indent=2, sort_keys=True) + "\n"
     jsonl = out / "runs.jsonl"
     settings_path = out / "settings.json"

@@ -24,7 +24,7 @@ Every method gets the stage-1 checkpoint and returns a :class:`Prepared` model w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,14 +74,14 @@ def plate_budget(r: int, tau: float) -> Budget:
     return Budget(f"r{r}_tau{tau:g}", {"r": r, "tau": tau})
 
 
-def parse_methods(text: str) -> list[str]:
-    """'a,b,...' -> validated method names (ConfigError naming the unknown one)."""
+def parse_methods(text: str, allowed: Sequence[str] = METHODS) -> list[str]:
+    """'a,b,...' -> validated method names (ConfigError naming the unknown one and listing ``allowed``)."""
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
-        raise ConfigError("--methods is empty; give a comma-separated list, e.g. full_ft,lora,plate")
+        raise ConfigError(f"--methods is empty; give a comma-separated list, e.g. {','.join(allowed[:3])}")
     for m in names:
-        if m not in METHODS:
-            raise ConfigError(f"unknown method '{m}' in --methods; choose from {', '.join(METHODS)}")
+        if m not in allowed:
+            raise ConfigError(f"unknown method '{m}' in --methods; choose from {', '.join(allowed)}")
     return list(dict.fromkeys(names))
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plate_inspect.atomic import make_dirs
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLATE_RHO, backbone_shapes
 from plate_inspect.progress import ProgressCallback, ProgressCounter
@@ -156,8 +157,7 @@ def run_sequential(
     The file is rewritten after every (seed, method), so an interrupted run keeps what finished. ``progress``
     gets one event per (seed, method) (unit "runs").
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dirs(out, "the output directory")
     tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)
     result = SequentialResult(out / "sequential.json")
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)

@@ -9,17 +9,20 @@ and the other small JSON/tokenizer files are copied. ``sequential_step`` then re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from plate_inspect.bundle import Bundle, ScanSettings
+from plate_inspect.atomic import make_temp_dir, new_file_mode, os_error_reason
+from plate_inspect.bundle import MANIFEST, Bundle, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import BundleError, CheckpointError
 from plate_inspect.progress import ProgressCallback, ProgressCounter
@@ -85,8 +88,9 @@ def merge_checkpoint(
     by_file: dict[Path, list[str]] = {}
     for name, info in ckpt.tensors.items():
         by_file.setdefault(info.file, []).append(name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    with _write_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out.parent, out.name)
     counter = ProgressCounter(
         progress, len(ckpt.tensors), "tensors", bytes_total=sum(i.nbytes for i in ckpt.tensors.values())
     )
@@ -110,18 +114,38 @@ def merge_checkpoint(
                 else:
                     shard[name] = _tensor_from_bytes(ckpt.read_bytes(name), info.dtype, info.shape)
                 counter.step(name, nbytes=info.nbytes)
-            save_file(shard, str(tmp / file.name), metadata=_header_metadata(file) or None)
+            with _write_errors(out):
+                save_file(shard, str(tmp / file.name), metadata=_header_metadata(file) or None)
             del shard
         single_file = Path(source).is_file()
-        for extra in ckpt.root.iterdir():
-            wanted = extra.name == "config.json" if single_file else extra.suffix in _COPY_SUFFIXES
-            if wanted and extra.is_file():
-                shutil.copy2(extra, tmp / extra.name)
-        _move_into_place(tmp, out, overwrite)
+        with _write_errors(out):
+            for extra in ckpt.root.iterdir():
+                wanted = extra.name == "config.json" if single_file else extra.suffix in _COPY_SUFFIXES
+                if wanted and extra.is_file():
+                    shutil.copy2(extra, tmp / extra.name)
+            mode = new_file_mode(tmp)  # save_file writes 0o600, copy2 keeps the source's mode: as any new file
+            for written in tmp.iterdir():
+                os.chmod(written, mode)
+            _move_into_place(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return MergeResult(out, [out / f.name for f in ckpt.files], merged)
+
+
+@contextlib.contextmanager
+def _write_errors(out: Path) -> Iterator[None]:
+    """An OSError or SafetensorError while writing ``out`` (disk full, read-only) as a one-line CheckpointError."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        if isinstance(e, OSError):
+            reason = os_error_reason(out, e)
+        else:
+            reason = "disk full" if "No space left" in str(e) else str(e)
+        raise CheckpointError(
+            f"{out}: cannot write the merged checkpoint ({reason}); free space or choose another --out"
+        ) from None
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -161,6 +185,20 @@ def _header_metadata(file: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in meta.items()}
 
 
+def check_rescan_out(out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Refuse a rescan target that already holds a bundle (unless ``overwrite``) or is a file: checked before the
+    merge writes anything, so a refused rescan leaves no merged checkpoint behind either."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise BundleError(f"{out}: exists and is not a directory; choose another --rescan directory")
+    if (out / MANIFEST).exists() and not overwrite:
+        raise BundleError(
+            f"{out}: already holds a bundle; pass overwrite=True (--overwrite) to replace it, "
+            "or choose another --rescan directory"
+        )
+    return out
+
+
 def rescan(
     merged: str | os.PathLike, previous: Bundle | str | os.PathLike, out: str | os.PathLike, **overrides: Any
 ) -> Bundle:
@@ -186,9 +224,12 @@ def sequential_step(
     overwrite: bool = False,
     **scan_overrides: Any,
 ) -> MergeResult:
-    """Merge the adapter into ``source``, write it to ``out``, rescan it into ``bundle_out`` (default out/bundle)."""
+    """Merge the adapter into ``source``, write it to ``out``, rescan it into ``bundle_out`` (default out/bundle).
+
+    A ``bundle_out`` that already holds a bundle is refused before anything is written, unless ``overwrite``."""
+    bundle_out = check_rescan_out(bundle_out or Path(out) / "bundle", overwrite)
     result = merge_checkpoint(source, adapter, out, bundle=bundle, overwrite=overwrite)
     _, meta = read_adapter(adapter)
     prev = bundle if bundle is not None else meta["bundle_path"]
-    result.bundle = rescan(result.out, prev, bundle_out or Path(out) / "bundle", overwrite=overwrite, **scan_overrides)
+    result.bundle = rescan(result.out, prev, bundle_out, overwrite=overwrite, **scan_overrides)
     return result

@@ -1,0 +1,226 @@
+"""User mistakes found by QA: one `error:` line and exit 2 (no traceback), nothing written; modes, counts, notes."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from helpers_train import randomize_adapters, skeleton
+from test_bad_input import _mount_tmpfs, assert_user_error, mounts, run_cli  # noqa: F401 - mounts: a fixture
+
+from plate_inspect import scan
+from plate_inspect.cli.main import cli
+from plate_inspect.formatting import counted
+from plate_inspect.testing.synthetic import write_llama_like
+from plate_inspect.train.layer import apply_bundle, save_adapter
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(root, model dir, its bundle, an adapter trained on it): one file, 2 layers, 14 modules."""
+    root = tmp_path_factory.mktemp("qa")
+    model = write_llama_like(root / "qwen", layers=2).path
+    bundle = scan(model, root / "bundle", r=4, tau=0.9, max_rank=64)
+    net = skeleton(model, bundle.modules)
+    randomize_adapters(apply_bundle(net, bundle), seed=0, scale=0.05)
+    return root, model, bundle, save_adapter(net, root / "adapter.safetensors")
+
+
+@pytest.fixture
+def afile(tmp_path):
+    path = tmp_path / "afile"
+    path.write_text("x")
+    return path
+
+
+def _partials(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if "partial" in p.name]
+
+
+# --------------------------------------------------------------------------- bug 1: merge --rescan onto a bundle
+def test_merge_rescan_refuses_an_existing_bundle_without_overwrite(setup, tmp_path):
+    root, model, bundle, adapter = setup
+    manifest = (bundle.path / "manifest.json").read_bytes()
+    for target in (bundle.path, tmp_path / "other"):  # the adapter's own bundle, and another one
+        if target != bundle.path:
+            scan(model, target, r=4, tau=0.9, max_rank=64)
+        before = (target / "manifest.json").read_bytes()
+        out = tmp_path / "merged"
+        assert_user_error(["merge", model, adapter, "-o", out, "--rescan", target], str(target), "--overwrite")
+        assert not out.exists() and (target / "manifest.json").read_bytes() == before
+    assert (bundle.path / "manifest.json").read_bytes() == manifest
+    code, output = run_cli(
+        "merge", model, adapter, "-o", tmp_path / "m2", "--rescan", tmp_path / "other", "--overwrite"
+    )
+    assert code == 0, output
+
+
+# --------------------------------------------------------------------------- bug 2: tracebacks -> one line
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["scan", "{model}", "--target-modules", "[", "--out", "{tmp}/b"],
+        ["audit", "{model}", "{model}", "--target-modules", "("],
+        ["align", "--target-modules", "["],
+    ],
+)
+def test_invalid_target_regex(setup, tmp_path, args):
+    _, model, _, _ = setup
+    args = [a.format(model=model, tmp=tmp_path) for a in args]
+    assert_user_error(args, "--target-modules", "not a valid regular expression")
+    assert not (tmp_path / "b").exists()
+
+
+def test_out_under_or_at_a_file(setup, afile):
+    _, _, bundle, _ = setup
+    assert_user_error(["plan", bundle.path, "--budget", "1%", "-o", afile / "x.json"], "is a file", "-o")
+    assert_user_error(["plan", bundle.path, "--budget", "1%", "-o", afile.parent], "is a directory")
+    assert_user_error(["experiment", "continual", "--out", afile, "--quick", "--no-progress"], "is a file", "--out")
+    assert_user_error(["experiment", "sequential", "--out", afile / "x", "--no-progress"], "is a file", "--out")
+    assert_user_error(["curvature", "--out", afile, "-q"], "is a file", "--out")
+
+
+def test_merge_onto_read_only_and_full_disk(setup, tmp_path, mounts):  # noqa: F811 - the fixture
+    _, model, _, adapter = setup
+    ro, full = tmp_path / "ro", tmp_path / "full"
+    if not (_mount_tmpfs(ro, "ro,size=64k") and _mount_tmpfs(full, "size=64k")):
+        pytest.skip("needs tmpfs mounts (root with mount permission)")
+    mounts.extend([ro, full])
+    assert_user_error(["merge", model, adapter, "-o", ro / "merged"], "cannot write the merged checkpoint", "--out")
+    assert list(ro.iterdir()) == []
+    # the merged file (~220 KB) does not fit in 64 KiB: safetensors' SafetensorError, not an OSError
+    assert_user_error(["merge", model, adapter, "-o", full / "merged"], "disk full")
+    assert list(full.iterdir()) == []
+
+
+def test_merge_write_errors_without_mounts(setup, tmp_path, monkeypatch):
+    """The same two failures, simulated: OSError from the temp dir, SafetensorError from save_file."""
+    from safetensors import SafetensorError
+
+    import plate_inspect.train.sequential as seq
+
+    _, model, _, adapter = setup
+
+    def readonly(parent, name):
+        raise OSError(30, "Read-only file system", str(parent))
+
+    monkeypatch.setattr(seq, "make_temp_dir", readonly)
+    assert_user_error(["merge", model, adapter, "-o", tmp_path / "m"], "Read-only file system")
+    monkeypatch.undo()
+
+    def full(tensors, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(seq, "save_file", full)
+    assert_user_error(["merge", model, adapter, "-o", tmp_path / "m"], "disk full")
+    assert not (tmp_path / "m").exists() and _partials(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", ["scan", "audit"])
+def test_sketch_dim_larger_than_d_in(setup, tmp_path, command):
+    _, model, _, _ = setup
+    args = ["scan", model, "--out", tmp_path / "b", "-q"] if command == "scan" else ["audit", model, model]
+    assert_user_error([*args, "--sketch-dim", "100000000"], "sketch dim 100000000", "larger than", "d_in=")
+    assert not (tmp_path / "b").exists()  # refused when the scan is planned, before --out is made
+
+
+# --------------------------------------------------------------------------- bug 3: merged files' mode
+def test_merge_gives_the_umask_mode(setup, tmp_path):
+    _, model, _, adapter = setup
+    old = os.umask(0o027)
+    try:
+        code, output = run_cli("merge", model, adapter, "-o", tmp_path / "merged")
+    finally:
+        os.umask(old)
+    assert code == 0, output
+    out = tmp_path / "merged"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750  # mkdtemp: 0o700
+    for f in out.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o640, f.name  # save_file: 0o600
+
+
+# --------------------------------------------------------------------------- bug 4: curvature counts
+@pytest.mark.parametrize("option", ["--probes", "--epochs", "--lora-rank", "--r", "--max-rank"])
+def test_curvature_counts_must_be_positive(option):
+    assert_user_error(["curvature", option, "0", "--json"], option, "positive")
+
+
+# --------------------------------------------------------------------------- bug 5: align without a tokenizer
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    import transformers
+
+    path = tmp_path_factory.mktemp("bert") / "bert"
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    transformers.BertModel(config).save_pretrained(path)
+    return path
+
+
+def test_align_refuses_a_model_dir_without_tokenizer_files(setup, tiny_bert):
+    _, model, _, _ = setup
+    for path in (tiny_bert, model):
+        assert_user_error(["align", path, "-q"], str(path), "no tokenizer files", "tokenizer.json")
+
+
+def test_align_refuses_missing_weights(tiny_bert, tmp_path, minilm_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "bert"
+    shutil.copytree(tiny_bert, path)
+    shutil.copy(minilm_dir / "vocab.txt", path / "vocab.txt")
+    tensors = load_file(str(path / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("attention.self.query.weight"))
+    del tensors[name]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    assert_user_error(["align", path, "-q"], str(path), "lacks 1 weight", name.removeprefix("bert."), "randomly")
+
+
+# --------------------------------------------------------------------------- bug 6: small ones
+def test_counted():
+    assert [counted(n, "module") for n in (0, 1, 2, 1234)] == ["0 modules", "1 module", "2 modules", "1,234 modules"]
+    assert counted(1, "problem") == "1 problem" and counted(3, "entry", "entries") == "3 entries"
+
+
+def test_merge_output_counts_files_in_words(setup, tmp_path):
+    _, model, _, adapter = setup
+    code, output = run_cli("merge", model, adapter, "-o", tmp_path / "m")
+    assert code == 0 and "merged 14 modules into 1 file in" in output, output
+
+
+def test_sequential_methods_lists_only_its_own():
+    out = assert_user_error(["experiment", "sequential", "--out", "x", "--methods", "foo"], "'foo'", "plate, lora, osf")
+    assert "full_ft" not in out
+
+
+def test_interrupt_note_only_where_work_resumes(setup, tmp_path, monkeypatch):
+    import plate_inspect.auditing
+    import plate_inspect.cli.scan
+
+    _, model, _, _ = setup
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plate_inspect.auditing, "audit", interrupted)
+    monkeypatch.setattr(plate_inspect.cli.scan, "run_scan", interrupted)
+    code, output = run_cli("audit", model, model)
+    assert code == 130 and "interrupted" in output and "resume" not in output and "saved" not in output, output
+    code, output = run_cli("scan", model, "--out", tmp_path / "b", "-q")
+    assert code == 130 and "rerun the same command to resume" in output, output
+
+
+def test_plan_huge_budget_is_printed_compactly(setup, tmp_path):
+    _, _, bundle, _ = setup
+    result = CliRunner().invoke(cli, ["plan", str(bundle.path), "--budget", "1e30", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    assert "budget 1.000e+30 parameters" in result.output and "1,000,000,000,000" not in result.output
+    assert json.loads((tmp_path / "p.json").read_text())["budget"]["params"] == int(1e30)
