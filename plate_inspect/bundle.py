@@ -453,15 +453,53 @@ class BundleWriter:
         self.path = Path(path)
         self.manifest = manifest
         self.overwrite = overwrite
+        self._lock: int | None = None
 
     def open(self) -> Manifest:
-        """Check and prepare the directory; returns the (incomplete) manifest the scan fills in."""
+        """Check and prepare the directory (locked against a second writer until :meth:`close` or :meth:`finalize`);
+        returns the (incomplete) manifest the scan fills in."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-probe-"):
                 pass
         except OSError as e:
             raise _io_error(self.path, e) from None
+        self._acquire_lock()
+        try:
+            return self._prepare()
+        except BaseException:
+            self.close()
+            raise
+
+    def _acquire_lock(self) -> None:
+        """An exclusive advisory lock on the directory itself (flock: no lock file to go stale, released by the
+        kernel when the process dies, even by SIGKILL). Two scans into one --out would mix their part files."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: no locking
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BundleError(
+                f"{self.path}: another scan is writing this bundle right now (the directory is locked); wait for it "
+                "to finish, or write elsewhere (CLI: --out)"
+            ) from None
+        except OSError:  # a filesystem without flock on directories (some network mounts): go on unlocked
+            os.close(fd)
+            return
+        self._lock = fd
+
+    def close(self) -> None:
+        """Release the directory lock (also done by :meth:`finalize`, and by the kernel at process exit)."""
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor drops its flock
+            self._lock = None
+
+    def _prepare(self) -> Manifest:
+        """Refuse another bundle (or clear it with ``overwrite``), then write this scan's incomplete manifest."""
         existing = self.path / MANIFEST
         if existing.exists() and not self.overwrite:
             try:
@@ -525,9 +563,12 @@ class BundleWriter:
         self.manifest.modules = {n: self.manifest.modules[n] for n in self.manifest.planned}
         self.manifest.identity = self.manifest.content_identity()
         self.manifest.complete = True
-        self._write_manifest()
-        if stats is not None:
-            write_file(self.path / STATS, json.dumps(stats, indent=2) + "\n")
+        try:
+            self._write_manifest()
+            if stats is not None:
+                write_file(self.path / STATS, json.dumps(stats, indent=2) + "\n")
+        finally:
+            self.close()
 
     def _write_manifest(self) -> None:
         write_file(self.path / MANIFEST, json.dumps(self.manifest.to_json(), indent=2) + "\n")

@@ -193,7 +193,7 @@ def run_scan(
         selection_note=plan.selection_note,
     )
     writer = BundleWriter(out, manifest, overwrite=overwrite)
-    with distributed.join() as group:
+    with distributed.join() as group, closing(writer):  # closing: the directory lock goes with any error
         dev = distributed.rank_device(_resolve_device(device), group.info)
         group.on_root(writer.open)  # the directory is checked (and cleared with overwrite) before any rank writes
         parts = parts_of(plan.targets)

@@ -479,6 +479,48 @@ def test_scan_of_another_model_into_a_bundle_dir_says_so(tmp_path, qwen_ckpt, mo
     assert default_out_dir(".") == Path("bundles") / "m2"
 
 
+def test_a_second_scan_into_a_directory_being_written_is_refused(tmp_path, qwen_ckpt):
+    """Two scans into one --out would interleave their part files (the second with --overwrite even deletes the
+    first's): the directory is locked while a scan writes, and the lock dies with its process (SIGKILL too)."""
+    import fcntl
+    import signal
+
+    out = tmp_path / "b"
+    out.mkdir()
+    holder = os.open(out, os.O_RDONLY)  # what a running scan holds
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        for overwrite in (False, True):
+            with pytest.raises(plate_inspect.BundleError, match="another scan is writing this bundle"):
+                plate_inspect.scan(qwen_ckpt.path, out, r=R, overwrite=overwrite)
+        assert list(out.iterdir()) == []  # nothing written, nothing deleted
+    finally:
+        os.close(holder)
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from plate_inspect.bundle import BundleWriter, Manifest, ScanSettings
+        BundleWriter({str(out)!r}, Manifest(source={{}}, settings=ScanSettings())).open()
+        print("locked", flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(plate_inspect.BundleError, match="another scan"):
+            plate_inspect.scan(qwen_ckpt.path, out, r=R, overwrite=True)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    b = plate_inspect.scan(qwen_ckpt.path, out, r=R, overwrite=True)  # the killed holder's lock is gone
+    assert b.manifest.complete
+    assert plate_inspect.scan(qwen_ckpt.path, out, r=R).manifest.identity == b.manifest.identity  # released again
+    with pytest.raises(plate_inspect.BundleError, match="other settings"):  # a refusal releases the lock too
+        plate_inspect.scan(qwen_ckpt.path, out, r=R + 1)
+    assert plate_inspect.scan(qwen_ckpt.path, out, r=R).manifest.complete
+
+
 def test_verify_notices_an_edited_manifest(tmp_path, qwen_ckpt):
     out = tmp_path / "b"
     plate_inspect.scan(qwen_ckpt.path, out, r=R, layers=[0])

@@ -20,6 +20,7 @@ is refused unless ``overwrite``.
 from __future__ import annotations
 
 import os
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -110,7 +111,22 @@ def make_variant(
     if len(src):  # a wrong checkpoint is refused before ``out`` is touched (its smallest module, one extra read)
         _source_weight(src, min(src, key=lambda rec: rec.d_out * rec.d_in), ckpt, modules, checkpoint)
     writer = BundleWriter(out, manifest, overwrite=overwrite)
-    writer.open()
+    with closing(writer):
+        writer.open()
+        _write_variant(src, ckpt, modules, checkpoint, writer, variant, seed)
+    return Bundle.load(out)
+
+
+def _write_variant(
+    src: Bundle,
+    ckpt: Checkpoint,
+    modules: dict[str, TargetModule],
+    checkpoint: str | os.PathLike,
+    writer: BundleWriter,
+    variant: str,
+    seed: int,
+) -> None:
+    """Every part of the ablation bundle: kept where an earlier build of it is still valid, else computed."""
     parts: dict[str, list[str]] = {}
     for rec in src:
         parts.setdefault(rec.file, []).append(rec.name)
@@ -135,7 +151,6 @@ def make_variant(
         tensors.update(read_part_tensors(writer.path / part, kept) if kept else {})
         writer.write_part(part, records, tensors)
     writer.finalize({"variant": variant, "seed": seed, "from": str(Path(src.path).resolve())})
-    return Bundle.load(out)
 
 
 def _variant_module(
