@@ -247,20 +247,34 @@ def info_command(bundle, show_modules, show_groups):
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.argument("model", required=False)
 @click.option("--revision", default=None, help="Hub revision of MODEL.")
-def verify_command(bundle, model, revision):
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="Also check every Q against a float64 dense oracle on MODEL's weights (slow: an eigvalsh per module).",
+)
+def verify_command(bundle, model, revision, exact):
     """Check BUNDLE's tensors, and that it was made for MODEL's weights (exit 1 if not).
 
     \b
     Examples:
       plate-inspect verify bundles/qwen7b Qwen/Qwen2.5-7B
       plate-inspect verify bundles/mine            # structure only
+      plate-inspect verify bundles/mine ./my-model --exact
     """
     from plate_inspect.verification import verify
 
+    if exact and not model:
+        raise click.UsageError("--exact needs MODEL: the oracle is computed from its weights")
     with progress_bar("verify", transient=True) as progress:
-        report = verify(bundle, model, revision=revision, progress=progress)
+        report = verify(bundle, model, revision=revision, progress=progress, exact=exact)
     for problem in report.problems:
         console.print(f"[red]x[/] {problem}")
+    if report.exactness:
+        worst = max(report.exactness.items(), key=lambda item: item[1].used)
+        console.print(
+            f"exactness: {counted(len(report.exactness), 'module')} checked against the float64 dense oracle; "
+            f"largest share of the allowance used: {worst[1].used:.3g} ({worst[0]})"
+        )
     target = f" against {model}" if model else ""
     if report.ok:
         console.print(f"[green]ok[/]: {report.modules_checked} modules verified{target}")

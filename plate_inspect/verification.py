@@ -1,7 +1,9 @@
-"""Check that a bundle is well formed and belongs to a checkpoint's weights (fingerprints of stored bytes)."""
+"""Check that a bundle is well formed and belongs to a checkpoint's weights (fingerprints of stored bytes); on
+request, that every Q is the exact bottom-k eigenspace of those weights (a float64 dense oracle)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -9,8 +11,52 @@ import torch
 
 from plate_inspect.bundle import Bundle, ModuleRecord, geometry_digest
 from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.geometry import exactness_allowance
 from plate_inspect.progress import ProgressCallback, ProgressCounter
-from plate_inspect.targets import EXPERT_LAYOUTS, TargetModule, modules_by_name
+from plate_inspect.targets import EXPERT_LAYOUTS, TargetModule, load_target, modules_by_name
+
+
+@dataclass(frozen=True)
+class ExactnessCheck:
+    """One module's Q against the float64 dense oracle on its weights: energies are tr(Q^T G Q), G = W_f^T W_f."""
+
+    energy: float  # of the stored Q
+    optimum: float  # the k smallest eigenvalues of G, summed
+    allowance: float  # exactness_allowance(optimum, tr(G))
+    rounding: float  # what storing Q in its dtype may add to sqrt(energy)
+
+    @property
+    def ok(self) -> bool:
+        return math.sqrt(max(self.energy, 0.0)) <= math.sqrt(self.optimum + self.allowance) + self.rounding
+
+    @property
+    def used(self) -> float:
+        """(energy - optimum) / allowance: the share of the exactness allowance Q uses (<= 1: exact)."""
+        return (self.energy - self.optimum) / self.allowance if self.allowance > 0 else 0.0
+
+
+def check_exactness(weight: torch.Tensor, b_idx: torch.Tensor, q: torch.Tensor) -> ExactnessCheck:
+    """Q's energy on W_f (``weight`` without the B rows, d_out x d_in) against the optimum, all in float64.
+
+    The optimum is the sum of the k smallest eigenvalues of G = W_f^T W_f (eigvalsh of the smaller of G and
+    W_f W_f^T, with the null space's zeros). A Q stored in a narrow dtype is the exact one rounded entrywise
+    (|E| <= u |Q|, ||E||_F <= u sqrt(k)), which may add up to ||W_f||_2 u sqrt(k) to sqrt(energy).
+    """
+    w = weight.detach().to("cpu", torch.float64)
+    keep = torch.ones(w.shape[0], dtype=torch.bool)
+    keep[b_idx.to(torch.long)] = False
+    wf = w[keep]
+    n_f, d_in = wf.shape
+    k = q.shape[1]
+    total = float((wf * wf).sum())
+    energy = float((wf @ q.detach().to("cpu", torch.float64)).square().sum())
+    small = wf @ wf.T if n_f < d_in else wf.T @ wf
+    values = torch.linalg.eigvalsh(small).clamp_min(0)  # ascending
+    zeros = max(0, d_in - n_f)  # G's null space beyond the small side's eigenvalues
+    optimum = float(values[: max(0, k - zeros)].sum())
+    u = torch.finfo(q.dtype).eps / 2
+    rounding = math.sqrt(float(values[-1])) * u * math.sqrt(k) if values.numel() else 0.0
+    return ExactnessCheck(energy, optimum, exactness_allowance(optimum, total), rounding)
 
 
 @dataclass
@@ -21,6 +67,7 @@ class VerifyReport:
     source: str | None
     modules_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    exactness: dict[str, ExactnessCheck] = field(default_factory=dict)  # verify(..., exact=True)
 
     @property
     def ok(self) -> bool:
@@ -33,13 +80,16 @@ def verify(
     revision: str | None = None,
     orthonormality_tol: float | None = None,
     progress: ProgressCallback | None = None,
+    exact: bool = False,
 ) -> VerifyReport:
     """Validate a bundle's tensors; with ``source``, also check every module's weight fingerprint.
 
     The manifest's identity must match its settings and fingerprints. Structural checks per module: B indices
     sorted, unique, in range, of length r; Q of shape [d_in, k] with orthonormal columns (max |Q^T Q - I| <= tol,
     by default ``orthonormality_tolerance`` of Q's stored dtype); spectrum descending, >= 0. ``progress`` gets one
-    event per module checked.
+    event per module checked. ``exact`` (needs ``source``) also checks every Q against the float64 dense oracle on
+    the checkpoint's weights (``check_exactness``; minutes for a 7B model): ``report.exactness`` holds the figures.
+    Ablation bundles' Q's are not bottom-k by design and are skipped.
     """
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
     report = VerifyReport(str(b.path), str(source) if source is not None else None)
@@ -51,7 +101,7 @@ def verify(
     counter.start()
     for rec in b:
         report.modules_checked += 1
-        _check_module(b, rec, ckpt, modules, orthonormality_tol, report)
+        _check_module(b, rec, ckpt, modules, orthonormality_tol, report, exact)
         counter.step(rec.name)
     return report
 
@@ -72,6 +122,7 @@ def _check_module(
     modules: dict[str, TargetModule],
     orthonormality_tol: float | None,
     report: VerifyReport,
+    exact: bool = False,
 ) -> None:
     """Append this module's problems (structure; with a checkpoint, its weight fingerprint) to the report."""
     where = f"module '{rec.name}'"
@@ -102,10 +153,19 @@ def _check_module(
         if target is None:
             report.problems.append(f"{where}: the checkpoint has no weight for this module")
             return
-        if (
-            ckpt.weight_fingerprint(
-                target.logical_name, expert=target.expert if target.layout in EXPERT_LAYOUTS else None
-            )
-            != rec.fingerprint
-        ):
+        check_q = exact and rec.variant is None and rec.k > 0 and tuple(q.shape) == (rec.d_in, rec.k)
+        if check_q:
+            weight, fingerprint = load_target(ckpt, target)
+        else:
+            expert = target.expert if target.layout in EXPERT_LAYOUTS else None
+            weight, fingerprint = None, ckpt.weight_fingerprint(target.logical_name, expert=expert)
+        if fingerprint != rec.fingerprint:
             report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
+        elif weight is not None:
+            check = check_exactness(weight, b_idx, stored_q)
+            report.exactness[rec.name] = check
+            if not check.ok:
+                report.problems.append(
+                    f"{where}: Q is not the bottom-{rec.k} eigenspace of these weights: energy {check.energy:.4e} "
+                    f"vs the optimum {check.optimum:.4e} (allowance {check.allowance:.2e}; float64 dense oracle)"
+                )

@@ -170,3 +170,64 @@ def test_default_scan_is_exact_module_by_module(tmp_path):
         spectrum = bundle.spectrum(rec.name).double().numpy()
         captured = assert_exact(bundle.q(rec.name).numpy(), rec.k, spectrum, w, b_idx, 0.9, 128)
         assert rec.captured_energy == pytest.approx(captured, rel=1e-3, abs=1e-9)
+
+
+def test_check_exactness_against_numpy_eigh():
+    """verify's oracle on a hard layer: numpy's float64 bottom eigenvectors pass with ~0 of the allowance used;
+    rounded to bf16 they pass through the rounding term; one top direction swapped in, or a random Q, fail."""
+    from plate_inspect.geometry import random_orthonormal
+    from plate_inspect.verification import check_exactness
+
+    gen = torch.Generator().manual_seed(3)
+    w = hard_spectrum_weight(96, 64, gen, alpha=1.0).double()
+    b_idx = torch.tensor([3, 17, 40])
+    keep = np.setdiff1d(np.arange(96), b_idx.numpy())
+    wf = w.numpy()[keep]
+    values, vectors = np.linalg.eigh(wf.T @ wf)
+    k = 24
+    exact = check_exactness(w, b_idx, torch.from_numpy(vectors[:, :k]))
+    assert exact.ok and abs(exact.used) < 1e-3
+    assert exact.optimum == pytest.approx(values[:k].sum(), rel=1e-9, abs=1e-12 * values.sum())
+    rounded = check_exactness(w, b_idx, torch.from_numpy(vectors[:, :k]).to(torch.bfloat16))
+    assert rounded.ok and rounded.rounding > 0
+    bent = vectors[:, :k].copy()
+    bent[:, 0] = vectors[:, -1]  # the top direction instead of the lowest
+    assert not check_exactness(w, b_idx, torch.from_numpy(bent)).ok
+    assert not check_exactness(w, b_idx, random_orthonormal(64, k, seed=1, dtype=torch.float64)).ok
+    wide = hard_spectrum_weight(40, 64, gen, alpha=1.0).double()  # n_f = 37 < d_in: 27 null directions first
+    values, vectors = np.linalg.eigh(wide.numpy()[3:].T @ wide.numpy()[3:])
+    null_and_more = check_exactness(wide, torch.tensor([0, 1, 2]), torch.from_numpy(vectors[:, :30]))
+    assert null_and_more.ok and null_and_more.optimum == pytest.approx(values[:30].clip(0).sum(), abs=1e-9)
+
+
+def test_verify_exact_flags_a_q_that_is_not_the_bottom_eigenspace(tmp_path):
+    """A Q swapped between two modules, with the manifest's digests made to match (what a buggy writer could
+    produce): every structure and digest check passes, the dense oracle does not."""
+    import json
+
+    from plate_inspect.bundle import geometry_digest
+
+    write_hard_qwen(tmp_path / "model")
+    out = tmp_path / "bundle"
+    bundle = plate_inspect.scan(tmp_path / "model", out, r=64, tau=0.9, max_rank=128)
+    report = plate_inspect.verify(bundle, tmp_path / "model", exact=True)
+    assert report.ok, report.problems
+    assert set(report.exactness) == set(bundle.modules) and max(c.used for c in report.exactness.values()) <= 1
+    a, b = "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"
+    assert bundle.q(a).shape == bundle.q(b).shape
+    part = out / bundle.record(a).file
+    tensors = load_file(str(part))
+    from safetensors import safe_open
+
+    with safe_open(str(part), framework="pt") as f:
+        meta = f.metadata()
+    tensors[f"{a}.plate_Q"], tensors[f"{b}.plate_Q"] = tensors[f"{b}.plate_Q"], tensors[f"{a}.plate_Q"]
+    save_file(tensors, str(part), metadata=meta)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for name in (a, b):
+        digest = geometry_digest(tensors[f"{name}.plate_B_idx"], tensors[f"{name}.plate_Q"])
+        manifest["modules"][name]["geometry_digest"] = digest
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert plate_inspect.verify(out, tmp_path / "model").ok  # structure, digests, fingerprints: all fine
+    problems = plate_inspect.verify(out, tmp_path / "model", exact=True).problems
+    assert len(problems) == 2 and all("not the bottom-" in p for p in problems), problems
