@@ -176,6 +176,8 @@ def run_scan(
     """
     progress = as_callback(progress, "run_scan")
     if devices is not None:
+        if device not in ("cpu", None):
+            raise ConfigError(f"give either --devices ({devices}) or --device ({device}), not both")
         names = distributed.parse_devices(devices)
         if len(names) > 1:
             if distributed.rank_from_env().world_size > 1:

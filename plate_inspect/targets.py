@@ -10,7 +10,7 @@ are never default targets; name them with ``target_modules`` to scan them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +140,16 @@ def load_target(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, s
     expert = target.expert if target.layout in EXPERT_LAYOUTS else None
     stored, fingerprint = ckpt.read_weight(target.logical_name, expert=expert)
     return (stored.T if target.layout in ("conv1d", "experts_in_major") else stored), fingerprint
+
+
+def _layer_span(targets: Sequence[TargetModule]) -> str:
+    """'0-27' (or 'none') for the layer indices present, for an error that names what --layers can select."""
+    present = sorted({t.layer for t in targets if t.layer is not None})
+    if not present:
+        return "none"
+    if present == list(range(present[0], present[-1] + 1)):
+        return f"{present[0]}-{present[-1]}" if len(present) > 1 else str(present[0])
+    return ",".join(map(str, present))
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
@@ -356,6 +366,7 @@ def select_targets(
             f"no target modules matched ({note}"
             + (f", layers {sorted(set(layers))}" if layers is not None else "")
             + f"); weights in this checkpoint have types: {', '.join(sample) or 'none'}"
+            + (f"; its layers: {_layer_span(candidates)}" if layers is not None else "")
         )
     chosen.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, _natural_key(t.name)))
     shapes = expected_shapes(ckpt.config, model_type)

@@ -52,6 +52,9 @@ def bundle_labels(bundles: list[Bundle], labels: list[str] | None = None) -> lis
     if labels is not None:
         if len(labels) != len(bundles):
             raise BundleError(f"{len(labels)} labels given for {len(bundles)} bundles; give one label per bundle")
+        repeated = sorted({str(x) for x in labels if [str(y) for y in labels].count(str(x)) > 1})
+        if repeated:
+            raise BundleError(f"labels must tell the bundles apart; {', '.join(map(repr, repeated))} is given twice")
         return [str(x) for x in labels]
     names = [Path(b.path).resolve().name or str(b.path) for b in bundles]
     out = []

@@ -224,3 +224,22 @@ def test_plan_huge_budget_is_printed_compactly(setup, tmp_path):
     assert result.exit_code == 0, result.output
     assert "budget 1.000e+30 parameters" in result.output and "1,000,000,000,000" not in result.output
     assert json.loads((tmp_path / "p.json").read_text())["budget"]["params"] == int(1e30)
+
+
+# --------------------------------------------------------------------------- rough edges of the second pass
+def test_layers_out_of_range_names_the_layers_there(setup, tmp_path):
+    _, model, _, _ = setup
+    assert_user_error(["scan", model, "--out", tmp_path / "b", "--layers", "5", "-q"], "layers [5]", "its layers: 0-1")
+
+
+def test_devices_and_a_device_together_are_refused(setup, tmp_path):
+    _, model, _, _ = setup
+    args = ["scan", model, "--out", tmp_path / "b", "-q", "--devices", "cpu,cpu", "--device", "cuda"]
+    assert_user_error(args, "either --devices", "not both")
+    assert not (tmp_path / "b").exists()
+
+
+def test_report_labels_must_differ(setup, tmp_path):
+    _, _, bundle, _ = setup
+    args = ["report", bundle.path, bundle.path, "--labels", "a,a", "-o", tmp_path / "r.html"]
+    assert_user_error(args, "'a' is given twice")
