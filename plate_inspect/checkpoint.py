@@ -773,6 +773,11 @@ def _hub_error(
         e = cause
     status = getattr(getattr(e, "response", None), "status_code", None)
     rev = revision or "main"
+    if isinstance(e, hf.HFValidationError):
+        return HubRepoNotFoundError(
+            f"{repo_id}: no such local path, and not a valid hub repo id ('owner/name'); check the spelling, or give "
+            "a local model as an existing path"
+        )
     if isinstance(e, hf.GatedRepoError):
         return HubGatedRepoError(
             f"{repo_id}: the repository is gated: accept its terms on https://huggingface.co/{repo_id} and log in "
@@ -795,9 +800,10 @@ def _hub_error(
     if isinstance(e, hf.HfHubHTTPError) and status is not None:
         return HubError(f"{repo_id}: the hub answered HTTP {status} for revision '{rev}'; try again later")
     missing = _missing_files(cached) if cached else ["the whole repo"]
+    local = "" if cached else " (nor is it a local path; for a local model, check the path)"
     return HubOfflineError(
-        f"{repo_id}: not in the local Hugging Face cache ({cache}; missing: {', '.join(missing)}) and the hub "
-        f"cannot be reached ({type(e).__name__}); {hint}"
+        f"{repo_id}: not in the local Hugging Face cache ({cache}; missing: {', '.join(missing)}){local} and the "
+        f"hub cannot be reached ({type(e).__name__}); {hint}"
     )
 
 

@@ -192,9 +192,21 @@ def test_download_fetches_only_safetensors_and_json_then_runs_offline(hub, tmp_p
     assert again["ok"] and again["commit"] == COMMIT and again["sum"] == first["sum"]
     assert len(StandInHub.requests) == n_before
     assert other["type"] == "HubOfflineError" and "cannot be reached" in other["message"]
+    assert "nor is it a local path" in other["message"]  # a mistyped local path reads as a repo id
     assert offline["type"] == "HubOfflineError" and "offline mode is on" in offline["message"]
     for result in (other, offline):
         assert "hf download org/other --include '*.safetensors' '*.json'" in result["message"]
+
+
+def test_a_name_that_is_neither_a_path_nor_a_repo_id(tmp_path, monkeypatch):
+    """'owner/name'-shaped but invalid as a repo id (a space): said as such, no network involved."""
+    from plate_inspect.checkpoint import Checkpoint
+    from plate_inspect.errors import HubRepoNotFoundError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    with pytest.raises(HubRepoNotFoundError, match="no such local path, and not a valid hub repo id"):
+        Checkpoint.open("not a/repo id")
 
 
 def test_each_hub_failure_has_its_own_one_line_message(hub, tmp_path):
