@@ -278,9 +278,10 @@ class Bundle:
         path = Path(path)
         mpath = path / MANIFEST
         if not mpath.exists():
-            why = "does not exist" if not path.exists() else "is a file, not a bundle directory"
             if path.is_dir():
                 why = f"not a bundle (no {MANIFEST})"
+            else:
+                why = "is a file, not a bundle directory" if path.exists() else "does not exist"
             raise BundleError(f"{path}: {why}; create a bundle with: plate-inspect scan MODEL --out {path}")
         try:
             data = json.loads(mpath.read_text())

@@ -129,7 +129,8 @@ def _check_module(
     b_idx, stored_q, spectrum = b.b_idx(rec.name), b.q(rec.name, dtype=None), b.spectrum(rec.name)
     q = stored_q.to(torch.float64)
     tol = orthonormality_tolerance(stored_q.dtype) if orthonormality_tol is None else orthonormality_tol
-    if b_idx.numel() != rec.r or (b_idx.numel() and (b_idx.min() < 0 or b_idx.max() >= rec.d_out)):
+    b_in_range = b_idx.numel() == rec.r and not (b_idx.numel() and (b_idx.min() < 0 or b_idx.max() >= rec.d_out))
+    if not b_in_range:
         report.problems.append(f"{where}: B indices out of range or not r={rec.r} of them")
     elif b_idx.numel() > 1 and not bool((b_idx[1:] > b_idx[:-1]).all()):
         report.problems.append(f"{where}: B indices not strictly ascending")
@@ -153,7 +154,7 @@ def _check_module(
         if target is None:
             report.problems.append(f"{where}: the checkpoint has no weight for this module")
             return
-        check_q = exact and rec.variant is None and rec.k > 0 and tuple(q.shape) == (rec.d_in, rec.k)
+        check_q = exact and rec.variant is None and b_in_range and rec.k > 0 and tuple(q.shape) == (rec.d_in, rec.k)
         if check_q:
             weight, fingerprint = load_target(ckpt, target)
         else:

@@ -639,3 +639,16 @@ def test_reader_thread_yields_the_cores_to_the_compute_thread(tmp_path, qwen_ckp
     assert {p for _, p in seen["write"]} == {base}
     assert all(name.startswith("plate-write") for name, _ in seen["write"])
     assert seen["compute"] == {(threading.main_thread().name, base)} and niceness() == base
+
+
+def test_verify_exact_reports_a_broken_b_instead_of_crashing(tmp_path, qwen_ckpt):
+    out = tmp_path / "b"
+    b = plate_inspect.scan(qwen_ckpt.path, out, r=R, layers=[0])
+    name = "model.layers.0.self_attn.q_proj"
+    part = out / b.record(name).file
+    tensors, meta = load_file(part), _part_metadata(part)
+    tensors[f"{name}.plate_B_idx"][-1] = b.record(name).d_out  # one past the last row
+    save_file(tensors, part, metadata=meta)
+    report = verify(out, qwen_ckpt.path, exact=True)
+    assert any("out of range" in p for p in report.problems) and name not in report.exactness
+    assert len(report.exactness) == len(b) - 1 and all(c.ok for c in report.exactness.values())
