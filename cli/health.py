@@ -12,6 +12,7 @@ from rich.table import Table
 from plate_inspect.bundle import Bundle
 from plate_inspect.cli.common import console
 from plate_inspect.errors import BundleError
+from plate_inspect.formatting import counted
 
 COLUMNS = ("alpha", "alpha_weighted", "spectral_norm", "stable_rank", "entropy", "mp_softrank", "num_spikes")
 
@@ -49,6 +50,12 @@ def health_command(bundle, as_json):
         table.add_row(name, *(_fmt(h.get(c)) for c in COLUMNS))
     console.print(table)
     alphas = [h["alpha"] for h in records.values() if h.get("alpha") is not None]
+    unfitted = len(records) - len(alphas)
+    without = f"; {counted(unfitted, 'module')} without a fit (too few eigenvalues for a tail)" if unfitted else ""
     if alphas:
         inside = sum(1 for a in alphas if 2 <= a <= 6)
-        console.print(f"alpha: mean {sum(alphas) / len(alphas):.3f}; {inside}/{len(alphas)} modules in [2, 6]")
+        console.print(
+            f"alpha: mean {sum(alphas) / len(alphas):.3f}; {inside}/{len(alphas)} modules in [2, 6]{without}"
+        )
+    elif unfitted:
+        console.print(f"alpha: no module has a power-law fit{without}")

@@ -14,7 +14,8 @@ Conventions, matched to weightwatcher 0.7.7 (read from its source; tested agains
   n eigenvalues >= xmin, and the Kolmogorov-Smirnov distance D between the fitted and the empirical CDF; the
   xmin with the smallest D wins (Clauset-Shalizi-Newman, as in ``powerlaw``). With fewer than 20 eigenvalues
   WeightWatcher switches to a bias-corrected fit (alpha = 1 + (n-1)/sum log, tails of >= 8, xmin minimising
-  D - 0.868/sqrt(n)); so do we. ``num_pl_spikes`` = eigenvalues >= xmin.
+  D - 0.868/sqrt(n)); so do we. Where no tail of 8 qualifies (e.g. a 7-row W_frozen) there is no fit (alpha None;
+  weightwatcher skips layers with fewer than 8 eigenvalues). ``num_pl_spikes`` = eigenvalues >= xmin.
 - **alpha_weighted** = alpha * log10(lambda_max); **spectral_norm** = lambda_max (the squared largest singular
   value, as WeightWatcher reports it); **stable_rank** = sum(lambda) / lambda_max.
 - **entropy** (matrix entropy): p = lambda / sum(lambda) + 1e-10, -sum p log p / log(rank), rank = singular values
@@ -67,7 +68,8 @@ class PowerLawFit:
 
 
 def fit_power_law(spectrum: Spectrum) -> PowerLawFit | None:
-    """Power-law fit of the spectrum's tail (see the module docstring); None with fewer than 2 eigenvalues > 1e-5."""
+    """Power-law fit of the spectrum's tail (see the module docstring); None when no tail can be fitted: fewer than
+    2 eigenvalues > 1e-5, or, in the small-sample fit, no tail of 8 or more with a positive log-spread."""
     evals = _as_numpy(spectrum)
     data = np.sort(evals[evals > PL_THRESHOLD])
     n_all = len(data)
@@ -86,8 +88,10 @@ def fit_power_law(spectrum: Spectrum) -> PowerLawFit | None:
         fitted &= (n >= 8) & (denom > 1e-12)
     ds = np.ones(n_all - 1)
     ds[fitted] = _ks_distances(logs, alphas, np.flatnonzero(fitted))
+    if small and not fitted.any():
+        return None  # no tail of 8 or more: no fit (weightwatcher skips such layers, min_evals 8)
     score = np.where(fitted, ds - 0.868 / np.sqrt(n), np.inf)
-    best = 0 if small and not np.isfinite(score).any() else int(np.argmin(score if small else ds))
+    best = int(np.argmin(score if small else ds))
     alpha = float(alphas[best])
     xmin = float(data[best])
     sigma = (alpha - 1.0) / math.sqrt(n_all - best)

@@ -208,3 +208,38 @@ def test_cli_health(tmp_path):
     assert data == {n: m["health"] for n, m in manifest["modules"].items()}
     result = CliRunner().invoke(cli, ["health", str(bundle.path)])
     assert result.exit_code == 0 and "alpha" in result.output
+
+
+def test_too_few_eigenvalues_for_a_tail_give_no_alpha():
+    """Seven eigenvalues (a 7-row W_frozen): no tail of 8 exists, so there is no power-law fit, not a KS-1.0 alpha."""
+    g = np.random.default_rng(2)
+    w = (g.standard_normal((7, 64)) * np.linspace(3, 0.2, 64)).astype(np.float32)
+    assert fit_power_law(numpy_spectrum(w)) is None
+    record = health_record(numpy_spectrum(w), w.shape, "W_frozen")
+    assert record["alpha"] is None and record["ks_distance"] is None and record["alpha_weighted"] is None
+    assert record["stable_rank"] > 1  # the other metrics are still there
+    # eight eigenvalues: the small-sample fit has one tail, and fits it
+    w8 = (g.standard_normal((8, 64)) * np.linspace(3, 0.2, 64)).astype(np.float32)
+    fit = fit_power_law(numpy_spectrum(w8))
+    assert fit is not None and fit.num_pl_spikes == 8 and fit.ks_distance < 1
+
+
+def test_cli_health_counts_only_fitted_alphas(tmp_path):
+    """k/v projections with 32 rows at r = 25 keep 7 frozen rows: no alpha, left out of the "in [2, 6]" count."""
+    from click.testing import CliRunner
+
+    from plate_inspect import scan
+    from plate_inspect.cli.main import cli
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    ckpt = write_llama_like(tmp_path / "llama", layers=1, hidden=64, heads=4, kv_heads=2)
+    bundle = scan(ckpt.path, tmp_path / "bundle", r=25)
+    health = {rec.name: rec.health for rec in bundle}
+    unfitted = sorted(name for name, h in health.items() if h["alpha"] is None)
+    assert unfitted == sorted(name for name, h in health.items() if h["shape"][0] == 7) and len(unfitted) == 2
+    fitted = [h["alpha"] for h in health.values() if h["alpha"] is not None]
+    inside = sum(1 for a in fitted if 2 <= a <= 6)
+    result = CliRunner().invoke(cli, ["health", str(bundle.path)])
+    assert result.exit_code == 0, result.output
+    assert f"{inside}/{len(fitted)} modules in [2, 6]" in result.output
+    assert "2 modules without a fit" in result.output
