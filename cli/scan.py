@@ -269,6 +269,8 @@ def verify_command(bundle, model, revision, exact):
         report = verify(bundle, model, revision=revision, progress=progress, exact=exact)
     for problem in report.problems:
         console.print(f"[red]x[/] {problem}")
+    for note in report.notes:
+        console.print(f"[yellow]note[/]: {note}")
     if report.exactness:
         worst = max(report.exactness.items(), key=lambda item: item[1].used)
         console.print(

@@ -67,6 +67,7 @@ class VerifyReport:
     source: str | None
     modules_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # worth knowing, not a failure (another model_type, ...)
     exactness: dict[str, ExactnessCheck] = field(default_factory=dict)  # verify(..., exact=True)
 
     @property
@@ -97,6 +98,14 @@ def verify(
     if b.manifest.identity and b.manifest.identity != b.manifest.content_identity():
         report.problems.append("manifest: identity does not match its settings and module fingerprints (edited?)")
     modules = modules_by_name(ckpt) if ckpt is not None else {}  # 3-D expert slices included
+    if ckpt is not None:
+        theirs, ours = ckpt.config.get("model_type"), b.manifest.model_type
+        if theirs and ours and theirs != ours:
+            report.notes.append(
+                f"the checkpoint's model_type is '{theirs}', the bundle was scanned from a '{ours}' model: the "
+                "fingerprints below decide whether its weights are the same; a trainer applies the bundle by "
+                "module name, so check that the names mean the same layers in both"
+            )
     counter = ProgressCounter(progress, len(b.manifest.modules), "modules")
     counter.start()
     for rec in b:

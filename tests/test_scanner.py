@@ -234,6 +234,26 @@ def test_verify_detects_other_weights(tmp_path, qwen_ckpt):
     assert "fingerprint" in report.problems[0]
 
 
+def test_verify_notes_a_checkpoint_of_another_model_type(tmp_path, qwen_ckpt):
+    """The same weights under a config of another model_type: verified (the fingerprints match), with a note."""
+    bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R)
+    relabelled = tmp_path / "as-llama"
+    shutil.copytree(qwen_ckpt.path, relabelled)
+    config = json.loads((relabelled / "config.json").read_text())
+    config["model_type"] = "llama"
+    (relabelled / "config.json").write_text(json.dumps(config))
+    assert verify(bundle, qwen_ckpt.path).notes == []
+    report = verify(bundle, relabelled)
+    assert report.ok and len(report.notes) == 1
+    assert "'llama'" in report.notes[0] and "'qwen2'" in report.notes[0]
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["verify", str(bundle.path), str(relabelled)])
+    assert result.exit_code == 0 and "note" in result.output and "llama" in result.output, result.output
+
+
 def test_hub_repo_id_resolves_from_local_cache_offline(tmp_path, qwen_ckpt, monkeypatch):
     cache = tmp_path / "hub"
     snap = cache / "models--acme--tiny-qwen" / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
