@@ -55,10 +55,15 @@ def progress_bar(label: str, quiet: bool = False, transient: bool = False) -> It
     task = bar.add_task(label, total=None, unit="", read="", current="")
 
     def show(event: ProgressEvent) -> None:
+        if not bar.live.is_started:  # drawn from the first event on: an early error is not preceded by "0/?"
+            bar.start()
         read = ""
         if event.bytes_done is not None and event.bytes_total is not None:
             read = f"{human_bytes(event.bytes_done)}/{human_bytes(event.bytes_total)}"
         bar.update(task, completed=event.done, total=event.total, unit=event.unit, read=read, current=event.label)
 
-    with bar:
+    try:
         yield show
+    finally:
+        if bar.live.is_started:
+            bar.stop()

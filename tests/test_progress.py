@@ -207,6 +207,22 @@ def test_cli_bar_draws_done_of_total_and_bytes(monkeypatch):
         assert show is None
 
 
+def test_cli_bar_stays_silent_when_an_error_comes_before_any_event(monkeypatch):
+    """Off a terminal rich prints the bar when it stops: an error raised before the first event must not be
+    preceded by an empty "0/?" line, while one raised midway still shows how far the work got."""
+    from plate_inspect.cli import common
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(common, "err_console", Console(file=buffer, width=200, force_terminal=False))
+    with pytest.raises(ValueError), common.progress_bar("scan"):
+        raise ValueError("bad input")
+    assert buffer.getvalue() == ""
+    with pytest.raises(ValueError), common.progress_bar("scan") as show:
+        show(ProgressEvent(2, 5, "modules", "model.layers.1.mlp.up_proj", None, None))
+        raise ValueError("bad input")
+    assert "2/5" in buffer.getvalue() and "up_proj" in buffer.getvalue()
+
+
 def test_a_non_callable_progress_is_a_type_error(qwen_ckpt, tmp_path):
     with warnings.catch_warnings(), pytest.raises(TypeError, match="ProgressEvent"):
         plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, progress=42)
