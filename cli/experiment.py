@@ -43,8 +43,10 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 @click.option("--quick", is_flag=True, help="1 seed, 180 + 60 steps, one budget per method (smoke run).")
 @click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
 @click.option("--report-only", is_flag=True, help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, data_root, report_only, no_progress):
+@click.option(
+    "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
+)
+def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, data_root, report_only, quiet):
     """Two-task continual learning: classes 0-4, then 5-9, every method at matched budgets.
 
     Stage 1 trains the d_in-256-256-256 MLP and head 1 on task 1 for --stage1-steps Adam steps (lr 1e-3, batch
@@ -82,7 +84,7 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
         seeds = 1
     else:
         settings = ContinualSettings(steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, **common)
-    with progress_bar("continual", quiet=no_progress) as progress:
+    with progress_bar("continual", quiet=quiet) as progress:
         result = run_continual(out, seeds=seeds, settings=settings, progress=progress)
     console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, mean ± 95% CI over seeds"))
     err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
@@ -97,8 +99,10 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
     "--steps", type=click.IntRange(min=1), default=950, show_default=True, help="Adam steps per task (10 MNIST epochs)."
 )
 @click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-def sequential_command(out, data, methods, seeds, steps, data_root, no_progress):
+@click.option(
+    "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
+)
+def sequential_command(out, data, methods, seeds, steps, data_root, quiet):
     """The paper's four-task sequential protocol: 2v3 -> 4v5 -> 6v7 -> 8v9, merge (+ rescan) after each task.
 
     Task 1 trains the backbone and head 1 from scratch; tasks 2-4 train only the method's adapter and the task's
@@ -115,7 +119,7 @@ def sequential_command(out, data, methods, seeds, steps, data_root, no_progress)
     from plate_inspect.experiments.sequential_tasks import SEQUENTIAL_METHODS, print_matrix, run_sequential
 
     names = parse_methods(methods, SEQUENTIAL_METHODS)
-    with progress_bar("sequential", quiet=no_progress) as progress:
+    with progress_bar("sequential", quiet=quiet) as progress:
         result = run_sequential(out, names, seeds=seeds, steps=steps, data=data, data_root=data_root, progress=progress)
     print_matrix(result, console)
     err_console.print(f"results: {result.path}")

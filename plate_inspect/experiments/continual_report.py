@@ -32,7 +32,9 @@ ABLATIONS = tuple(m for m in METHODS if m.startswith("plate"))
 
 
 def _pm(row: dict[str, Any], key: str, fmt: str) -> str:
-    return f"{row[key]:{fmt}} ± {row[key + '_ci']:{fmt}}"
+    """"mean ± half-width"; one seed has no interval ("± n/a", not a misleading "± 0.00")."""
+    half = "n/a" if row.get("seeds", 2) < 2 else f"{row[key + '_ci']:{fmt}}"
+    return f"{row[key]:{fmt}} ± {half}"
 
 
 def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
