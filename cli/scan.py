@@ -212,6 +212,8 @@ def info_command(bundle, show_modules, show_groups):
             )
         console.print(table)
         console.print("[dim]Q energy and score: medians over the experts; --expert-groups lists every layer[/]")
+    if show_groups and not groups:
+        console.print("--expert-groups: no expert modules in this bundle (a dense model); nothing to group")
     if show_groups and groups:
         table = Table(title="expert groups, per layer")
         for col in ("layer", "module type", "experts", "k min/median/max", "Q energy (median)", "score (median)"):

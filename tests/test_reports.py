@@ -629,6 +629,14 @@ def test_expert_page_model_and_info(moe_bundle, tmp_path):
     assert "expert groups" in res.output and "mlp.experts.down_proj" in res.output
     line = next(x for x in res.output.splitlines() if "mlp.experts.down_proj" in x and "3 x 6" in x)
     assert f"{min(ks)}/{np.median(ks):.0f}/{max(ks)}" in line
+    per_layer = CliRunner().invoke(cli, ["info", str(moe_bundle.path), "--expert-groups"])
+    assert "expert groups, per layer" in per_layer.output and "no expert modules" not in per_layer.output
+
+
+def test_info_expert_groups_on_a_dense_bundle_says_there_are_none(small_bundle):
+    res = CliRunner().invoke(cli, ["info", str(small_bundle.path), "--expert-groups"])
+    assert res.exit_code == 0, res.output
+    assert "no expert modules in this bundle" in res.output and "expert groups, per" not in res.output
 
 
 def unpack_logs(text: str) -> list[float | None]:
