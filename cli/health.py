@@ -54,8 +54,6 @@ def health_command(bundle, as_json):
     without = f"; {counted(unfitted, 'module')} without a fit (too few eigenvalues for a tail)" if unfitted else ""
     if alphas:
         inside = sum(1 for a in alphas if 2 <= a <= 6)
-        console.print(
-            f"alpha: mean {sum(alphas) / len(alphas):.3f}; {inside}/{len(alphas)} modules in [2, 6]{without}"
-        )
+        console.print(f"alpha: mean {sum(alphas) / len(alphas):.3f}; {inside}/{len(alphas)} modules in [2, 6]{without}")
     elif unfitted:
         console.print(f"alpha: no module has a power-law fit{without}")

@@ -32,7 +32,7 @@ ABLATIONS = tuple(m for m in METHODS if m.startswith("plate"))
 
 
 def _pm(row: dict[str, Any], key: str, fmt: str) -> str:
-    """"mean ± half-width"; one seed has no interval ("± n/a", not a misleading "± 0.00")."""
+    """The mean and its 95% half-width; one seed has no interval ("± n/a", not a misleading "± 0.00")."""
     half = "n/a" if row.get("seeds", 2) < 2 else f"{row[key + '_ci']:{fmt}}"
     return f"{row[key]:{fmt}} ± {half}"
 
