@@ -60,6 +60,10 @@ _DEQUANTIZE_HINT = (
 )
 #: quantization_config.quant_method values whose storage plate-inspect reads (dequantizing on read).
 SUPPORTED_QUANT_METHODS = frozenset({"fp8", "fbgemm_fp8", "mxfp4"})
+#: compressed-tensors (llm-compressor) stores weights unpacked in these formats: FP8 codes + ``weight_scale``
+#: (per tensor, per row [rows, 1] or per block), or plain floats; packed integer formats are refused.
+COMPRESSED_TENSORS = "compressed-tensors"
+COMPRESSED_TENSORS_FORMATS = frozenset({"float-quantized", "naive-quantized", "dense"})
 #: FP8 element formats dequantized on read (OCP FP8: E4M3 "fn" with NaN only at S.1111.111, E5M2 IEEE-like).
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 #: Tensor-name endings of packed integer formats, with the format they belong to.
@@ -102,7 +106,8 @@ class LogicalWeight:
 
     ``format`` is ``"dense"`` (F64/F32/F16/BF16, read as stored), ``"fp8"`` (F8_E4M3/F8_E5M2 times a scale:
     per tensor, per expert, per row or per block), ``"mxfp4"`` (``<name>_blocks`` + ``<name>_scales``) or
-    ``"other"`` (integer/bool/unsupported storage: reading it raises :class:`UnsupportedWeightError`).
+    ``"other"`` (integer/bool/unsupported storage: reading it raises :class:`UnsupportedWeightError`). A quantized
+    weight whose scale is missing or malformed keeps its place with a ``problem``, raised when it is read.
     ``parts`` are the stored tensor names (the weight first, then its scales); ``block`` is the FP8 scale block
     [rows, cols] (None for per-tensor scales). ``dtype`` and ``file`` mirror :class:`TensorInfo`.
     """
@@ -114,6 +119,7 @@ class LogicalWeight:
     parts: tuple[str, ...]
     file: Path
     block: tuple[int, int] | None = None
+    problem: str = ""  # why it cannot be decoded (a missing or malformed scale): raised when it is read
 
     @property
     def dtype(self) -> str:
@@ -406,7 +412,8 @@ class Checkpoint:
         folded into the weight they belong to and never appear on their own.
         """
         if self._logical is None:
-            self._logical = _logical_weights(self.tensors, _fp8_block_size(self.config))
+            declared = isinstance(self.config.get("quantization_config"), dict)
+            self._logical = _logical_weights(self.tensors, _fp8_block_size(self.config), declared)
         return self._logical
 
     def logical_weight(self, name: str) -> LogicalWeight:
@@ -463,6 +470,7 @@ class Checkpoint:
         weight = self.logical_weight(name)
         if expert is not None:
             _check_expert(weight, expert)
+        _require_decodable(weight)
         if weight.format == "fp8":
             return self._read_fp8(weight, expert)
         if weight.format == "mxfp4":
@@ -477,6 +485,7 @@ class Checkpoint:
         weight = self.logical_weight(name)
         if expert is not None:
             _check_expert(weight, expert)
+        _require_decodable(weight)
         return fingerprint_parts(
             [self._read_slice(self.tensors[p], _part_expert(weight, p, expert)) for p in weight.parts]
         )
@@ -493,11 +502,17 @@ class Checkpoint:
         raw = self._read_slice(info, expert)
         shape = _sliced(info.shape, expert)
         values = decode_fp8(raw, info.dtype, shape)
-        if len(weight.parts) == 1:
+        if len(weight.parts) == 1:  # a plain cast: the values are the weight
             return values, fingerprint_bytes(raw)
         scale_info = self.tensors[weight.parts[1]]
         scale_raw = self._read_slice(scale_info, _part_expert(weight, scale_info.name, expert))
         scale = _view(scale_raw, FLOAT_DTYPES[scale_info.dtype], (len(scale_raw) * 8 // DTYPES[scale_info.dtype].bits,))
+        if scale.numel() and not bool(scale.any()):
+            raise CorruptCheckpointError(
+                f"{scale_info.file.name}: tensor '{scale_info.name}' (scale of '{info.name}'"
+                + (f", expert {expert}" if expert is not None else "")
+                + ") is all zero: the weight would dequantize to zeros; the file is damaged, re-download it"
+            )
         values = values * _broadcast_scale(scale.to(torch.float32), shape, weight.block)
         return values, fingerprint_parts([raw, scale_raw])
 
@@ -531,6 +546,12 @@ def _view(raw: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.T
 
 def _sliced(shape: tuple[int, ...], expert: int | None) -> tuple[int, ...]:
     return shape if expert is None else shape[1:]
+
+
+def _require_decodable(weight: LogicalWeight) -> None:
+    """A quantized weight whose scales are missing or malformed cannot be read: say which and why."""
+    if weight.problem:
+        raise CorruptCheckpointError(weight.problem)
 
 
 def _check_expert(weight: LogicalWeight, expert: int) -> None:
@@ -590,24 +611,60 @@ def _fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def _logical_weights(tensors: dict[str, TensorInfo], block: tuple[int, int] | None) -> dict[str, LogicalWeight]:
-    """Fold FP8 scales and MXFP4 blocks/scales into the weights they belong to; every other tensor stands alone."""
+def _logical_weights(
+    tensors: dict[str, TensorInfo], block: tuple[int, int] | None, declared: bool = False
+) -> dict[str, LogicalWeight]:
+    """Fold FP8 scales and MXFP4 blocks/scales into the weights they belong to; every other tensor stands alone.
+
+    An FP8 tensor without a scale reads as its values (a plain cast, as fp8 diffusion checkpoints store them)
+    unless the checkpoint is a scaled one (a quantization_config, or scales beside other FP8 tensors): there a
+    missing scale is damage, and reading that weight raises instead of returning codes off by the scale.
+    """
+    scaled = declared or any(
+        info.dtype in FP8_DTYPES and (name + "_scale_inv" in tensors or name + "_scale" in tensors)
+        for name, info in tensors.items()
+    )
     out: dict[str, LogicalWeight] = {}
     companions: set[str] = set()
     for name, info in tensors.items():
-        if name.endswith("_blocks") and info.dtype == "U8" and len(info.shape) >= 2:
-            base = name[: -len("_blocks")]
-            scales = tensors.get(base + "_scales")
-            if scales is not None and scales.dtype in ("U8", "F8_E8M0") and scales.shape == info.shape[:-1]:
-                shape = info.shape[:-2] + (info.shape[-2] * info.shape[-1] * 2,)
-                out[base] = LogicalWeight(base, shape, "MXFP4", "mxfp4", (name, scales.name), info.file)
-                companions.update((name, scales.name))
+        base = name[: -len("_blocks")]
+        scales = tensors.get(base + "_scales")
+        # MXFP4 by its storage (U8 blocks) or its pairing (a *_scales beside it): malformed ones get a problem
+        if name.endswith("_blocks") and len(info.shape) >= 3 and (info.dtype == "U8" or scales is not None):
+            shape = info.shape[:-2] + (info.shape[-2] * info.shape[-1] * 2,)
+            where = f"{info.file.name}: MXFP4 weight '{base}'"
+            problem = ""
+            if info.dtype != "U8":
+                problem = f"{where}: '{name}' is stored as {info.dtype}; MXFP4 blocks are U8 (two E2M1 codes a byte)"
+            elif scales is None:
+                problem = f"{where}: no '{base}_scales' tensor beside '{name}'; the checkpoint is incomplete"
+            elif scales.dtype not in ("U8", "F8_E8M0"):
+                problem = f"{where}: '{scales.name}' is stored as {scales.dtype}; MXFP4 scales are U8 (E8M0)"
+            elif scales.shape != info.shape[:-1]:
+                problem = (
+                    f"{where}: '{scales.name}' has shape {list(scales.shape)}, the blocks '{name}' need "
+                    f"{list(info.shape[:-1])} (one scale per 32-value block)"
+                )
+            if problem:
+                problem += "; re-download or re-convert the checkpoint"
+            parts = (name,) if scales is None else (name, scales.name)
+            out[base] = LogicalWeight(base, shape, "MXFP4", "mxfp4", parts, info.file, problem=problem)
+            companions.update(parts)
     for name, info in tensors.items():
         if info.dtype not in FP8_DTYPES:  # FNUZ variants stay "other": refused on read
             continue
         scale = next((tensors[s] for s in (name + "_scale_inv", name + "_scale") if s in tensors), None)
         if scale is None:
-            out[name] = LogicalWeight(name, info.shape, info.dtype, "fp8", (name,), info.file)
+            problem = (
+                ""
+                if not scaled
+                else (
+                    f"{info.file.name}: FP8 tensor '{name}' has no scale tensor ('{name}_scale_inv' or '{name}_scale'): "
+                    "its codes cannot be dequantized; the checkpoint is incomplete (a shard or an index entry "
+                    "missing?), re-download it"
+                )
+            )
+            out[name] = LogicalWeight(name, info.shape, info.dtype, "fp8", (name,), info.file, problem=problem)
             continue
         out[name] = _fp8_weight(info, scale, block)
         companions.add(scale.name)
@@ -674,14 +731,32 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path}: config.json is not a JSON object")
     quant = config.get("quantization_config")
     if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
-        method = method if isinstance(method, str) else "unknown"
-        if method not in SUPPORTED_QUANT_METHODS:
-            raise UnsupportedWeightError(
-                f"{path}: the checkpoint is quantized with '{method}' (packed integer storage), which plate-inspect "
-                f"does not read (it reads FP8 with scales and MXFP4); " + _DEQUANTIZE_HINT
-            )
+        _check_quantization(path, quant)
     return config
+
+
+def _check_quantization(path: Path, quant: Any) -> None:
+    """Refuse a quantization_config whose storage plate-inspect cannot dequantize, naming the method and format."""
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if not isinstance(method, str):
+        raise UnsupportedWeightError(
+            f"{path}: quantization_config has no quant_method, so the storage is unknown; plate-inspect reads "
+            "FP8 with scales (fp8, fbgemm_fp8, compressed-tensors float-quantized) and MXFP4; " + _DEQUANTIZE_HINT
+        )
+    if method == COMPRESSED_TENSORS:
+        fmt = quant.get("format")
+        if fmt in COMPRESSED_TENSORS_FORMATS:
+            return
+        raise UnsupportedWeightError(
+            f"{path}: the checkpoint is compressed-tensors with format {fmt!r}, which plate-inspect does not read "
+            f"(it reads the formats {', '.join(sorted(COMPRESSED_TENSORS_FORMATS))}: FP8 or unquantized "
+            "weights stored as they are); " + _DEQUANTIZE_HINT
+        )
+    if method not in SUPPORTED_QUANT_METHODS:
+        raise UnsupportedWeightError(
+            f"{path}: the checkpoint is quantized with '{method}', which plate-inspect does not read (it reads FP8 "
+            "with scales: fp8, fbgemm_fp8, compressed-tensors float-quantized; and MXFP4); " + _DEQUANTIZE_HINT
+        )
 
 
 def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, TensorInfo]]:

@@ -257,6 +257,22 @@ def test_packed_quant_methods_in_config_refused(tmp_path, method):
         Checkpoint.open(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "quant, message",
+    [
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format 'pack-quantized'"),
+        ({"quant_method": "compressed-tensors"}, "format None"),
+        ({"bits": 4}, "no quant_method"),
+    ],
+)
+def test_unreadable_compressed_tensors_formats_and_unnamed_methods_refused(tmp_path, quant, message):
+    save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quant}))
+    with pytest.raises(UnsupportedWeightError, match=message) as info:
+        Checkpoint.open(tmp_path)
+    assert "packed integer" not in str(info.value)
+
+
 def test_errors_form_one_hierarchy():
     from plate_inspect import errors
     from plate_inspect.analysis import alignment, curvature

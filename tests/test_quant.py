@@ -100,6 +100,33 @@ def test_fp8_without_scale_reads_the_fp8_values(tmp_path):
     assert_same(got, decode_e4m3(codes.numpy()).astype(np.float32))
 
 
+@pytest.mark.parametrize("how", ["scales beside other fp8 weights", "quantization_config"])
+def test_fp8_weight_missing_its_scale_in_a_scaled_checkpoint_is_refused(tmp_path, how):
+    """In a scaled checkpoint a missing scale is damage: read as codes the weight is off by the scale (QA: 448
+    instead of ~0.1, B and Q wrong, exit 0). Reading it, or its fingerprint, names the missing tensor."""
+    g = torch.Generator().manual_seed(0)
+    tensors = fp8_tensors({"a.weight": torch.randn(16, 16, generator=g), "b.weight": torch.randn(16, 16, generator=g)})
+    del tensors["b.weight_scale_inv"]
+    if how == "quantization_config":
+        del tensors["a.weight"], tensors["a.weight_scale_inv"]
+    config = fp8_config(None) if how == "quantization_config" else None
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, config))
+    for read in (ckpt.read_weight, ckpt.weight_fingerprint):
+        with pytest.raises(CorruptCheckpointError, match=r"'b\.weight' has no scale tensor \('b\.weight_scale_inv'"):
+            read("b.weight")
+    if how != "quantization_config":  # the intact weight still reads
+        got, _ = ckpt.read_weight("a.weight")
+        assert got.abs().max() < 10
+
+
+def test_fp8_all_zero_scale_is_refused(tmp_path):
+    tensors = fp8_tensors({"m.weight": torch.randn(32, 32)}, block=(16, 16))
+    tensors["m.weight_scale_inv"] = torch.zeros_like(tensors["m.weight_scale_inv"])
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config((16, 16))))
+    with pytest.raises(CorruptCheckpointError, match="m.weight_scale_inv.*all zero"):
+        ckpt.read_weight("m.weight")
+
+
 @pytest.mark.parametrize("shape, block", [((300, 200), (128, 128)), ((64, 48), (16, 32)), ((7, 130), (4, 128))])
 def test_fp8_block_scales_with_partial_edge_blocks(tmp_path, shape, block):
     gen = torch.Generator().manual_seed(1)
@@ -206,6 +233,37 @@ def test_mxfp4_gpt_oss_layout_full_and_one_expert(tmp_path):
         ckpt.read_weight(name + "_blocks")
 
 
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("missing", "no '.*_scales' tensor beside"),
+        ("shape", r"has shape \[4, 24, 2\], the blocks .* need \[4, 24, 3\]"),
+        ("scales dtype", "_scales' is stored as BF16; MXFP4 scales are U8"),
+        ("blocks dtype", "_blocks' is stored as I8; MXFP4 blocks are U8"),
+    ],
+)
+def test_mxfp4_with_missing_or_malformed_scales_is_refused_not_dropped(tmp_path, damage, message):
+    """QA: such a weight fell out of the target list silently (17 of 20 modules, exit 0); now it stays a weight
+    and reading it says what is wrong with which tensor."""
+    blocks, scales = random_mxfp4((4, 24), groups=3, seed=6)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors = mxfp4_tensors(name, blocks, scales)
+    if damage == "missing":
+        del tensors[name + "_scales"]
+    elif damage == "shape":
+        tensors[name + "_scales"] = scales[..., :2].contiguous()
+    elif damage == "scales dtype":
+        tensors[name + "_scales"] = scales.to(torch.bfloat16)
+    else:
+        tensors[name + "_blocks"] = blocks.view(torch.int8)
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, mxfp4_config(model_type="gpt_oss")))
+    weight = ckpt.logical_weights()[name]
+    assert weight.format == "mxfp4" and weight.shape == (4, 24, 96)
+    for read in (ckpt.read_weight, ckpt.weight_fingerprint):
+        with pytest.raises(CorruptCheckpointError, match=message):
+            read(name)
+
+
 # --------------------------------------------------------------------------- fingerprints and listing
 def test_fingerprint_covers_weight_bytes_and_scales(tmp_path):
     w = torch.randn(32, 32)
@@ -274,3 +332,41 @@ def test_scan_of_fp8_checkpoint_equals_scan_of_its_oracle_dequantization(tmp_pat
         assert got.record(name).dtype == "F8_E4M3"
     report = verify(got, fp8_dir)
     assert report.ok and report.modules_checked == 7, report.problems
+
+
+def test_compressed_tensors_fp8_per_channel_scans_like_its_oracle_dequantization(tmp_path):
+    """llm-compressor's FP8 "float-quantized" storage (F8_E4M3 codes, BF16 ``weight_scale`` [rows, 1]) under
+    quant_method compressed-tensors: B, k and Q equal a scan of the oracle-decoded dense weights."""
+    from safetensors.torch import load_file
+
+    from plate_inspect.scanner import scan
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    src = write_llama_like(tmp_path / "src", layers=1)
+    stored = {}
+    for f in sorted(src.path.glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    targets = {n: w for n, w in stored.items() if n.endswith("_proj.weight")}
+    quantized, oracle = {}, {}
+    for name, w in targets.items():
+        scale = (w.float().abs().amax(dim=1, keepdim=True) / 448).clamp_min(1e-12).to(torch.bfloat16)
+        codes = (w.float() / scale.float()).to(torch.float8_e4m3fn)
+        quantized[name], quantized[name.replace(".weight", ".weight_scale")] = codes, scale
+        quantized[name.replace(".weight", ".input_scale")] = torch.ones(1)
+        oracle[name] = torch.from_numpy((decode_e4m3(stored_bytes(codes)) * scale.double().numpy()).astype(np.float32))
+    others = {n: w for n, w in stored.items() if n not in targets}
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
+        "ignore": ["lm_head"],
+    }
+    ct_dir = write_safetensors(tmp_path / "ct", {**others, **quantized}, {**src.config, "quantization_config": quant})
+    dense_dir = write_safetensors(tmp_path / "dense", {**others, **oracle}, src.config)
+    got = scan(ct_dir, tmp_path / "b_ct", r=4, max_rank=40)
+    want = scan(dense_dir, tmp_path / "b_dense", r=4, max_rank=40)
+    assert len(got.manifest.modules) == len(want.manifest.modules) == 7
+    for name in want.manifest.modules:
+        assert got.record(name).k == want.record(name).k
+        assert torch.equal(got.b_idx(name), want.b_idx(name))
+        assert torch.equal(got.q(name), want.q(name))
