@@ -336,7 +336,10 @@ def select_targets(
         chosen = [
             t
             for t in candidates
-            if any(_matches(t.name, p) or _matches(t.logical_name.removesuffix(".weight"), p) for p in target_modules)
+            if any(
+                _matches(t.name, p) or _matches(t.logical_name.removesuffix(".weight"), p) or _matches(t.module_type, p)
+                for p in target_modules
+            )
         ]
     elif model_type in FAMILY_TARGETS:
         wanted = set(FAMILY_TARGETS[model_type])

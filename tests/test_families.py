@@ -278,6 +278,20 @@ def test_config_shape_checks(tmp_path, family, override, tensor):
         select_targets(Checkpoint.open(ckpt.path))
 
 
+def test_module_types_as_printed_select_their_modules(ckpts):
+    """The module types scan/info print select exactly their modules: DeepSeek's routed experts' gate projections
+    without the shared experts' or the dense layer's; Mixtral's w1 of every expert."""
+    ckpt = Checkpoint.open(ckpts["deepseek_v3"].path)
+    everything = {t.name: t for t in select_targets(ckpt, [".*"])[0]}
+    chosen, _ = select_targets(ckpt, ["mlp.experts.gate_proj"])
+    want = {n for n, t in everything.items() if t.module_type == "mlp.experts.gate_proj"}
+    assert {t.name for t in chosen} == want and len(want) >= 2
+    assert all(".mlp.experts." in n and ".shared_experts." not in n for n in want)
+    mixtral = Checkpoint.open(ckpts["mixtral"].path)
+    w1, _ = select_targets(mixtral, ["block_sparse_moe.experts.w1"])
+    assert w1 and all(t.name.endswith(".w1") and t.module_type == "block_sparse_moe.experts.w1" for t in w1)
+
+
 def test_expert_count_and_transposed_stack_refused(tmp_path):
     ckpt = write_family(tmp_path / "m", "llama4")
     config = json.loads((ckpt.path / "config.json").read_text())
