@@ -144,7 +144,12 @@ def load_target(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, s
 
 def _layer_span(targets: Sequence[TargetModule]) -> str:
     """'0-27' (or 'none') for the layer indices present, for an error that names what --layers can select."""
-    present = sorted({t.layer for t in targets if t.layer is not None})
+    return _span({t.layer for t in targets if t.layer is not None})
+
+
+def _span(indices: Iterable[int]) -> str:
+    """'0-27' for a contiguous run, '0,1,3' otherwise, 'none' for nothing."""
+    present = sorted(set(indices))
     if not present:
         return "none"
     if present == list(range(present[0], present[-1] + 1)):
@@ -376,6 +381,7 @@ def select_targets(
     experts = expected_experts(ckpt.config, model_type)
     for t in chosen:
         check_shape_against_config(t, shapes, experts)
+    check_expert_counts(candidates, chosen, experts, EXPERT_COUNT_KEYS.get(model_type or ""))
     return chosen, note
 
 
@@ -543,6 +549,27 @@ def check_shape_against_config(
         f"{where} has [d_out, d_in] = {list(t.shape)} for module type {t.module_type} but config.json implies "
         f"{list(want)}{hint}; the weights and config.json do not match"
     )
+
+
+def check_expert_counts(
+    candidates: Sequence[TargetModule], chosen: Sequence[TargetModule], n_experts: int | None, key: str | None
+) -> None:
+    """Per-expert tensors (Mixtral, Qwen-MoE, DeepSeek): each chosen (layer, expert module type) must hold experts
+    0..n-1, n from config.json, as a 3-D stack must; a missing expert means a partial download or conversion."""
+    if n_experts is None:
+        return
+    wanted = {(t.layer, t.module_type) for t in chosen if t.expert is not None and t.layout not in EXPERT_LAYOUTS}
+    found: dict[tuple[int | None, str], set[int]] = {}
+    for t in candidates:
+        if (t.layer, t.module_type) in wanted and t.expert is not None:
+            found.setdefault((t.layer, t.module_type), set()).add(t.expert)
+    for (layer, mtype), experts in sorted(found.items(), key=lambda item: (item[0][0] or 0, item[0][1])):
+        if experts != set(range(n_experts)):
+            raise CheckpointError(
+                f"layer {layer}: {mtype} has experts {_span(experts)} but config.json says {key} = {n_experts} "
+                f"(experts 0-{n_experts - 1}); the checkpoint is incomplete (a shard or index entry missing?) or "
+                "the weights and config.json do not match"
+            )
 
 
 def modules_by_name(ckpt: Checkpoint) -> dict[str, TargetModule]:

@@ -292,6 +292,33 @@ def test_module_types_as_printed_select_their_modules(ckpts):
     assert w1 and all(t.name.endswith(".w1") and t.module_type == "block_sparse_moe.experts.w1" for t in w1)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_per_expert_tensors_checked_against_the_configs_expert_count(tmp_path, family):
+    """One tensor per expert: a config claiming more experts than stored, or a missing expert, is refused like a
+    3-D stack of the wrong size (QA: both scanned silently, the bundle lacking experts)."""
+    from safetensors.torch import load_file, save_file
+
+    from plate_inspect.targets import EXPERT_COUNT_KEYS
+
+    ckpt = write_family(tmp_path / "m", family)
+    config = json.loads((ckpt.path / "config.json").read_text())
+    key = EXPERT_COUNT_KEYS[family]
+    n = config[key]
+    assert select_targets(Checkpoint.open(ckpt.path))[0]  # as written: consistent
+    (ckpt.path / "config.json").write_text(json.dumps({**config, key: n + 2}))
+    with pytest.raises(CheckpointError, match=rf"has experts 0-{n - 1} but config.json says {key} = {n + 2}"):
+        select_targets(Checkpoint.open(ckpt.path))
+    (ckpt.path / "config.json").write_text(json.dumps(config))
+    files = sorted(ckpt.path.glob("*.safetensors"))
+    assert len(files) == 1
+    tensors = load_file(str(files[0]))
+    dropped = [name for name in tensors if f".experts.{n - 1}." in name]
+    assert dropped
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, str(files[0]))
+    with pytest.raises(CheckpointError, match=rf"has experts 0-{n - 2} but config.json says {key} = {n}"):
+        select_targets(Checkpoint.open(ckpt.path))
+
+
 def test_expert_count_and_transposed_stack_refused(tmp_path):
     ckpt = write_family(tmp_path / "m", "llama4")
     config = json.loads((ckpt.path / "config.json").read_text())
