@@ -111,6 +111,7 @@ class TargetModule:
     expert: int | None = None  # expert index (per-expert tensors and 3-D slices); None for dense modules
     weight_name: str = ""  # logical weight passed to Checkpoint.read_weight ('' = tensor.name)
     weight_shape: tuple[int, ...] = ()  # logical (dequantized) shape of that weight (() = tensor.shape)
+    scale_nbytes: int = 0  # stored bytes of its scales (FP8 scales, MXFP4 scales), all experts of a stack together
 
     @property
     def logical_name(self) -> str:
@@ -128,8 +129,9 @@ class TargetModule:
 
     @property
     def nbytes(self) -> int:
-        """Stored bytes of this module (one expert's share of a 3-D stack)."""
-        return self.tensor.nbytes // self.logical_shape[0] if self.layout in EXPERT_LAYOUTS else self.tensor.nbytes
+        """Stored bytes of this module, scales included (one expert's share of a 3-D stack)."""
+        stored = self.tensor.nbytes + self.scale_nbytes
+        return stored // self.logical_shape[0] if self.layout in EXPERT_LAYOUTS else stored
 
 
 def load_target(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, str]:
@@ -240,6 +242,7 @@ class _Weight:
     name: str  # logical weight name for Checkpoint.read_weight
     shape: tuple[int, ...]
     tensor: TensorInfo
+    scale_nbytes: int = 0
 
 
 def logical_weights(ckpt: Checkpoint) -> list[_Weight]:
@@ -253,15 +256,16 @@ def logical_weights(ckpt: Checkpoint) -> list[_Weight]:
         if _COMPANION.search(name):
             continue
         info = ckpt.tensors[weight.parts[0]]
+        scales = sum(ckpt.tensors[p].nbytes for p in weight.parts[1:])
         if weight.format == "mxfp4":
             if len(weight.shape) in (2, 3):
-                out.append(_Weight(name, name, tuple(weight.shape), info))
+                out.append(_Weight(name, name, tuple(weight.shape), info, scales))
             continue
         module = name.removesuffix(".weight")
         plain = len(weight.shape) == 2 and name.endswith(".weight")
         stacked = len(weight.shape) == 3 and ".experts." in name
         if plain or stacked:
-            out.append(_Weight(module, name, tuple(weight.shape), info))
+            out.append(_Weight(module, name, tuple(weight.shape), info, scales))
     return out
 
 
@@ -297,14 +301,32 @@ def _modules_of(weight: _Weight, model_type: str | None) -> list[TargetModule]:
         layout = _expert_layout(model_type, weight)
         mtype = module_type_of(weight.module)
         return [
-            TargetModule(f"{weight.module}.{e}", weight.tensor, layout, layer, mtype, e, weight_name, weight_shape)
+            TargetModule(
+                f"{weight.module}.{e}",
+                weight.tensor,
+                layout,
+                layer,
+                mtype,
+                e,
+                weight_name,
+                weight_shape,
+                weight.scale_nbytes,
+            )
             for e in range(weight.shape[0])
         ]
     layout = "conv1d" if model_type in CONV1D_FAMILIES else "linear"
     mtype = module_type_of(weight.module)
     return [
         TargetModule(
-            weight.module, weight.tensor, layout, layer, mtype, expert_of(weight.module), weight_name, weight_shape
+            weight.module,
+            weight.tensor,
+            layout,
+            layer,
+            mtype,
+            expert_of(weight.module),
+            weight_name,
+            weight_shape,
+            weight.scale_nbytes,
         )
     ]
 
