@@ -12,7 +12,7 @@ from plate_inspect.formatting import counted
 
 @click.command("merge")
 @click.argument("checkpoint")
-@click.argument("adapter", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("adapter", type=click.Path(path_type=Path, exists=True))  # a PEFT directory gets its own message
 @click.option(
     "--out", "-o", type=click.Path(path_type=Path), required=True, help="Directory for the merged checkpoint."
 )
@@ -30,8 +30,10 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
     """Write CHECKPOINT with ADAPTER merged in: W[B] += rho A Q^T.
 
     CHECKPOINT is the safetensors checkpoint (directory or file) the adapter was trained on; ADAPTER is a
-    safetensors file written by plate_inspect.train.layer.save_adapter. The merged checkpoint keeps the file names,
-    tensor names, dtypes and layout (GPT-2 Conv1D stays [d_in, d_out]); config.json and tokenizer files are copied.
+    safetensors file written by plate_inspect.train.layer.save_adapter (merge a PEFT adapter directory, from
+    save_pretrained, with PeftModel.from_pretrained(...).merge_and_unload()). The merged checkpoint keeps the file
+    names, tensor names, dtypes and layout (GPT-2 Conv1D stays [d_in, d_out]); config.json and tokenizer files are
+    copied.
     The adapter's recorded weight fingerprints and B/Q digests must match, otherwise nothing is written.
 
     \b

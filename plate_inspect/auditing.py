@@ -402,14 +402,15 @@ class PlateUpdate(UpdateSource):
 
     path: Path
     a_by_name: dict[str, torch.Tensor]  # adapter module name -> A [r, k]
-    rho: float
+    rho: float | dict[str, float]  # one for every module, or per adapter module name
     bundle: Bundle | None = None
     digests: dict[str, str] | None = None  # save_adapter files: per-module B/Q digests to check
     kind: str = "plate"
     mapping: dict[str, str] = field(default_factory=dict)  # base module name -> bundle module name
 
     def __post_init__(self) -> None:
-        self.description = f"PLATE adapter {self.path} ({len(self.a_by_name)} modules, rho={self.rho:g})"
+        rho = f"rho={self.rho:g}" if isinstance(self.rho, float) else "rho per module"
+        self.description = f"PLATE adapter {self.path} ({len(self.a_by_name)} modules, {rho})"
 
     def bind(self, base: Checkpoint) -> list[str]:
         from plate_inspect.train.core import geometry_digest
@@ -418,6 +419,8 @@ class PlateUpdate(UpdateSource):
             raise BundleError(f"{self.path}: the adapter's bundle is not found; pass --bundle with the bundle it used")
         to_bundle = resolve_names(list(self.a_by_name), self.bundle.modules, f"{self.path} (bundle {self.bundle.path})")
         self.a_by_name = {to_bundle[n]: a for n, a in self.a_by_name.items()}
+        if isinstance(self.rho, dict):
+            self.rho = {to_bundle[n]: rho for n, rho in self.rho.items()}
         for name in self.a_by_name if self.digests else []:
             b_idx, k = self.bundle.b_idx(name), self.a_by_name[name].shape[-1]
             # the digest does not depend on Q's dtype; a plan trains the prefix Q[:, :k]
@@ -435,7 +438,8 @@ class PlateUpdate(UpdateSource):
         if a.ndim != 2 or a.shape[0] != self.bundle.b_idx(name).numel() or not 1 <= a.shape[1] <= q.shape[1]:
             raise BundleError(f"{self.path}: A of '{name}' is {list(a.shape)}, the bundle's B and Q need r x (<= k)")
         q = q[:, : a.shape[1]]  # an adapter trained from a plan uses the prefix Q[:, :k] (bottom-k eigenspace)
-        return LowRankDelta(self.rho * a, q.T.contiguous(), self.bundle.b_idx(name))
+        rho = self.rho[name] if isinstance(self.rho, dict) else self.rho
+        return LowRankDelta(rho * a, q.T.contiguous(), self.bundle.b_idx(name))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -454,7 +458,8 @@ def _plate_file_update(path: Path, bundle: Bundle | None) -> PlateUpdate:
     tensors, meta = read_adapter(path)
     own = meta.get("bundle_path")
     found = Bundle.load(own) if own and (Path(own) / "manifest.json").exists() else bundle
-    return PlateUpdate(path, tensors, float(meta["rho"]), found, meta.get("plate_digests") or None)
+    rho = float(meta["rho"]) if meta.get("rho") is not None else dict(meta["rhos"])  # per module when they differ
+    return PlateUpdate(path, tensors, rho, found, meta.get("plate_digests") or None)
 
 
 def _plate_peft_update(path: Path, config: dict[str, Any], bundle: Bundle | None) -> PlateUpdate:

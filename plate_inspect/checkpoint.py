@@ -655,15 +655,13 @@ def _logical_weights(
             continue
         scale = next((tensors[s] for s in (name + "_scale_inv", name + "_scale") if s in tensors), None)
         if scale is None:
-            problem = (
-                ""
-                if not scaled
-                else (
-                    f"{info.file.name}: FP8 tensor '{name}' has no scale tensor ('{name}_scale_inv' or '{name}_scale'): "
-                    "its codes cannot be dequantized; the checkpoint is incomplete (a shard or an index entry "
-                    "missing?), re-download it"
+            problem = ""
+            if scaled:
+                problem = (
+                    f"{info.file.name}: FP8 tensor '{name}' has no scale tensor ('{name}_scale_inv' or "
+                    f"'{name}_scale'): its codes cannot be dequantized; the checkpoint is incomplete (a shard or an "
+                    "index entry missing?), re-download it"
                 )
-            )
             out[name] = LogicalWeight(name, info.shape, info.dtype, "fp8", (name,), info.file, problem=problem)
             continue
         out[name] = _fp8_weight(info, scale, block)

@@ -288,6 +288,26 @@ def test_plate_adapters_score_zero_and_match_merged(tmp_path):
     assert all(strict[n].protected_input_share >= merged[n].protected_input_share - 1e-6 for n in BACKBONE)
 
 
+def test_plate_adapter_with_a_rho_per_module(tmp_path):
+    """apply_bundle twice with different rhos: the adapter stores rho per module, and the audit's ||dW||_F of
+    each module is rho_m ||A Q^T||_F with that module's rho (oracle: the layers' own A and Q)."""
+    from plate_inspect.train.layer import apply_bundle, plate_layers, save_adapter
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
+    rhos = {name: 0.5 if i % 2 else 2.0 for i, name in enumerate(BACKBONE)}
+    for rho in sorted(set(rhos.values())):
+        params = apply_bundle(model, bundle, rho, modules=[n for n in BACKBONE if rhos[n] == rho])
+        randomize_adapters(params, seed=3)
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    layers = plate_layers(model)
+    records = {r.module: r for r in audit(ckpt.parent, adapter, tau=0.8)}
+    assert sorted(records) == BACKBONE
+    for name, layer in layers.items():
+        want = rhos[name] * float(torch.linalg.matrix_norm(layer.plate_A.detach().double() @ layer.plate_Q.double().T))
+        assert records[name].delta_norm == pytest.approx(want, rel=1e-5), name
+
+
 def test_plate_peft_adapter_dir(tmp_path):
     from peft import get_peft_model
 

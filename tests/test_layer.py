@@ -15,7 +15,8 @@ from helpers_train import (
 )
 from torch import nn
 
-from plate_inspect.errors import BundleError
+from plate_inspect.bundle import Bundle
+from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.geometry import random_orthonormal, random_rows
 from plate_inspect.train.layer import (
     PlateLinear,
@@ -27,6 +28,7 @@ from plate_inspect.train.layer import (
     unload,
     unmerge_all,
 )
+from plate_inspect.train.sequential import merge_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +213,143 @@ def test_bundle_names_map_onto_a_model_that_wraps_the_checkpoint(gpt2_ckpt):
     assert set(plate_layers(outer)) == {f"transformer.{m}" for m in bundle.modules}
     assert all(layer.layout == "conv1d" for layer in plate_layers(outer).values())
     assert sum(p.numel() for p in params) == sum(rec.r * rec.k for rec in bundle)
+
+
+def _dense_model(ckpt, terms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]):
+    """The digits model with W + rho E_B A Q^T written into the named modules (float64 oracle, rounded once)."""
+    model = load_digits(ckpt)
+    with torch.no_grad():
+        for m, (b_idx, a, q, rho) in terms.items():
+            layer = getattr(model, m)
+            layer.weight.copy_(dense_plate_weight(layer.weight.detach(), b_idx, a, q, rho).float())
+    return model
+
+
+def _edited_copy(bundle: Bundle, where, module: str) -> Bundle:
+    """A copy of the bundle with one module's Q columns reversed (same shapes, names and fingerprints)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(bundle.path, where)
+    part = where / bundle.record(module).file
+    with safe_open(str(part), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(part))
+    tensors[f"{module}.plate_Q"] = tensors[f"{module}.plate_Q"].flip(1).contiguous()
+    save_file(tensors, str(part), metadata=meta)
+    return Bundle.load(where)
+
+
+def test_q_dtype_adapter_reloads_and_merges_and_an_edited_q_is_refused(setup, tmp_path):
+    """apply_bundle(q_dtype=bf16): B/Q's identity is the bundle's (not the rounded Q's), so the adapter reloads (with
+    Q in bf16 again) and merges against the bundle's Q; a bundle whose Q was edited is still refused."""
+    from conftest import load_all
+
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    randomize_adapters(apply_bundle(model, bundle, q_dtype=torch.bfloat16), seed=3, scale=0.2)
+    assert model.fc1.plate_Q.dtype == torch.bfloat16
+    x = _x()
+    out = model(x).detach()
+    a = {m: getattr(model, m).plate_A.detach().clone() for m in BACKBONE}
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    fresh = load_digits(ckpt)
+    load_adapter(fresh, path)
+    assert fresh.fc1.plate_Q.dtype == torch.bfloat16  # the recorded q_dtype is applied again
+    assert torch.equal(fresh(x), out)
+    merge_checkpoint(ckpt, path, tmp_path / "merged")
+    merged, base = load_all(tmp_path / "merged"), load_digits(ckpt)
+    for m in BACKBONE:
+        expect = dense_plate_weight(getattr(base, m).weight.detach(), bundle.b_idx(m), a[m], bundle.q(m), 0.5)
+        torch.testing.assert_close(merged[f"{m}.weight"].double(), expect, rtol=0, atol=1e-5)
+    edited = _edited_copy(bundle, tmp_path / "edited", "fc2")
+    target = load_digits(ckpt)
+    with pytest.raises(BundleError, match="'fc2' was trained with another bundle"):
+        load_adapter(target, path, bundle=edited)
+    assert not plate_layers(target) and all(p.requires_grad for p in target.parameters())  # left as it was
+    with pytest.raises(BundleError, match="'fc2' was trained with another bundle"):
+        merge_checkpoint(ckpt, path, tmp_path / "merged2", bundle=edited)
+
+
+def test_apply_bundle_twice_keeps_every_a_trainable_and_rho_per_module(setup, tmp_path):
+    from conftest import load_all
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    first = apply_bundle(model, bundle, rho=0.5, modules=["fc1"])
+    second = apply_bundle(model, bundle, rho=2.0, modules=["fc2", "fc3"])
+    assert all(p.requires_grad for p in first + second)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {f"{m}.plate_A" for m in BACKBONE}
+    randomize_adapters(first + second, seed=4, scale=0.2)
+    rhos = {"fc1": 0.5, "fc2": 2.0, "fc3": 2.0}
+    terms = {m: (bundle.b_idx(m), getattr(model, m).plate_A.detach(), bundle.q(m), rhos[m]) for m in BACKBONE}
+    x = _x()
+    out = model(x).detach()
+    torch.testing.assert_close(out, _dense_model(ckpt, terms)(x), rtol=1e-5, atol=1e-5)
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    fresh = load_digits(ckpt)
+    load_adapter(fresh, path)
+    assert {m: getattr(fresh, m).rho for m in BACKBONE} == rhos
+    assert torch.equal(fresh(x), out)
+    merge_checkpoint(ckpt, path, tmp_path / "merged")
+    merged = load_all(tmp_path / "merged")
+    dense = _dense_model(ckpt, terms)
+    for m in BACKBONE:
+        torch.testing.assert_close(merged[f"{m}.weight"], getattr(dense, m).weight, rtol=1e-6, atol=1e-6)
+    # an adapter written before per-module rho and q_dtypes (one "rho" for all modules) still loads
+    one = load_digits(ckpt)
+    randomize_adapters(apply_bundle(one, bundle, rho=0.75), seed=5, scale=0.2)
+    old = save_adapter(one, tmp_path / "old.safetensors")
+    with safe_open(str(old), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    del meta["q_dtypes"]
+    assert meta["rho"] == "0.75"
+    save_file(tensors, str(old), metadata=meta)
+    again = load_digits(ckpt)
+    load_adapter(again, old)
+    assert {getattr(again, m).rho for m in BACKBONE} == {0.75}
+    assert torch.equal(again(x), one(x))
+
+
+def test_load_adapter_with_another_bundle_is_refused_before_any_plan_error(setup, tmp_path):
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    randomize_adapters(apply_bundle(model, bundle), seed=6, scale=0.2)
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    smaller_k = digits_bundle(ckpt, tmp_path / "tau95", r=16, tau=0.95)  # same weights, fewer directions
+    assert any(smaller_k.record(m).k < bundle.record(m).k for m in BACKBONE)
+    target = load_digits(ckpt)
+    with pytest.raises(BundleError, match=r"made with bundle .*another one \(module '.*': A is .*k <= "):
+        load_adapter(target, path, bundle=smaller_k)
+    assert not plate_layers(target)
+    _, other_ckpt = digits_checkpoint(tmp_path / "w", seed=4)
+    other = digits_bundle(other_ckpt, tmp_path / "other")
+    with pytest.raises(BundleError, match="another one \\(made for other weights: module 'fc1'"):
+        load_adapter(load_digits(ckpt), path, bundle=other)
+
+
+@pytest.mark.parametrize("rho", [float("nan"), float("inf"), 0.0, -1.0, "0.5", None, True])
+def test_rho_must_be_a_positive_finite_number(setup, rho):
+    _, ckpt, bundle = setup
+    with pytest.raises(ConfigError, match="rho must be a positive finite number"):
+        PlateLinear(nn.Linear(4, 3), torch.tensor([0]), torch.zeros(4, 2), rho=rho)
+    model = load_digits(ckpt)
+    with pytest.raises(ConfigError, match="rho must be a positive finite number"):
+        apply_bundle(model, bundle, rho=rho)
+    assert not plate_layers(model)
+
+
+def test_modules_takes_one_name_or_a_list(setup):
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    apply_bundle(model, bundle, modules="fc2")
+    assert set(plate_layers(model)) == {"fc2"}
+    with pytest.raises(ConfigError, match="modules must be a list"):
+        apply_bundle(load_digits(ckpt), bundle, modules=3)
 
 
 @pytest.mark.cuda

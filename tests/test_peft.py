@@ -18,7 +18,7 @@ from torch import nn
 
 import plate_inspect.train.peft as plate_peft
 from plate_inspect import scan
-from plate_inspect.errors import BundleError
+from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.train.peft import PlateConfig, PlateLayer
 
 
@@ -272,3 +272,168 @@ def test_merged_model_loads_as_plain_transformers_checkpoint(tiny_qwen, tmp_path
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), adapter_logits, rtol=1e-4, atol=1e-4)
+
+
+def _randomize(modules, seed: int, scale: float = 0.2) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in modules:
+            for p in layer.plate_A.values():
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _dense_digits(ckpt, bundle, a_by_module: dict[str, torch.Tensor], rho: float) -> nn.Module:
+    """The digits model with W + rho E_B A Q^T written into the given modules (float64 oracle, rounded once)."""
+    model = load_digits(ckpt)
+    with torch.no_grad():
+        for m, a in a_by_module.items():
+            layer = getattr(model, m)
+            layer.weight.copy_(dense_plate_weight(layer.weight.detach(), bundle.b_idx(m), a, bundle.q(m), rho).float())
+    return model
+
+
+def test_second_plate_adapter_add_switch_save_and_load(digits_setup, tmp_path):
+    from safetensors.torch import load_file
+
+    _, ckpt, bundle = digits_setup
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path), rho=0.5))
+    two = PlateConfig(bundle=str(bundle.path), rho=0.25, target_modules=["fc2"], carry_geometry=True)
+    pm.add_adapter("two", two)
+    layers = {m: getattr(pm.base_model.model, m) for m in BACKBONE}
+    assert set(layers["fc2"].plate_A) == {"default", "two"} and set(layers["fc1"].plate_A) == {"default"}
+    _randomize(layers.values(), seed=5)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(6))
+    a = {
+        name: {m: l.plate_A[name].detach() for m, l in layers.items() if name in l.plate_A}
+        for name in ("default", "two")
+    }
+    out_default = pm(x).detach()
+    torch.testing.assert_close(out_default, _dense_digits(ckpt, bundle, a["default"], 0.5)(x), rtol=1e-5, atol=1e-5)
+    pm.set_adapter("two")
+    out_two = pm(x).detach()
+    torch.testing.assert_close(out_two, _dense_digits(ckpt, bundle, a["two"], 0.25)(x), rtol=1e-5, atol=1e-5)
+    assert {n for n, p in pm.named_parameters() if p.requires_grad} == {"base_model.model.fc2.plate_A.two"}
+    pm.save_pretrained(tmp_path / "adapters")
+    lean = load_file(str(tmp_path / "adapters" / "adapter_model.safetensors"))
+    assert {k.rsplit(".", 1)[-1] for k in lean} == {"plate_A"}  # the lean adapter stays lean beside a carrying one
+    carried = load_file(str(tmp_path / "adapters" / "two" / "adapter_model.safetensors"))
+    assert set(carried) == {f"base_model.model.fc2.{t}" for t in ("plate_A", "plate_B_idx", "plate_Q")}
+    loaded = PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapters")
+    loaded.load_adapter(tmp_path / "adapters" / "two", adapter_name="two")
+    loaded.load_adapter(tmp_path / "adapters", adapter_name="again")
+    assert torch.equal(loaded(x), out_default)
+    loaded.set_adapter("two")
+    assert torch.equal(loaded(x), out_two)
+    loaded.set_adapter("again")
+    assert torch.equal(loaded(x), out_default)
+    loaded.merge_adapter()
+    with pytest.raises(ConfigError, match="unmerge_adapter"):
+        loaded.add_adapter("three", PlateConfig(bundle=str(bundle.path)))
+
+
+def test_carrying_adapter_loads_into_a_cast_base_and_edits_are_refused(digits_setup, tmp_path):
+    """The carried B/Q are checked as saved (before the cast to the model's dtype); Q is then the bundle's Q rounded
+    once to the model's dtype, whichever dtype the adapter was trained in."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, ckpt, bundle = digits_setup
+    own = tmp_path / "bundle"
+    shutil.copytree(bundle.path, own)
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(own), carry_geometry=True))
+    _randomize([m for m in pm.modules() if isinstance(m, PlateLayer)], seed=7)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(8))
+    out = pm(x).detach()
+    pm.save_pretrained(tmp_path / "fp32")
+    shutil.rmtree(own)  # the use case: the bundle is not on the serving machine
+    for dtype in (torch.bfloat16, torch.float16):
+        loaded = PeftModel.from_pretrained(load_digits(ckpt).to(dtype), tmp_path / "fp32")
+        q = loaded.base_model.model.fc1.plate_Q["default"]
+        assert q.dtype == dtype and torch.equal(q, bundle.q("fc1").to(dtype))
+        torch.testing.assert_close(loaded(x.to(dtype)).float(), out, rtol=0.05, atol=0.05)
+    pm16 = get_peft_model(
+        load_digits(ckpt).to(torch.bfloat16), PlateConfig(bundle=str(bundle.path), carry_geometry=True)
+    )
+    pm16.save_pretrained(tmp_path / "bf16")
+    up = PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "bf16")  # served on the float32 original
+    assert torch.equal(up.base_model.model.fc1.plate_Q["default"], bundle.q("fc1").to(torch.bfloat16).float())
+    stored = load_file(str(tmp_path / "fp32" / "adapter_model.safetensors"))
+    key = "base_model.model.fc2.plate_Q"
+    for label, edit, match in [
+        ("flipped", lambda sd: sd.update({key: sd[key].flip(1).contiguous()}), "fc2.*carried B/Q differ"),
+        ("missing", lambda sd: sd.pop(key), "lacks 'base_model.model.fc2.plate_Q.default'"),
+    ]:
+        shutil.copytree(tmp_path / "fp32", tmp_path / label)
+        sd = dict(stored)
+        edit(sd)
+        save_file(sd, str(tmp_path / label / "adapter_model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(BundleError, match=match):
+            PeftModel.from_pretrained(load_digits(ckpt).to(torch.bfloat16), tmp_path / label)
+
+
+def test_carrying_adapter_ignores_another_scan_at_its_bundle_path(digits_setup, tmp_path):
+    _, ckpt, _ = digits_setup
+    bpath = tmp_path / "bundle"
+    b = digits_bundle(ckpt, bpath, r=16, tau=0.8)
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(b.path), carry_geometry=True))
+    _randomize([m for m in pm.modules() if isinstance(m, PlateLayer)], seed=9)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(10))
+    out = pm(x).detach()
+    pm.save_pretrained(tmp_path / "adapter")
+    digits_bundle(ckpt, bpath, r=8, tau=0.8)  # the same directory now holds another scan
+    loaded = PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapter")
+    assert torch.equal(loaded(x), out)
+
+
+def test_target_modules_lists_regex_strings_all_linear_and_bundle_names(tiny_qwen):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    root, bundle = tiny_qwen
+
+    def wrapped(model, target_modules):
+        pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), target_modules=target_modules))
+        return sorted(n.removeprefix("base_model.model.") for n, m in pm.named_modules() if isinstance(m, PlateLayer))
+
+    def causal():
+        return AutoModelForCausalLM.from_pretrained(root / "model")
+
+    q_projs = [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+    assert wrapped(causal(), r".*\.q_proj") == q_projs  # a string is a full-match regex, as in peft
+    assert len(wrapped(causal(), "all-linear")) == len(bundle)
+    with pytest.warns(UserWarning, match=r"\['lm_head'\] match no module of the bundle"):
+        assert wrapped(causal(), ["q_proj", "lm_head"]) == q_projs
+    with pytest.raises(
+        BundleError,
+        match=r"regular expression matching whole names.*target_modules=\['q_proj'\]|"
+        r"target_modules=\['q_proj'\].*regular expression matching whole names",
+    ):
+        wrapped(causal(), "q_proj")
+    # the bundle's own (checkpoint) names select modules of a bare Qwen2Model, whose names lack "model."
+    assert wrapped(AutoModel.from_pretrained(root / "model"), [q_projs[0]]) == ["layers.0.self_attn.q_proj"]
+    with pytest.raises(ConfigError, match="target_modules must be a list"):
+        PlateConfig(bundle=str(bundle.path), target_modules=3)
+    with pytest.raises(ConfigError, match="regular expression"):
+        PlateConfig(bundle=str(bundle.path), target_modules="(q_proj")
+
+
+@pytest.mark.parametrize("rho", [float("nan"), float("inf"), 0, -1.0, "a", None, True])
+def test_plate_config_rho_is_validated(digits_setup, rho):
+    _, _, bundle = digits_setup
+    with pytest.raises(ConfigError, match="rho must be a positive finite number"):
+        PlateConfig(bundle=str(bundle.path), rho=rho)
+
+
+def test_peft_adapter_given_to_load_adapter_or_merge_says_what_to_use(digits_setup, tmp_path):
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+    from plate_inspect.train.layer import load_adapter
+
+    _, ckpt, bundle = digits_setup
+    get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path))).save_pretrained(tmp_path / "peft")
+    for given in (tmp_path / "peft", tmp_path / "peft" / "adapter_model.safetensors"):
+        with pytest.raises(BundleError, match="PEFT adapter.*PeftModel.from_pretrained.*merge_and_unload"):
+            load_adapter(load_digits(ckpt), given)
+        res = CliRunner().invoke(cli, ["merge", str(ckpt), str(given), "-o", str(tmp_path / "merged")])
+        assert res.exit_code == 2 and "merge_and_unload" in res.output and "Traceback" not in res.output

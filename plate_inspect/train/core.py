@@ -16,12 +16,21 @@ The backward picks independently: grad A = Z^T g (``z``: Z saved or recomputed) 
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from plate_inspect.bundle import geometry_digest as geometry_digest  # re-exported: trainers digest B/Q with it
-from plate_inspect.errors import BundleError
+from plate_inspect.errors import BundleError, ConfigError
+
+
+def check_rho(rho: object) -> float:
+    """rho as a float; ConfigError unless it is a real number, finite and > 0 (shared by every PLATE entry point)."""
+    if isinstance(rho, bool) or not isinstance(rho, numbers.Real) or not (math.isfinite(rho) and rho > 0):
+        raise ConfigError(f"rho must be a positive finite number (the update's scale, e.g. 0.5), got {rho!r}")
+    return float(rho)
 
 
 # --------------------------------------------------------------------------- geometry

@@ -28,6 +28,7 @@ from plate_inspect.bundle import Bundle, ModuleRecord
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.train.core import (
     add_branch,
+    check_rho,
     geometry_digest,
     merge_rows,
     unmerge_rows,
@@ -69,15 +70,18 @@ def oriented_shape(module: nn.Module) -> tuple[int, int]:
 class PlateLinear(nn.Module):
     """A frozen Linear/Conv1D plus a PLATE branch: y = base(x) + rho * scatter_B((x Q) A^T) (math in ``core``)."""
 
-    def __init__(self, base: nn.Module, b_idx: torch.Tensor, q: torch.Tensor, rho: float = 0.5):
+    def __init__(
+        self, base: nn.Module, b_idx: torch.Tensor, q: torch.Tensor, rho: float = 0.5, digest: str | None = None
+    ):
+        """``digest``: the identity of B/Q when ``q`` is a rounded copy of a bundle's Q (default: digest of ``q``)."""
         super().__init__()
         self.layout = layout_of(base)
         d_out, d_in = oriented_shape(base)
         b_idx, q = validate_geometry(b_idx, q, d_out, d_in, where=type(base).__name__)
         self.base = base
-        self.rho = float(rho)
+        self.rho = check_rho(rho)
         self.d_out, self.d_in = d_out, d_in
-        self.geometry_digest = geometry_digest(b_idx, q)
+        self.geometry_digest = digest or geometry_digest(b_idx, q)
         dev = base.weight.device
         self.register_buffer("plate_B_idx", b_idx.to(dev))
         self.register_buffer("plate_Q", q.to(dev).contiguous())
@@ -249,12 +253,15 @@ def apply_bundle(
 
     Before wrapping, each module's weight must be the one the bundle was made for (exact fingerprint, or a rounded
     copy of it: see ``weightcheck``); a mismatch raises BundleError naming the module and nothing is wrapped.
-    ``check_fingerprints=False`` skips that check, with a warning. ``q_dtype``: the dtype the layers hold Q in
-    (None: as the bundle stores it). ``plan`` (a plate-plan dict or JSON path) sets a smaller k per module
-    (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter).
+    ``check_fingerprints=False`` skips that check, with a warning. ``modules``: bundle module names (one name may be
+    given as a string). ``q_dtype``: the dtype the layers hold Q in (None: as the bundle stores it); B/Q's digest
+    is the bundle's whatever it is. ``plan`` (a plate-plan dict or JSON path) sets a smaller k per module
+    (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter). Calling it again for other modules
+    (another rho, say) keeps the earlier calls' A's trainable.
     """
+    rho = check_rho(rho)
     b = _as_bundle(bundle)
-    names = list(modules) if modules is not None else b.modules
+    names = _module_names(modules, b)
     missing = [n for n in names if n not in b]
     if missing:
         raise BundleError(f"{b.path}: no module '{missing[0]}' in this bundle (it has {', '.join(b.modules[:5])}...)")
@@ -273,13 +280,17 @@ def apply_bundle(
         ref = (references or {}).get(name)
         sketches[name] = check_module_against_record(mod, mapping[name], b.record(name), check_fingerprints, ref, b)
         targets[name] = mod
+    keep = {id(layer.plate_A) for layer in plate_layers(model).values() if layer.plate_A.requires_grad}
     for p in model.parameters():
-        p.requires_grad_(False)
+        if id(p) not in keep:  # the A's of an earlier apply_bundle call stay trainable
+            p.requires_grad_(False)
     trainable = []
     identity = bundle_identity(b)
     for name, mod in targets.items():
-        b_idx, q = module_geometry(b, name, ks.get(name), q_dtype)
-        layer = PlateLinear(mod, b_idx, q, rho=rho)
+        b_idx, q = module_geometry(b, name, ks.get(name), q_dtype=None)  # as stored: the digest is the bundle's
+        digest = geometry_digest(b_idx, q)
+        layer = PlateLinear(mod, b_idx, q if q_dtype is None else q.to(q_dtype), rho=rho, digest=digest)
+        layer.q_dtype = None if q_dtype is None else _dtype_name(q_dtype)
         layer.bundle_name = name
         layer.bundle_record_fingerprint = b.record(name).fingerprint
         layer.bundle_identity = identity
@@ -287,6 +298,25 @@ def apply_bundle(
         _set_submodule(model, mapping[name], layer)
         trainable.append(layer.plate_A)
     return trainable
+
+
+def _module_names(modules: list[str] | str | None, bundle: Bundle) -> list[str]:
+    """``apply_bundle``'s ``modules``: None (every bundle module), one name, or a list of names."""
+    if modules is None:
+        return list(bundle.modules)
+    if isinstance(modules, str):
+        return [modules]
+    try:
+        names = list(modules)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"modules must be a list of the bundle's module names (or one name), got {modules!r}")
+    return names
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def plate_layers(model: nn.Module) -> dict[str, PlateLinear]:
@@ -333,15 +363,15 @@ def bundle_identity(bundle: Bundle) -> dict[str, Any]:
 def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write every PLATE layer's A (key ``<bundle module>.plate_A``) and the bundle's identity to a safetensors file.
 
-    The metadata records per module the weight fingerprint, the B/Q digest, k and the weight's reference sketch (so
-    the adapter still loads into a model cast to a narrower dtype).
+    The metadata records per module the weight fingerprint, the B/Q digest, k, rho, the dtype Q was held in and the
+    weight's reference sketch (so the adapter still loads into a model cast to a narrower dtype).
     """
     from safetensors.torch import save_file
 
     layers = plate_layers(model)
     if not layers:
         raise ConfigError("the model has no PLATE layers to save; call apply_bundle first")
-    tensors, digests, fingerprints, ks, sketches, identity, rho = {}, {}, {}, {}, {}, None, None
+    tensors, digests, fingerprints, ks, sketches, rhos, q_dtypes, identity = {}, {}, {}, {}, {}, {}, {}, None
     for layer in layers.values():
         name = getattr(layer, "bundle_name", None)
         if name is None:
@@ -350,10 +380,12 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
         digests[name] = layer.geometry_digest
         fingerprints[name] = layer.bundle_record_fingerprint
         ks[name] = layer.k
+        rhos[name] = layer.rho
+        q_dtypes[name] = getattr(layer, "q_dtype", "float32")
         if getattr(layer, "weight_sketch", None) is not None:
             sketches[name] = layer.weight_sketch.to_json()
         identity = identity or layer.bundle_identity
-        rho = layer.rho
+    uniform = len(set(rhos.values())) == 1
     meta = {
         "format": ADAPTER_FORMAT,
         "format_version": str(ADAPTER_VERSION),
@@ -364,7 +396,8 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
         "plate_digests": json.dumps(digests),
         "k": json.dumps(ks),
         "weight_sketches": json.dumps(sketches),
-        "rho": repr(rho),
+        "rho": repr(next(iter(rhos.values()))) if uniform else json.dumps(rhos),  # per module when they differ
+        "q_dtypes": json.dumps(q_dtypes),
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -372,13 +405,33 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     return path
 
 
+def _not_a_plate_file(path: Path) -> BundleError:
+    """The error for a PEFT adapter (directory or its safetensors file) or a directory given as an adapter file."""
+    folder = path if path.is_dir() else path.parent
+    config = folder / "adapter_config.json"
+    if config.exists():
+        try:
+            kind = json.loads(config.read_text()).get("peft_type") or "PEFT"
+        except (OSError, ValueError, AttributeError):
+            kind = "PEFT"
+        return BundleError(
+            f"{path}: this is a PEFT adapter ({kind}, written by save_pretrained), not a plate-adapter file; "
+            f"load it with PeftModel.from_pretrained(base, '{folder}') (import plate_inspect.train.peft first) and "
+            "call merge_and_unload() then save_pretrained(dir) for a merged model; plate-inspect merge and "
+            "load_adapter take a file written by save_adapter"
+        )
+    return BundleError(f"{path}: is a directory; pass the adapter file written by save_adapter (*.safetensors)")
+
+
 def read_adapter(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(A tensors by bundle module name, metadata with JSON fields decoded)."""
+    """(A tensors by bundle module name, metadata with JSON fields decoded; ``rhos``/``q_dtypes`` per module)."""
     from safetensors import safe_open
 
     path = Path(path)
     if not path.exists():
         raise BundleError(f"{path}: adapter file not found")
+    if path.is_dir():
+        raise _not_a_plate_file(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
@@ -386,16 +439,37 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
     except Exception as e:  # safetensors raises its own error types
         raise BundleError(f"{path}: not a readable safetensors adapter ({e})") from None
     if meta.get("format") != ADAPTER_FORMAT:
+        if (path.parent / "adapter_config.json").exists():
+            raise _not_a_plate_file(path)
         raise BundleError(f"{path}: not a PLATE adapter (format {meta.get('format')!r})")
     try:
-        for key in ("fingerprints", "plate_digests", "source", "k", "weight_sketches"):
+        for key in ("fingerprints", "plate_digests", "source", "k", "weight_sketches", "q_dtypes"):
             meta[key] = json.loads(meta.get(key, "null") or "null")
         meta["weight_sketches"] = {n: WeightSketch.from_json(d) for n, d in (meta["weight_sketches"] or {}).items()}
         meta["k"] = meta["k"] or {}
-        meta["rho"] = float(meta.get("rho", "0.5"))
-    except (ValueError, TypeError, KeyError) as e:
+        meta["q_dtypes"] = meta["q_dtypes"] or {}  # adapters written before q_dtypes: apply_bundle's float32
+        meta["rhos"] = _read_rhos(meta.get("rho", "0.5"), list(tensors))
+        uniform = set(meta["rhos"].values())
+        meta["rho"] = uniform.pop() if len(uniform) == 1 else None  # one rho for every module, else see rhos
+    except (ValueError, TypeError, KeyError, AttributeError, ConfigError) as e:
         raise BundleError(f"{path}: corrupt adapter metadata ({e})") from None
     return tensors, meta
+
+
+def _read_rhos(raw: str, names: list[str]) -> dict[str, float]:
+    """The adapter's rho per module: one number for all (every adapter before per-module rho) or a JSON object."""
+    try:
+        return {n: check_rho(float(raw)) for n in names}
+    except ValueError:
+        rhos = json.loads(raw)
+    return {n: check_rho(rhos[n]) for n in names}
+
+
+def _torch_dtype(name: str | None) -> torch.dtype | None:
+    dtype = getattr(torch, name) if isinstance(name, str) else None
+    if name is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise BundleError(f"adapter metadata: q_dtype {name!r} is not a floating torch dtype (corrupt adapter)")
+    return dtype
 
 
 def adapter_plan(meta: dict[str, Any], bundle: Bundle) -> dict[str, Any] | None:
@@ -407,6 +481,22 @@ def adapter_plan(meta: dict[str, Any], bundle: Bundle) -> dict[str, Any] | None:
     return {"format": PLAN_FORMAT, "format_version": 1, "bundle": identity, "modules": smaller}
 
 
+def _check_adapter_bundle(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], bundle: Bundle) -> None:
+    """Refuse a bundle the adapter was not made with (names, weight fingerprints, r and k) before anything is built."""
+    other = f"{path}: this adapter was made with bundle {meta.get('bundle_path')}, and {bundle.path} is another one"
+    fix = "pass the bundle it was trained with (bundle=...)"
+    for name, a in tensors.items():
+        if name not in bundle:
+            raise BundleError(f"{other} (it has no module '{name}'); {fix}")
+        rec = bundle.record(name)
+        if meta["fingerprints"].get(name) != rec.fingerprint:
+            raise BundleError(f"{other} (made for other weights: module '{name}' fingerprint differs); {fix}")
+        if a.ndim != 2 or a.shape[0] != rec.r or not 1 <= a.shape[1] <= rec.k:
+            raise BundleError(
+                f"{other} (module '{name}': A is {list(a.shape)}, this bundle has r = {rec.r}, k <= {rec.k}); {fix}"
+            )
+
+
 def load_adapter(
     model: nn.Module,
     path: str | os.PathLike,
@@ -415,22 +505,46 @@ def load_adapter(
 ) -> list[nn.Parameter]:
     """Load a saved adapter into the model's PLATE layers (applying its bundle first if the model has none).
 
-    Refuses (BundleError) an adapter whose weight fingerprints, B/Q geometry or shapes differ from the layers'.
+    Refuses (BundleError) an adapter whose weight fingerprints, B/Q geometry or shapes differ from the layers'; a
+    refused load leaves the model as it was.
     """
     tensors, meta = read_adapter(path)
+    path = Path(path)
     layers = plate_layers(model)
-    if not layers:
-        b = _as_bundle(bundle if bundle is not None else meta["bundle_path"])
-        apply_bundle(
-            model,
-            b,
-            rho=meta["rho"],
-            modules=list(tensors),
-            check_fingerprints=check_fingerprints,
-            plan=adapter_plan(meta, b),
-            references=meta["weight_sketches"],
-        )
-        layers = plate_layers(model)
+    grads = {id(p): p.requires_grad for p in model.parameters()}
+    created = not layers
+    try:
+        if created:
+            b = _as_bundle(bundle if bundle is not None else meta["bundle_path"])
+            _check_adapter_bundle(path, tensors, meta, b)
+            groups: dict[str | None, list[str]] = {}  # apply_bundle once per dtype Q was held in
+            for name in tensors:
+                groups.setdefault(meta["q_dtypes"].get(name, "float32"), []).append(name)
+            for q_name, names in groups.items():
+                apply_bundle(
+                    model,
+                    b,
+                    rho=meta["rhos"][names[0]],
+                    modules=names,
+                    check_fingerprints=check_fingerprints,
+                    q_dtype=_torch_dtype(q_name),
+                    plan=adapter_plan(meta, b),
+                    references=meta["weight_sketches"],
+                )
+            layers = plate_layers(model)
+        return _load_a(layers, tensors, meta, path)
+    except BaseException:
+        if created:  # put the plain layers back and restore requires_grad: the model is as it was
+            for name, layer in plate_layers(model).items():
+                _set_submodule(model, name, layer.base)
+            for p in model.parameters():
+                p.requires_grad_(grads.get(id(p), p.requires_grad))
+        raise
+
+
+def _load_a(
+    layers: dict[str, PlateLinear], tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
+) -> list[nn.Parameter]:
     by_name = {getattr(layer, "bundle_name", n): layer for n, layer in layers.items()}
     if set(by_name) != set(tensors):
         extra = sorted(set(tensors) ^ set(by_name))
@@ -440,12 +554,15 @@ def load_adapter(
         if meta["fingerprints"].get(name) != getattr(layer, "bundle_record_fingerprint", None):
             raise BundleError(f"{path}: adapter for module '{name}' was trained on other weights (fingerprint differs)")
         if meta["plate_digests"].get(name) != layer.geometry_digest:
-            raise BundleError(f"{path}: adapter for module '{name}' was trained with another bundle (B/Q differ)")
+            raise BundleError(
+                f"{path}: adapter for module '{name}' was trained with another bundle (B/Q differ from those of "
+                f"{meta.get('bundle_path')}, which it recorded)"
+            )
         if tuple(a.shape) != tuple(layer.plate_A.shape):
             raise BundleError(f"{path}: A of '{name}' is {list(a.shape)}, the layer needs {list(layer.plate_A.shape)}")
     with torch.no_grad():
         for name, a in tensors.items():
             layer = by_name[name]
             layer.plate_A.copy_(a.to(layer.plate_A.dtype))
-            layer.rho = meta["rho"]
+            layer.rho = meta["rhos"][name]
     return [by_name[n].plate_A for n in tensors]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from plate_inspect.bundle import Bundle
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.train.core import (
     add_branch,
+    check_rho,
     dense_delta,
     geometry_digest,
     merge_rows,
@@ -81,7 +83,11 @@ class PlateConfig(PeftConfig):
     rho: float = field(default=0.5, metadata={"help": "Scale of the update: W' = W + rho B A Q^T."})
     target_modules: list[str] | str | None = field(
         default=None,
-        metadata={"help": "Subset of the bundle's modules to adapt (names or suffixes); default: all of them."},
+        metadata={
+            "help": "Subset of the bundle's modules to adapt: a list of module names or name suffixes (the model's "
+            "or the bundle's), or a string, which (as in peft) is a regular expression matching whole module names; "
+            "None or 'all-linear': every module of the bundle."
+        },
     )
     check_fingerprints: bool = field(
         default=True, metadata={"help": "Refuse a model whose weights differ from the ones the bundle was made for."}
@@ -113,16 +119,34 @@ class PlateConfig(PeftConfig):
         if not self.bundle:
             raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
         self.bundle = str(Path(self.bundle).expanduser().resolve())
-        if not float(self.rho) > 0:
-            raise ConfigError(f"rho must be positive, got {self.rho!r}")
-        if isinstance(self.target_modules, (list, tuple)):
-            self.target_modules = set(self.target_modules)
+        self.rho = check_rho(self.rho)
+        tm = self.target_modules
+        if isinstance(tm, (list, tuple, set, frozenset)) and all(isinstance(t, str) for t in tm):
+            self.target_modules = set(tm)
+        elif isinstance(tm, str):
+            try:
+                re.compile(tm)
+            except re.error as e:
+                raise ConfigError(f"target_modules {tm!r}: a string is a regular expression; not this ({e})") from None
+        elif tm is not None:
+            raise ConfigError(f"target_modules must be a list of module names, a regex string or None, got {tm!r}")
         if self.plan is not None and not isinstance(self.plan, dict):
             path = Path(self.plan)
             try:
                 self.plan = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as e:
                 raise ConfigError(f"{path}: cannot read the plan ({e})") from None
+
+
+class _GeometryDict(BufferDict):
+    """A BufferDict that saves (state_dict) only the buffers of the adapters that carry their geometry."""
+
+    def __init__(self) -> None:
+        super().__init__({}, persistent=False)
+        self.carried: set[str] = set()
+
+    def __setitem__(self, key: str, buffer: torch.Tensor) -> None:
+        self.register_buffer(key, buffer, persistent=key in self.carried)
 
 
 class PlateLayer(nn.Module, BaseTunerLayer):
@@ -138,7 +162,9 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         b_idx: torch.Tensor,
         q: torch.Tensor,
         rho: float,
-        carry_geometry: bool = False,
+        digest: str | None = None,
+        carried: frozenset[str] | None = None,
+        pending: bool = False,
     ):
         super().__init__()
         BaseTunerLayer.__init__(self)
@@ -146,31 +172,53 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         self.layout = layout_of(base_layer)
         self.out_features, self.in_features = oriented_shape(base_layer)
         self.plate_A = nn.ParameterDict({})
-        self.plate_B_idx = BufferDict({}, persistent=carry_geometry)
-        self.plate_Q = BufferDict({}, persistent=carry_geometry)
+        self.plate_B_idx = _GeometryDict()
+        self.plate_Q = _GeometryDict()
         self.plate_rho: dict[str, float] = {}
         self.plate_digest: dict[str, str] = {}
+        self.plate_carried: dict[str, frozenset[str]] = {}  # accepted digests of a carried (saved) B/Q
+        self._pending: set[str] = set()  # carried geometry not loaded yet (placeholders)
         self._saved_rows: dict[str, torch.Tensor] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self._active_adapter = adapter_name
         self._inplace = type(base_layer) is nn.Linear or self.layout == "conv1d"
-        self.update_layer(adapter_name, b_idx, q, rho)
-        if carry_geometry:
-            self.register_load_state_dict_post_hook(_check_carried_geometry)
+        self.update_layer(adapter_name, b_idx, q, rho, digest, carried, pending)
+        self.register_load_state_dict_pre_hook(_check_carried_geometry)
+        self.register_load_state_dict_post_hook(_carried_geometry_loaded)
 
     def update_layer(
-        self, adapter_name: str, b_idx: torch.Tensor, q: torch.Tensor, rho: float, digest: str | None = None
+        self,
+        adapter_name: str,
+        b_idx: torch.Tensor,
+        q: torch.Tensor,
+        rho: float,
+        digest: str | None = None,
+        carried: frozenset[str] | None = None,
+        pending: bool = False,
     ) -> None:
-        """Add (or replace) one adapter: zero A [r, k], B indices, frozen Q (validated by the shared core)."""
+        """Add (or replace) one adapter: zero A [r, k], B indices, frozen Q (validated by the shared core).
+
+        ``carried``: the digests a saved B/Q may have (the adapter carries its geometry; Q is held in the model's
+        dtype); ``pending``: B/Q are placeholders that the adapter's state dict fills in.
+        """
         weight = self.get_base_layer().weight
         b_idx, q = validate_geometry(b_idx, q, self.out_features, self.in_features, where=type(self).__name__)
-        q_dtype = weight.dtype if self.plate_Q.persistent and weight.is_floating_point() else torch.float32
+        rho = check_rho(rho)
+        for buffers in (self.plate_B_idx, self.plate_Q):
+            (buffers.carried.add if carried is not None else buffers.carried.discard)(adapter_name)
+        q_dtype = weight.dtype if carried is not None and weight.is_floating_point() else torch.float32
         self.plate_B_idx[adapter_name] = b_idx.to(weight.device)
         self.plate_Q[adapter_name] = q.to(weight.device, q_dtype).contiguous()
         self.plate_A[adapter_name] = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=weight.device))
-        self.plate_rho[adapter_name] = float(rho)
+        self.plate_rho[adapter_name] = rho
         self.plate_digest[adapter_name] = digest or geometry_digest(b_idx, q)
+        self.plate_carried.pop(adapter_name, None)
+        self._pending.discard(adapter_name)
+        if carried is not None:
+            self.plate_carried[adapter_name] = carried
+            if pending:
+                self._pending.add(adapter_name)
         self.set_adapter(self.active_adapters)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -232,13 +280,57 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         return "plate." + super().__repr__()
 
 
-def _check_carried_geometry(layer: PlateLayer, incompatible: Any) -> None:
-    """After loading an adapter that carries B and Q: they must be valid and be the ones it was trained with."""
-    for name in list(layer.plate_B_idx):
-        b, q = layer.plate_B_idx[name], layer.plate_Q[name]
-        validate_geometry(b, q, layer.out_features, layer.in_features, where=f"adapter '{name}'")
-        if geometry_digest(b, q) != layer.plate_digest[name]:
-            raise BundleError(f"adapter '{name}': the carried B/Q differ from the ones it was trained with")
+def _check_carried_geometry(layer: PlateLayer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Before a state dict is loaded: a carried B/Q in it must be valid and the one the adapter was made with.
+
+    Checked on the saved tensors themselves (in the dtype they were saved in), before they are cast to the model's.
+    """
+    for name, accepted in layer.plate_carried.items():
+        b_key, q_key = f"{prefix}plate_B_idx.{name}", f"{prefix}plate_Q.{name}"
+        if b_key not in state_dict and q_key not in state_dict:
+            continue
+        if name in layer._pending and (b_key not in state_dict or q_key not in state_dict):
+            missing = b_key if b_key not in state_dict else q_key
+            raise BundleError(f"adapter '{name}': the adapter file lacks '{missing}', part of the B/Q it carries")
+        b = state_dict.get(b_key, layer.plate_B_idx[name])
+        q = state_dict.get(q_key, layer.plate_Q[name])
+        where = f"adapter '{name}', module '{prefix.rstrip('.')}'"
+        b, q = validate_geometry(b, q, layer.out_features, layer.in_features, where=where)
+        if geometry_digest(b, q) not in accepted:
+            raise BundleError(f"{where}: the carried B/Q differ from the ones it was trained with (edited adapter?)")
+        layer._pending.discard(name)
+
+
+def _carried_geometry_loaded(layer: PlateLayer, incompatible: Any) -> None:
+    """After a state dict is loaded: every carried B/Q was in it; Q is held in the model's dtype."""
+    if layer._pending:
+        name = sorted(layer._pending)[0]
+        raise BundleError(f"adapter '{name}': the adapter file lacks the B/Q it should carry (incomplete adapter)")
+    weight = layer.get_base_layer().weight
+    for name in layer.plate_carried:
+        q = layer.plate_Q[name]
+        if weight.is_floating_point() and q.dtype != weight.dtype and not q.is_meta:
+            layer.plate_Q[name] = q.to(weight.dtype)
+
+
+def _carried_digests(b_idx: torch.Tensor, q: torch.Tensor) -> dict[str, str]:
+    """Digests of B with the bundle's Q rounded to each dtype a model may hold (and save) a carried Q in."""
+    return {str(dt).removeprefix("torch."): geometry_digest(b_idx, q.to(dt)) for dt in _CARRY_DTYPES}
+
+
+_CARRY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _tuner_base(module: nn.Module, name: str) -> nn.Module:
+    """The layer a PEFT tuner layer wraps (a second adapter checks the base weights); refused while merged."""
+    if not isinstance(module, BaseTunerLayer):
+        return module
+    if module.merged:
+        raise ConfigError(
+            f"module '{name}': adapters {module.merged_adapters} are merged into its weight; call "
+            "unmerge_adapter() before adding or loading another PLATE adapter"
+        )
+    return module.get_base_layer()
 
 
 def _bundle_digest(records: dict[str, dict[str, Any]]) -> str:
@@ -249,7 +341,7 @@ def _bundle_digest(records: dict[str, dict[str, Any]]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-_Geometry = tuple[torch.Tensor, torch.Tensor, str]  # B, Q, digest
+_Geometry = tuple[torch.Tensor, torch.Tensor, str, "frozenset[str] | None", bool]  # B, Q, digest, carried, pending
 
 
 @dataclass(frozen=True)
@@ -259,6 +351,50 @@ class _Record:
     shape: list[int]
     dtype: str
     fingerprint: str
+
+
+def _select_targets(config: PlateConfig, mapping: dict[str, str]) -> list[str]:
+    """Model names of the bundle modules ``config.target_modules`` selects; it is then set to exactly those names.
+
+    peft's rules: a list entry matches a whole name or a ``.``-separated suffix, a string is a regular expression
+    that must match a whole name; here an entry may name the model's module or the bundle's (checkpoint) one.
+    """
+    tm = config.target_modules
+    if tm is None or tm == "all-linear":  # the bundle holds only linear layers
+        chosen = list(mapping.values())
+    else:
+        if isinstance(tm, str):
+            pattern = re.compile(tm)
+
+            def match(key: str) -> bool:
+                return pattern.fullmatch(key) is not None
+        else:
+
+            def match(key: str) -> bool:
+                return any(key == t or key.endswith("." + t) for t in tm)
+
+        chosen = [m for n, m in mapping.items() if match(m) or match(n)]
+        names = [*mapping, *mapping.values()]
+        unused = [] if isinstance(tm, str) else [t for t in tm if not any(k == t or k.endswith("." + t) for k in names)]
+        if chosen and unused:
+            warnings.warn(
+                f"target_modules {sorted(unused)} match no module of the bundle and are ignored (PLATE adapts only "
+                "the bundle's modules; other trainable modules go in modules_to_save)",
+                stacklevel=4,
+            )
+    if not chosen:
+        shown = ", ".join(list(mapping.values())[:3])
+        hint = ""
+        if isinstance(tm, str) and any(m.endswith("." + tm) for m in mapping.values()):
+            hint = f" (to match it as a name suffix, pass a list: target_modules=[{tm!r}])"
+        raise BundleError(
+            f"target_modules {tm!r} match none of the bundle's {len(mapping)} modules ({shown}, ...){hint}; "
+            "accepted: a list of module names or name suffixes, the model's or the bundle's (['q_proj', 'v_proj']); "
+            "a string, which as in peft is a regular expression matching whole names ('.*\\.q_proj'); "
+            "None or 'all-linear' for every module of the bundle"
+        )
+    config.target_modules = set(chosen)
+    return chosen
 
 
 class PlateModel(BaseTuner):
@@ -278,7 +414,7 @@ class PlateModel(BaseTuner):
         in bf16; the widened values are the same, so the round trip is exact)."""
         super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
         for layer in self.model.modules():
-            if isinstance(layer, PlateLayer) and layer.plate_Q.persistent and adapter_name in layer.plate_Q:
+            if isinstance(layer, PlateLayer) and adapter_name in layer.plate_carried:
                 weight = layer.get_base_layer().weight
                 if weight.is_floating_point() and layer.plate_Q[adapter_name].dtype != weight.dtype:
                     layer.plate_Q[adapter_name] = layer.plate_Q[adapter_name].to(weight.dtype)
@@ -291,17 +427,13 @@ class PlateModel(BaseTuner):
         if not config.check_fingerprints:
             warnings.warn("PlateConfig: fingerprint check skipped", stacklevel=3)
         recorded = config.module_records or {}
-        if not Path(config.bundle, "manifest.json").exists() and config.carry_geometry and recorded:
+        if config.carry_geometry and recorded:  # its own B/Q, whatever the bundle path holds now
             self._plate[adapter_name] = self._carried_geometry(model, config)
             return
         bundle = Bundle.load(config.bundle)
         mapping = resolve_module_names(model, bundle.modules)  # bundle name -> model name
         inverse = {v: k for k, v in mapping.items()}
-        if config.target_modules is None:
-            config.target_modules = set(mapping.values())
-        chosen = [m for m in mapping.values() if BaseTuner._check_target_module_exists(config, m)]
-        if not chosen:
-            raise BundleError(f"target_modules {config.target_modules} match none of the bundle's modules")
+        chosen = _select_targets(config, mapping)
         ks = load_plan(config.plan, bundle)
         geometry, records = {}, {}
         for m in chosen:
@@ -309,10 +441,12 @@ class PlateModel(BaseTuner):
             rec = bundle.record(name)
             ref = recorded.get(m, {}).get("sketch")
             ref = WeightSketch.from_json(ref) if ref else None
-            sketch = check_module_against_record(model.get_submodule(m), m, rec, config.check_fingerprints, ref, bundle)
-            b_idx, q = module_geometry(bundle, name, ks.get(name))
+            module = _tuner_base(model.get_submodule(m), m)
+            sketch = check_module_against_record(module, m, rec, config.check_fingerprints, ref, bundle)
+            b_idx, q = module_geometry(bundle, name, ks.get(name), q_dtype=None)  # as stored: the bundle's digest
             digest = geometry_digest(b_idx, q)
-            geometry[m] = (b_idx, q, digest)
+            carried = _carried_digests(b_idx, q) if config.carry_geometry else None
+            geometry[m] = (b_idx, q, digest, frozenset(carried.values()) if carried else None, False)
             records[m] = {
                 "bundle_module": name,
                 "shape": list(rec.shape),
@@ -323,6 +457,8 @@ class PlateModel(BaseTuner):
                 "k": int(q.shape[1]),
                 "sketch": sketch.to_json() if sketch is not None else recorded.get(m, {}).get("sketch"),
             }
+            if carried:
+                records[m]["carried_digests"] = carried
         digest = _bundle_digest(records)
         sig = bundle.manifest.source_signature
         if config.bundle_digest is not None and config.bundle_digest != digest:
@@ -335,9 +471,7 @@ class PlateModel(BaseTuner):
         config.bundle_digest, config.bundle_signature, config.module_records = digest, sig, records
         self._plate[adapter_name] = geometry
 
-    def _carried_geometry(
-        self, model: nn.Module, config: PlateConfig
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, str]]:
+    def _carried_geometry(self, model: nn.Module, config: PlateConfig) -> dict[str, _Geometry]:
         """Placeholders of the recorded shapes for an adapter that carries B and Q (its state dict fills them in)."""
         records = config.module_records or {}
         if _bundle_digest(records) != config.bundle_digest:
@@ -351,12 +485,17 @@ class PlateModel(BaseTuner):
                 raise BundleError(
                     f"adapter module '{m}': the model has no such module; it belongs to another model"
                 ) from None
+            module = _tuner_base(module, m)
             sketch = WeightSketch.from_json(rec["sketch"]) if rec.get("sketch") else None
             check_module_against_record(
                 module, m, _Record(rec["shape"], rec["dtype"], rec["fingerprint"]), config.check_fingerprints, sketch
             )
+            # adapters written before carried_digests recorded one digest, of Q in the dtype it was saved in
+            accepted = frozenset((rec.get("carried_digests") or {}).values()) or frozenset([rec.get("carried_digest")])
+            if None in accepted:
+                raise BundleError(f"adapter module '{m}': adapter_config.json records no digest of the carried B/Q")
             q = torch.zeros(rec["shape"][1], rec["k"])
-            geometry[m] = (torch.arange(rec["r"]), q, rec["carried_digest"])
+            geometry[m] = (torch.arange(rec["r"]), q, rec["digest"], accepted, True)
         return geometry
 
     def _create_and_replace(
@@ -372,20 +511,14 @@ class PlateModel(BaseTuner):
         geometry = self._plate[adapter_name]
         if current_key not in geometry:
             raise BundleError(f"module '{current_key}' matches target_modules but the bundle has no geometry for it")
-        b_idx, q, digest = geometry[current_key]
+        b_idx, q, digest, carried, pending = geometry[current_key]
         if isinstance(target, PlateLayer):
-            target.update_layer(adapter_name, b_idx, q, peft_config.rho, digest)
+            target.update_layer(adapter_name, b_idx, q, peft_config.rho, digest, carried, pending)
         else:
-            new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho, peft_config.carry_geometry)
-            new_module.plate_digest[adapter_name] = digest
+            new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho, digest, carried, pending)
             if adapter_name not in self.active_adapters:
                 new_module.requires_grad_(False)
             self._replace_module(parent, target_name, new_module, target)
-        if peft_config.carry_geometry and "carried_digest" not in peft_config.module_records[current_key]:
-            layer = target if isinstance(target, PlateLayer) else new_module
-            carried = geometry_digest(layer.plate_B_idx[adapter_name], layer.plate_Q[adapter_name])
-            layer.plate_digest[adapter_name] = carried
-            peft_config.module_records[current_key]["carried_digest"] = carried
 
     def _prepare_adapter_config(self, peft_config: PlateConfig, model_config: dict) -> PlateConfig:
         return peft_config

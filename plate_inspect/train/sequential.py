@@ -67,7 +67,6 @@ def merge_checkpoint(
     ckpt = Checkpoint.open(source)
     tensors_a, meta = read_adapter(adapter)
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or meta["bundle_path"])
-    rho = float(meta["rho"])
     out = Path(out)
     if out.resolve() == ckpt.root.resolve():
         raise CheckpointError(f"{out}: refusing to overwrite the source checkpoint in place; choose another --out")
@@ -109,7 +108,7 @@ def merge_checkpoint(
                         raise BundleError(
                             f"{adapter}: module '{module}' was trained on other weights than {ckpt.root} (fingerprint)"
                         )
-                    shard[name] = merged_copy(w, b.record(module).layout, b_idx, a, q, rho)
+                    shard[name] = merged_copy(w, b.record(module).layout, b_idx, a, q, meta["rhos"][module])
                     merged.append(module)
                 else:
                     shard[name] = _tensor_from_bytes(ckpt.read_bytes(name), info.dtype, info.shape)
