@@ -3,8 +3,9 @@
 A bundle records, per module, the sha256 fingerprint of the weight's stored bytes. An upcast model (bf16 checkpoint
 loaded in float32) passes exactly: the weight is cast back to the stored dtype before hashing. A *downcast* model
 (float32 checkpoint loaded with ``torch_dtype=bfloat16``, or ``model.to(torch.bfloat16)``) holds a rounded copy,
-whose bytes differ; B and Q are still valid for it. For that case (and only that case: the model's dtype has a
-larger unit roundoff than the stored one) the check compares a seeded sketch ``S = L W R`` (L: [8, d_out],
+whose bytes differ; B and Q are still valid for it. So does a model holding the dequantized weights of an FP8 or
+MXFP4 checkpoint (the scan read them dequantized to float32). For those cases (and only those: the model's dtype
+has a larger unit roundoff than the stored one, or the storage is quantized) the check compares a seeded sketch ``S = L W R`` (L: [8, d_out],
 R: [d_in, 8], standard normal, float64) of the model's weight with the sketch of the reference weight:
 
     ||S_model - S_ref||_F / (8 ||W_ref||_F)  <=  2 u(model dtype)
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from plate_inspect.checkpoint import fingerprint_tensor
+from plate_inspect.checkpoint import FP8_DTYPES, fingerprint_tensor
 from plate_inspect.dtypes import FLOAT_DTYPES
 from plate_inspect.errors import BundleError, PlateInspectError
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 SKETCH_SIZE = 8
 SKETCH_SEED = 20240917
 TOLERANCE_UNITS = 2.0  # allowed ||E||_F / ||W||_F in units of the model dtype's unit roundoff
+#: Stored dtypes a model never holds as such: the weight is their float32 dequantization, checked by sketch.
+QUANTIZED_DTYPES = frozenset({*FP8_DTYPES, "MXFP4"})
 
 
 @dataclass(frozen=True)
@@ -141,24 +144,35 @@ def check_weight(
     w = full_weight(module)
     if weight_fingerprint(w, record.dtype) == record.fingerprint:
         return reference or sketch_weight(oriented(w, layout))
-    stored = FLOAT_DTYPES.get(record.dtype)
+    # quantized storage (FP8 codes x scales, MXFP4): the scan read it dequantized to float32, correctly rounded, so
+    # a model holding the dequantized weights is a rounded copy of those float32 values (float32 itself included)
+    quantized = record.dtype in QUANTIZED_DTYPES
+    stored = torch.float32 if quantized else FLOAT_DTYPES.get(record.dtype)
     refused = (
         f"module '{name}': weight fingerprint differs from the bundle's ({record.fingerprint[:19]}...): the bundle "
         "was made for other weights; rescan this checkpoint (plate-inspect scan) or load the right one"
     )
-    if stored is None or not w.is_floating_point() or unit_roundoff(w.dtype) <= unit_roundoff(stored):
+    if stored is None or not w.is_floating_point():
+        raise BundleError(refused)
+    if not quantized and unit_roundoff(w.dtype) <= unit_roundoff(stored):
         raise BundleError(refused)
     if reference is None and bundle is not None:
         reference = source_reference(bundle, record.name)  # the bundle's name; ``name`` is the model's
     if reference is None:
+        how = (
+            "keep the quantized source checkpoint where the bundle recorded it (its dequantized weights are the "
+            "reference)"
+            if quantized
+            else "load the model in its stored dtype for get_peft_model/apply_bundle (cast it afterwards), or keep "
+            "the source checkpoint where the bundle recorded it"
+        )
         raise BundleError(
             f"module '{name}': the model holds {str(w.dtype).removeprefix('torch.')} weights but the bundle was made "
             f"for {record.dtype} ones, and neither an adapter nor the bundle's source checkpoint is here to check "
-            "the rounded copy against; load the model in its stored dtype for get_peft_model/apply_bundle (cast it "
-            "afterwards), or keep the source checkpoint where the bundle recorded it"
+            f"the rounded copy against; {how}"
         )
     distance = sketch_distance(sketch_weight(oriented(w, layout)), reference)
-    limit = TOLERANCE_UNITS * unit_roundoff(w.dtype)
+    limit = TOLERANCE_UNITS * max(unit_roundoff(w.dtype), unit_roundoff(stored))
     if not distance <= limit:
         raise BundleError(
             f"{refused} (a {str(w.dtype).removeprefix('torch.')} copy of the bundle's weights would differ by at "
