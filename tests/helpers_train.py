@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from plate_inspect import scan
+from plate_inspect.bundle import Bundle
 from plate_inspect.experiments import digits
 
 BACKBONE = ["fc1", "fc2", "fc3"]
@@ -104,3 +105,43 @@ def save_tiny_qwen2(path: Path, *, vocab: int = 64, intermediate: int = 48, seed
     )
     Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def model_holding(weights: dict[str, torch.Tensor]) -> nn.Module:
+    """Bias-free nn.Linear modules at the weights' dotted names (module = name without '.weight')."""
+    root = nn.Module()
+    for name, w in weights.items():
+        *path, leaf = name.removesuffix(".weight").split(".")
+        parent = root
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w.clone()
+        parent.add_module(leaf, linear)
+    return root
+
+
+def fp8_setup(root: Path) -> tuple[Bundle, dict[str, torch.Tensor], Path]:
+    """A 1-layer Qwen2-shaped checkpoint with its 7 projections in FP8 (16 x 16 block scales), its bundle, and the
+    projections dequantized here from codes and scales (the product rounded once to float32): the weights a
+    model holds when it loads that checkpoint dequantized."""
+    from plate_inspect.testing.quantized import fp8_config, fp8_tensors, write_safetensors
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    src = write_llama_like(root / "src", layers=1)
+    stored = {}
+    for f in sorted(src.path.glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    targets = {n: w.float() for n, w in stored.items() if n.endswith("_proj.weight")}
+    quantized = fp8_tensors(targets, block=(16, 16))
+    others = {n: w for n, w in stored.items() if n not in targets}
+    fp8_dir = write_safetensors(root / "fp8", {**others, **quantized}, fp8_config((16, 16), **src.config))
+    bundle = scan(fp8_dir, root / "bundle", r=4, max_rank=40)
+    dequantized = {}
+    for name in targets:
+        scale = quantized[name + "_scale_inv"].repeat_interleave(16, 0).repeat_interleave(16, 1)
+        codes = quantized[name].float()
+        dequantized[name] = codes * scale[: codes.shape[0], : codes.shape[1]]
+    return bundle, dequantized, fp8_dir

@@ -13,7 +13,9 @@ from helpers_train import (
     dense_plate_weight,
     digits_bundle,
     digits_checkpoint,
+    fp8_setup,
     load_digits,
+    model_holding,
     randomize_adapters,
     skeleton,
 )
@@ -189,3 +191,26 @@ def test_failed_merge_leaves_no_partial_output(tmp_path):
         merge_checkpoint(src, adapter, existing)
     assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir() if "partial" in p.name) == []
+
+
+def test_merge_into_quantized_or_stacked_expert_storage_is_refused_up_front(tmp_path):
+    """Merging would need re-quantizing FP8 (or rewriting a 3-D expert stack): refused before anything is written,
+    pointing to a merge in the model (QA: the error said FP8 is read and refused it in one line)."""
+    from dataclasses import replace
+
+    from plate_inspect.checkpoint import Checkpoint
+    from plate_inspect.train.sequential import _stored_name
+
+    bundle, dequantized, fp8_dir = fp8_setup(tmp_path)
+    model = model_holding(dequantized)
+    apply_bundle(model, bundle)
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    with pytest.raises(CheckpointError, match="stored as F8_E4M3 .quantized.; merging would need re-quantizing"):
+        merge_checkpoint(fp8_dir, adapter, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    result = CliRunner().invoke(cli, ["merge", str(fp8_dir), str(adapter), "-o", str(tmp_path / "merged")])
+    assert result.exit_code == 2 and "merge_and_unload" in result.output and "Traceback" not in result.output
+    record = bundle.record(next(iter(bundle.manifest.modules)))
+    stacked = replace(record, name="model.layers.0.mlp.experts.down_proj.3", layout="experts_out_major", dtype="BF16")
+    with pytest.raises(CheckpointError, match="one expert's slice of the 3-D tensor 'model.layers.0.mlp.experts"):
+        _stored_name(Checkpoint.open(fp8_dir), stacked.name, stacked)

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_train import BACKBONE, digits_bundle, digits_checkpoint, load_digits, randomize_adapters
+from helpers_train import (
+    BACKBONE,
+    digits_bundle,
+    digits_checkpoint,
+    fp8_setup,
+    load_digits,
+    model_holding,
+    randomize_adapters,
+)
 from peft import PeftModel, get_peft_model
 
 from plate_inspect.bundle import Bundle
@@ -143,56 +151,21 @@ def test_cast_model_with_prefixed_module_names(tmp_path):
         apply_bundle(GPT2LMHeadModel.from_pretrained(other.path, dtype=torch.bfloat16), bundle)
 
 
-def _model_holding(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """Bias-free nn.Linear modules at the weights' dotted names (module = name without '.weight')."""
-    root = torch.nn.Module()
-    for name, w in weights.items():
-        *path, leaf = name.removesuffix(".weight").split(".")
-        parent = root
-        for part in path:
-            if not hasattr(parent, part):
-                parent.add_module(part, torch.nn.Module())
-            parent = getattr(parent, part)
-        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        linear.weight.data = w.clone()
-        parent.add_module(leaf, linear)
-    return root
-
-
 def test_bundle_of_an_fp8_checkpoint_applies_to_its_dequantized_weights(tmp_path):
     """QA: a bundle scanned from FP8 storage refused the exactly dequantized model ("made for other weights").
     The dequantized weights (computed here from the codes and block scales) pass in float32 and bfloat16; a 3%
     change is refused; without the source checkpoint the refusal says to keep it."""
-    from safetensors.torch import load_file
-
-    from plate_inspect.scanner import scan
-    from plate_inspect.testing.quantized import fp8_config, fp8_tensors, write_safetensors
-    from plate_inspect.testing.synthetic import write_llama_like
-
-    src = write_llama_like(tmp_path / "src", layers=1)
-    stored = {}
-    for f in sorted(src.path.glob("*.safetensors")):
-        stored.update(load_file(str(f)))
-    targets = {n: w.float() for n, w in stored.items() if n.endswith("_proj.weight")}
-    quantized = fp8_tensors(targets, block=(16, 16))
-    others = {n: w for n, w in stored.items() if n not in targets}
-    fp8_dir = write_safetensors(tmp_path / "fp8", {**others, **quantized}, fp8_config((16, 16), **src.config))
-    bundle = scan(fp8_dir, tmp_path / "bundle", r=4, max_rank=40)
-    dequantized = {}
-    for name in targets:  # codes x scale[i // 16, j // 16], the product rounded once to float32
-        scale = quantized[name + "_scale_inv"].repeat_interleave(16, 0).repeat_interleave(16, 1)
-        codes = quantized[name].float()
-        dequantized[name] = codes * scale[: codes.shape[0], : codes.shape[1]]
+    bundle, dequantized, _ = fp8_setup(tmp_path)
     for dtype in (torch.float32, torch.bfloat16):
-        model = _model_holding(dequantized).to(dtype)
+        model = model_holding(dequantized).to(dtype)
         apply_bundle(model, bundle)
-        assert len(plate_layers(model)) == len(targets) == 7
-    name = next(iter(targets))
+        assert len(plate_layers(model)) == len(dequantized) == 7
+    name = next(iter(dequantized))
     changed = dict(dequantized)
     g = torch.Generator().manual_seed(2)
     w = changed[name]
     changed[name] = w + 0.03 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, generator=g)
     with pytest.raises(BundleError, match="differs by about"):
-        apply_bundle(_model_holding(changed), bundle)
+        apply_bundle(model_holding(changed), bundle)
     with pytest.raises(BundleError, match="keep the quantized source checkpoint"):
-        apply_bundle(_model_holding(dequantized), _without_source(bundle, tmp_path / "moved" / "bundle"))
+        apply_bundle(model_holding(dequantized), _without_source(bundle, tmp_path / "moved" / "bundle"))

@@ -22,10 +22,12 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from plate_inspect.atomic import make_temp_dir, new_file_mode, os_error_reason
-from plate_inspect.bundle import MANIFEST, Bundle, ScanSettings
+from plate_inspect.bundle import MANIFEST, Bundle, ModuleRecord, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.dtypes import FLOAT_DTYPES
 from plate_inspect.errors import BundleError, CheckpointError
 from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.targets import EXPERT_LAYOUTS
 from plate_inspect.train.core import geometry_digest, merged_copy
 from plate_inspect.train.layer import module_geometry, read_adapter
 
@@ -42,7 +44,22 @@ class MergeResult:
     bundle: Bundle | None = None  # the rescanned bundle, when asked for
 
 
-def _stored_name(ckpt: Checkpoint, module: str) -> str:
+def _stored_name(ckpt: Checkpoint, module: str, record: ModuleRecord) -> str:
+    """The tensor a module's merged weight is written to; refused up front where a merge cannot be written."""
+    in_model = (
+        "merge in the model instead (merge_and_unload() of a PEFT model, plate_inspect.train.layer.unload of "
+        "apply_bundle's) and save_pretrained it"
+    )
+    if record.layout in EXPERT_LAYOUTS:
+        raise CheckpointError(
+            f"{ckpt.root}: the adapter's module '{module}' is one expert's slice of the 3-D tensor "
+            f"'{record.name.rsplit('.', 1)[0]}'; merge writes 2-D weights only, so {in_model}"
+        )
+    if record.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"{ckpt.root}: the adapter's module '{module}' is stored as {record.dtype} (quantized); merging would "
+            f"need re-quantizing it, which plate-inspect does not do: {in_model} (in bf16)"
+        )
     name = f"{module}.weight"
     if name not in ckpt.tensors:
         raise CheckpointError(f"{ckpt.root}: the adapter's module '{module}' has no tensor '{name}' in this checkpoint")
@@ -83,7 +100,7 @@ def merge_checkpoint(
             raise BundleError(
                 f"{adapter}: module '{module}' was trained with another bundle than {b.path} (B/Q differ)"
             )
-        plan[_stored_name(ckpt, module)] = (module, a, b_idx, q)
+        plan[_stored_name(ckpt, module, b.record(module))] = (module, a, b_idx, q)
     by_file: dict[Path, list[str]] = {}
     for name, info in ckpt.tensors.items():
         by_file.setdefault(info.file, []).append(name)
