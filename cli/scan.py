@@ -68,6 +68,13 @@ def print_summary(bundle: Bundle) -> None:
     lora_total = sum(r["lora_params"] for r in rows)
     table.add_row("total", str(len(m.modules)), "", "", "", f"{plate_total:,}", f"{lora_total:,}", style="bold")
     console.print(table)
+    no_rows = [rec.name for rec in bundle if rec.r == 0]
+    if no_rows:
+        console.print(
+            f"[yellow]note[/]: {counted(len(no_rows), 'module')} with r = 0 ({no_rows[0]}"
+            + (", ..." if len(no_rows) > 1 else "")
+            + "): too few output rows to pick redundant ones (r <= 0.9 d_out), so PLATE trains nothing there"
+        )
     stats = bundle.stats()
     if stats:
         console.print(

@@ -278,6 +278,22 @@ def test_config_shape_checks(tmp_path, family, override, tensor):
         select_targets(Checkpoint.open(ckpt.path))
 
 
+def test_a_one_row_router_gets_r_zero_and_info_says_so(ckpts, tmp_path):
+    """qwen2_moe's shared_expert_gate is [1, hidden]: r = floor(0.9 * 1) = 0; info notes that PLATE trains nothing
+    there instead of listing it silently."""
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+    from plate_inspect.scanner import scan
+
+    bundle = scan(ckpts["qwen2_moe"].path, tmp_path / "b", r=4, target_modules=["shared_expert_gate", "q_proj"])
+    zero = sorted(rec.name for rec in bundle if rec.r == 0)
+    assert zero and all(n.endswith("shared_expert_gate") and bundle.record(n).d_out == 1 for n in zero)
+    assert all(rec.r == 4 for rec in bundle if rec.name not in zero)
+    result = CliRunner().invoke(cli, ["info", str(bundle.path)])
+    assert result.exit_code == 0 and f"{len(zero)} module" in result.output and "r = 0" in result.output
+
+
 def test_module_types_as_printed_select_their_modules(ckpts):
     """The module types scan/info print select exactly their modules: DeepSeek's routed experts' gate projections
     without the shared experts' or the dense layer's; Mixtral's w1 of every expert."""
