@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from plate_inspect import __version__
 from plate_inspect.cli.common import err_console
-from plate_inspect.errors import PlateInspectError
+from plate_inspect.errors import PlateInspectError, cli_text
 
 # command name -> ("module:attribute" under plate_inspect.cli, one-line help shown by `plate-inspect --help`).
 # The help lives here so that listing the commands imports none of them (no torch: `--help` stays instant).
@@ -97,7 +97,8 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except PlateInspectError as e:
-            err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # names in e are not markup
+            # names in e are not markup; keyword arguments shown as the CLI's flags
+            err_console.print(f"[bold red]error:[/] {escape(cli_text(str(e)))}", soft_wrap=True)
             sys.exit(2)
         except KeyboardInterrupt:
             name = ctx.invoked_subcommand or ""

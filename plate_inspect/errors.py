@@ -24,6 +24,18 @@ One hierarchy, grouped by domain, so callers can catch broadly (``PlateInspectEr
 
 from __future__ import annotations
 
+import re
+
+#: Messages name a keyword argument with its CLI flag as "overwrite=True (CLI: --overwrite)"; the CLI shows the flag.
+_KEYWORD_AND_FLAG = re.compile(r"\b\w+=\w+ \(CLI: (--[\w-]+)\)")
+_FLAG_NOTE = re.compile(r"\(CLI: (--[\w-]+)\)")
+
+
+def cli_text(message: str) -> str:
+    """A message as the CLI prints it: ``overwrite=True (CLI: --overwrite)`` -> ``--overwrite``, ``(CLI: --out)``
+    -> ``(--out)``; the Python API keeps both forms."""
+    return _FLAG_NOTE.sub(r"(\1)", _KEYWORD_AND_FLAG.sub(r"\1", message))
+
 
 class PlateInspectError(Exception):
     """Base class: the message says what went wrong, where (file/tensor), and what to do.

@@ -243,3 +243,19 @@ def test_report_labels_must_differ(setup, tmp_path):
     _, _, bundle, _ = setup
     args = ["report", bundle.path, bundle.path, "--labels", "a,a", "-o", tmp_path / "r.html"]
     assert_user_error(args, "'a' is given twice")
+
+
+# --------------------------------------------------------------------------- the CLI speaks in flags
+def test_cli_messages_name_flags_where_the_api_names_keywords(setup, tmp_path):
+    """The same refusal: the Python API says overwrite=True (CLI: --overwrite), the CLI says --overwrite only."""
+    from plate_inspect.errors import BundleError, cli_text
+
+    root, model, bundle, _ = setup
+    with pytest.raises(BundleError, match=r"overwrite=True \(CLI: --overwrite\)") as info:
+        scan(model, bundle.path, r=5, tau=0.9, max_rank=64)
+    code, output = run_cli("scan", model, "--out", bundle.path, "--r", "5", "--max-rank", "64", "-q")
+    assert code == 2 and "--overwrite" in output and "overwrite=True" not in output and "CLI:" not in output
+    assert cli_text(str(info.value)) in " ".join(output.split())  # the API's message, in the CLI's words
+    assert cli_text("pass overwrite=True (CLI: --overwrite); or elsewhere (CLI: --out)") == (
+        "pass --overwrite; or elsewhere (--out)"
+    )

@@ -90,7 +90,7 @@ def merge_checkpoint(
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a directory; choose another --out")
     if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
-        raise CheckpointError(f"{out}: already holds safetensors files; pass overwrite=True (--overwrite)")
+        raise CheckpointError(f"{out}: already holds safetensors files; pass overwrite=True (CLI: --overwrite)")
     plan: dict[str, tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # stored name -> (module, A, B, Q)
     for module, a in tensors_a.items():
         if module not in b:
@@ -209,7 +209,7 @@ def check_rescan_out(out: str | os.PathLike, overwrite: bool = False) -> Path:
         raise BundleError(f"{out}: exists and is not a directory; choose another --rescan directory")
     if (out / MANIFEST).exists() and not overwrite:
         raise BundleError(
-            f"{out}: already holds a bundle; pass overwrite=True (--overwrite) to replace it, "
+            f"{out}: already holds a bundle; pass overwrite=True (CLI: --overwrite) to replace it, "
             "or choose another --rescan directory"
         )
     return out

@@ -5,10 +5,11 @@ loaded in float32) passes exactly: the weight is cast back to the stored dtype b
 (float32 checkpoint loaded with ``torch_dtype=bfloat16``, or ``model.to(torch.bfloat16)``) holds a rounded copy,
 whose bytes differ; B and Q are still valid for it. So does a model holding the dequantized weights of an FP8 or
 MXFP4 checkpoint (the scan read them dequantized to float32). For those cases (and only those: the model's dtype
-has a larger unit roundoff than the stored one, or the storage is quantized) the check compares a seeded sketch ``S = L W R`` (L: [8, d_out],
-R: [d_in, 8], standard normal, float64) of the model's weight with the sketch of the reference weight:
+has a larger unit roundoff than the stored one, or the storage is quantized) the check compares a seeded sketch
+``S = L W R`` (L: [8, d_out], R: [d_in, 8], standard normal, float64) of the model's weight with the sketch of the
+reference weight:
 
-    ||S_model - S_ref||_F / (8 ||W_ref||_F)  <=  2 u(model dtype)
+    ||S_model - S_ref||_F / (8 ||W_ref||_F)  <=  2 u(model dtype)   (quantized storage: 2 max(u(model), u(float32)))
 
 For a rounded copy, ``|E_ij| <= u |W_ij|`` so ``||E||_F <= u ||W||_F``, and ``||L E R||_F / 8`` estimates
 ``||E||_F`` (E[(l^T E r)^2] = ||E||_F^2 for each of the 64 entries); rounding errors give about u/sqrt(3), well
