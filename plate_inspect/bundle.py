@@ -19,6 +19,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -42,6 +43,9 @@ MANIFEST = "manifest.json"
 STATS = "scan_stats.json"
 #: The one metadata key of a part file's safetensors header (one key: safetensors orders several at random).
 PART_METADATA_KEY = "plate_part"
+#: Names of a bundle's part files (plate_inspect.scanner.part_name): layer-00003.safetensors,
+#: layer-00003-experts-0001.safetensors, other.safetensors. Any other safetensors file is not the bundle's.
+PART_FILE_NAME = re.compile(r"(layer-\d{5}(-experts-\d{4})?|other)\.safetensors")
 
 
 #: Settings added after format v1 first shipped, with the value every earlier bundle was made with. At that value
@@ -399,6 +403,11 @@ def part_records(path: Path, settings: ScanSettings, variant: dict[str, Any] | N
     return {r.name: r for r in records if r.file == path.name and all(f"{r.name}.{kind}" in keys for kind in kinds)}
 
 
+def foreign_safetensors(path: Path) -> list[Path]:
+    """Safetensors files in ``path`` that are not bundle part files by name (e.g. a model's weights)."""
+    return [f for f in sorted(path.glob("*.safetensors")) if not PART_FILE_NAME.fullmatch(f.name)]
+
+
 def finished_modules(path: Path, manifest: Manifest) -> dict[str, ModuleRecord]:
     """Planned modules whose part files (made with the manifest's settings and variant) are already written."""
     found: dict[str, ModuleRecord] = {}
@@ -500,8 +509,20 @@ class BundleWriter:
             self._lock = None
 
     def _prepare(self) -> Manifest:
-        """Refuse another bundle (or clear it with ``overwrite``), then write this scan's incomplete manifest."""
+        """Refuse another bundle (or clear it with ``overwrite``), then write this scan's incomplete manifest.
+
+        A directory holding safetensors files that are not bundle parts (a model's weights: --out given as the
+        checkpoint's own directory) is refused, with or without ``overwrite``: nothing of it is deleted.
+        """
         existing = self.path / MANIFEST
+        foreign = foreign_safetensors(self.path)
+        if foreign:
+            names = ", ".join(f.name for f in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise BundleError(
+                f"{self.path}: holds safetensors files that are not parts of a PLATE bundle ({names}): a model "
+                "checkpoint? A bundle needs a directory of its own, and nothing here is deleted, even with "
+                "--overwrite; write elsewhere (CLI: --out)"
+            )
         if existing.exists() and not self.overwrite:
             try:
                 old = Manifest.from_json(json.loads(existing.read_text()), existing)
@@ -510,7 +531,7 @@ class BundleWriter:
                     f"{self.path}: holds something that is not a matching bundle; {REPLACE_HINT}"
                 ) from None
             self._refuse_other(old)
-        elif self.overwrite:
+        elif self.overwrite:  # only the bundle's own files (foreign ones were refused above)
             for p in list(self.path.glob("*.safetensors")) + [existing, self.path / STATS]:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()

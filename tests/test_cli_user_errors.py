@@ -259,3 +259,37 @@ def test_cli_messages_name_flags_where_the_api_names_keywords(setup, tmp_path):
     assert cli_text("pass overwrite=True (CLI: --overwrite); or elsewhere (CLI: --out)") == (
         "pass --overwrite; or elsewhere (--out)"
     )
+
+
+# --------------------------------------------------------------------------- --out that holds a model or a bundle
+def test_scan_into_a_checkpoint_directory_deletes_nothing(setup, tmp_path):
+    """QA: `scan M --out M --overwrite` deleted M's model.safetensors. A directory with safetensors files that are
+    not bundle parts is refused, with or without --overwrite, and every file stays byte-identical."""
+    import shutil
+
+    root, model, _, _ = setup
+    copy = tmp_path / "model"
+    shutil.copytree(model, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    for extra in ([], ["--overwrite"]):
+        assert_user_error(["scan", copy, "--out", copy, "--r", "4", *extra], "not parts of a PLATE bundle", "--out")
+        assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+    # a bundle directory with a stray model file beside its parts: refused as well (the file is not the bundle's)
+    out = tmp_path / "bundle"
+    scan(model, out, r=4, tau=0.9, max_rank=64)
+    shutil.copy(model / "model.safetensors", out / "model.safetensors")
+    assert_user_error(["scan", model, "--out", out, "--r", "4", "--overwrite"], "(model.safetensors)")
+    assert (out / "model.safetensors").exists() and (out / "layer-00000.safetensors").exists()
+
+
+def test_merge_into_a_bundle_directory_is_refused(setup, tmp_path):
+    """QA: merge --overwrite into a bundle dir deleted its parts and left its manifest ("complete", parts missing)."""
+    import shutil
+
+    root, model, bundle, adapter = setup
+    target = tmp_path / "bundle"
+    shutil.copytree(bundle.path, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    for extra in ([], ["--overwrite"]):
+        assert_user_error(["merge", model, adapter, "-o", target, *extra], "holds a PLATE bundle", "--out")
+        assert {p.name: p.read_bytes() for p in target.iterdir()} == before

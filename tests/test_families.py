@@ -580,3 +580,15 @@ def test_experts_are_split_into_bounded_part_files(ckpts, tmp_path, monkeypatch)
     files = {rec.file for rec in bundle}
     assert {p.name for p in bundle.path.glob("*.safetensors")} == files
     assert any("-experts-0001" in f for f in files)  # 3 experts per layer: two expert parts
+
+
+def test_every_part_name_is_recognised_as_a_bundle_part(ckpts):
+    """The bundle refuses foreign safetensors files by name: every name the scanner gives a part must pass."""
+    from plate_inspect.bundle import PART_FILE_NAME
+    from plate_inspect.scanner import part_name
+
+    for family, ckpt in ckpts.items():
+        targets = select_targets(Checkpoint.open(ckpt.path))[0]
+        names = {part_name(t) for t in targets}
+        assert all(PART_FILE_NAME.fullmatch(n) for n in names), (family, sorted(names))
+        assert any("experts" in n for n in names) or family not in ("mixtral", "qwen2_moe", "deepseek_v3")

@@ -89,6 +89,11 @@ def merge_checkpoint(
         raise CheckpointError(f"{out}: refusing to overwrite the source checkpoint in place; choose another --out")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a directory; choose another --out")
+    if (out / MANIFEST).exists():  # --overwrite would delete the bundle's parts and leave its manifest behind
+        raise CheckpointError(
+            f"{out}: holds a PLATE bundle (manifest.json), not a checkpoint; a merged checkpoint needs a directory "
+            "of its own, and the bundle is left as it is even with --overwrite; choose another --out"
+        )
     if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
         raise CheckpointError(f"{out}: already holds safetensors files; pass overwrite=True (CLI: --overwrite)")
     plan: dict[str, tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # stored name -> (module, A, B, Q)
