@@ -374,7 +374,10 @@ class Checkpoint:
                     )
                 raise CheckpointError(f"{path}: not a .safetensors file")
             tensors, _ = parse_safetensors_header(path)
-            ckpt = cls(path.parent, [path], tensors, _read_config(path.parent / "config.json"))
+            config = path.parent / "config.json"
+            if not config.exists() and path.is_symlink():  # a link to a model's file: the config is beside the file
+                config = path.resolve().parent / "config.json"
+            ckpt = cls(path.parent, [path], tensors, _read_config(config))
         else:
             root = path
             index_path = root / "model.safetensors.index.json"

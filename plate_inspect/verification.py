@@ -163,6 +163,13 @@ def _check_module(
         if target is None:
             report.problems.append(f"{where}: the checkpoint has no weight for this module")
             return
+        if list(target.shape) != list(rec.shape) or target.layout != rec.layout:
+            report.problems.append(
+                f"{where}: the checkpoint's weight is [d_out, d_in] = {list(target.shape)} ({target.layout}), the "
+                f"bundle's record says {list(rec.shape)} ({rec.layout}): scanned with another config.json (e.g. "
+                "without its model_type) or from another model; rescan"
+            )
+            return
         check_q = exact and rec.variant is None and b_in_range and rec.k > 0 and tuple(q.shape) == (rec.d_in, rec.k)
         if check_q:
             weight, fingerprint = load_target(ckpt, target)

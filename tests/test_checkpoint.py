@@ -298,3 +298,20 @@ def test_no_error_class_defined_outside_errors_module():
         if p.name != "errors.py" and pattern.search(p.read_text())
     ]
     assert offenders == []
+
+
+def test_a_symlink_to_a_models_file_finds_the_models_config(gpt2_ckpt, tmp_path):
+    """QA: a link elsewhere to GPT-2's model.safetensors lost config.json (no model_type: Conv1D weights read as
+    [out, in], B and Q transposed). The config beside the linked file is used when none is beside the link."""
+    from plate_inspect.targets import select_targets
+
+    link = tmp_path / "links" / "gpt2.safetensors"
+    link.parent.mkdir()
+    link.symlink_to(gpt2_ckpt.path / "model.safetensors")
+    direct = Checkpoint.open(gpt2_ckpt.path / "model.safetensors")
+    linked = Checkpoint.open(link)
+    assert linked.config == direct.config and linked.config["model_type"] == "gpt2"
+    assert [(t.name, t.layout, t.shape) for t in select_targets(linked)[0]] == [
+        (t.name, t.layout, t.shape) for t in select_targets(direct)[0]
+    ]
+    assert all(t.layout == "conv1d" for t in select_targets(linked)[0])

@@ -234,6 +234,21 @@ def test_verify_detects_other_weights(tmp_path, qwen_ckpt):
     assert "fingerprint" in report.problems[0]
 
 
+def test_verify_flags_a_bundle_read_with_another_layout(tmp_path, gpt2_ckpt):
+    """GPT-2's file scanned without its config.json (no model_type: Conv1D weights taken as [out, in]): the
+    fingerprints match the real checkpoint, but shape/layout do not; verify (and --exact) report it, no crash."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(gpt2_ckpt.path / "model.safetensors", bare / "model.safetensors")
+    bundle = plate_inspect.scan(bare, tmp_path / "b", r=4, target_modules=["c_attn", "c_fc"])
+    assert all(bundle.record(n).layout == "linear" for n in bundle.manifest.modules)
+    for exact in (False, True):
+        report = verify(bundle, gpt2_ckpt.path, exact=exact)
+        assert not report.ok and len(report.problems) == len(bundle.manifest.modules)
+        assert all("(conv1d)" in p and "(linear)" in p and "rescan" in p for p in report.problems)
+    assert verify(bundle, bare).ok
+
+
 def test_verify_notes_a_checkpoint_of_another_model_type(tmp_path, qwen_ckpt):
     """The same weights under a config of another model_type: verified (the fingerprints match), with a note."""
     bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R)
