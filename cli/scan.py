@@ -93,6 +93,12 @@ def reuse_line(stats: dict) -> str:
         stats.get("modules_resumed", 0),
         stats.get("modules_changed", 0),
     )
+    damaged = stats.get("modules_damaged", 0)
+    if damaged:
+        return (
+            f"{counted(damaged, 'module')} damaged in the part files (digest mismatch): recomputed {computed}, "
+            f"kept {kept} of {total}"
+        )
     if not kept:
         return f"computed {computed} of {total} modules"
     if changed or not computed:

@@ -133,6 +133,27 @@ def geometry_digest(b_idx: torch.Tensor, q: torch.Tensor) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def scores_digest(redundancy: torch.Tensor, spectrum: torch.Tensor) -> str:
+    """Identity of one module's stored redundancy scores and spectrum (sha256 of dtype, shape and bytes): what plan,
+    variants and reports read besides B and Q, so damage to them is caught like damage to B and Q."""
+    h = hashlib.sha256()
+    for t in (redundancy, spectrum):
+        tc = t.detach().to("cpu").contiguous()
+        h.update(f"{tc.dtype}{list(tc.shape)}".encode())
+        h.update(tc.view(torch.uint8).numpy().tobytes() if tc.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+def damaged(rec: ModuleRecord, tensors: dict[str, torch.Tensor]) -> str:
+    """'' if a module's stored tensors (by kind: plate_B_idx, plate_Q, redundancy, spectrum) match the digests its
+    record holds (records without digests, from older scans, match), else which of them differ."""
+    if rec.geometry_digest and geometry_digest(tensors["plate_B_idx"], tensors["plate_Q"]) != rec.geometry_digest:
+        return "B or Q"
+    if rec.scores_digest and scores_digest(tensors["redundancy"], tensors["spectrum"]) != rec.scores_digest:
+        return "redundancy scores or spectrum"
+    return ""
+
+
 @dataclass
 class ModuleRecord:
     """Manifest entry for one adapted module."""
@@ -154,6 +175,7 @@ class ModuleRecord:
     variant: str | None = None  # None for a scanned bundle; an ablation name for derived bundles
     health: dict | None = None  # beyond (issue 15): plate_inspect.health.health_record of W; written only when set
     geometry_digest: str | None = None  # geometry_digest(B, Q as stored), checked by verify; None in older bundles
+    scores_digest: str | None = None  # scores_digest(redundancy, spectrum as stored); None in older bundles
 
     @property
     def d_out(self) -> int:
@@ -174,9 +196,9 @@ class ModuleRecord:
 
 
 def _record_json(rec: ModuleRecord) -> dict[str, Any]:
-    """A module record for the manifest; ``health`` and ``geometry_digest`` only when present."""
+    """A module record for the manifest; ``health`` and the digests only when present."""
     d = asdict(rec)
-    for optional in ("health", "geometry_digest"):
+    for optional in ("health", "geometry_digest", "scores_digest"):
         if d.get(optional) is None:
             d.pop(optional, None)
     return d
@@ -403,6 +425,20 @@ def part_records(path: Path, settings: ScanSettings, variant: dict[str, Any] | N
     return {r.name: r for r in records if r.file == path.name and all(f"{r.name}.{kind}" in keys for kind in kinds)}
 
 
+def intact_records(path: Path, records: dict[str, ModuleRecord]) -> dict[str, ModuleRecord]:
+    """The records whose tensors in part file ``path`` match their digests (a part that cannot be read: none)."""
+    kinds = ("plate_B_idx", "plate_Q", "redundancy", "spectrum")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {
+                name: rec
+                for name, rec in records.items()
+                if not damaged(rec, {kind: f.get_tensor(f"{name}.{kind}") for kind in kinds})
+            }
+    except Exception:  # safetensors' own error types: an unreadable part vouches for nothing
+        return {}
+
+
 def foreign_safetensors(path: Path) -> list[Path]:
     """Safetensors files in ``path`` that are not bundle part files by name (e.g. a model's weights)."""
     return [f for f in sorted(path.glob("*.safetensors")) if not PART_FILE_NAME.fullmatch(f.name)]
@@ -463,6 +499,7 @@ class BundleWriter:
         self.path = Path(path)
         self.manifest = manifest
         self.overwrite = overwrite
+        self.damaged: list[str] = []  # modules whose stored tensors no longer matched their digests (recomputed)
         self._lock: int | None = None
 
     def open(self) -> Manifest:
@@ -563,8 +600,12 @@ class BundleWriter:
             )
 
     def reusable(self, part: str) -> dict[str, ModuleRecord]:
-        """Records of an existing part file that were made with this bundle's settings and variant."""
-        return part_records(self.path / part, self.manifest.settings, self.manifest.variant)
+        """Records of an existing part file that were made with this bundle's settings and variant, and whose
+        stored tensors still match their digests (a damaged module is recomputed, not kept)."""
+        records = part_records(self.path / part, self.manifest.settings, self.manifest.variant)
+        intact = intact_records(self.path / part, records) if records else records
+        self.damaged.extend(name for name in records if name not in intact)
+        return intact
 
     def write_part(self, part: str, records: list[ModuleRecord], tensors: dict[str, torch.Tensor]) -> None:
         """Atomically write one part file (tensors + its records in the header) and keep its records."""

@@ -38,6 +38,7 @@ from plate_inspect.bundle import (
     ScanSettings,
     geometry_digest,
     read_part_tensors,
+    scores_digest,
     weight_key,
 )
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
@@ -275,6 +276,7 @@ def _scan_share(
         "modules_scanned": tally["computed"],
         "modules_resumed": tally["reused"],
         "modules_changed": tally["changed"],
+        "modules_damaged": len(writer.damaged),
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
         "blas_threads": blas_threads(),
@@ -396,8 +398,8 @@ def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -
         writer.add_records(result.records)
     ranks = [r.stats for r in results]
     stats = dict(ranks[0])
-    for key in ("bytes_read", "modules_scanned", "modules_resumed", "modules_changed"):
-        stats[key] = sum(s[key] for s in ranks)
+    for key in ("bytes_read", "modules_scanned", "modules_resumed", "modules_changed", "modules_damaged"):
+        stats[key] = sum(s.get(key, 0) for s in ranks)
     stats["wall_seconds"] = max(s["wall_seconds"] for s in ranks)
     stats["peak_rss_bytes"] = max(s["peak_rss_bytes"] for s in ranks)
     stats["modules_total"] = len(writer.manifest.planned)
@@ -561,6 +563,7 @@ def module_outputs(
         f"{target.name}.spectrum": basis.spectrum.cpu(),
     }
     record.geometry_digest = geometry_digest(geo.b_idx, tensors[f"{target.name}.plate_Q"])
+    record.scores_digest = scores_digest(tensors[f"{target.name}.redundancy"], tensors[f"{target.name}.spectrum"])
     return record, tensors
 
 

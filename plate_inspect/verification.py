@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plate_inspect.bundle import Bundle, ModuleRecord, geometry_digest
+from plate_inspect.bundle import Bundle, ModuleRecord, damaged
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.geometry import exactness_allowance
 from plate_inspect.progress import ProgressCallback, ProgressCounter
@@ -151,10 +151,12 @@ def _check_module(
             report.problems.append(
                 f"{where}: Q columns not orthonormal (max |Q^T Q - I| = {err:.2e} > {tol:.1e} for {stored_q.dtype})"
             )
-    if rec.geometry_digest and geometry_digest(b_idx, stored_q) != rec.geometry_digest:
+    what = damaged(rec, {"plate_B_idx": b_idx, "plate_Q": stored_q, "redundancy": b.redundancy(rec.name),
+                         "spectrum": spectrum})  # fmt: skip
+    if what:
         report.problems.append(
-            f"{where}: B or Q differ from what the scan wrote (geometry digest mismatch): the part file "
-            f"{rec.file} was edited or is corrupt; rescan with --overwrite"
+            f"{where}: {what} differ from what the scan wrote (digest mismatch): the part file {rec.file} was "
+            "edited or is corrupt; rescan (damaged modules are recomputed)"
         )
     if spectrum.numel() and (bool((spectrum < 0).any()) or bool((spectrum[1:] > spectrum[:-1]).any())):
         report.problems.append(f"{where}: spectrum not descending and non-negative")

@@ -464,7 +464,7 @@ def test_verify_catches_swapped_or_bit_flipped_geometry(tmp_path, qwen_ckpt):
     save_file(t0, p0, metadata=meta0)
     save_file(t1, p1, metadata=meta1)
     problems = verify(out, qwen_ckpt.path).problems
-    assert len(problems) == 2 and all("geometry digest" in p for p in problems), problems
+    assert len(problems) == 2 and all("B or Q differ" in p for p in problems), problems
     assert {v0, v1} == {n for n in (v0, v1) for p in problems if f"'{n}'" in p}
     plate_inspect.scan(qwen_ckpt.path, out, r=R, overwrite=True)
     q_name = "model.layers.0.mlp.up_proj"
@@ -473,7 +473,38 @@ def test_verify_catches_swapped_or_bit_flipped_geometry(tmp_path, qwen_ckpt):
     tensors[f"{q_name}.plate_Q"].view(torch.int32)[3, 2] ^= 1  # one ulp
     save_file(tensors, part, metadata=meta)
     problems = verify(out).problems  # structure only, no model needed
-    assert len(problems) == 1 and q_name in problems[0] and "geometry digest" in problems[0]
+    assert len(problems) == 1 and q_name in problems[0] and "B or Q differ" in problems[0]
+
+
+@pytest.mark.parametrize("kind", ["redundancy", "spectrum", "plate_Q"])
+def test_damaged_part_tensors_are_flagged_and_a_rescan_repairs_them(tmp_path, qwen_ckpt, kind):
+    """QA: a sign flipped in a stored redundancy score (or a spectrum bit) passed verify, and a rescan kept the
+    damage ("recomputed 0"). Every stored tensor is now under a digest: verify names the module, a plain rescan
+    recomputes exactly that module and the bundle is byte-identical to a fresh scan."""
+    fresh = plate_inspect.scan(qwen_ckpt.path, tmp_path / "fresh", r=R)
+    out = tmp_path / "b"
+    shutil.copytree(fresh.path, out)
+    name = "model.layers.1.self_attn.o_proj"
+    part = out / fresh.record(name).file
+    tensors, meta = load_file(part), _part_metadata(part)
+    if kind == "redundancy":
+        tensors[f"{name}.redundancy"][5] *= -1
+    else:
+        tensors[f"{name}.{kind}"].view(torch.int32 if tensors[f"{name}.{kind}"].element_size() == 4 else torch.int64)[
+            3
+        ] ^= 1
+    save_file(tensors, part, metadata=meta)
+    problems = verify(out).problems
+    assert len(problems) == 1 and name in problems[0] and "digest mismatch" in problems[0], problems
+    again = plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    stats = again.stats()
+    assert (stats["modules_damaged"], stats["modules_scanned"], stats["modules_resumed"]) == (1, 1, 13)
+    from plate_inspect.cli.scan import reuse_line
+
+    assert reuse_line(stats).startswith("1 module damaged in the part files")
+    assert verify(out, qwen_ckpt.path).ok
+    for p in sorted(fresh.path.glob("*.safetensors")):
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
 
 
 def _part_metadata(path) -> dict[str, str]:
