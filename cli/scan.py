@@ -43,6 +43,13 @@ def print_summary(bundle: Bundle) -> None:
     s = m.settings
     src = m.source.get("id", "?") + (f"@{m.source['revision']}" if m.source.get("revision") else "")
     console.print(f"[bold]{bundle.path}[/]  ({'complete' if m.complete else 'INCOMPLETE'})")
+    missing = sorted({rec.file for rec in bundle} - {p.name for p in bundle.path.glob("*.safetensors")})
+    if missing:
+        console.print(
+            f"[red]missing[/]: {counted(len(missing), 'part file')} the manifest lists ({', '.join(missing[:3])}"
+            + (", ..." if len(missing) > 3 else "")
+            + "); rerun the scan to restore them (plate-inspect verify lists the modules)"
+        )
     console.print(f"source: {src}   model_type: {m.model_type}   modules: {len(m.modules)}")
     console.print(
         f"r={s.r} tau={s.tau} max_rank={s.max_rank} seed={s.seed} anchors={s.anchors} "

@@ -11,6 +11,7 @@ import torch
 
 from plate_inspect.bundle import Bundle, ModuleRecord, damaged
 from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.errors import BundleError
 from plate_inspect.geometry import exactness_allowance
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import EXPERT_LAYOUTS, TargetModule, load_target, modules_by_name
@@ -110,7 +111,10 @@ def verify(
     counter.start()
     for rec in b:
         report.modules_checked += 1
-        _check_module(b, rec, ckpt, modules, orthonormality_tol, report, exact)
+        try:
+            _check_module(b, rec, ckpt, modules, orthonormality_tol, report, exact)
+        except BundleError as e:  # a missing or truncated part file: reported per module, the rest still checked
+            report.problems.append(str(e))
         counter.step(rec.name)
     return report
 

@@ -718,3 +718,30 @@ def test_verify_exact_reports_a_broken_b_instead_of_crashing(tmp_path, qwen_ckpt
     report = verify(out, qwen_ckpt.path, exact=True)
     assert any("out of range" in p for p in report.problems) and name not in report.exactness
     assert len(report.exactness) == len(b) - 1 and all(c.ok for c in report.exactness.values())
+
+
+def test_verify_lists_every_module_of_missing_or_truncated_parts(tmp_path, qwen_ckpt):
+    """QA: a missing or truncated part stopped verify at the first one (exit 2); now each affected module is a
+    problem, the intact parts are still checked, and a plain rescan restores the bundle."""
+    b = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=R)
+    by_part: dict[str, list[str]] = {}
+    for name in b.modules:
+        by_part.setdefault(b.record(name).file, []).append(name)
+    first, second = sorted(by_part)[:2]
+    (b.path / first).unlink()
+    data = (b.path / second).read_bytes()
+    (b.path / second).write_bytes(data[: len(data) // 2])
+    report = verify(b.path)
+    assert report.modules_checked == len(b.modules) and not report.ok
+    assert sorted(report.problems) == sorted(
+        p for p in report.problems if any(f"'{n}" in p for n in by_part[first] + by_part[second])
+    )
+    assert len(report.problems) == len(by_part[first]) + len(by_part[second])
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+
+    info = CliRunner().invoke(cli, ["info", str(b.path)])
+    assert info.exit_code == 0 and "missing" in info.output and first in info.output, info.output
+    plate_inspect.scan(qwen_ckpt.path, b.path, r=R)
+    assert verify(b.path, qwen_ckpt.path).ok
