@@ -213,6 +213,19 @@ def test_k_larger_than_a_target_layer_is_a_config_error():
     from plate_inspect.errors import ConfigError
 
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 5))
-    with pytest.raises(ConfigError, match=r"k=4 exceeds the input dimension d_in=3 of 1 target layers \(e.g. 2\)"):
+    with pytest.raises(ConfigError, match=r"k=4 exceeds min\(d_out, d_in\)=3 of 2 target layers \(e.g. 0\)"):
         weight_activation_alignment(model, [torch.randn(2, 4)], ks=[2, 4])
     assert len(weight_activation_alignment(model, [torch.randn(6, 4)], ks=[1, 3], n_random=1)) == 4
+
+
+def test_k_beyond_the_weights_rank_or_the_samples_is_refused():
+    """QA: a 10 x 40 weight with k = 20 ran (its top-20 right singular directions: 10 real, 10 arbitrary null
+    vectors; VE moved 0.27 -> 0.58 -> 0.74 with k), and 4 token rows for k = 8 printed "VE oracle 1.0000"."""
+    from plate_inspect.errors import AlignmentError, ConfigError
+
+    wide = nn.Sequential(nn.Linear(40, 10))
+    with pytest.raises(ConfigError, match=r"min\(d_out, d_in\)=10"):
+        weight_activation_alignment(wide, [torch.randn(64, 40)], ks=[20])
+    with pytest.raises(AlignmentError, match="only 4 activation rows for k=8"):
+        weight_activation_alignment(wide, [torch.randn(4, 40)], ks=[8])
+    assert len(weight_activation_alignment(wide, [torch.randn(64, 40)], ks=[8, 10], n_random=1)) == 2

@@ -122,9 +122,19 @@ def alignment_from_moments(
     total = float(torch.diagonal(sigma).sum())
     w_basis = top_right_singular_vectors(weight, max(ks))
     out = []
+    rank_bound = min(weight.shape)
     for k in ks:
-        if not 1 <= k <= d_in:
-            raise ConfigError(f"{module}: k={k} must lie in 1..d_in={d_in}")
+        if not 1 <= k <= rank_bound:
+            raise ConfigError(
+                f"{module}: k={k} must lie in 1..min(d_out, d_in)={rank_bound} (beyond W's rank its top-k right "
+                "singular directions are arbitrary)"
+            )
+        if 0 < n_samples < k:
+            raise AlignmentError(
+                f"{module}: only {n_samples} activation rows for k={k}: the activation covariance has rank <= "
+                f"{n_samples}, so its top-{k} subspace holds all the variance and the figures mean nothing; give "
+                "more text (--text FILE, --max-tokens) or a smaller --k"
+            )
         v_k, u_k = w_basis[:, :k], evecs[:, :k]
         ve_rand = [
             variance_explained(sigma, random_orthonormal(d_in, k, seed=seed + 7919 * i + k, dtype=torch.float64))
@@ -254,25 +264,25 @@ def weight_activation_alignment(
     records: list[AlignmentRecord] = []
     for name, m in moments.items():
         weight = linear_weight(modules[name])
-        d_in = weight.shape[1]
-        usable = [k for k in ks if k <= d_in]
+        usable = [k for k in ks if k <= min(weight.shape)]
         records.extend(alignment_from_moments(name, weight, m.sigma, usable, n_random, seed, n_samples=m.n))
     return records
 
 
 def _check_ks(ks: Sequence[int], modules: dict[str, nn.Module] | None = None) -> list[int]:
-    """Positive k values, each at most the input dimension of every target layer (when the layers are known)."""
+    """Positive k values, each at most min(d_out, d_in) of every target layer (W's rank bound; when the layers are
+    known): beyond it W's top-k right singular directions are arbitrary."""
     ks = [int(k) for k in ks]
     if not ks or any(k < 1 for k in ks):
         raise ConfigError(f"k values must be positive integers, got {ks}")
     if modules:
-        d_ins = {name: linear_weight(m).shape[1] for name, m in modules.items()}
-        smallest = min(d_ins.values())
+        sides = {name: min(linear_weight(m).shape) for name, m in modules.items()}
+        smallest = min(sides.values())
         if max(ks) > smallest:
-            narrow = [n for n, d in d_ins.items() if d < max(ks)]
+            narrow = [n for n, d in sides.items() if d < max(ks)]
             raise ConfigError(
-                f"k={max(ks)} exceeds the input dimension d_in={smallest} of {len(narrow)} target layers "
-                f"(e.g. {narrow[0]}); choose k <= {smallest} or narrow --target-modules"
+                f"k={max(ks)} exceeds min(d_out, d_in)={smallest} of {len(narrow)} target layers (e.g. {narrow[0]}): "
+                f"beyond W's rank its top-k directions are arbitrary; choose k <= {smallest} or narrow --target-modules"
             )
     return sorted(set(ks))
 
@@ -418,6 +428,6 @@ def hf_text_alignment(
     records: list[AlignmentRecord] = []
     for name, m in moments.items():
         weight = linear_weight(modules[name])
-        usable = [k for k in ks if k <= weight.shape[1]]
+        usable = [k for k in ks if k <= min(weight.shape)]
         records.extend(alignment_from_moments(name, weight, m.sigma, usable, n_random, seed, n_samples=m.n))
     return records
