@@ -28,7 +28,8 @@ def _fmt(value) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print {module: health record} as JSON.")
 def health_command(bundle, as_json):
     """Show the spectral health of every module of BUNDLE: power-law alpha (and xmin), alpha-weighted,
-    spectral norm, stable rank, entropy, Marchenko-Pastur soft rank and spikes, from W's own spectrum.
+    spectral norm, stable rank, entropy, Marchenko-Pastur soft rank and spikes, from the spectrum of the frozen
+    rows W_frozen (the one the scan computes; W's own needs another eigvalsh).
 
     \b
     Examples:

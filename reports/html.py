@@ -75,8 +75,12 @@ def page_model(rd: ReportData) -> dict[str, Any]:
         for b in range(1, len(rd.labels)):
             overlaps = {row["name"]: row["per_bundle"][b]["b_overlap"] for row in rd.table}
             base = rd.heatmaps[0]["k"]
-            hm = overlap_heatmap(base, overlaps, f"B overlap |B ∩ B'| / r: {rd.labels[b]} vs {ref}")
-            fig = F.heatmap_figure(hm, subtitle="1 = the same redundant rows chosen")
+            hm = overlap_heatmap(base, overlaps, f"B overlap |B ∩ B'| / max(r, r'): {rd.labels[b]} vs {ref}")
+            r0, rb = rd.summaries[0].config.get("r"), rd.summaries[b].config.get("r")
+            note = "1 = the same redundant rows chosen"
+            if r0 != rb and r0 and rb:  # nested choices then show min/max, not 1
+                note += f"; r differs ({rb} vs {r0}): B nested in B' shows {min(r0, rb) / max(r0, rb):.2g}"
+            fig = F.heatmap_figure(hm, subtitle=note)
             fig["data"][0].update(zmin=0, zmax=1)
             heatmaps.append({"id": f"heatmap-overlap-{b}", "figure": fig, "names": hm.names})
     return {

@@ -119,6 +119,21 @@ def test_quick_outputs_table_and_self_contained_html(quick_run):
     assert len(lines) == len(QUICK_METHODS)
 
 
+def test_frontier_error_bars_only_where_there_is_an_interval(quick_run):
+    """One seed: no interval, so no (zero-width) error bars; two seeds: the 95% half-widths as bars."""
+    from plate_inspect.experiments.continual import records_from_dir, summarize
+    from plate_inspect.experiments.continual_report import frontier_figure
+
+    out, _ = quick_run
+    rows = summarize(records_from_dir(out)[0])
+    steps = max(r["steps"] for r in rows)
+    one = frontier_figure(rows, steps, "one seed")
+    assert one.data and all(t.error_x.visible is False and t.error_y.visible is False for t in one.data)
+    two = [dict(r, seeds=2) for r in rows]
+    bars = frontier_figure(two, steps, "two seeds")
+    assert bars.data and all(t.error_x.visible and t.error_y.visible for t in bars.data)
+
+
 def test_report_only_rebuilds_from_runs_jsonl(quick_run):
     out, _ = quick_run
     (out / "results.json").unlink()

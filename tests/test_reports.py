@@ -264,6 +264,21 @@ def test_heatmap_difference_and_overlap(small_bundle, small_bundle_b):
     assert ids == [f"heatmap-{m}-{b}" for m in D.HEATMAP_METRICS for b in (0, 1)] + ["heatmap-overlap-1"]
 
 
+def test_overlap_map_of_bundles_with_different_r_says_what_nested_rows_show(small_bundle, tmp_path):
+    """QA: r = 32 vs 64 with B nested showed 0.5 under a title promising 1 for the same rows; the title now states
+    the normalisation, max(r, r'), and the subtitle what nested choices show."""
+    other = tmp_path / "r4"
+    write_fake_bundle(other, 3, SMALL_TYPES, r=4, tau=0.9, max_rank=32, seed=2, extra={"lm_head": (24, 40)})
+    rd = report_data([small_bundle, Bundle.load(other)])
+    ta, tb = raw_tensors(small_bundle), raw_tensors(Bundle.load(other))
+    for row in rd.table:
+        ba, bb = set(ta[f"{row['name']}.plate_B_idx"].tolist()), set(tb[f"{row['name']}.plate_B_idx"].tolist())
+        assert row["per_bundle"][1]["b_overlap"] == pytest.approx(len(ba & bb) / 8)
+    overlap = next(h for h in page_model(rd)["heatmaps"] if h["id"] == "heatmap-overlap-1")
+    text = json.dumps(overlap["figure"])
+    assert "max(r, r')" in text and "r differs (4 vs 8)" in text and "shows 0.5" in text
+
+
 # --------------------------------------------------------------------------- k(tau)
 def test_k_tau_curves_match_manifest(small_bundle):
     man = manifest_json(small_bundle)

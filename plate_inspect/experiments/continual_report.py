@@ -37,6 +37,11 @@ def _pm(row: dict[str, Any], key: str, fmt: str) -> str:
     return f"{row[key]:{fmt}} ± {half}"
 
 
+def _error_bars(sel: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Plotly error bars of the 95% half-widths; hidden where a point has one seed (no interval, not a 0-width bar)."""
+    return {"type": "data", "array": [r[key + "_ci"] for r in sel], "visible": all(r["seeds"] >= 2 for r in sel)}
+
+
 def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rank = {m: i for i, m in enumerate(METHODS)}
     return sorted(rows, key=lambda r: (r["data"], r["steps"], rank[r["method"]], r["trainable_params"], r["budget"]))
@@ -184,8 +189,8 @@ def frontier_figure(rows: list[dict[str, Any]], steps: int, title: str):
             go.Scatter(
                 x=[r["forgetting"] for r in sel],
                 y=[r["task2_acc"] for r in sel],
-                error_x={"type": "data", "array": [r["forgetting_ci"] for r in sel], "visible": True},
-                error_y={"type": "data", "array": [r["task2_acc_ci"] for r in sel], "visible": True},
+                error_x=_error_bars(sel, "forgetting"),
+                error_y=_error_bars(sel, "task2_acc"),
                 mode="lines+markers+text",
                 text=[r["budget"] for r in sel],
                 textposition="top center",
@@ -229,7 +234,7 @@ def sensitivity_figure(rows: list[dict[str, Any]], title: str):
             go.Scatter(
                 x=[r["steps"] for r in sel],
                 y=[r["forgetting"] for r in sel],
-                error_y={"type": "data", "array": [r["forgetting_ci"] for r in sel], "visible": True},
+                error_y=_error_bars(sel, "forgetting"),
                 mode="lines+markers",
                 name=f"{method} {budget}",
                 marker={"color": COLORS[method]},
