@@ -265,7 +265,9 @@ def test_align_k_larger_than_the_embedded_minilm_layers(tmp_path):
     """The embedded MiniLM's attention layers have d_in = 384: k = 512 is a settings error, before any forward pass."""
     text = tmp_path / "t.txt"
     text.write_text("A few words of English text. " * 20, encoding="utf-8")
-    assert_user_error(["align", "--k", "8,512", "--text", text, "--quiet"], "k=512", "min(d_out, d_in)=384", "choose k <= 384")
+    assert_user_error(
+        ["align", "--k", "8,512", "--text", text, "--quiet"], "k=512", "min(d_out, d_in)=384", "choose k <= 384"
+    )
 
 
 @pytest.mark.parametrize(
