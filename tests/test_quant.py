@@ -297,19 +297,41 @@ def test_logical_weights_hide_companions_and_keep_dense_fingerprints(tmp_path):
     assert fp == "sha256:" + hashlib.sha256(stored_bytes(dense).tobytes()).hexdigest()
 
 
-def test_scan_of_fp8_checkpoint_equals_scan_of_its_oracle_dequantization(tmp_path):
-    """B, k and Q from FP8 block-scaled storage equal those from a dense F32 copy of the oracle-decoded weights."""
+def _qwen_projections(root) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """A 1-layer Qwen2-shaped checkpoint's 7 projection weights, its other tensors, and its config."""
     from safetensors.torch import load_file
 
-    from plate_inspect.scanner import scan
     from plate_inspect.testing.synthetic import write_llama_like
-    from plate_inspect.verification import verify
 
-    src = write_llama_like(tmp_path / "src", layers=1)
+    src = write_llama_like(root / "src", layers=1)
     stored = {}
     for f in sorted(src.path.glob("*.safetensors")):
         stored.update(load_file(str(f)))
     targets = {n: w for n, w in stored.items() if n.endswith("_proj.weight")}
+    return targets, {n: w for n, w in stored.items() if n not in targets}, src.config
+
+
+def _assert_scans_alike(root, quantized_dir, oracle: dict[str, torch.Tensor], others: dict, config: dict):
+    """B, k and Q of a scan of ``quantized_dir`` equal those of a dense F32 copy of the oracle-decoded weights."""
+    from plate_inspect.scanner import scan
+
+    dense_dir = write_safetensors(root / "dense", {**others, **oracle}, config)
+    got = scan(quantized_dir, root / "b_quantized", r=4, max_rank=40)
+    want = scan(dense_dir, root / "b_dense", r=4, max_rank=40)
+    assert len(got.manifest.modules) == len(want.manifest.modules) == len(oracle) == 7
+    for name in want.manifest.modules:
+        assert got.record(name).k == want.record(name).k
+        assert torch.equal(got.b_idx(name), want.b_idx(name))
+        assert torch.equal(got.q(name), want.q(name))
+        assert got.record(name).dtype == "F8_E4M3"
+    return got
+
+
+def test_scan_of_fp8_checkpoint_equals_scan_of_its_oracle_dequantization(tmp_path):
+    """B, k and Q from FP8 block-scaled storage equal those from a dense F32 copy of the oracle-decoded weights."""
+    from plate_inspect.verification import verify
+
+    targets, others, config = _qwen_projections(tmp_path)
     quantized = fp8_tensors({n: w.float() for n, w in targets.items()}, block=(16, 16))
     oracle = {
         n: torch.from_numpy(
@@ -319,17 +341,8 @@ def test_scan_of_fp8_checkpoint_equals_scan_of_its_oracle_dequantization(tmp_pat
         )
         for n in targets
     }
-    others = {n: w for n, w in stored.items() if n not in targets}
-    fp8_dir = write_safetensors(tmp_path / "fp8", {**others, **quantized}, fp8_config((16, 16), **src.config))
-    dense_dir = write_safetensors(tmp_path / "dense", {**others, **oracle}, src.config)
-    got = scan(fp8_dir, tmp_path / "b_fp8", r=4, max_rank=40)
-    want = scan(dense_dir, tmp_path / "b_dense", r=4, max_rank=40)
-    assert len(got.manifest.modules) == len(targets) == 7
-    for name in want.manifest.modules:
-        assert got.record(name).k == want.record(name).k
-        assert torch.equal(got.b_idx(name), want.b_idx(name))
-        assert torch.equal(got.q(name), want.q(name))
-        assert got.record(name).dtype == "F8_E4M3"
+    fp8_dir = write_safetensors(tmp_path / "fp8", {**others, **quantized}, fp8_config((16, 16), **config))
+    got = _assert_scans_alike(tmp_path, fp8_dir, oracle, others, config)
     report = verify(got, fp8_dir)
     assert report.ok and report.modules_checked == 7, report.problems
 
@@ -337,16 +350,7 @@ def test_scan_of_fp8_checkpoint_equals_scan_of_its_oracle_dequantization(tmp_pat
 def test_compressed_tensors_fp8_per_channel_scans_like_its_oracle_dequantization(tmp_path):
     """llm-compressor's FP8 "float-quantized" storage (F8_E4M3 codes, BF16 ``weight_scale`` [rows, 1]) under
     quant_method compressed-tensors: B, k and Q equal a scan of the oracle-decoded dense weights."""
-    from safetensors.torch import load_file
-
-    from plate_inspect.scanner import scan
-    from plate_inspect.testing.synthetic import write_llama_like
-
-    src = write_llama_like(tmp_path / "src", layers=1)
-    stored = {}
-    for f in sorted(src.path.glob("*.safetensors")):
-        stored.update(load_file(str(f)))
-    targets = {n: w for n, w in stored.items() if n.endswith("_proj.weight")}
+    targets, others, config = _qwen_projections(tmp_path)
     quantized, oracle = {}, {}
     for name, w in targets.items():
         scale = (w.float().abs().amax(dim=1, keepdim=True) / 448).clamp_min(1e-12).to(torch.bfloat16)
@@ -354,19 +358,11 @@ def test_compressed_tensors_fp8_per_channel_scans_like_its_oracle_dequantization
         quantized[name], quantized[name.replace(".weight", ".weight_scale")] = codes, scale
         quantized[name.replace(".weight", ".input_scale")] = torch.ones(1)
         oracle[name] = torch.from_numpy((decode_e4m3(stored_bytes(codes)) * scale.double().numpy()).astype(np.float32))
-    others = {n: w for n, w in stored.items() if n not in targets}
     quant = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
         "ignore": ["lm_head"],
     }
-    ct_dir = write_safetensors(tmp_path / "ct", {**others, **quantized}, {**src.config, "quantization_config": quant})
-    dense_dir = write_safetensors(tmp_path / "dense", {**others, **oracle}, src.config)
-    got = scan(ct_dir, tmp_path / "b_ct", r=4, max_rank=40)
-    want = scan(dense_dir, tmp_path / "b_dense", r=4, max_rank=40)
-    assert len(got.manifest.modules) == len(want.manifest.modules) == 7
-    for name in want.manifest.modules:
-        assert got.record(name).k == want.record(name).k
-        assert torch.equal(got.b_idx(name), want.b_idx(name))
-        assert torch.equal(got.q(name), want.q(name))
+    ct_dir = write_safetensors(tmp_path / "ct", {**others, **quantized}, {**config, "quantization_config": quant})
+    _assert_scans_alike(tmp_path, ct_dir, oracle, others, config)
