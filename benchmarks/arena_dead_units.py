@@ -5,9 +5,11 @@ and their Random-B / Least-redundant-B variants (same Q). A unit (output row of 
 output is 0 on every task-1 training input. Printed: the fraction of dead units in each B. Intervention: with
 PLATE's Q fixed, train the adapter + head 2 for 2,400 steps on task 2 with B = PLATE's rows, B = r random rows,
 B = r random *live* rows and B = r random *dead* rows (when there are r), and measure the task-1 KL and task-2 accuracy.
-Also printed: the fraction of each B's dead rows that are live on task-2 training inputs (a unit dead on task 1
-but live on task 2 can be updated without touching task-1 outputs and still serve task 2).
+Also printed: of each B's rows dead on task 1, the fraction live on task-2 training inputs, pooled over fc1-fc3 and
+the seeds (rows, not a mean of per-module fractions; a module or seed whose B has no dead row adds nothing to it).
+A unit dead on task 1 but live on task 2 can be updated without touching task-1 outputs and still serve task 2.
 Usage: .venv/bin/python benchmarks/arena_dead_units.py [--seeds 3] [--steps 2400] [--data digits|fashion-mnist]
+(``--steps 1`` gives the dead-row fractions alone, without the long stage 2: they do not depend on it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ def live_units(model: digits.DigitsMLP, x: torch.Tensor) -> dict[str, torch.Tens
     return out
 
 
+def dead_and_revived(
+    live1: dict[str, torch.Tensor], live2: dict[str, torch.Tensor], b_rows: dict[str, torch.Tensor]
+) -> tuple[int, int]:
+    """(rows of B dead on task 1, of those the rows live on task 2), summed over the modules of ``b_rows``."""
+    dead = sum(int((~live1[m][b]).sum()) for m, b in b_rows.items())
+    revived = sum(int((live2[m][b] & ~live1[m][b]).sum()) for m, b in b_rows.items())
+    return dead, revived
+
+
 def train_with_b(ckpt: Path, bundle: Bundle, b_rows: dict[str, torch.Tensor], task2, steps: int, seed: int):
     model = digits.load_model(ckpt)
     for p in model.parameters():
@@ -53,9 +64,9 @@ def train_with_b(ckpt: Path, bundle: Bundle, b_rows: dict[str, torch.Tensor], ta
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=2400)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=_positive, default=3, help="seeds 0..K-1 (stage 1: 2,400 steps each; default 3)")
+    ap.add_argument("--steps", type=_positive, default=2400, help="stage-2 steps of the intervention (default 2400)")
     ap.add_argument("--data", choices=("digits", "fashion-mnist"), default="digits")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -89,13 +100,10 @@ def main() -> None:
                 for variant in ("random_b", "least_redundant_b"):
                     vb = Bundle.load(s1.bundle(r, tau, variant))
                     dead_frac = statistics.fmean(float((~live[m][vb.b_idx(m)]).float().mean()) for m in BACKBONE)
-                    # of B's rows dead on task 1, the fraction live on task 2 (1.0 when none is dead: nothing to ask)
-                    revived = statistics.fmean(
-                        float(live2[m][b][~live[m][b]].float().mean()) if bool((~live[m][b]).any()) else 1.0
-                        for m in BACKBONE
-                        for b in [vb.b_idx(m)]
+                    dead, revived = dead_and_revived(live, live2, {m: vb.b_idx(m) for m in BACKBONE})
+                    rows.setdefault((r, tau, f"{variant} (variant bundle)", "dead"), []).append(
+                        (dead_frac, dead, revived)
                     )
-                    rows.setdefault((r, tau, f"{variant} (variant bundle)", "dead"), []).append((dead_frac, revived, 0))
                 for name, b_rows in choices.items():
                     if b_rows is None:
                         continue
@@ -111,13 +119,21 @@ def main() -> None:
     print("\n| r, tau | B | seeds | dead fraction of B | sym. KL | task-2 acc |\n|---|---|---|---|---|---|")
     for (r, tau, name, kind), vals in rows.items():
         dead = statistics.fmean(v[0] for v in vals)
-        if kind == "dead":
-            revived = statistics.fmean(v[1] for v in vals)
-            print(f"| {r}, {tau} | {name} | {len(vals)} | {dead:.3f} (live on task 2: {revived:.2f}) | | |")
+        if kind == "dead":  # rows dead on task 1 and, of those, live on task 2: pooled over modules and seeds
+            n_dead, n_revived = sum(v[1] for v in vals), sum(v[2] for v in vals)
+            share = f"{n_revived / n_dead:.2f} = {n_revived}/{n_dead} rows" if n_dead else "n/a: no dead row"
+            print(f"| {r}, {tau} | {name} | {len(vals)} | {dead:.3f} (live on task 2: {share}) | | |")
         else:
             kl = statistics.fmean(v[1] for v in vals)
             acc = statistics.fmean(v[2] for v in vals)
             print(f"| {r}, {tau} | {name} | {len(vals)} | {dead:.3f} | {kl:.4f} | {100 * acc:.2f} |")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ def shares(q_h: np.ndarray, q_gn: np.ndarray) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--probes", type=int, default=30)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--probes", type=_positive, default=30, help="random unit probes per family (default 30)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     _, task2 = digits.load_digit_tasks()
@@ -67,6 +67,13 @@ def main() -> None:
                     a, b, c = shares(q_h, q_gn)
                     row = f"{epochs} epochs, {label} | {fam.name} | {a:.3f} | {b:.3f} | {c:.3f} | {loss:.2e}"
                     print(row, flush=True)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 
 from plate_inspect.cli.common import console, err_console, progress_bar, split_names
-from plate_inspect.errors import ConfigError
+from plate_inspect.errors import ConfigError, cli_text
 
 
 def _int_list(value: str, what: str) -> list[int]:
@@ -60,7 +60,13 @@ def _family(name: str, model, bundle, lora_rank: int, seed: int):
 )
 @click.option("--k", "ks", default="8,32", show_default=True, help="Comma-separated subspace dimensions k.")
 @click.option("--max-tokens", type=int, default=20000, show_default=True, help="Use at most this many text tokens.")
-@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per forward window.")
+@click.option(
+    "--seq-len",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Tokens per forward window (at most the model's max_position_embeddings; a note says when capped).",
+)
 @click.option("--target-modules", default=None, help="Comma-separated module names or regexes [default: family's].")
 @click.option("--random-draws", type=int, default=8, show_default=True, help="Random k-frames averaged per k.")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -117,6 +123,7 @@ def align_command(
             n_random=random_draws,
             seed=seed,
             progress=progress,
+            notes=lambda text: err_console.print(f"note: {cli_text(text)}", soft_wrap=True, markup=False),
         )
     if as_json:
         click.echo(json.dumps([r.to_json() for r in records], indent=2))
@@ -199,9 +206,10 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
         batches,
         digits_stage1,
     )
+    from plate_inspect.geometry import validate_settings
 
     rho_values = _float_list(rhos, "--rho")
-    wanted = [f.strip() for f in families.split(",") if f.strip()]
+    wanted = list(dict.fromkeys(f.strip() for f in families.split(",") if f.strip()))  # each family once
     known = ("full_backbone", "lora", *PLATE_VARIANTS)
     unknown = [f for f in wanted if f not in known]
     if unknown or not wanted:
@@ -211,6 +219,7 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value}")
     _check_digits_ranks(r, lora_rank)
+    validate_settings(r=r, tau=tau, max_rank=max_rank)  # before the minute of stage-1 training
 
     tmp = None
     if out is None:

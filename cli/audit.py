@@ -22,8 +22,10 @@ from plate_inspect.targets import check_target_patterns, parse_layers
 @click.option("--anchors", type=int, default=256, show_default=True, help="Anchor rows for B (as scan).")
 @click.option("--sketch-dim", type=int, default=None, help="B from the paper's sketched scores (as scan).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed (as scan; used with --sketch-dim).")
-@click.option("--target-modules", default=None, help="Modules of a full checkpoint to audit (as scan).")
-@click.option("--layers", default=None, help="Layer indices, e.g. '0-3,7' (as scan).")
+@click.option(
+    "--target-modules", default=None, help="Modules to audit (as scan); narrows a bundle's or adapter's modules too."
+)
+@click.option("--layers", default=None, help="Layer indices, e.g. '0-3,7' (as scan); narrows any audit too.")
 @click.option("--precision", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--revision", default=None, help="Hub revision of BASE/TUNED.")
 @click.option("--offline", is_flag=True, help="Never contact the hub.")
@@ -49,10 +51,15 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
       plate-inspect audit ./base ./finetuned
       plate-inspect audit Qwen/Qwen2.5-7B ./lora-adapter --bundle bundles/qwen7b --json
       plate-inspect audit ./base adapter.safetensors --report audit.html
+      plate-inspect audit ./base ./finetuned --bundle bundles/base --layers 0-3 --target-modules q_proj,v_proj
     """
     from plate_inspect.auditing import TABLE_COLUMNS, audit, rank_by_risk, summarize, table_cells
 
     check_target_patterns(split_names(target_modules))
+    if report is not None:  # before the audit, which takes minutes on a large model
+        from plate_inspect.reports.audit import check_audit_report_path
+
+        check_audit_report_path(report)
     with progress_bar("audit", quiet=quiet or as_json, transient=True) as progress:
         records = audit(  # settings: --tau, --r, --anchors, --sketch-dim, --seed, --precision, --revision by name
             base,
@@ -87,7 +94,8 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
     console.print(
         f"model: {s.touched}/{s.modules} modules changed; protected share {s.protected_input_share:.4f}, "
         f"frozen-row share {s.frozen_row_share:.4f} (energy-weighted); ||dW||/||W|| {s.relative_delta:.3e}; "
-        f"risk sqrt(sum ||dW P||^2 / sum ||W||^2) = {s.risk:.3e}"
+        f"risk sqrt(sum ||dW P||^2 / sum ||W||^2) = {s.risk:.3e}",
+        soft_wrap=True,  # one line, as scripts grep it, whatever the terminal width
     )
     if report is not None:
         console.print(f"report: {report}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -21,6 +22,12 @@ def experiment_group() -> None:
     """
 
 
+def _given(name: str) -> bool:
+    """Whether the user set option ``name`` (on the command line or through its environment variable)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP)
+
+
 def _int_list(text: str, what: str) -> tuple[int, ...]:
     from plate_inspect.errors import ConfigError
 
@@ -36,11 +43,15 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 @experiment_group.command("continual")
 @click.option("--out", "-o", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
-@click.option("--methods", default=None, help="Comma-separated methods [all]; see below.")
+@click.option("--methods", default=None, help="Comma-separated methods (listed above) [all].")
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True, help="Seeds 0..K-1.")
 @click.option("--steps", default="2400", show_default=True, help="Stage-2 Adam steps; a list runs each.")
 @click.option("--stage1-steps", type=click.IntRange(min=1), default=2400, show_default=True)
-@click.option("--quick", is_flag=True, help="1 seed, 180 + 60 steps, one budget per method (smoke run).")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Smoke run: one budget per method; 1 seed and 180 + 60 steps unless --seeds/--stage1-steps/--steps given.",
+)
 @click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
 @click.option("--report-only", is_flag=True, help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl.")
 @click.option(
@@ -62,6 +73,11 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
       plate-inspect experiment continual --out runs/digits --seeds 10
       plate-inspect experiment continual --out runs/fm --data fashion-mnist --seeds 3 --methods full_ft,lora,osf,plate
       plate-inspect experiment continual --out runs/steps --steps 60,300,1200,2400 --methods full_ft,lora,plate
+      plate-inspect experiment continual --out /tmp/cq --quick --seeds 3     # smoke run with error bars
+      plate-inspect experiment continual --out runs/digits --report-only     # tables/HTML of what finished
+
+    A rerun of the same command resumes (finished runs are in OUT/runs.jsonl); other settings into the same OUT
+    are refused, naming what differs.
     """
     from plate_inspect.experiments.continual import (
         ContinualSettings,
@@ -79,11 +95,16 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
         return
     names = tuple(parse_methods(methods)) if methods else METHODS
     common = {"data": data, "methods": names, "data_root": str(data_root) if data_root else None}
-    if quick:
-        settings = ContinualSettings.quick(**common)
-        seeds = 1
-    else:
-        settings = ContinualSettings(steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, **common)
+    settings = ContinualSettings(steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, **common)
+    if quick:  # its small defaults, where the command line did not set the option itself
+        given = {name for name in ("seeds", "steps", "stage1_steps") if _given(name)}
+        quick_settings = ContinualSettings.quick(**common)
+        settings = replace(
+            quick_settings,
+            steps=settings.steps if "steps" in given else quick_settings.steps,
+            stage1_steps=settings.stage1_steps if "stage1_steps" in given else quick_settings.stage1_steps,
+        )
+        seeds = seeds if "seeds" in given else 1
     with progress_bar("continual", quiet=quiet) as progress:
         result = run_continual(out, seeds=seeds, settings=settings, progress=progress)
     console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, mean ± 95% CI over seeds"))
@@ -111,9 +132,13 @@ def sequential_command(out, data, methods, seeds, steps, data_root, quiet):
     merge_and_unload. After every merge each earlier task is evaluated with its own head. Writes
     OUT/sequential.json and prints the accuracy matrix (mean over seeds).
 
+    A rerun of the same command resumes (each finished seed and method is kept in OUT/seed<N>/<method>/); other
+    settings into the same OUT are refused, naming what differs.
+
     \b
     Examples:
       plate-inspect experiment sequential --out runs/seq --seeds 3
+      plate-inspect experiment sequential --out runs/seq-fm --data fashion-mnist --seeds 3 --methods plate,lora
     """
     from plate_inspect.experiments.methods import parse_methods
     from plate_inspect.experiments.sequential_tasks import SEQUENTIAL_METHODS, print_matrix, run_sequential

@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 INTERRUPT_NOTES: dict[str, str] = {
     "scan": "finished modules are saved; rerun the same command to resume",
     "experiment continual": "finished runs are saved (OUT/runs.jsonl); rerun the same command to resume",
-    "experiment sequential": "finished runs are in OUT/sequential.json; a rerun starts over",
+    "experiment sequential": "finished runs are saved (OUT/seedN/<method>/); rerun the same command to resume",
 }
 
 

@@ -10,7 +10,7 @@ import click
 from rich import box
 from rich.table import Table
 
-from plate_inspect.cli.common import console
+from plate_inspect.cli.common import console, err_console
 
 
 @click.command("plan")
@@ -23,8 +23,14 @@ from plate_inspect.cli.common import console
     show_default=True,
     help="minimax: smallest worst-module captured energy; mean: smallest mean captured energy.",
 )
-@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("plan.json"), show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the plan JSON instead of the summary.")
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the plan here [default: plan.json; with --json only when -o is given].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan JSON on stdout instead of the summary.")
 def plan_command(bundle, budget, objective, out, as_json):
     """Choose k per module (at the bundle's r) for a trainable-parameter BUDGET and write the plan JSON.
 
@@ -36,15 +42,20 @@ def plan_command(bundle, budget, objective, out, as_json):
     Examples:
       plate-inspect plan bundles/qwen7b --budget 1% -o plan.json
       plate-inspect plan bundles/qwen7b --budget lora:16 --objective mean
-      plate-inspect plan bundles/qwen7b --budget 2e6 --json
+      plate-inspect plan bundles/qwen7b --budget 2e6 --json | jq .summary    # writes no file
     """
     from plate_inspect.plan import plan_budget, write_plan
 
     plan = plan_budget(bundle, budget, objective)
-    write_plan(plan, out)
+    if out is None and not as_json:
+        out = Path("plan.json")
+    if out is not None:
+        write_plan(plan, out)
     data = plan.to_json()
-    if as_json:
+    if as_json:  # stdout is the plan alone; a file only where -o asked for one (it may overwrite a plan there)
         click.echo(json.dumps(data, indent=2))
+        if out is not None:
+            err_console.print(f"plan: {out}")
         return
     groups: dict[str, list[dict]] = defaultdict(list)
     from plate_inspect.bundle import Bundle

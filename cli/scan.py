@@ -6,9 +6,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
-from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings
+from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings, unfinished_note, unfinished_state
 from plate_inspect.cli.common import console, err_console, human_bytes, progress_bar, split_names
 from plate_inspect.distributed import rank_from_env
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
@@ -42,7 +43,9 @@ def print_summary(bundle: Bundle) -> None:
     m = bundle.manifest
     s = m.settings
     src = m.source.get("id", "?") + (f"@{m.source['revision']}" if m.source.get("revision") else "")
-    console.print(f"[bold]{bundle.path}[/]  ({'complete' if m.complete else 'INCOMPLETE'})")
+    console.print(f"[bold]{bundle.path}[/]  ({'complete' if m.complete else 'UNFINISHED: ' + unfinished_state(m)})")
+    if not m.complete:
+        console.print(f"[red]{escape(unfinished_note(m))}[/]")
     missing = sorted({rec.file for rec in bundle} - {p.name for p in bundle.path.glob("*.safetensors")})
     if missing:
         console.print(
@@ -93,23 +96,46 @@ def print_summary(bundle: Bundle) -> None:
 
 
 def reuse_line(stats: dict) -> str:
-    """'computed 14 of 14 modules' or '1 of 14 modules changed: recomputed 1, kept 13' from a scan's statistics."""
+    """'computed 14 of 14 modules' or '1 of 14 modules changed: recomputed 1, kept 13' from a scan's statistics.
+
+    A run that finished an interrupted one says so, and counts the changed modules since the bundle was made, those
+    the interrupted run already recomputed included (``modules_changed_earlier``), not only this run's."""
     total = stats.get("modules_total", stats.get("modules_scanned", 0) + stats.get("modules_resumed", 0))
     computed, kept, changed = (
         stats.get("modules_scanned", 0),
         stats.get("modules_resumed", 0),
         stats.get("modules_changed", 0),
     )
-    damaged = stats.get("modules_damaged", 0)
+    damaged, earlier, resumed = (
+        stats.get("modules_damaged", 0),
+        stats.get("modules_changed_earlier", 0),
+        stats.get("resumed"),  # None: statistics of a version that did not record it
+    )
     if damaged:
         return (
             f"{counted(damaged, 'module')} damaged in the part files (digest mismatch): recomputed {computed}, "
             f"kept {kept} of {total}"
         )
+    if resumed and changed and "modules_changed_earlier" in stats:  # the finished bundle's weights are known
+        return (
+            f"resumed an interrupted rescan: {changed} of {total} modules changed since the bundle was made; "
+            f"recomputed {earlier} in the interrupted run and {computed} in this one, kept {kept - earlier} unchanged"
+        )
+    if resumed and changed:  # no finished bundle before the interrupted run (or it did not record one)
+        return (
+            f"resumed an interrupted scan: kept {kept} finished modules, computed {computed} (of {total}), "
+            f"{changed} of them because their weights changed since the interrupted run wrote them"
+        )
+    if resumed and not computed:
+        return f"finished an interrupted scan: all {total} modules were already written (kept {kept}, computed 0)"
+    if resumed:
+        return f"resumed an interrupted scan: kept {kept} finished modules, computed {computed} (of {total})"
     if not kept:
         return f"computed {computed} of {total} modules"
     if changed or not computed:
         return f"{changed} of {total} modules changed since the bundle was made: recomputed {computed}, kept {kept}"
+    if resumed is False:  # a finished bundle, nothing changed, yet modules computed: their part files were missing
+        return f"kept {kept} modules, recomputed {computed} whose part files were missing or unreadable (of {total})"
     return f"resumed: kept {kept} finished modules, computed {computed} (of {total})"
 
 

@@ -26,7 +26,8 @@ from plate_inspect.formatting import counted
     "an existing bundle there is replaced only with --overwrite.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace existing files in --out / --rescan.")
-def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet):
     """Write CHECKPOINT with ADAPTER merged in: W[B] += rho A Q^T.
 
     CHECKPOINT is the safetensors checkpoint (directory or file) the adapter was trained on; ADAPTER is a
@@ -40,12 +41,13 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
     Examples:
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 --rescan bundles/task2
+      plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 -q
     """
     from plate_inspect.train.sequential import check_rescan_out, merge_checkpoint, rescan
 
     if rescan_out is not None:
         check_rescan_out(rescan_out, overwrite)
-    with progress_bar("merge") as progress:
+    with progress_bar("merge", quiet=quiet) as progress:
         result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite, progress=progress)
     console.print(
         f"merged {counted(len(result.merged_modules), 'module')} into {counted(len(result.files), 'file')} "
@@ -55,5 +57,6 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite):
         from plate_inspect.train.layer import read_adapter
 
         _, meta = read_adapter(adapter)
-        new = rescan(result.out, bundle or meta["bundle_path"], rescan_out, overwrite=overwrite)
+        with progress_bar("rescan", quiet=quiet) as progress:
+            new = rescan(result.out, bundle or meta["bundle_path"], rescan_out, overwrite=overwrite, progress=progress)
         err_console.print(f"rescanned: {counted(len(new), 'module')} -> {new.path}")

@@ -31,7 +31,7 @@ from typing import Any, Union
 import torch
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.checkpoint import Checkpoint, TensorInfo, parse_safetensors_header
+from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import (
     check_sketch_dim,
@@ -45,7 +45,15 @@ from plate_inspect.geometry import (
     validate_settings,
 )
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
-from plate_inspect.targets import CONV1D_FAMILIES, TargetModule, layer_of, load_target, module_type_of, select_targets
+from plate_inspect.targets import (
+    CONV1D_FAMILIES,
+    TargetModule,
+    _matches,
+    check_target_patterns,
+    load_target,
+    modules_by_name,
+    select_targets,
+)
 
 #: Keys of one ``--json`` record, in order.
 AUDIT_KEYS = ("module", "protected_input_share", "frozen_row_share", "delta_norm", "relative_delta")
@@ -313,23 +321,55 @@ class CheckpointUpdate(UpdateSource):
 
     def __post_init__(self) -> None:
         self.description = f"fine-tuned checkpoint {self.tuned.root}"
+        self._modules: dict[str, TargetModule] | None = None
+
+    @property
+    def modules(self) -> dict[str, TargetModule]:
+        """The tuned checkpoint's modules by name (its own storage: 3-D expert slices, FP8/MXFP4 included)."""
+        if self._modules is None:
+            self._modules = modules_by_name(self.tuned)
+        return self._modules
+
+    def check_targets(self, targets: list[TargetModule], base: Checkpoint) -> None:
+        """Before any weight is read: every audited module of BASE is in TUNED with the same [d_out, d_in]."""
+        missing = [t for t in targets if t.name not in self.modules]
+        if missing and len(missing) == len(targets):
+            kinds = _model_types(base, self.tuned)
+            raise CheckpointError(
+                f"{self.tuned.root}: the fine-tuned checkpoint has none of the {len(targets)} modules audited in "
+                f"the base {base.root} (e.g. '{missing[0].name}'){kinds}: it is not a fine-tune of that model; "
+                "pass as BASE the model TUNED was fine-tuned from"
+            )
+        if missing:
+            raise CheckpointError(
+                f"{self.tuned.root}: the fine-tuned checkpoint has no tensor '{missing[0].logical_name}' (the base "
+                f"has it{f'; {len(missing)} modules missing in all' if len(missing) > 1 else ''}); pass a complete "
+                "checkpoint, or narrow the audit with --target-modules/--layers"
+            )
+        for t in targets:
+            mine = self.modules[t.name]
+            if tuple(mine.shape) != tuple(t.shape):
+                raise CheckpointError(
+                    f"{mine.tensor.file.name}: module '{t.name}' is [d_out, d_in] = {list(mine.shape)} in the "
+                    f"fine-tuned checkpoint but {list(t.shape)} in the base; they are not the same architecture"
+                )
 
     def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
-        info = self.tuned.tensors.get(target.tensor.name)
-        if info is None:
+        mine = self.modules.get(target.name)
+        if mine is None:
             raise CheckpointError(
-                f"{self.tuned.root}: the fine-tuned checkpoint has no tensor '{target.tensor.name}' (the base has it)"
+                f"{self.tuned.root}: the fine-tuned checkpoint has no tensor '{target.logical_name}' (the base has it)"
             )
-        if tuple(info.shape) != tuple(target.tensor.shape):
+        if tuple(mine.shape) != tuple(target.shape):
             raise CheckpointError(
-                f"{info.file.name}: tensor '{info.name}' is {list(info.shape)} in the fine-tuned checkpoint but "
-                f"{list(target.tensor.shape)} in the base; they are not the same architecture"
+                f"{mine.tensor.file.name}: module '{target.name}' is [d_out, d_in] = {list(mine.shape)} in the "
+                f"fine-tuned checkpoint but {list(target.shape)} in the base; they are not the same architecture"
             )
-        tuned_target = TargetModule(target.name, info, target.layout, target.layer, target.module_type)
-        tuned, _ = load_target(self.tuned, tuned_target)
+        tuned, _ = load_target(self.tuned, mine)
         out = tuned.to(base_weight.dtype) - base_weight
         if not bool(torch.isfinite(out).all()):
-            raise CheckpointError(f"{info.file.name}: tensor '{info.name}' contains NaN or Inf values")
+            where = f"tensor '{mine.logical_name}'" + (f" (expert {mine.expert})" if mine.expert is not None else "")
+            raise CheckpointError(f"{mine.tensor.file.name}: {where} contains NaN or Inf values")
         return out
 
 
@@ -368,6 +408,20 @@ class LoraUpdate(UpdateSource):
         ]
         found = resolve_names(list(self.pairs), available, str(self.path))
         self.mapping = {base_name: peft_name for peft_name, base_name in found.items()}
+        for base_name, peft_name in self.mapping.items():  # from the headers, before any weight is read
+            a_key, b_key = self.pairs[peft_name]
+            a_shape, b_shape = (tuple(self.adapter.tensors[k].shape) for k in (a_key, b_key))
+            want = tuple(base.tensors[f"{base_name}.weight"].shape)
+            if base.config.get("model_type") in CONV1D_FAMILIES:
+                want = want[::-1]
+            if len(a_shape) != 2 or len(b_shape) != 2 or (b_shape[0], a_shape[1]) != want:
+                trained_on = self.config.get("base_model_name_or_path")
+                raise CheckpointError(
+                    f"{self.path}: the LoRA of '{peft_name}' (lora_A {list(a_shape)}, lora_B {list(b_shape)}) does "
+                    f"not fit BASE's weight [d_out, d_in] = {list(want)}: the adapter was trained on another model"
+                    + (f" ({trained_on}, says adapter_config.json)" if trained_on else "")
+                    + "; pass the model it was trained on as BASE"
+                )
         return list(self.mapping)
 
     def scaling(self, peft_name: str, rank: int) -> float:
@@ -426,8 +480,7 @@ class PlateUpdate(UpdateSource):
             # the digest does not depend on Q's dtype; a plan trains the prefix Q[:, :k]
             if self.digests.get(name) != geometry_digest(b_idx, self.bundle.q(name)[:, :k].contiguous()):
                 raise BundleError(f"{self.path}: module '{name}' was trained with another bundle (B/Q digest differs)")
-        available = [n[: -len(".weight")] for n in base.tensors if n.endswith(".weight")]
-        found = resolve_names(list(self.a_by_name), available, str(self.path))
+        found = resolve_names(list(self.a_by_name), list(modules_by_name(base)), str(self.path))
         self.mapping = {base_name: bundle_name for bundle_name, base_name in found.items()}
         return list(self.mapping)
 
@@ -517,16 +570,127 @@ def open_update(
 
 # --------------------------------------------------------------------------- the streaming driver
 def targets_by_name(ckpt: Checkpoint, names: list[str]) -> list[TargetModule]:
-    """TargetModules for named modules of a checkpoint, in scan order (layer, then name)."""
-    layout = "conv1d" if ckpt.config.get("model_type") in CONV1D_FAMILIES else "linear"
+    """TargetModules for named modules of a checkpoint (names as a bundle records them, 3-D expert slices
+    included), in scan order (layer, then name)."""
+    modules = modules_by_name(ckpt)
     out = []
     for name in names:
-        info: TensorInfo | None = ckpt.tensors.get(f"{name}.weight")
-        if info is None or len(info.shape) != 2:
+        target = modules.get(name)
+        if target is None:
             raise CheckpointError(f"{ckpt.root}: no 2-D weight '{name}.weight' in the base checkpoint")
-        out.append(TargetModule(name, info, layout, layer_of(name), module_type_of(name)))
+        out.append(target)
     out.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, t.name))
     return out
+
+
+def _model_types(base: Checkpoint, other: Checkpoint) -> str:
+    """' (model_type a vs b)' when the two configs name different model types, else ''."""
+    a, b = (str(c.config.get("model_type") or "?") for c in (base, other))
+    return f" (model_type {b} vs {a} for the base)" if a != b else ""
+
+
+def bundle_origin(bundle: Bundle) -> str:
+    """Which model a bundle was scanned from, as a user recognises it: source (and revision), model_type, identity."""
+    m = bundle.manifest
+    src = m.source or {}
+    where = str(src.get("id") or "an unknown source")
+    if src.get("kind") == "hub" and src.get("revision"):
+        where += f"@{src['revision']}"
+    parts = [where]
+    if m.model_type:
+        parts.append(f"model_type {m.model_type}")
+    parts.append(f"{len(m.modules)} modules")
+    if m.identity:
+        parts.append(f"identity {m.identity[:19]}...")
+    return f"{parts[0]} ({', '.join(parts[1:])})"
+
+
+def check_bundle_fits_base(
+    bundle: Bundle, base_ckpt: Checkpoint, base: str | os.PathLike, adapter: str | os.PathLike | None = None
+) -> None:
+    """A bundle of another model (modules BASE lacks, or of other shapes) is refused before any weight is read,
+    naming the model the bundle was made for; ``adapter``: the bundle is that PLATE adapter's own. Same modules and
+    shapes but other weights (a fine-tune, another revision) are caught by the per-module fingerprint check while
+    streaming."""
+    modules = modules_by_name(base_ckpt)
+    absent = [n for n in bundle.modules if n not in modules]
+    reshaped = [n for n in bundle.modules if n in modules and list(modules[n].shape) != list(bundle.record(n).shape)]
+    if not absent and not reshaped:
+        return
+    if absent:
+        example = f"'{absent[0]}' is not in BASE"
+    else:
+        name = reshaped[0]
+        example = f"'{name}' is {list(bundle.record(name).shape)} there, {list(modules[name].shape)} in BASE"
+    base_type = base_ckpt.config.get("model_type")
+    if adapter is None:
+        whose, todo = (
+            "",
+            (
+                f"pass the bundle of BASE (plate-inspect scan {base} --out DIR, then --bundle DIR), audit against the "
+                "model the bundle was scanned from, or leave out --bundle (B is then chosen as the scan does)"
+            ),
+        )
+    else:
+        whose = f" (the bundle of the PLATE adapter {adapter})"
+        todo = "the adapter was trained on that model: pass it as BASE"
+    raise BundleError(
+        f"{bundle.path}{whose}: the bundle was made for another model, {bundle_origin(bundle)}, not for BASE {base}"
+        + (f" (model_type {base_type})" if base_type else "")
+        + f": {len(absent) + len(reshaped)} of its {len(bundle.modules)} modules do not fit BASE ({example}); {todo}"
+    )
+
+
+def _refuse_bundle_dir(path: str | os.PathLike, role: str) -> None:
+    """BASE or TUNED given as a PLATE init bundle directory (its part files look like safetensors checkpoints)."""
+    p = Path(path).expanduser()
+    manifest = p / "manifest.json"
+    if not (p.is_dir() and manifest.is_file()):
+        return
+    try:
+        fmt = json.loads(manifest.read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return
+    if fmt == "plate-init-bundle":
+        raise ConfigError(
+            f"{p}: is a PLATE init bundle, not a model; {role} must be a checkpoint"
+            + (" or an adapter" if role == "TUNED" else "")
+            + "; to take B from it, give it as the bundle (CLI: --bundle) and the model it was scanned from as BASE"
+        )
+
+
+def select_by_filters(
+    targets: list[TargetModule], target_modules: list[str] | None, layers: list[int] | None, what: str
+) -> list[TargetModule]:
+    """The targets of a bundle or adapter that ``target_modules`` (names, suffixes, regexes, module types, as scan
+    matches them) and ``layers`` select; a selection that keeps nothing is a ConfigError."""
+    if not target_modules and layers is None:
+        return targets
+    check_target_patterns(target_modules)
+    kept = [
+        t
+        for t in targets
+        if (layers is None or t.layer in set(layers))
+        and (
+            not target_modules
+            or any(
+                _matches(t.name, p) or _matches(t.logical_name.removesuffix(".weight"), p) or _matches(t.module_type, p)
+                for p in target_modules
+            )
+        )
+    ]
+    if not kept:
+        asked = " and ".join(
+            ([f"target modules {','.join(target_modules)}"] if target_modules else [])
+            + ([f"layers {','.join(map(str, sorted(set(layers))))}"] if layers is not None else [])
+        )
+        types = sorted({t.module_type for t in targets})
+        spans = sorted({t.layer for t in targets if t.layer is not None})
+        raise ConfigError(
+            f"the selection ({asked}) keeps none of the {len(targets)} modules of {what}; its module types: "
+            f"{', '.join(types[:20])}" + (f"; its layers: {spans[0]}-{spans[-1]}" if spans else "")
+        )
+    return kept
 
 
 def audit(
@@ -548,24 +712,34 @@ def audit(
 ) -> list[AuditRecord]:
     """Audit TUNED against BASE, one module at a time; records in scan order (see :func:`rank_by_risk`).
 
-    B comes from ``bundle`` (which must have been scanned from BASE: fingerprints are checked); without one, from
-    a PLATE adapter's own bundle; otherwise B is chosen as the scan does with ``r``, ``anchors``, ``sketch_dim``
-    and ``seed``. Modules: the adapter's, else the bundle's, else the scan's targets (``target_modules``,
-    ``layers``). ``progress`` gets one event per module (unit "modules")
+    B comes from ``bundle`` (which must have been scanned from BASE: a bundle of another model is refused by name,
+    and fingerprints are checked); without one, from a PLATE adapter's own bundle; otherwise B is chosen as the
+    scan does with ``r``, ``anchors``, ``sketch_dim`` and ``seed``. Modules: the adapter's, else the bundle's, else
+    the scan's targets; ``target_modules`` and ``layers`` narrow any of these. ``progress`` gets one event per module
+    (unit "modules").
     """
     validate_settings(r=r, tau=tau, max_rank=1, n_anchors=anchors, sketch_dim=sketch_dim)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    check_target_patterns(target_modules)
     dtype = PRECISIONS[precision]
+    _refuse_bundle_dir(base, "BASE")
+    _refuse_bundle_dir(tuned, "TUNED")
     given = bundle if isinstance(bundle, Bundle) or bundle is None else Bundle.load(bundle)
     base_ckpt = Checkpoint.open(base, revision=revision, offline=offline)
+    if given is not None:
+        check_bundle_fits_base(given, base_ckpt, base)
     source = open_update(tuned, bundle=given, revision=revision, offline=offline)
     geometry = given if given is not None else source.bundle
+    if given is None and geometry is not None:
+        check_bundle_fits_base(geometry, base_ckpt, base, adapter=tuned)
     names = source.bind(base_ckpt)
     if names is not None:
-        targets = targets_by_name(base_ckpt, names)
+        targets = select_by_filters(targets_by_name(base_ckpt, names), target_modules, layers, f"the adapter {tuned}")
     elif geometry is not None:
-        targets = targets_by_name(base_ckpt, geometry.modules)
+        targets = select_by_filters(
+            targets_by_name(base_ckpt, geometry.modules), target_modules, layers, f"the bundle {geometry.path}"
+        )
     else:
         targets, _ = select_targets(base_ckpt, target_modules, layers)
     if geometry is not None:
@@ -575,6 +749,8 @@ def audit(
                 f"{geometry.path}: has no geometry for module '{missing[0]}' that the update touches; "
                 "scan the base model with these modules (--target-modules) or audit without --bundle"
             )
+    if isinstance(source, CheckpointUpdate):
+        source.check_targets(targets, base_ckpt)
     records = []
     counter = ProgressCounter(as_callback(progress, "audit"), len(targets), "modules")
     counter.start()
@@ -589,8 +765,9 @@ def audit(
             rec = geometry.record(target.name)
             if list(rec.shape) != list(target.shape) or rec.fingerprint != fingerprint:
                 raise BundleError(
-                    f"{geometry.path}: module '{target.name}' was scanned from other weights than {base} "
-                    "(fingerprint or shape differs); pass the bundle of the base model"
+                    f"{geometry.path}: module '{target.name}' was scanned from other weights than BASE {base} "
+                    f"(weight fingerprint differs; the bundle was scanned from {bundle_origin(geometry)}); pass the "
+                    "bundle of the base model, not of a fine-tune or another revision"
                 )
             b_idx = geometry.b_idx(target.name)
         else:

@@ -53,6 +53,12 @@ PART_FILE_NAME = re.compile(r"(layer-\d{5}(-experts-\d{4})?|other)\.safetensors"
 _LATER_SETTINGS: dict[str, object] = {"include_mtp": False}
 
 
+#: Settings that only choose which modules a scan plans. Their spelling is not what counts but what they select:
+#: two values that plan the same modules of the checkpoint (``layers=[0, 1, 2]`` and all layers of a 3-layer model,
+#: ``q_proj,v_proj`` and ``v_proj,q_proj``) make the same bundle, so a rescan spelling them differently is accepted.
+SELECTION_SETTINGS = frozenset({"target_modules", "layers"})
+
+
 #: What to do about an output directory that holds another bundle, for Python and CLI users alike.
 REPLACE_HINT = "replace it with overwrite=True (CLI: --overwrite), or write elsewhere (CLI: --out)"
 
@@ -216,11 +222,15 @@ class Manifest:
     selection_note: str = ""
     variant: dict[str, Any] | None = None  # {"kind", "seed", "base_identity"} for ablation bundles
     identity: str = ""  # content_identity(), written when the bundle completes
+    #: While a rescan of a finished bundle is unfinished: that bundle's weight_key per module (as JSON lists), kept
+    #: across interruptions so the run that finishes can say how many modules changed since the bundle was made.
+    baseline: dict[str, list] | None = None
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     tool_version: str = __version__
 
     def to_json(self) -> dict[str, Any]:
+        extra = {"rescan_baseline": self.baseline} if self.baseline is not None else {}
         return {
             "format": self.format,
             "format_version": self.format_version,
@@ -235,6 +245,7 @@ class Manifest:
             "config": self.settings.to_json(),
             "planned": self.planned,
             "modules": {n: _record_json(m) for n, m in self.modules.items()},
+            **extra,
         }
 
     @classmethod
@@ -258,6 +269,7 @@ class Manifest:
                 selection_note=d.get("selection", ""),
                 variant=d.get("variant"),
                 identity=d.get("identity", ""),
+                baseline=_baseline(d.get("rescan_baseline")),
                 tool_version=d.get("tool_version", ""),
             )
         except (KeyError, TypeError) as e:
@@ -268,6 +280,29 @@ class Manifest:
         return content_identity(self.settings, self.variant, self.modules.values())
 
 
+def unfinished_state(manifest: Manifest) -> str:
+    """How far an unfinished bundle got (its ``modules``: those its part files hold): '3 of 14 modules written', or
+    'all 14 modules written, not finalised' when only the manifest's completion is missing."""
+    done, total = len(manifest.modules), len(manifest.planned)
+    if total and done == total:
+        return f"all {total} modules written, not finalised"
+    return f"{done} of {total} modules written"
+
+
+def unfinished_note(manifest: Manifest) -> str:
+    """What is wrong with an unfinished bundle and what to do, as one sentence (for errors, ``info`` and ``verify``)."""
+    done, total = len(manifest.modules), len(manifest.planned)
+    if total and done == total:
+        return (
+            f"bundle is not finalised: all {total} modules are written, but the scan stopped before it marked the "
+            "manifest complete; rerun the same scan command to finish it (the written modules are kept)"
+        )
+    return (
+        f"bundle is incomplete: {done} of {total} modules written, the scan was interrupted; rerun the same scan "
+        "command to resume it"
+    )
+
+
 def _digest(obj: Any) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
@@ -275,6 +310,27 @@ def _digest(obj: Any) -> str:
 def weight_key(rec: ModuleRecord) -> tuple[str, str, tuple[int, ...], str]:
     """What a module's result depends on besides the settings: its weight's bytes, dtype, shape and layout."""
     return (rec.fingerprint, rec.dtype, tuple(rec.shape), rec.layout)
+
+
+def weight_key_json(rec: ModuleRecord) -> list:
+    """:func:`weight_key` as the manifest's ``rescan_baseline`` stores it (JSON lists)."""
+    return [rec.fingerprint, rec.dtype, list(rec.shape), rec.layout]
+
+
+def _baseline(value: Any) -> dict[str, list] | None:
+    """A manifest's ``rescan_baseline`` (None when absent or malformed: it only informs the change count)."""
+    if isinstance(value, dict) and all(isinstance(v, list) for v in value.values()):
+        return value
+    return None
+
+
+def changed_since_baseline(manifest: Manifest) -> set[str] | None:
+    """Modules whose weights differ from those of the finished bundle an (interrupted) rescan updates; None when
+    the manifest records no such bundle (a fresh scan, or one made before the baseline was recorded)."""
+    if manifest.baseline is None:
+        return None
+    base = manifest.baseline
+    return {n for n, rec in manifest.modules.items() if n in base and base[n] != weight_key_json(rec)}
 
 
 def content_identity(settings: ScanSettings, variant: dict[str, Any] | None, records: Iterable[ModuleRecord]) -> str:
@@ -317,11 +373,7 @@ class Bundle:
         if not manifest.complete:  # the finished modules of an unfinished scan are recorded in the part headers
             manifest.modules = finished_modules(path, manifest)
         if require_complete and not manifest.complete:
-            done, total = len(manifest.modules), len(manifest.planned)
-            raise BundleError(
-                f"{path}: bundle is incomplete ({done}/{total} modules): the scan was interrupted; "
-                "rerun the same scan command to resume it"
-            )
+            raise BundleError(f"{path}: {unfinished_note(manifest)}")
         return cls(path, manifest)
 
     # ----------------------------------------------------------------- access
@@ -500,6 +552,7 @@ class BundleWriter:
         self.manifest = manifest
         self.overwrite = overwrite
         self.damaged: list[str] = []  # modules whose stored tensors no longer matched their digests (recomputed)
+        self.resumed = False  # the directory held an unfinished bundle of the same settings: this run finishes it
         self._lock: int | None = None
 
     def open(self) -> Manifest:
@@ -568,6 +621,11 @@ class BundleWriter:
                     f"{self.path}: holds something that is not a matching bundle; {REPLACE_HINT}"
                 ) from None
             self._refuse_other(old)
+            self.resumed = not old.complete
+            # a rescan remembers the finished bundle it updates, through any number of interruptions
+            self.manifest.baseline = (
+                old.baseline if not old.complete else {n: weight_key_json(r) for n, r in old.modules.items()}
+            )
         elif self.overwrite:  # only the bundle's own files (foreign ones were refused above)
             for p in list(self.path.glob("*.safetensors")) + [existing, self.path / STATS]:
                 with contextlib.suppress(FileNotFoundError):
@@ -577,27 +635,48 @@ class BundleWriter:
         return self.manifest
 
     def _refuse_other(self, old: Manifest) -> None:
-        """Refuse a directory whose bundle differs in anything but weights (weights changes are rescanned)."""
-        state = "a finished" if old.complete else "an unfinished"
+        """Refuse a directory whose bundle differs in anything but weights (weights changes are rescanned).
+
+        Settings are compared as resolved: the selection settings (:data:`SELECTION_SETTINGS`) by the modules they
+        plan, so an equivalent spelling is accepted; the scan then goes on with the bundle's own spelling of them
+        (its part files, settings digest and identity stay valid: nothing is recomputed for the spelling).
+        """
+
+        def state() -> str:  # for a refusal only: an unfinished manifest records no modules, its part files do
+            if old.complete:
+                return "a finished"
+            old.modules = finished_modules(self.path, old)
+            return f"an unfinished ({unfinished_state(old)})"
+
         if old.variant != self.manifest.variant:
             raise BundleError(
-                f"{self.path}: holds {state} bundle that is {describe_variant(old.variant)}, not "
+                f"{self.path}: holds {state()} bundle that is {describe_variant(old.variant)}, not "
                 f"{describe_variant(self.manifest.variant)}; {REPLACE_HINT}"
             )
-        if old.settings != self.manifest.settings:
+        same_plan = old.planned == self.manifest.planned
+        differ = [
+            f.name
+            for f in fields(ScanSettings)
+            if getattr(old.settings, f.name) != getattr(self.manifest.settings, f.name)
+            and (f.name not in SELECTION_SETTINGS or not same_plan)
+        ]
+        if differ:
             changed = [
-                f"{f.name} {getattr(old.settings, f.name)!r} there, {getattr(self.manifest.settings, f.name)!r} here"
-                for f in fields(ScanSettings)
-                if getattr(old.settings, f.name) != getattr(self.manifest.settings, f.name)
+                f"{n} {getattr(old.settings, n)!r} there, {getattr(self.manifest.settings, n)!r} here" for n in differ
             ]
+            if not same_plan:
+                changed.append(f"{len(old.planned)} modules there, {len(self.manifest.planned)} here")
             raise BundleError(
-                f"{self.path}: holds {state} bundle made with other settings ({'; '.join(changed)}); {REPLACE_HINT}"
+                f"{self.path}: holds {state()} bundle made with other settings ({'; '.join(changed)}); {REPLACE_HINT}"
             )
-        if old.planned != self.manifest.planned:
+        if not same_plan:
             raise BundleError(
-                f"{self.path}: holds {state} bundle of other target modules ({len(old.planned)} there, "
+                f"{self.path}: holds {state()} bundle of other target modules ({len(old.planned)} there, "
                 f"{len(self.manifest.planned)} here); {REPLACE_HINT}"
             )
+        if old.settings != self.manifest.settings:  # an equivalent spelling of the selection: keep the bundle's
+            self.manifest.settings = old.settings
+            self.manifest.selection_note = old.selection_note
 
     def reusable(self, part: str) -> dict[str, ModuleRecord]:
         """Records of an existing part file that were made with this bundle's settings and variant, and whose
@@ -626,6 +705,7 @@ class BundleWriter:
         self.manifest.modules = {n: self.manifest.modules[n] for n in self.manifest.planned}
         self.manifest.identity = self.manifest.content_identity()
         self.manifest.complete = True
+        self.manifest.baseline = None  # a finished bundle is its own baseline
         try:
             self._write_manifest()
             if stats is not None:

@@ -190,6 +190,7 @@ class Plan:
 def plan_budget(bundle: Bundle | str | os.PathLike, budget: str | int, objective: str = "minimax") -> Plan:
     """Choose k per module for ``budget`` (a spec string or a parameter count) from the bundle's spectra."""
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
+    refuse_ablation_bundle(b)
     records = list(b)
     parsed = parse_budget(str(budget), records)
     curves = [captured_energy_curve(b.spectrum(rec.name), rec.d_in) for rec in records]
@@ -209,6 +210,20 @@ def plan_budget(bundle: Bundle | str | os.PathLike, budget: str | int, objective
         }
     identity = b.manifest.identity or b.manifest.source_signature  # content identity; layout-only for old bundles
     return Plan(identity, str(Path(b.path).resolve()), objective, parsed, modules)
+
+
+def refuse_ablation_bundle(b: Bundle) -> None:
+    """An ablation bundle (Random-B, Random-Q, ...) keeps its source's spectrum, but its Q is not the bottom
+    eigenspace of its own W_frozen (another B, or another Q): c(k) from the spectrum would not be what Q[:, :k]
+    captures (0.005 planned vs 0.06-0.996 measured on a test model), so it is not planned."""
+    variant = b.manifest.variant
+    if variant:
+        kind = variant.get("kind", "an ablation") if isinstance(variant, dict) else str(variant)
+        raise ConfigError(
+            f"{b.path}: is a {kind} ablation bundle; its Q is not the bottom eigenspace of its frozen rows, so the "
+            "stored spectrum does not give what Q[:, :k] captures and no k can be planned from it; plan the PLATE "
+            "bundle it was made from (plate-inspect plan <that bundle>)"
+        )
 
 
 def write_plan(plan: Plan, path: str | os.PathLike) -> Path:

@@ -36,6 +36,7 @@ from plate_inspect.bundle import (
     Manifest,
     ModuleRecord,
     ScanSettings,
+    changed_since_baseline,
     geometry_digest,
     read_part_tensors,
     scores_digest,
@@ -154,10 +155,12 @@ def scan(
 
 @dataclass
 class ShareResult:
-    """What one process did: the records of its parts (kept or computed) and its run statistics."""
+    """What one process did: the records of its parts (kept or computed), its run statistics and the names of the
+    modules it computed (the others it kept)."""
 
     records: list[ModuleRecord]
     stats: dict[str, Any]
+    computed: list[str] = field(default_factory=list)
 
 
 def run_scan(
@@ -198,7 +201,11 @@ def run_scan(
     writer = BundleWriter(out, manifest, overwrite=overwrite)
     with distributed.join() as group, closing(writer):  # closing: the directory lock goes with any error
         dev = distributed.rank_device(_resolve_device(device), group.info)
-        group.on_root(writer.open)  # the directory is checked (and cleared with overwrite) before any rank writes
+        # the directory is checked (and cleared with overwrite) before any rank writes; every rank goes on with the
+        # settings it resolved to (an equivalent spelling of the bundle's own: its part files stay valid)
+        opened = group.on_root(writer.open)
+        if opened is not None:
+            writer.manifest.settings, writer.manifest.selection_note = opened.settings, opened.selection_note
         parts = parts_of(plan.targets)
         costs = [(part, sum(distributed.module_cost(*t.shape) for t in members)) for part, members in parts.items()]
         mine = distributed.assign_parts(costs, group.world_size)[group.rank]
@@ -243,6 +250,7 @@ def _scan_share(
     counter.start()
     settings = writer.manifest.settings
     tally = {"computed": 0, "reused": 0, "changed": 0}
+    computed: list[str] = []  # names of the modules this process computed
     records_out: list[ModuleRecord] = []
     state = _PartState({})
     written: Future[list[ModuleRecord]] | None = None  # the part being written while the next one computes
@@ -266,7 +274,7 @@ def _scan_share(
             if i + 1 == len(items) or items[i + 1][0] != part:
                 if written is not None:  # at most one part waits for its write; a failed write raises here
                     records_out.extend(written.result())
-                written = part_writer.submit(state.close, writer, part, parts[part], tally)
+                written = part_writer.submit(state.close, writer, part, parts[part], tally, computed)
         if written is not None:
             records_out.extend(written.result())
     stats = {
@@ -281,7 +289,7 @@ def _scan_share(
         "torch_threads": torch.get_num_threads(),
         "blas_threads": blas_threads(),
     }
-    return ShareResult(records_out, stats)
+    return ShareResult(records_out, stats, computed)
 
 
 #: Niceness of the scan's reader thread (Linux, where it is per thread); see _yield_to_compute.
@@ -354,10 +362,16 @@ class _PartState:
         self.computed.append((target, geo, fingerprint))
 
     def close(
-        self, writer: BundleWriter, part: str, members: list[TargetModule], tally: dict[str, int]
+        self,
+        writer: BundleWriter,
+        part: str,
+        members: list[TargetModule],
+        tally: dict[str, int],
+        computed: list[str] | None = None,
     ) -> list[ModuleRecord]:
         """Make the computed modules' records (health metrics included) and tensors, write the part (or leave it
-        alone when every module was kept) and return its records in plan order."""
+        alone when every module was kept) and return its records in plan order (``computed`` gets the names of the
+        modules computed, not kept)."""
         settings = writer.manifest.settings
         for target, geo, fingerprint in self.computed:
             self.by_name[target.name], tensors = module_outputs(target, geo, fingerprint, settings, part)
@@ -366,6 +380,9 @@ class _PartState:
         records = [self.by_name[t.name] for t in members]
         tally["computed"] += len(records) - len(self.kept)
         tally["reused"] += len(self.kept)
+        if computed is not None:
+            kept = set(self.kept)
+            computed.extend(t.name for t in members if t.name not in kept)
         if len(self.kept) == len(records) and set(self.old) == set(self.kept):
             writer.add_records(records)  # the part on disk is exactly this part: leave it alone
         else:
@@ -403,6 +420,13 @@ def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -
     stats["wall_seconds"] = max(s["wall_seconds"] for s in ranks)
     stats["peak_rss_bytes"] = max(s["peak_rss_bytes"] for s in ranks)
     stats["modules_total"] = len(writer.manifest.planned)
+    # a rescan that resumes an interrupted rescan: changed since the finished bundle was made, not just this run's
+    changed = changed_since_baseline(writer.manifest)
+    if changed is not None:
+        now = {name for result in results for name in result.computed}
+        stats["modules_changed"] = len(changed)
+        stats["modules_changed_earlier"] = len(changed - now)  # recomputed by the interrupted run(s), kept by this one
+    stats["resumed"] = writer.resumed
     if world_size > 1:
         stats["world_size"] = world_size
         stats["ranks"] = ranks

@@ -10,14 +10,14 @@ are never default targets; name them with ``target_modules`` to scan them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from plate_inspect.checkpoint import Checkpoint, TensorInfo
-from plate_inspect.errors import CheckpointError, ConfigError, UnsupportedWeightError
+from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError, UnsupportedWeightError
 
 #: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
 #: [experts, d_out, d_in] (experts_out_major) or [experts, d_in, d_out] (experts_in_major).
@@ -403,6 +403,7 @@ def select_targets(
     experts = expected_experts(ckpt.config, model_type)
     for t in chosen:
         check_shape_against_config(t, shapes, experts)
+    check_moe_layers(ckpt.config, model_type, candidates, chosen)
     check_expert_counts(candidates, chosen, experts, EXPERT_COUNT_KEYS.get(model_type or ""))
     return chosen, note
 
@@ -591,6 +592,136 @@ def check_expert_counts(
                 f"layer {layer}: {mtype} has experts {_span(experts)} but config.json says {key} = {n_experts} "
                 f"(experts 0-{n_experts - 1}); the checkpoint is incomplete (a shard or index entry missing?) or "
                 "the weights and config.json do not match"
+            )
+
+
+#: config.json fields that say which decoder layers are mixture-of-experts layers (the others dense), by family, and
+#: the prefix of the layer's feed-forward modules. transformers (and DeepSeek's own modeling code) build layer i as:
+#:   qwen2_moe, qwen3_moe: MoE iff i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0
+#:   deepseek_v2/v3: MoE iff n_routed_experts is not null and i >= first_k_dense_replace and i % moe_layer_freq == 0
+#:   llama4: MoE iff i in moe_layers, which defaults to the i with (i + 1) % interleave_moe_layer_step == 0
+MOE_LAYER_FIELDS: dict[str, tuple[str, ...]] = {
+    "qwen2_moe": ("mlp_only_layers", "decoder_sparse_step"),
+    "qwen3_moe": ("mlp_only_layers", "decoder_sparse_step"),
+    "deepseek_v2": ("first_k_dense_replace", "moe_layer_freq"),
+    "deepseek_v3": ("first_k_dense_replace", "moe_layer_freq"),
+    "llama4": ("moe_layers", "interleave_moe_layer_step"),
+    "llama4_text": ("moe_layers", "interleave_moe_layer_step"),
+}
+_FFN_PREFIX = {"llama4": "feed_forward.", "llama4_text": "feed_forward."}  # the other families': "mlp."
+
+#: Whether config.json makes a layer index a mixture-of-experts layer, and why (naming the config field).
+MoeLayerRule = Callable[[int], tuple[bool, str]]
+
+
+def _config_int(c: dict[str, Any], key: str, default: int, least: int) -> int:
+    value = c.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise CorruptCheckpointError(
+            f"config.json: {key} must be an integer >= {least}, got {value!r:.80}; restore the config.json that "
+            "came with these weights"
+        )
+    return value
+
+
+def _config_layers(c: dict[str, Any], key: str) -> list[int] | None:
+    value = c.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise CorruptCheckpointError(
+            f"config.json: {key} must be a list of layer indices, got {value!r:.80}; restore the config.json that "
+            "came with these weights"
+        )
+    return sorted(set(value))
+
+
+def moe_layer_rule(config: dict[str, Any], model_type: str | None) -> MoeLayerRule | None:
+    """Which layers config.json makes mixture-of-experts layers (:data:`MOE_LAYER_FIELDS`), as transformers builds
+    the model; None when config.json gives none of the family's fields (nothing to check against). A field of the
+    wrong type is a CorruptCheckpointError."""
+    keys = MOE_LAYER_FIELDS.get(model_type or "")
+    c = text_config(config)
+    if not keys or not any(k in c for k in keys):
+        return None
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        dense = _config_layers(c, "mlp_only_layers") or []
+        step = _config_int(c, "decoder_sparse_step", 1, 1)
+        no_experts = c.get("num_experts") == 0
+
+        def qwen(i: int) -> tuple[bool, str]:
+            if i in dense:
+                return False, f"mlp_only_layers = {dense} lists it"
+            if no_experts:
+                return False, "num_experts = 0"
+            if (i + 1) % step:
+                return False, f"decoder_sparse_step = {step}: MoE layers are those with (index + 1) % {step} == 0"
+            return True, f"mlp_only_layers = {dense} does not list it, and decoder_sparse_step = {step}"
+
+        return qwen
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        first = _config_int(c, "first_k_dense_replace", 0, 0)
+        freq = _config_int(c, "moe_layer_freq", 1, 1)
+        no_experts = "n_routed_experts" in c and c["n_routed_experts"] is None
+
+        def deepseek(i: int) -> tuple[bool, str]:
+            if no_experts:
+                return False, "n_routed_experts = null"
+            if i < first:
+                return False, f"first_k_dense_replace = {first}: layers 0-{first - 1} are dense"
+            if i % freq:
+                return False, f"moe_layer_freq = {freq}: MoE layers are those with index % {freq} == 0"
+            return True, f"first_k_dense_replace = {first}, moe_layer_freq = {freq}"
+
+        return deepseek
+    listed = _config_layers(c, "moe_layers")
+    step = _config_int(c, "interleave_moe_layer_step", 1, 1)
+
+    def llama4(i: int) -> tuple[bool, str]:
+        if listed is not None:
+            return (i in listed), f"moe_layers = {listed} {'lists' if i in listed else 'does not list'} it"
+        if (i + 1) % step:
+            return False, f"interleave_moe_layer_step = {step}: MoE layers are those with (index + 1) % {step} == 0"
+        return True, f"interleave_moe_layer_step = {step}"
+
+    return llama4
+
+
+def check_moe_layers(
+    config: dict[str, Any], model_type: str | None, candidates: Sequence[TargetModule], chosen: Sequence[TargetModule]
+) -> None:
+    """Each layer whose feed-forward modules are chosen must be what config.json says (:func:`moe_layer_rule`): a
+    dense layer holds no routed experts, a mixture-of-experts layer holds some (how many: check_expert_counts).
+
+    A contradiction means the weights and config.json do not match (another model's config, a wrong conversion):
+    transformers would build the layer otherwise, and a bundle made from them would not fit the model."""
+    rule = moe_layer_rule(config, model_type)
+    if rule is None:
+        return
+    prefix = _FFN_PREFIX.get(model_type or "", "mlp.")
+    layers = sorted({t.layer for t in chosen if t.layer is not None and t.module_type.startswith(prefix)})
+    members: dict[int, list[TargetModule]] = {}
+    for t in candidates:
+        if t.layer in layers:
+            members.setdefault(t.layer, []).append(t)
+    do = "the weights and config.json do not match: use the config.json that came with these weights, or correct it"
+    for layer in layers:
+        experts = [t for t in members[layer] if t.expert is not None and t.module_type.startswith(f"{prefix}experts")]
+        dense = [t for t in members[layer] if t.module_type in {f"{prefix}{p}" for p in _GLU}]
+        moe, why = rule(layer)
+        if experts and not moe:
+            t = experts[0]
+            raise CorruptCheckpointError(
+                f"layer {layer}: {t.tensor.file.name} holds routed experts there ('{t.tensor.name}'), but config.json "
+                f"makes layer {layer} a dense layer ({why}); {do}"
+            )
+        if moe and not experts:
+            found = f"a dense feed-forward ('{dense[0].tensor.name}')" if dense else "no routed experts"
+            raise CorruptCheckpointError(
+                f"layer {layer}: config.json makes it a mixture-of-experts layer ({why}), but the checkpoint holds "
+                f"{found} there; {do}"
             )
 
 

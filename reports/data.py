@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from plate_inspect import __version__
-from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord
+from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord, unfinished_note
 from plate_inspect.errors import BundleError
 from plate_inspect.geometry import energy_rank
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
@@ -76,10 +76,7 @@ def check_bundles(bundles: list[Bundle]) -> list[str]:
             raise BundleError(f"expected a plate_inspect.Bundle, got {type(b).__name__} (use Bundle.load(path))")
         m = b.manifest
         if not m.complete:
-            raise BundleError(
-                f"{b.path}: bundle is incomplete ({len(m.modules)}/{len(m.planned)} modules): "
-                "finish the scan first (rerun the same scan command to resume it)"
-            )
+            raise BundleError(f"{b.path}: {unfinished_note(m)}")
         if len(b) == 0:
             raise BundleError(f"{b.path}: bundle holds no modules; nothing to report")
     ref = bundles[0]

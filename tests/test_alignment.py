@@ -229,3 +229,44 @@ def test_k_beyond_the_weights_rank_or_the_samples_is_refused():
     with pytest.raises(AlignmentError, match="only 4 activation rows for k=8"):
         weight_activation_alignment(wide, [torch.randn(4, 40)], ks=[8])
     assert len(weight_activation_alignment(wide, [torch.randn(64, 40)], ks=[8, 10], n_random=1)) == 2
+
+
+def test_seq_len_beyond_the_position_table_is_capped_and_said(minilm_dir):
+    """QA: `align --seq-len 1024` on MiniLM (max_position_embeddings 512) silently used 512-token windows. The cap
+    stays (longer windows would index past the position table) but is said: a note (the CLI prints it on stderr)
+    or a SeqLenCappedWarning. The rows seen prove which windows ran: 510 text tokens + [CLS] + [SEP] per window."""
+    import math
+    import warnings
+
+    from plate_inspect.analysis.alignment import SeqLenCappedWarning
+
+    text = sklearn_descr_text()
+    model_max = json.loads((minilm_dir / "config.json").read_text())["max_position_embeddings"]
+    assert model_max == 512
+    tokens = 1100
+    common = dict(ks=(8,), max_tokens=tokens, n_random=1, target_modules=["encoder.layer.0.attention.self.query"])
+    notes: list[str] = []
+    recs = hf_text_alignment(minilm_dir, text, seq_len=1024, notes=notes.append, **common)
+    assert len(notes) == 1 and "1024" in notes[0] and "512" in notes[0], notes
+    assert recs[0].n_samples == tokens + 2 * math.ceil(tokens / (model_max - 2))
+    with pytest.warns(SeqLenCappedWarning, match="max_position_embeddings"):
+        hf_text_alignment(minilm_dir, text, seq_len=600, **common)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SeqLenCappedWarning)  # within the table: no note
+        recs = hf_text_alignment(minilm_dir, text, seq_len=512, notes=notes.append, **common)
+    assert len(notes) == 1 and recs[0].n_samples == tokens + 2 * math.ceil(tokens / 510)
+
+
+def test_align_cli_says_when_seq_len_is_capped(minilm_dir, tmp_path):
+    from plate_inspect.cli.main import cli
+
+    text = tmp_path / "t.txt"
+    text.write_text(sklearn_descr_text()[:2000], encoding="utf-8")
+    args = ["align", str(minilm_dir), "--text", str(text), "--k", "8", "--max-tokens", "100", "--json"]
+    args += ["--target-modules", "encoder.layer.0.attention.self.query", "--random-draws", "1"]
+    res = CliRunner().invoke(cli, [*args, "--seq-len", "2048"])
+    assert res.exit_code == 0, res.output
+    assert "note: windows of 2048 tokens (--seq-len) exceed the model's max_position_embeddings (512)" in res.stderr
+    assert json.loads(res.stdout)[0]["module"] == "encoder.layer.0.attention.self.query"  # stdout stays JSON
+    res = CliRunner().invoke(cli, [*args, "--seq-len", "128"])
+    assert res.exit_code == 0 and "note:" not in res.stderr

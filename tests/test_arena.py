@@ -246,3 +246,89 @@ def test_sequential_protocol_merges_plate_only_into_b_rows(tmp_path):
             assert torch.equal(w0[outside], w1[outside])  # rows outside B never move
             assert not torch.equal(w0, w1)
         prev = merged
+
+
+def test_sequential_refuses_unknown_methods_and_bad_seeds(tmp_path):
+    """The API used to run OSF for any name that was not 'plate' or 'lora' (and label it with that name)."""
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    with pytest.raises(ConfigError, match="unknown method 'full_ft'; choose from plate, lora, osf"):
+        run_sequential(tmp_path / "a", ["full_ft"], seeds=1, steps=2)
+    with pytest.raises(ConfigError, match="seed 1 is listed twice"):
+        run_sequential(tmp_path / "b", ["lora"], seeds=[1, 1], steps=2)
+    with pytest.raises(ConfigError, match="steps must be an integer >= 1"):
+        run_sequential(tmp_path / "c", ["lora"], seeds=1, steps=0)
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_sequential_resumes_and_never_overwrites_other_settings(tmp_path):
+    """A rerun keeps every finished (seed, method) and runs only the rest; other settings into the same OUT are
+    refused instead of replacing sequential.json (it used to be rewritten from scratch, losing earlier methods)."""
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    fresh = run_sequential(tmp_path / "ref", ["lora", "osf"], seeds=1, steps=5)
+    out = tmp_path / "out"
+    first = run_sequential(out, ["lora"], seeds=1, steps=5)
+    events = []
+    second = run_sequential(out, ["lora", "osf"], seeds=1, steps=5, progress=events.append)
+    assert events[0].done == 1 and events[-1].done == 2  # lora kept, only osf ran
+    assert [r for r in second.records if r.method == "lora"] == first.records
+    assert second.matrix("lora") == fresh.matrix("lora") and second.matrix("osf") == fresh.matrix("osf")
+    before = (out / "sequential.json").read_text()
+    with pytest.raises(ConfigError, match=r"other settings \(steps: 5 -> 6\)"):
+        run_sequential(out, ["lora"], seeds=1, steps=6)
+    assert (out / "sequential.json").read_text() == before
+
+
+def test_sequential_unwritable_output_is_a_one_line_error(tmp_path):
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+
+    (tmp_path / "seed0").write_text("in the way")
+    args = ["experiment", "sequential", "--out", str(tmp_path), "--methods", "lora", "--seeds", "1", "--steps", "2"]
+    bad = CliRunner().invoke(cli, [*args, "-q"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+    assert "seed0 is a file, not a directory" in bad.output and "choose another --out" in bad.output
+
+
+def test_dead_unit_benchmark_pools_rows_instead_of_counting_modules_without_dead_rows():
+    """benchmarks/arena_dead_units.py: 'of B's dead rows, the fraction live on task 2' used to average per-module
+    fractions and count a module with no dead row in B as 1.0 (a B with 2 dead rows, none live on task 2, in one of
+    three modules printed 0.67). Now rows are pooled: hand-counted masks are the oracle."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "arena_dead_units.py"
+    spec = importlib.util.spec_from_file_location("arena_dead_units", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    t = torch.tensor
+    live1 = {
+        "fc1": t([True, True, True, True]),
+        "fc2": t([False, False, True, True]),
+        "fc3": t([False, True, False, True]),
+    }
+    live2 = {
+        "fc1": t([True, True, True, True]),
+        "fc2": t([False, False, True, True]),
+        "fc3": t([True, True, False, True]),
+    }
+    b = {"fc1": t([0, 1]), "fc2": t([0, 1]), "fc3": t([0, 2])}
+    # fc1: no dead row; fc2: rows 0, 1 dead on task 1, neither live on task 2; fc3: rows 0, 2 dead, row 0 live on 2
+    assert bench.dead_and_revived(live1, live2, b) == (4, 1)
+    assert bench.dead_and_revived(live1, live2, {"fc1": t([2, 3])}) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("script", "args"), [("arena_dead_units.py", ["--seeds", "0"]), ("arena_gn_share.py", ["--probes", "0"])]
+)
+def test_arena_benchmarks_refuse_zero_counts_up_front(script, args):
+    """--seeds 0 printed an empty table; --probes 0 trained three stage-1 models before failing on no probes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    run = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "must be >= 1, got 0" in run.stderr, run.stdout + run.stderr

@@ -427,3 +427,150 @@ def test_real_peft_lora_dir_matches_its_merged_weights(tmp_path, rslora):
     for name, rec in from_adapter.items():
         for key in AUDIT_KEYS[1:]:
             assert getattr(rec, key) == pytest.approx(getattr(from_merged[name], key), rel=1e-4, abs=1e-9), (name, key)
+
+
+# --------------------------------------------------------------------------- QA: wrong inputs named plainly
+def _cli(*args):
+    return CliRunner().invoke(cli, ["audit", *map(str, args)])
+
+
+def test_bundle_of_another_model_is_refused_naming_it(qwen_pair, tmp_path):
+    """QA: `audit BASE TUNED --bundle B` with B of another model said "no 2-D weight 'model.layers...'"; now it
+    says the bundle was made for another model, which (its source and model_type, from its manifest), and what to
+    do, before any weight is read. Two cases: other module names (GPT-2) and same names, other shapes."""
+    base, tuned, _ = qwen_pair
+    gpt2 = write_gpt2(tmp_path / "gpt2", layers=1)
+    wider = write_llama_like(tmp_path / "wider", layers=2, hidden=96, intermediate=192, dtype=torch.float32)
+    for other, model_type in ((gpt2.path, "gpt2"), (wider.path, "qwen2")):
+        bundle = scan(other, tmp_path / f"bundle-{other.name}", r=8)
+        source = bundle.manifest.source["id"]
+        assert source == str(other.resolve())  # the oracle: what the manifest says it was scanned from
+        with pytest.raises(BundleError) as err:
+            audit(base, tuned, bundle=bundle)
+        msg = str(err.value)
+        assert "made for another model" in msg and source in msg and f"model_type {model_type}" in msg, msg
+        assert f"plate-inspect scan {base}" in msg  # what to do
+        result = _cli(base, tuned, "--bundle", bundle.path)
+        assert result.exit_code == 2 and "made for another model" in result.output
+        assert "Traceback" not in result.output and "no 2-D weight" not in result.output
+
+
+def test_a_bundle_or_model_in_the_wrong_place_is_named(qwen_pair, tmp_path):
+    """QA: a bundle dir passed as TUNED was opened as a checkpoint ("the fine-tuned checkpoint has no tensor ..."),
+    as BASE it gave "no target modules matched"; a TUNED of another model failed on its first module only."""
+    base, tuned, _ = qwen_pair
+    bundle = scan(base, tmp_path / "b", r=8)
+    for args, role in (((base, bundle.path), "TUNED"), ((bundle.path, tuned), "BASE")):
+        result = _cli(*args)
+        assert result.exit_code == 2 and "is a PLATE init bundle" in result.output and role in result.output
+        assert "--bundle" in result.output
+    gpt2 = write_gpt2(tmp_path / "gpt2", layers=1)
+    with pytest.raises(CheckpointError, match=r"has none of the 14 modules audited .*not a fine-tune of that model"):
+        audit(base, gpt2.path, r=8)
+
+
+def test_lora_of_another_model_is_refused_before_reading(qwen_pair, tmp_path):
+    """QA: a LoRA trained on a wider model of the same family failed with "the update does not fit the base
+    weight" and no hint; now the adapter, the module, both shapes and base_model_name_or_path are named."""
+    base, _, _ = qwen_pair
+    wider = write_llama_like(tmp_path / "wider", layers=1, hidden=96, intermediate=192, dtype=torch.float32)
+    config = {"r": 2, "lora_alpha": 4, "base_model_name_or_path": "org/wider-model"}
+    write_lora_dir(tmp_path / "lora", load_all(wider.path), {"model.layers.0.self_attn.q_proj": 2}, config)
+    with pytest.raises(CheckpointError, match=r"does not fit BASE's weight .*\[64, 64\].*org/wider-model"):
+        audit(base, tmp_path / "lora", r=8)
+
+
+def test_layers_and_target_modules_narrow_a_bundle_or_adapter_audit(qwen_pair, tmp_path):
+    """QA: with --bundle (or an adapter) --layers and --target-modules were silently ignored: every module of the
+    bundle was audited. Now they narrow the audit, and the numbers are those of the full audit's records."""
+    base, tuned, _ = qwen_pair
+    bundle = scan(base, tmp_path / "b", r=8)
+    full = {r.module: r for r in audit(base, tuned, bundle=bundle, precision="float64")}
+    layer1 = audit(base, tuned, bundle=bundle, layers=[1], precision="float64")
+    assert sorted(r.module for r in layer1) == sorted(n for n in full if ".layers.1." in n)
+    for rec in layer1:
+        assert rec.to_json() == full[rec.module].to_json()
+    picked = audit(base, tuned, bundle=bundle, target_modules=["down_proj", "q_proj"], layers=[0])
+    assert sorted(r.module for r in picked) == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]
+    modules = {"model.layers.0.self_attn.v_proj": 2, "model.layers.1.mlp.down_proj": 2}
+    write_lora_dir(tmp_path / "lora", load_all(base), modules, {"r": 2, "lora_alpha": 4})
+    assert [r.module for r in audit(base, tmp_path / "lora", r=8, layers=[1])] == ["model.layers.1.mlp.down_proj"]
+    from plate_inspect.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="keeps none of the 14 modules of the bundle"):
+        audit(base, tuned, bundle=bundle, layers=[7])
+    result = _cli(base, tuned, "--bundle", bundle.path, "--layers", "1", "--json")
+    assert result.exit_code == 0 and len(json.loads(result.output)) == 7
+
+
+@pytest.mark.parametrize("with_bundle", [False, True])
+def test_expert_stacks_are_audited_expert_by_expert(tmp_path, with_bundle):
+    """QA: a gpt-oss checkpoint (experts as 3-D [E, d_in, d_out] stacks) crashed with a torch RuntimeError
+    (the tuned stack was read whole, not one expert's slice); with its bundle it said "no 2-D weight". Now each
+    expert is audited against the dense float64 oracle on tensors read by safetensors itself."""
+    from plate_inspect.testing.synthetic import write_family
+
+    base = write_family(tmp_path / "base", "gpt_oss", layers=1, dtype=torch.float32)
+    tensors = load_all(base.path)
+    stack = "model.layers.0.mlp.experts.gate_up_proj"
+    noise = 0.02 * torch.randn(tensors[stack][1].shape, generator=torch.Generator().manual_seed(9))
+    tensors[stack] = tensors[stack].clone()
+    tensors[stack][1] += noise
+    (tmp_path / "tuned").mkdir()
+    save_file(tensors, str(tmp_path / "tuned" / "model.safetensors"))
+    (tmp_path / "tuned" / "config.json").write_text(json.dumps(base.config))
+    bundle = scan(base.path, tmp_path / "bundle", r=4) if with_bundle else None
+    records = {r.module: r for r in audit(base.path, tmp_path / "tuned", bundle=bundle, r=4, precision="float64")}
+    assert {f"{stack}.{e}" for e in range(3)} <= set(records)
+    for name, rec in records.items():
+        if name != f"{stack}.1":
+            assert rec.delta_norm == 0.0, name
+    w = load_all(base.path)[stack][1].double().numpy().T  # [d_out, d_in]
+    dw = noise.double().numpy().T
+    b = bundle.b_idx(f"{stack}.1").numpy() if with_bundle else dense_oracle(w, r=4, tau=0.9, max_rank=512)[1]
+    want = oracle_scores(w, dw, b, 0.9)
+    for key in AUDIT_KEYS[1:]:
+        assert getattr(records[f"{stack}.1"], key) == pytest.approx(want[key], rel=1e-6), key
+
+
+def test_report_path_is_checked_before_the_audit_runs(qwen_pair, tmp_path, monkeypatch):
+    """QA: `--report` into a directory (or under a file) failed only after the whole audit (minutes at 7B)."""
+    import plate_inspect.auditing as auditing
+
+    base, tuned, _ = qwen_pair
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the audit ran before the report path was checked")
+
+    monkeypatch.setattr(auditing, "audit", must_not_run)
+    (tmp_path / "a-file").write_text("x")
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "a-file" / "audit.html", "a-file is a file")):
+        result = _cli(base, tuned, "--report", bad)
+        assert result.exit_code == 2 and why in result.output and "--report" in result.output, result.output
+
+
+def test_model_summary_is_one_line(qwen_pair):
+    """QA: the model-level line wrapped before its risk value in piped output (160 columns)."""
+    base, tuned, _ = qwen_pair
+    result = _cli(base, tuned, "--r", "8", "-q")
+    assert result.exit_code == 0, result.output
+    risk = summarize(audit(base, tuned, r=8)).risk
+    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("model:")]
+    assert line.endswith(f"= {risk:.3e}")
+
+
+def test_plate_adapter_against_another_base_names_its_bundles_model(qwen_pair, tmp_path):
+    """QA: a PLATE adapter of the digits MLP audited against a Qwen2 BASE said "module 'fc1' matches no module of
+    the base checkpoint"; now it names the adapter's bundle, the model it was scanned from, and what to do."""
+    from plate_inspect.train.layer import apply_bundle, save_adapter
+
+    base, _, _ = qwen_pair
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=16, tau=0.8)
+    randomize_adapters(apply_bundle(model, bundle, rho=0.5), seed=1)
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    with pytest.raises(BundleError) as err:
+        audit(base, adapter)
+    msg = str(err.value)
+    assert f"the bundle of the PLATE adapter {adapter}" in msg and bundle.manifest.source["id"] in msg, msg
+    assert "made for another model" in msg and "pass it as BASE" in msg

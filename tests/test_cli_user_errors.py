@@ -293,3 +293,44 @@ def test_merge_into_a_bundle_directory_is_refused(setup, tmp_path):
     for extra in ([], ["--overwrite"]):
         assert_user_error(["merge", model, adapter, "-o", target, *extra], "holds a PLATE bundle", "--out")
         assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+# --------------------------------------------------------------------------- rough edges of the third pass
+@pytest.mark.parametrize("flag", ["-q", "--quiet"])
+def test_merge_quiet_draws_no_progress_bar_like_scan(setup, tmp_path, flag):
+    """`merge` had no -q/--quiet while scan, report, audit, align, curvature and experiment do: with it, the merge's
+    bar and the --rescan's bar are left out and nothing else changes (the same files, the same result lines)."""
+    _, model, _, adapter = setup
+    code, quiet = run_cli("merge", model, adapter, "-o", tmp_path / "m2", "--rescan", tmp_path / "r2", flag)
+    assert code == 0, quiet
+    code, loud = run_cli("merge", model, adapter, "-o", tmp_path / "m1", "--rescan", tmp_path / "r1")
+    assert code == 0 and "27/27 tensors" in loud and "14/14 modules" in loud, loud  # the bars, without -q
+    assert quiet.splitlines() == [
+        f"merged 14 modules into 1 file in {tmp_path / 'm2'}",
+        f"rescanned: 14 modules -> {tmp_path / 'r2'}",
+    ]
+    assert [line for line in loud.splitlines() if line.startswith(("merged", "rescanned"))] == [
+        f"merged 14 modules into 1 file in {tmp_path / 'm1'}",
+        f"rescanned: 14 modules -> {tmp_path / 'r1'}",
+    ]
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "m1" / name).read_bytes() == (tmp_path / "m2" / name).read_bytes()
+
+
+def test_scan_refuses_a_moe_layer_the_config_calls_dense_in_one_line(tmp_path):
+    """A Qwen2-MoE checkpoint whose config.json lists an expert layer in mlp_only_layers: one error line naming the
+    layer, the field and what to do; nothing written."""
+    from plate_inspect.testing.synthetic import write_family
+
+    ckpt = write_family(tmp_path / "m", "qwen2_moe")
+    config = json.loads((ckpt.path / "config.json").read_text())
+    assert config["mlp_only_layers"] == [0]
+    (ckpt.path / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0, 1]}))
+    assert_user_error(
+        ["scan", ckpt.path, "--out", tmp_path / "b", "-q"],
+        "layer 1:",
+        "holds routed experts",
+        "mlp_only_layers = [0, 1] lists it",
+        "use the config.json that came with these weights",
+    )
+    assert not (tmp_path / "b").exists()

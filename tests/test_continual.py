@@ -194,3 +194,179 @@ def test_validate_records_rejects_malformed():
     ):
         with pytest.raises(ConfigError):
             validate_records([bad])
+
+
+# --------------------------------------------------------------------------- bad input, crashes and resuming
+def _tiny(**overrides):
+    """Two cheap methods, a few steps: the resume/refusal paths, not the science."""
+    from plate_inspect.experiments.continual import ContinualSettings
+    from plate_inspect.experiments.methods import Budget
+
+    base = {
+        "methods": ("full_ft", "lora"),
+        "steps": (3,),
+        "stage1_steps": 5,
+        "budgets": {"lora": [Budget("r1", {"rank": 1})]},
+    }
+    return ContinualSettings(**{**base, **overrides})
+
+
+def test_a_run_listed_twice_is_refused_not_summarised_as_two_seeds(tmp_path):
+    """--steps 3,3 (or seeds [0, 0]) would run once and be counted twice: two 'seeds' with a 0-width CI."""
+    from plate_inspect.experiments.continual import run_continual
+
+    args = ["experiment", "continual", "--out", str(tmp_path / "cli"), "--methods", "full_ft"]
+    bad = CliRunner().invoke(cli, [*args, "--steps", "3,3", "--stage1-steps", "5", "--seeds", "1", "-q"])
+    assert bad.exit_code == 2 and "lists 3 twice" in bad.output and "Traceback" not in bad.output
+    assert not (tmp_path / "cli" / "runs.jsonl").exists()
+    with pytest.raises(ConfigError, match="seed 0 is listed twice"):
+        run_continual(tmp_path / "api", seeds=[0, 0], settings=_tiny())
+    with pytest.raises(ConfigError, match="seeds must be integers >= 0"):
+        run_continual(tmp_path / "api", seeds=[-1], settings=_tiny())
+    with pytest.raises(ConfigError, match="lists lora twice"):
+        run_continual(tmp_path / "api", seeds=1, settings=_tiny(methods=("lora", "lora")))
+
+
+def test_a_budget_typo_is_refused_before_anything_trains(tmp_path):
+    from plate_inspect.experiments.continual import run_continual
+    from plate_inspect.experiments.methods import Budget
+
+    bad = _tiny(budgets={"lora": [Budget("r4", {"rnk": 4})]})
+    with pytest.raises(
+        ConfigError, match=r"lora: budget 'r4' has config keys \['rnk'\]; lora needs exactly \['rank'\]"
+    ):
+        run_continual(tmp_path, seeds=1, settings=bad)
+    assert not (tmp_path / "seed0").exists()  # refused up front, not after stage 1 (or hours of other runs)
+
+
+def test_torn_last_line_of_runs_jsonl_reruns_that_run(tmp_path):
+    """A crash while appending a record leaves an unterminated line: the resume drops it, reruns that one run, and
+    ends with the same results as an uninterrupted run (the oracle: a run in a fresh directory)."""
+    from plate_inspect.experiments.continual import run_continual
+
+    run_continual(tmp_path / "ref", seeds=1, settings=_tiny())
+    reference = json.loads((tmp_path / "ref" / "results.json").read_text())
+    out = tmp_path / "torn"
+    out.mkdir()
+    lines = (tmp_path / "ref" / "runs.jsonl").read_text().splitlines(keepends=True)
+    (out / "settings.json").write_text((tmp_path / "ref" / "settings.json").read_text())
+    (out / "runs.jsonl").write_text(lines[0] + lines[1][: len(lines[1]) // 2])  # killed mid-append
+    run_continual(out, seeds=1, settings=_tiny())
+    assert json.loads((out / "results.json").read_text()) == reference
+    rows = (out / "runs.jsonl").read_text().splitlines()
+    assert len(rows) == 2 and [json.loads(r)["method"] for r in rows] == ["full_ft", "lora"]
+
+
+def test_interrupted_run_resumes_to_the_same_numbers(tmp_path):
+    from plate_inspect.experiments.continual import run_continual
+
+    run_continual(tmp_path / "ref", seeds=2, settings=_tiny())
+    events = []
+
+    def stop_after_three(event):
+        events.append(event)
+        if event.done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_continual(tmp_path / "cut", seeds=2, settings=_tiny(), progress=stop_after_three)
+    assert len((tmp_path / "cut" / "runs.jsonl").read_text().splitlines()) == 3
+    resumed = []
+    run_continual(tmp_path / "cut", seeds=2, settings=_tiny(), progress=resumed.append)
+    assert resumed[0].done == 3 and resumed[-1].done == 4  # only the missing run ran
+    for name in ("results.json", "summary.md"):
+        assert (tmp_path / "cut" / name).read_text() == (tmp_path / "ref" / name).read_text()
+
+
+def test_other_settings_in_out_are_named(tmp_path):
+    runner = CliRunner()
+    args = ["experiment", "continual", "--out", str(tmp_path), "--methods", "full_ft", "--stage1-steps", "5", "-q"]
+    assert runner.invoke(cli, [*args, "--steps", "3", "--seeds", "1"]).exit_code == 0
+    again = runner.invoke(cli, [*args, "--steps", "4", "--seeds", "1"])
+    assert (
+        again.exit_code == 2 and "steps: [3] -> [4]" in again.output and "rerun with the same options" in again.output
+    )
+    more = runner.invoke(cli, [*args, "--steps", "3", "--seeds", "2"])  # more seeds: same settings, it resumes
+    assert more.exit_code == 0, more.output
+    assert sorted({r["seed"] for r in json.loads((tmp_path / "results.json").read_text())}) == [0, 1]
+
+
+def test_unwritable_output_is_a_one_line_error_and_keeps_finished_runs(tmp_path):
+    """A file where the run must write (seed directory; results.json) is a one-line error, not a traceback."""
+    runner = CliRunner()
+    args = ["experiment", "continual", "--out", str(tmp_path), "--methods", "full_ft", "--stage1-steps", "5", "-q"]
+    (tmp_path / "seed0").write_text("in the way")
+    bad = runner.invoke(cli, [*args, "--steps", "3", "--seeds", "1"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+    assert "seed0 is a file, not a directory" in bad.output and "choose another --out" in bad.output
+    (tmp_path / "seed0").unlink()
+    (tmp_path / "results.json").mkdir()  # the last write fails after every run finished
+    bad = runner.invoke(cli, [*args, "--steps", "3", "--seeds", "1"])
+    assert bad.exit_code == 2 and f"{tmp_path / 'results.json'}: cannot write" in bad.output, bad.output
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 1  # the finished run is kept
+
+
+def test_missing_fashion_mnist_names_the_flag_and_leaves_out_alone(tmp_path):
+    out = tmp_path / "out"
+    args = ["experiment", "continual", "--out", str(out), "--data", "fashion-mnist", "--data-root", str(tmp_path)]
+    bad = CliRunner().invoke(cli, [*args, "--quick"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    assert "--data-root" in bad.output and "apt-get install dataset-fashion-mnist" in bad.output
+    assert not out.exists()  # refused before anything is written
+
+
+def test_quick_keeps_the_options_given_on_the_command_line(tmp_path):
+    args = ["experiment", "continual", "--out", str(tmp_path), "--quick", "--methods", "full_ft,lora", "-q"]
+    result = CliRunner().invoke(cli, [*args, "--seeds", "2", "--stage1-steps", "5", "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert sorted({r["seed"] for r in data}) == [0, 1]
+    assert {(r["steps"], r["stage1_steps"]) for r in data} == {(3, 5)}
+    assert {r["budget"] for r in data} == {"all", "r1"}  # still --quick's one budget per method
+
+
+def test_report_only_on_a_broken_directory_is_a_one_line_error(tmp_path):
+    runner = CliRunner()
+    record = {
+        "method": "full_ft",
+        "budget": "all",
+        "config": {},
+        "seed": 0,
+        "data": "digits",
+        "steps": 3,
+        "stage1_steps": 5,
+        "data_using": False,
+        "trainable_params": BACKBONE_PARAMS,
+        "trainable_pct": 100.0,
+        "task1_acc_before": 0.9,
+        "task1_acc_after": 0.8,
+        "task2_acc": 0.7,
+        "kl_task1": 0.1,
+    }
+    (tmp_path / "runs.jsonl").write_text(json.dumps(record) + "\n")
+    args = ["experiment", "continual", "--out", str(tmp_path), "--report-only"]
+    bad = runner.invoke(cli, args)  # settings.json missing
+    assert bad.exit_code == 2 and "settings.json: missing or unreadable" in bad.output and "Traceback" not in bad.output
+    (tmp_path / "settings.json").write_text(json.dumps({"methods": ["full_ft"], "steps": [3], "budgets": {}}))
+    (tmp_path / "runs.jsonl").write_text("{not json\n" + json.dumps(record) + "\n")
+    bad = runner.invoke(cli, args)
+    assert bad.exit_code == 2 and "runs.jsonl: line 1 is not a run record" in bad.output, bad.output
+
+
+def test_trainable_column_agrees_with_the_percent_column_across_seeds():
+    """PLATE's k, hence its trainable count, comes from each seed's weights: the tables showed the first seed's count
+    next to the mean %, which disagree; they show the range over seeds (and one number where it is fixed)."""
+    from plate_inspect.experiments.continual import RunRecord, summarize
+    from plate_inspect.experiments.continual_report import ablation_rows, markdown_table
+
+    def rec(method, seed, n):
+        return RunRecord(method, "r8_tau0.98", {}, seed, "digits", 60, 180, False, n, 100 * n / BACKBONE_PARAMS,
+                         0.99, 0.98, 0.9, 0.01)  # fmt: skip
+
+    rows = summarize([rec("plate", 0, 1464), rec("plate", 1, 1432), rec("plate_random_q", 0, 1464)])
+    plate = next(r for r in rows if r["method"] == "plate")
+    assert plate["trainable_pct"] == pytest.approx(100 * (1464 + 1432) / 2 / BACKBONE_PARAMS)
+    table = markdown_table(rows)
+    assert "| plate | r8_tau0.98 | 1,432-1,464 | 0.98 |" in table  # (1464 + 1432) / 2 / 148224 = 0.98%
+    assert "| plate_random_q | r8_tau0.98 | 1,464 | 0.99 |" in table  # one seed: its own count, 0.99%
+    assert [c[2] for c in ablation_rows(rows, 60)] == ["1,432-1,464", "1,464"]

@@ -351,11 +351,11 @@ def test_curvature_cli_json_records(tmp_path):
 
     res = CliRunner().invoke(
         cli,
-        ["curvature", "--json", "--epochs", "2", "--probes", "3", "--families", "plate,random_q", "--rho", "0,1"],
+        ["curvature", "--json", "--epochs", "2", "--probes", "3", "--families", "plate,random_q,plate", "--rho", "0,1"],
     )
     assert res.exit_code == 0, res.output
     recs = json.loads(res.output)
-    assert [r["family"] for r in recs] == ["plate", "random_q"]
+    assert [r["family"] for r in recs] == ["plate", "random_q"]  # QA: a family named twice was analysed twice
     for r in recs:
         keys = {"family", "dim", "lambda", "eps", "gn_share_median", "residual_ratio_median", "forgetting_curve"}
         assert keys <= set(r)
@@ -397,3 +397,35 @@ def test_custom_forward_sees_replaced_parameters():
     )
     want = torch.cat([hv["fc3.weight"].reshape(-1), hv["head2.weight"].reshape(-1)]).numpy()
     np.testing.assert_allclose(h_task2, want, rtol=1e-9, atol=1e-12)
+
+
+def test_bad_scan_settings_are_refused_before_stage1_training(monkeypatch, tmp_path):
+    """QA: `curvature --tau 1.5` trained the digits MLP for 30 epochs (~40 s), then said tau was out of range."""
+    from plate_inspect.analysis.curvature import digits_stage1
+    from plate_inspect.cli.main import cli
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.experiments import digits
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("stage 1 trained before the settings were checked")
+
+    monkeypatch.setattr(digits, "train_stage1", must_not_train)
+    for flag, value, what in (("--tau", "1.5", "tau"), ("--tau", "0", "tau"), ("--max-rank", "0", "max")):
+        res = CliRunner().invoke(cli, ["curvature", flag, value, "--out", str(tmp_path / "c")])
+        assert res.exit_code == 2 and what in res.output and "Traceback" not in res.output, res.output
+    with pytest.raises(ConfigError, match="tau must lie strictly between 0 and 1"):
+        digits_stage1(tmp_path / "api", tau=1.0)
+
+
+def test_json_record_is_strict_json_when_a_value_is_undefined(tiny):
+    """QA: with no probes the GN medians are NaN, and `json.dumps` wrote the non-JSON token NaN (jq and strict
+    parsers reject the whole file). Undefined values are null; defined ones are unchanged."""
+    model, *_, problem = tiny
+    fam = UpdateFamily(
+        "plate_like", [selector_basis_block("2.weight", (4, 5), torch.tensor([0, 2]), torch.eye(5)[:, :2])]
+    )
+    rec = analyze_family(problem, fam, n_probes=0, rhos=(0.0, 0.5))
+    data = json.loads(json.dumps(rec.to_json(), allow_nan=False))
+    assert data["gn_share_median"] is None and data["residual_ratio_median"] is None
+    assert data["lambda"] == rec.lam and data["eps"] == rec.eps and data["bound_ratio"] == rec.bound_ratio
+    assert data["forgetting_curve"] == [[r, f] for r, f in rec.forgetting_curve]

@@ -243,3 +243,35 @@ def test_cli_health_counts_only_fitted_alphas(tmp_path):
     assert result.exit_code == 0, result.output
     assert f"{inside}/{len(fitted)} modules in [2, 6]" in result.output
     assert "2 modules without a fit" in result.output
+
+
+def test_cli_health_of_an_other_b_ablation_says_whose_rows(tmp_path):
+    """QA: `health` on a Random-B ablation bundle showed records labelled "W_frozen" that are its source bundle's
+    (the ablation copies them): the spectral norm is that of the rows outside the *source's* B, not this B's
+    (dense numpy oracle below). The CLI now says so on stderr; --json stays the records alone."""
+    from click.testing import CliRunner
+
+    from plate_inspect import scan
+    from plate_inspect.cli.main import cli
+    from plate_inspect.testing.synthetic import write_llama_like
+    from plate_inspect.train.variants import make_variant
+
+    ckpt = write_llama_like(tmp_path / "llama", layers=1, dtype=torch.float32, planted_fraction=0.2)
+    bundle = scan(ckpt.path, tmp_path / "bundle", r=8)
+    ablation = make_variant(bundle, ckpt.path, "random_b", tmp_path / "random_b")
+    weights = load_file(str(ckpt.path / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj"
+    w = weights[f"{name}.weight"].double().numpy()
+
+    def frozen_spectral_norm(b):
+        return float(np.linalg.norm(np.delete(w, b.b_idx(name).numpy(), axis=0), 2) ** 2)
+
+    recorded = ablation.record(name).health["spectral_norm"]
+    assert recorded == pytest.approx(frozen_spectral_norm(bundle), rel=1e-5)  # the source's rows ...
+    assert abs(recorded - frozen_spectral_norm(ablation)) > 1e-3 * recorded  # ... not this B's
+    result = CliRunner().invoke(cli, ["health", str(ablation.path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "random_b ablation bundle" in result.stderr and "not outside this one's" in result.stderr
+    assert json.loads(result.stdout)[name]["spectral_norm"] == recorded
+    result = CliRunner().invoke(cli, ["health", str(bundle.path)])
+    assert result.exit_code == 0 and "note:" not in result.stderr

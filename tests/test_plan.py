@@ -172,3 +172,47 @@ def test_cli_plan(bundle, tmp_path):
     assert data["budget"]["kind"] == "lora" and data["budget"]["spent"] <= data["budget"]["params"]
     result = CliRunner().invoke(cli, ["plan", str(b.path), "--budget", "lots"])
     assert result.exit_code == 2 and "error:" in result.output and "Traceback" not in result.output
+
+
+def test_cli_plan_json_writes_no_file_unless_asked(bundle, tmp_path, monkeypatch):
+    """QA: `plan B --budget 1% --json | jq` also wrote ./plan.json (the -o default), silently replacing any plan of
+    another bundle there. With --json the plan goes to stdout only, unless -o names a file."""
+    b, _ = bundle
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.json").write_text("my other plan\n")
+    result = CliRunner().invoke(cli, ["plan", str(b.path), "--budget", "1%", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == plan_budget(b, "1%").to_json()
+    assert (tmp_path / "plan.json").read_text() == "my other plan\n"
+    out = tmp_path / "sub" / "p.json"
+    result = CliRunner().invoke(cli, ["plan", str(b.path), "--budget", "1%", "--json", "-o", str(out)])
+    assert result.exit_code == 0 and json.loads(out.read_text()) == json.loads(result.stdout)
+    assert f"plan: {out}" in result.stderr
+    result = CliRunner().invoke(cli, ["plan", str(b.path), "--budget", "1%"])  # the summary: ./plan.json as before
+    assert result.exit_code == 0 and json.loads((tmp_path / "plan.json").read_text())["budget"]["spec"] == "1%"
+
+
+@pytest.mark.parametrize("variant", ["random_b", "high_energy_q"])
+def test_ablation_bundles_are_not_planned(bundle, tmp_path, variant):
+    """QA: `plan` on an ablation bundle priced Q's columns with the stored spectrum, which the ablation copies from
+    its source: planned max captured energy 0.005, while Q[:, :k] measured with numpy captured up to 0.996
+    (high_energy_q) or 0.06 (random_b). Such bundles are refused; the oracle below shows why."""
+    from plate_inspect.train.variants import make_variant
+
+    b, ckpt = bundle
+    vb = make_variant(b, ckpt, variant, tmp_path / variant)
+    weights = load_all(ckpt)
+    gaps = []
+    for rec in vb:
+        w = weights[f"{rec.name}.weight"].double().numpy()
+        keep = np.setdiff1d(np.arange(w.shape[0]), vb.b_idx(rec.name).numpy())
+        g = w[keep].T @ w[keep]
+        q = vb.q(rec.name).double().numpy()
+        k = q.shape[1]
+        measured = np.trace(q.T @ g @ q) / np.trace(g)
+        gaps.append(abs(measured - planned_captured_energy(vb.spectrum(rec.name), rec.d_in, k)))
+    assert max(gaps) > 0.01  # the spectrum does not price this Q
+    with pytest.raises(ConfigError, match=f"is a {variant} ablation bundle.*plan the PLATE bundle"):
+        plan_budget(vb, "1%")
+    result = CliRunner().invoke(cli, ["plan", str(vb.path), "--budget", "1%", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2 and "ablation" in result.output and not (tmp_path / "p.json").exists()

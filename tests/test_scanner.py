@@ -745,3 +745,185 @@ def test_verify_lists_every_module_of_missing_or_truncated_parts(tmp_path, qwen_
     assert info.exit_code == 0 and "missing" in info.output and first in info.output, info.output
     plate_inspect.scan(qwen_ckpt.path, b.path, r=R)
     assert verify(b.path, qwen_ckpt.path).ok
+
+
+# --------------------------------------------------------------------------- rescans: settings as resolved, resumes
+def test_equivalent_setting_spellings_rescan_and_truly_different_ones_are_refused(tmp_path, geometry_calls):
+    """QA: `--layers 0-2` on a 3-layer model (every layer, the default) was refused as "other settings". Selection
+    settings are compared by the modules they plan: equivalent spellings rescan (nothing recomputed, the bundle
+    keeps its own spelling, so its files and identity are untouched); a spelling that plans other modules, or any
+    other setting, is refused as before."""
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+    from plate_inspect.targets import parse_layers
+
+    model = plate_inspect.testing.synthetic.write_llama_like(tmp_path / "m", layers=3, hidden=32, intermediate=48).path
+    layers_there = sorted({int(n.split(".")[2]) for n in load_all(model) if n.startswith("model.layers.")})
+    assert layers_there == [0, 1, 2]  # the oracle: what "all layers" is for this checkpoint
+    out = tmp_path / "b"
+    first = plate_inspect.scan(model, out, r=R)
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "scan_stats.json"}
+    geometry_calls.clear()
+    for layers in ([0, 1, 2], parse_layers("0-2"), parse_layers("0,1,2"), parse_layers("2,0-1,1"), [2, 1, 0, 0]):
+        again = plate_inspect.scan(model, out, r=R, layers=layers)
+        assert geometry_calls == [] and again.stats()["modules_resumed"] == 21, layers
+        assert again.settings == first.settings and again.manifest.identity == first.manifest.identity
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "scan_stats.json"} == files
+    cli_run = CliRunner().invoke(cli, ["scan", str(model), "--out", str(out), "--r", str(R), "--layers", "0-2", "-q"])
+    assert cli_run.exit_code == 0, cli_run.output
+    assert geometry_calls == []
+    # truly different: other layers (named, with the module counts), or another r (layers spelled equivalently)
+    with pytest.raises(plate_inspect.BundleError, match=r"layers None there, \(0, 1\) here; 21 modules there, 14 here"):
+        plate_inspect.scan(model, out, r=R, layers=[0, 1])
+    with pytest.raises(plate_inspect.BundleError, match=rf"other settings \(r {R} there, {R + 1} here\); replace"):
+        plate_inspect.scan(model, out, r=R + 1, layers=[0, 1, 2])
+
+    # target modules: order and duplicates do not matter, the modules they select do
+    out = tmp_path / "t"
+    picked = plate_inspect.scan(model, out, r=R, target_modules=["q_proj", "v_proj"], layers=[0, 2])
+    assert len(picked) == 4
+    geometry_calls.clear()
+    for names, layers in [(["v_proj", "q_proj"], [2, 0]), (["v_proj", "q_proj", "v_proj"], [0, 2, 2])]:
+        again = plate_inspect.scan(model, out, r=R, target_modules=names, layers=layers)
+        assert geometry_calls == [] and again.settings == picked.settings
+        assert again.manifest.identity == picked.manifest.identity
+    with pytest.raises(plate_inspect.BundleError, match=r"target_modules \('q_proj', 'v_proj'\) there, \('q_proj',\)"):
+        plate_inspect.scan(model, out, r=R, target_modules=["q_proj"], layers=[0, 2])
+
+
+class _Stop(Exception):
+    """Stands for Ctrl-C or a kill in the middle of a scan."""
+
+
+def test_resumed_rescan_counts_the_modules_the_interrupted_run_recomputed(tmp_path, qwen_ckpt):
+    """QA: a rescan of changed weights, interrupted and resumed, said "3 of 14 modules changed" counting only the
+    resumed run's modules. The count is now since the bundle was made, across the interruption, and the line says
+    which run recomputed what. Oracle: sha256 of the weights as safetensors loads them, before and after."""
+    model = tmp_path / "model"
+    shutil.copytree(qwen_ckpt.path, model)
+    out = tmp_path / "b"
+    plate_inspect.scan(model, out, r=R)
+    shutil.rmtree(model)
+    shutil.copytree(qwen_ckpt.path, model)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    for module in ("layers.0.self_attn.q_proj", "layers.0.mlp.up_proj", "layers.1.self_attn.v_proj",
+                   "layers.1.mlp.gate_proj", "layers.1.mlp.down_proj"):  # fmt: skip
+        shard = model / index["weight_map"][f"model.{module}.weight"]
+        tensors = load_file(str(shard))
+        tensors[f"model.{module}.weight"] = (tensors[f"model.{module}.weight"].float() * 1.5).to(torch.bfloat16)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    before, after = load_all(qwen_ckpt.path), load_all(model)
+    changed = {n[: -len(".weight")] for n in before if sha256_of(before[n]) != sha256_of(after[n])}
+    changed_layer0 = {n for n in changed if ".layers.0." in n}
+    assert len(changed) == 5 and len(changed_layer0) == 2
+
+    def stop_in_layer_1(event):  # layer 0's part (7 modules) is written, layer 1 is being computed
+        if event.done == 10:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        plate_inspect.scan(model, out, r=R, progress=stop_in_layer_1)
+    partial = Bundle.load(out, require_complete=False)
+    redone = {n for n in changed if partial.record(n).fingerprint == sha256_of(after[n + ".weight"])}
+    assert redone == changed_layer0  # the interrupted run recomputed layer 0's changed modules, not layer 1's
+    resumed = plate_inspect.scan(model, out, r=R)
+    stats = resumed.stats()
+    assert stats["modules_changed"] == len(changed)
+    assert stats["modules_changed_earlier"] == len(changed_layer0)
+    assert (stats["modules_scanned"], stats["modules_resumed"], stats["resumed"]) == (3, 11, True)
+    from plate_inspect.cli.scan import reuse_line
+
+    assert reuse_line(stats) == (
+        "resumed an interrupted rescan: 5 of 14 modules changed since the bundle was made; recomputed 2 in the "
+        "interrupted run and 3 in this one, kept 9 unchanged"
+    )
+    assert "rescan_baseline" not in json.loads((out / "manifest.json").read_text())  # finished: no baseline left
+    fresh = plate_inspect.scan(model, tmp_path / "fresh", r=R)
+    same_files(out, fresh.path)
+    # a finished rescan of the finished bundle: nothing changed since it was made
+    again = plate_inspect.scan(model, out, r=R).stats()
+    assert (again["modules_changed"], again["modules_scanned"], again["resumed"]) == (0, 0, False)
+
+
+def test_a_bundle_with_every_module_written_but_not_finalised_says_so(tmp_path, qwen_ckpt, monkeypatch, geometry_calls):
+    """QA: a scan stopped after its last part but before the manifest was marked complete was described as
+    "incomplete (14/14 modules)" by info, verify and scan. They now say that every module is written and the bundle
+    is not finalised, and that rerunning the same scan finishes it (recomputing nothing)."""
+    from click.testing import CliRunner
+
+    from plate_inspect.bundle import BundleWriter
+    from plate_inspect.cli.main import cli
+
+    def killed_before_the_manifest(self, stats=None):
+        raise _Stop
+
+    out = tmp_path / "b"
+    monkeypatch.setattr(BundleWriter, "finalize", killed_before_the_manifest)
+    with pytest.raises(_Stop):
+        plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    monkeypatch.undo()
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+    assert len(list(out.glob("layer-*.safetensors"))) == 2  # every part is there
+    for call in (lambda: Bundle.load(out), lambda: verify(out)):
+        with pytest.raises(plate_inspect.BundleError) as err:
+            call()
+        assert "all 14 modules are written" in str(err.value) and "not finalised" in str(err.value)
+        assert "rerun the same scan command to finish it" in str(err.value) and "14/14" not in str(err.value)
+    runner = CliRunner()
+    info = runner.invoke(cli, ["info", str(out)])
+    assert info.exit_code == 0 and "all 14 modules written, not finalised" in info.output, info.output
+    assert "14/14" not in info.output and "incomplete" not in info.output.lower()
+    checked = runner.invoke(cli, ["verify", str(out)])
+    assert checked.exit_code == 2 and "error:" in checked.output and "not finalised" in checked.output
+    other = runner.invoke(cli, ["scan", str(qwen_ckpt.path), "--out", str(out), "--r", str(R + 1), "-q"])
+    assert (
+        other.exit_code == 2
+        and "holds an unfinished (all 14 modules written, not finalised) bundle made with "
+        "other settings (r 8 there, 9 here)"
+        in " ".join(other.output.split())
+    ), other.output
+    geometry_calls.clear()
+    finished = runner.invoke(cli, ["scan", str(qwen_ckpt.path), "--out", str(out), "--r", str(R), "-q"])
+    assert finished.exit_code == 0, finished.output
+    assert "finished an interrupted scan: all 14 modules were already written" in " ".join(finished.output.split())
+    assert geometry_calls == [] and Bundle.load(out).manifest.complete
+    # a scan stopped halfway still says how far it got
+    (out / "layer-00001.safetensors").unlink()
+    data = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**data, "complete": False, "modules": {}, "identity": ""}))
+    with pytest.raises(plate_inspect.BundleError, match="incomplete: 7 of 14 modules written.*resume it"):
+        Bundle.load(out)
+
+
+def test_resumed_fresh_scan_does_not_claim_a_finished_bundle_changed(tmp_path, qwen_ckpt):
+    """An interrupted first scan, resumed after one weight changed: no finished bundle existed, so the line says
+    what this run kept and computed and why, instead of "1 of 14 modules changed since the bundle was made"."""
+    from plate_inspect.cli.scan import reuse_line
+
+    model = tmp_path / "model"
+    shutil.copytree(qwen_ckpt.path, model)
+    out = tmp_path / "b"
+
+    def stop_in_layer_1(event):
+        if event.done == 10:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        plate_inspect.scan(model, out, r=R, progress=stop_in_layer_1)
+    shutil.rmtree(model)
+    change_one_weight(qwen_ckpt.path, model, "model.layers.0.mlp.up_proj")
+    stats = plate_inspect.scan(model, out, r=R).stats()
+    assert (stats["resumed"], stats["modules_changed"], stats["modules_scanned"], stats["modules_resumed"]) == (
+        True, 1, 8, 6,
+    )  # fmt: skip
+    assert reuse_line(stats) == (
+        "resumed an interrupted scan: kept 6 finished modules, computed 8 (of 14), 1 of them because their weights "
+        "changed since the interrupted run wrote them"
+    )
+    same_files(out, plate_inspect.scan(model, tmp_path / "fresh", r=R).path)
+    # resumed without any change: kept and computed, nothing about changes
+    with pytest.raises(_Stop):
+        plate_inspect.scan(model, tmp_path / "c", r=R, progress=stop_in_layer_1)
+    again = plate_inspect.scan(model, tmp_path / "c", r=R).stats()
+    assert reuse_line(again) == "resumed an interrupted scan: kept 7 finished modules, computed 7 (of 14)"

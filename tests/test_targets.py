@@ -93,3 +93,144 @@ def test_parse_layers_and_names():
         parse_layers("a-b")
     assert module_type_of("model.layers.12.mlp.up_proj") == "mlp.up_proj"
     assert layer_of("h.3.attn.c_attn") == 3 and layer_of("fc1") is None
+
+
+# --------------------------------------------------------------------------- which layers are MoE, per config.json
+def _with_config(path, text_config=False, **changes):
+    """Rewrite the checkpoint's config.json with ``changes`` (in text_config for multimodal wrappers); reopen it."""
+    config = json.loads((path / "config.json").read_text())
+    (config["text_config"] if text_config else config).update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return Checkpoint.open(path)
+
+
+def _experts_by_layer(path) -> dict[int, bool]:
+    """Oracle: whether each decoder layer (DeepSeek's multi-token-prediction layer left out, as a scan leaves it)
+    holds routed experts, from the tensor names safetensors lists."""
+    from safetensors import safe_open
+
+    config = json.loads((path / "config.json").read_text())
+    n_layers = config.get("text_config", config)["num_hidden_layers"]
+    out: dict[int, bool] = {}
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                parts = name.split(".")
+                if "layers" in parts and "vision_model" not in parts:
+                    layer = int(parts[parts.index("layers") + 1])
+                    out[layer] = out.get(layer, False) or ".experts." in name
+    return {layer: moe for layer, moe in out.items() if layer < n_layers}
+
+
+@pytest.mark.parametrize(
+    ("family", "written", "contradiction", "match"),
+    [
+        # Qwen-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+        (
+            "qwen2_moe",
+            {},
+            {"mlp_only_layers": []},
+            r"layer 0: config.json makes it a mixture-of-experts layer \(mlp_only_layers = \[\] does not list it, "
+            r"and decoder_sparse_step = 1\), but the checkpoint holds a dense feed-forward "
+            r"\('model.layers.0.mlp.down_proj.weight'\)",
+        ),
+        (
+            "qwen2_moe",
+            {},
+            {"mlp_only_layers": [0, 1]},
+            r"layer 1: model.safetensors holds routed experts there "
+            r"\('model.layers.1.mlp.experts.0.down_proj.weight'\), but config.json makes layer 1 a dense layer "
+            r"\(mlp_only_layers = \[0, 1\] lists it\)",
+        ),
+        (
+            "qwen3_moe",
+            {"mlp_only_layers": [0], "decoder_sparse_step": 2},
+            {"decoder_sparse_step": 3},
+            r"layer 1: .*holds routed experts there .*a dense layer \(decoder_sparse_step = 3: MoE layers are those "
+            r"with \(index \+ 1\) % 3 == 0\)",
+        ),
+        (
+            "qwen3_moe",
+            {},
+            {"decoder_sparse_step": 2},
+            r"layer 0: .*holds routed experts there .*a dense layer "
+            r"\(decoder_sparse_step = 2: MoE layers are those with \(index \+ 1\) % 2 == 0\)",
+        ),
+        # DeepSeek: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0
+        (
+            "deepseek_v3",
+            {},
+            {"first_k_dense_replace": 2},
+            r"layer 1: .*holds routed experts there .*a dense layer "
+            r"\(first_k_dense_replace = 2: layers 0-1 are dense\)",
+        ),
+        (
+            "deepseek_v3",
+            {},
+            {"first_k_dense_replace": 0},
+            r"layer 0: config.json makes it a mixture-of-experts layer "
+            r"\(first_k_dense_replace = 0, moe_layer_freq = 1\), but the checkpoint holds a dense feed-forward",
+        ),
+        (
+            "deepseek_v2",
+            {},
+            {"moe_layer_freq": 2},
+            r"layer 1: .*a dense layer \(moe_layer_freq = 2: MoE layers are "
+            r"those with index % 2 == 0\)",
+        ),
+        # Llama-4: layer i is MoE iff i in moe_layers (default: (i + 1) % interleave_moe_layer_step == 0)
+        (
+            "llama4",
+            {},
+            {"interleave_moe_layer_step": 1},
+            r"layer 0: config.json makes it a mixture-of-experts layer "
+            r"\(interleave_moe_layer_step = 1\), but the checkpoint holds a dense feed-forward "
+            r"\('language_model.model.layers.0.feed_forward.down_proj.weight'\)",
+        ),
+        (
+            "llama4",
+            {},
+            {"moe_layers": [0]},
+            r"layer 0: config.json makes it a mixture-of-experts layer "
+            r"\(moe_layers = \[0\] lists it\)",
+        ),
+    ],
+)
+def test_moe_layers_checked_against_the_config(tmp_path, family, written, contradiction, match):
+    """QA: a layer config.json says is dense but that holds experts (or the reverse) scanned silently. Now it is
+    refused naming the layer and the config field, as transformers would build the layer otherwise; a checkpoint
+    written as its config says (the generator follows the same fields) scans as before."""
+    from plate_inspect.errors import CorruptCheckpointError
+    from plate_inspect.testing.synthetic import MULTIMODAL, write_family
+
+    ckpt = write_family(tmp_path / "m", family, **written)
+    sparse = _experts_by_layer(ckpt.path)
+    chosen, _ = select_targets(Checkpoint.open(ckpt.path))
+    assert {t.layer for t in chosen if t.expert is not None} == {i for i, moe in sparse.items() if moe}
+    broken = _with_config(ckpt.path, text_config=family in MULTIMODAL, **contradiction)
+    with pytest.raises(CorruptCheckpointError, match=match) as err:
+        select_targets(broken)
+    assert "config.json do not match: use the config.json that came with these weights" in str(err.value)
+    # only the layers whose feed-forward modules are scanned are checked: attention alone still scans
+    assert select_targets(broken, [r"^(language_model\.)?model\.layers\.\d+\.self_attn\.o_proj$"])[0]
+
+
+def test_moe_layer_fields_of_the_wrong_type_are_refused(tmp_path):
+    from plate_inspect.errors import CorruptCheckpointError
+    from plate_inspect.testing.synthetic import write_family
+
+    ckpt = write_family(tmp_path / "m", "qwen2_moe")
+    written = (ckpt.path / "config.json").read_text()
+    for key, value, match in [
+        ("mlp_only_layers", "0", "mlp_only_layers must be a list of layer indices, got '0'"),
+        ("decoder_sparse_step", 0, "decoder_sparse_step must be an integer >= 1, got 0"),
+        ("decoder_sparse_step", True, "decoder_sparse_step must be an integer >= 1, got True"),
+    ]:
+        with pytest.raises(CorruptCheckpointError, match=match):
+            select_targets(_with_config(ckpt.path, **{key: value}))
+        (ckpt.path / "config.json").write_text(written)
+    # absent fields: nothing to check against (as before)
+    config = json.loads((ckpt.path / "config.json").read_text())
+    del config["mlp_only_layers"], config["decoder_sparse_step"]
+    (ckpt.path / "config.json").write_text(json.dumps(config))
+    assert select_targets(Checkpoint.open(ckpt.path))[0]

@@ -19,6 +19,7 @@ an iterable of inputs; :func:`hf_text_alignment` runs a local Hugging Face model
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -388,6 +389,22 @@ def special_token_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], 
     return [], []
 
 
+class SeqLenCappedWarning(UserWarning):
+    """The requested window is longer than the model's position embeddings; the windows were made shorter."""
+
+
+def capped_seq_len(seq_len: int, max_positions: int | None) -> tuple[int, str | None]:
+    """(the window length used, a note when it is not the one asked for): a window never exceeds the model's
+    ``max_position_embeddings`` (longer inputs would index past its position table)."""
+    if not max_positions or seq_len <= int(max_positions):
+        return seq_len, None
+    cap = int(max_positions)
+    return cap, (
+        f"windows of {seq_len} tokens (CLI: --seq-len) exceed the model's max_position_embeddings ({cap}): "
+        f"windows of {cap} tokens are used instead (special tokens included)"
+    )
+
+
 def hf_text_inputs(
     tokenizer: PreTrainedTokenizerBase, text: str, seq_len: int = 256, max_tokens: int | None = None
 ) -> list[dict]:
@@ -414,14 +431,24 @@ def hf_text_alignment(
     n_random: int = 8,
     seed: int = 0,
     progress: ProgressCallback | None = None,
+    notes: Callable[[str], None] | None = None,
 ) -> list[AlignmentRecord]:
-    """Alignment records for a local HF model dir run on ``text`` (unpadded windows, so no pad tokens count)."""
+    """Alignment records for a local HF model dir run on ``text`` (unpadded windows, so no pad tokens count).
+
+    A ``seq_len`` beyond the model's ``max_position_embeddings`` is capped there, and said so: through ``notes``
+    (one call with the sentence; the CLI prints it on stderr), else as a :class:`SeqLenCappedWarning`.
+    """
     ks = _check_ks(ks)
+    if seq_len < 2:
+        raise ConfigError(f"seq_len must be at least 2 (CLI: --seq-len), got {seq_len}")
     model, tokenizer = load_hf_model(model_dir)
     _check_ks(ks, select_linear_modules(model, target_modules))  # before any forward pass
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos:
-        seq_len = min(seq_len, int(max_pos))
+    seq_len, note = capped_seq_len(seq_len, getattr(model.config, "max_position_embeddings", None))
+    if note is not None:
+        if notes is not None:
+            notes(note)
+        else:
+            warnings.warn(note, SeqLenCappedWarning, stacklevel=2)
     inputs = hf_text_inputs(tokenizer, text, seq_len=seq_len, max_tokens=max_tokens)
     moments = collect_input_moments(model, inputs, target_modules, progress=progress)
     modules = dict(model.named_modules())

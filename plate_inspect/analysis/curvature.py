@@ -440,20 +440,36 @@ class CurvatureRecord:
         return self.lam / self.bound if self.bound > 0 else float("inf")
 
     def to_json(self) -> dict[str, Any]:
-        """The ``--json`` record: the issue's keys, then the bound check (beta, lambda_gn, bound, bound_ratio)."""
-        return {
-            "family": self.family,
-            "dim": self.dim,
-            "lambda": self.lam,
-            "eps": self.eps,
-            "gn_share_median": self.gn_share_median,
-            "residual_ratio_median": self.residual_ratio_median,
-            "forgetting_curve": [[float(r), float(f)] for r, f in self.forgetting_curve],
-            "beta": self.beta,
-            "lambda_gn": self.lam_gn,
-            "bound": self.bound,
-            "bound_ratio": self.bound_ratio,
-        }
+        """The ``--json`` record: the issue's keys, then the bound check (beta, lambda_gn, bound, bound_ratio).
+
+        Strict JSON: an undefined value (a median over no probes, a ratio to a zero bound) is None, never NaN/inf,
+        which ``json.dumps`` would write as the non-JSON tokens ``NaN`` / ``Infinity``."""
+        return _finite_or_none(
+            {
+                "family": self.family,
+                "dim": self.dim,
+                "lambda": self.lam,
+                "eps": self.eps,
+                "gn_share_median": self.gn_share_median,
+                "residual_ratio_median": self.residual_ratio_median,
+                "forgetting_curve": [[float(r), float(f)] for r, f in self.forgetting_curve],
+                "beta": self.beta,
+                "lambda_gn": self.lam_gn,
+                "bound": self.bound,
+                "bound_ratio": self.bound_ratio,
+            }
+        )
+
+
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float (in dicts and lists, recursively) replaced by None."""
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def random_unit_probes(dim: int, n: int, seed: int) -> np.ndarray:
@@ -575,9 +591,14 @@ class DigitsSetup:
 def digits_stage1(
     out_dir: str | os.PathLike, epochs: int = 30, seed: int = 0, r: int = 8, tau: float = 0.98, max_rank: int = 256
 ) -> DigitsSetup:
-    """Train the digits MLP on task 1, save it as safetensors, scan fc1/fc2/fc3 into a PLATE bundle."""
+    """Train the digits MLP on task 1, save it as safetensors, scan fc1/fc2/fc3 into a PLATE bundle.
+
+    The scan settings are checked first: a bad ``tau`` is refused before the training, not after it."""
     from plate_inspect.experiments import digits
+    from plate_inspect.geometry import validate_settings
     from plate_inspect.scanner import scan
+
+    validate_settings(r=r, tau=tau, max_rank=max_rank)
 
     out_dir = make_dirs(out_dir, "the output directory")
     task1, _ = digits.load_digit_tasks()

@@ -14,17 +14,20 @@ probabilities, averaged over the task-1 test inputs. Summaries: mean and 95% CI 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
 import statistics
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plate_inspect.atomic import make_dirs
+from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import (
@@ -33,6 +36,7 @@ from plate_inspect.experiments.methods import (
     Budget,
     StageOne,
     backbone_params,
+    check_budget,
     default_budgets,
     prepare,
 )
@@ -85,13 +89,56 @@ class ContinualSettings:
         return replace(s, budgets={m: default_budgets(m)[:1] for m in s.methods})
 
     def validate(self) -> None:
+        """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
+        be counted as a second seed: a fake confidence interval)."""
         if self.data not in digits.DATA_SETS:
             raise ConfigError(f"unknown data set '{self.data}'; choose one of {', '.join(digits.DATA_SETS)}")
+        if not self.methods:
+            raise ConfigError(f"no methods given; choose from {', '.join(METHODS)}")
         for m in self.methods:
             if m not in METHODS:
                 raise ConfigError(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
-        if not self.steps or min(self.steps) < 1 or self.stage1_steps < 1:
-            raise ConfigError(f"steps must be >= 1 (got stage 2 {self.steps}, stage 1 {self.stage1_steps})")
+        steps = (*self.steps, self.stage1_steps)
+        if not self.steps or not all(_is_int(v) and v >= 1 for v in steps):
+            raise ConfigError(f"steps must be integers >= 1 (got stage 2 {self.steps}, stage 1 {self.stage1_steps})")
+        for what, values in (("methods (CLI: --methods)", self.methods), ("steps (CLI: --steps)", self.steps)):
+            if len(set(values)) != len(values):
+                raise ConfigError(f"{what} lists {', '.join(map(str, _repeated(values)))} twice; give each once")
+        for m in self.methods:
+            budgets = self.budgets_of(m)
+            for b in budgets:
+                check_budget(m, b)
+            if len({b.id for b in budgets}) != len(budgets):
+                raise ConfigError(f"{m}: budget ids {', '.join(_repeated([b.id for b in budgets]))} repeat")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _repeated(values: Any) -> list[str]:
+    """The values that occur more than once, in order of their second occurrence."""
+    seen: set[Any] = set()
+    twice: list[str] = []
+    for v in values:
+        if v in seen and str(v) not in twice:
+            twice.append(str(v))
+        seen.add(v)
+    return twice
+
+
+def seed_list(seeds: int | list[int]) -> list[int]:
+    """``seeds`` as a list (a count K -> 0..K-1): distinct integers >= 0, else ConfigError (a seed listed twice would
+    be summarised as two seeds)."""
+    values = list(range(seeds)) if _is_int(seeds) else list(seeds)
+    if not values:
+        raise ConfigError(f"seeds must be at least 1 (got {seeds!r})")
+    bad = [v for v in values if not (_is_int(v) and v >= 0)]
+    if bad:
+        raise ConfigError(f"seeds must be integers >= 0, got {bad[0]!r}")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"seed {_repeated(values)[0]} is listed twice; give each seed once")
+    return values
 
 
 @dataclass
@@ -224,9 +271,77 @@ def run_one(
 
 
 def _read_jsonl(path: Path) -> list[RunRecord]:
+    """The finished runs of ``path``. A torn last line (the process died while appending it: no newline after it)
+    is left out, so that run runs again; any other unreadable line is a ConfigError naming the file and line."""
     if not path.exists():
         return []
-    return [RunRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(RunRecord(**json.loads(line)))
+        except (ValueError, TypeError) as e:
+            if number == len(lines):  # the unterminated tail of an interrupted append
+                break
+            raise ConfigError(
+                f"{path}: line {number} is not a run record ({e}); delete that line (its run reruns) or choose "
+                "another --out"
+            ) from None
+    return records
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut an unterminated last line off ``path`` (a torn append) so the next record starts on a line of its own."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        atomic_write(path, text[: text.rfind("\n") + 1])
+
+
+def _append_record(path: Path, rec: RunRecord) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(asdict(rec)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def writing_errors(out: Path, kept: str) -> Iterator[None]:
+    """An OSError while writing under ``out`` (disk full, read-only file system, a file in the way) as a one-line
+    ConfigError naming the file; ``kept`` says what is saved so far."""
+    try:
+        yield
+    except OSError as e:
+        where = Path(e.filename) if e.filename else out
+        temp = re.fullmatch(r"\.(.+)\.[0-9a-f]{12}\.tmp", where.name)  # atomic_write's temporary file: name the target
+        if temp:
+            where = where.with_name(temp.group(1))
+        reason = os_error_reason(where, e)
+        todo = "free space or choose another --out" if reason == "disk full" else "choose another --out"
+        raise ConfigError(f"{where}: cannot write ({reason}); {kept}; {todo}") from None
+
+
+def settings_diff(old: Any, new: dict[str, Any]) -> str:
+    """How the settings ``old`` (as read back from JSON) differ from ``new``: "a: x -> y; ..." ("" when they agree)."""
+    if not isinstance(old, dict):
+        return f"no readable settings recorded ({_brief(old)})"
+    new = json.loads(json.dumps(new))  # as JSON reads it back: tuples -> lists
+    keys = [k for k in sorted(set(old) | set(new)) if k not in _NOT_IDENTITY and old.get(k) != new.get(k)]
+    if "methods" in keys and "budgets" in keys:  # other methods have other budgets: that says nothing more
+        keys.remove("budgets")
+    return "; ".join(f"{k}: {_brief(old.get(k))} -> {_brief(new.get(k))}" for k in keys)
+
+
+_NOT_IDENTITY = ("data_root",)  # where the data files are read from does not change a run
+
+
+def _brief(value: Any, width: int = 60) -> str:
+    text = json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def run_continual(
@@ -244,40 +359,51 @@ def run_continual(
     """
     s = settings or ContinualSettings()
     s.validate()
-    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    if not seed_list:
-        raise ConfigError("seeds must be at least 1")
+    seeds_run = seed_list(seeds)
+    task1, task2 = digits.load_tasks(s.data, s.data_root)  # a missing data set is refused before OUT is touched
     out = make_dirs(out_dir, "the output directory")
-    settings_json = json.dumps(_settings_dict(s), indent=2, sort_keys=True) + "\n"
+    settings = _settings_dict(s)
+    settings_json = json.dumps(settings, indent=2, sort_keys=True) + "\n"
     jsonl = out / "runs.jsonl"
     settings_path = out / "settings.json"
-    if jsonl.exists() and (not settings_path.exists() or settings_path.read_text() != settings_json):
-        raise ConfigError(f"{out}: holds runs made with other settings (settings.json differs); choose another --out")
-    settings_path.write_text(settings_json)
+    if jsonl.exists():
+        try:
+            differ = settings_diff(json.loads(settings_path.read_text()), settings)
+        except (OSError, ValueError):
+            differ = "settings.json is missing or unreadable"
+        if differ:
+            raise ConfigError(
+                f"{out}: holds runs made with other settings ({differ}); rerun with the same options to resume, "
+                "or choose another --out"
+            )
+    kept = f"the runs that finished are kept in {jsonl}: rerun the same command to resume"
+    with writing_errors(out, kept):
+        atomic_write(settings_path, settings_json)
+        _drop_torn_tail(jsonl)
     done = {r.key: r for r in _read_jsonl(jsonl)}
-    task1, task2 = digits.load_tasks(s.data, s.data_root)
-    todo = plan(s, seed_list)
+    todo = plan(s, seeds_run)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 3-layer MLP: threads only add overhead (and contend on a shared machine)
     finished = sum(1 for seed, st, m, b in todo if (m, b.id, seed, st) in done)
     counter = ProgressCounter(progress, len(todo), "runs", done=finished)
     counter.start()
     try:
-        for seed in seed_list:
-            mine = [r for r in todo if r[0] == seed and (r[2], r[3].id, seed, r[1]) not in done]
-            if not mine:
-                continue
-            stage1, acc_before, logits_before = stage_one(out, seed, s, task1)
-            for _, steps, method, budget in mine:
-                rec = run_one(stage1, acc_before, logits_before, method, budget, steps, task2, s)
-                with jsonl.open("a") as f:
-                    f.write(json.dumps(asdict(rec)) + "\n")
-                done[rec.key] = rec
-                counter.step(f"seed {seed} steps {steps}: {method} {budget.id}")
+        with writing_errors(out, kept):
+            for seed in seeds_run:
+                mine = [r for r in todo if r[0] == seed and (r[2], r[3].id, seed, r[1]) not in done]
+                if not mine:
+                    continue
+                stage1, acc_before, logits_before = stage_one(out, seed, s, task1)
+                for _, steps, method, budget in mine:
+                    rec = run_one(stage1, acc_before, logits_before, method, budget, steps, task2, s)
+                    _append_record(jsonl, rec)
+                    done[rec.key] = rec
+                    counter.step(f"seed {seed} steps {steps}: {method} {budget.id}")
     finally:
         torch.set_num_threads(torch_threads)
     records = [done[(m, b.id, seed, st)] for seed, st, m, b in todo]
-    return write_outputs(out, records, s, console=console)
+    with writing_errors(out, kept):
+        return write_outputs(out, records, s, console=console)
 
 
 def _settings_dict(s: ContinualSettings) -> dict[str, Any]:
@@ -295,9 +421,9 @@ def write_outputs(
     data = [asdict(r) for r in records]
     validate_records(data)
     results_json = out / "results.json"
-    results_json.write_text(json.dumps(data, indent=2) + "\n")
+    atomic_write(results_json, json.dumps(data, indent=2) + "\n")
     rows = summarize(records)
-    (out / "summary.md").write_text(markdown_report(rows) + "\n")
+    atomic_write(out / "summary.md", markdown_report(rows) + "\n")
     html = write_html(rows, out / "continual.html", title=f"{s.data}: classes 0-4 -> 5-9")
     if console is not None:
         seeds = sorted({r.seed for r in records})
@@ -310,16 +436,27 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
     out = Path(out)
     if not (out / "runs.jsonl").exists():
         raise ConfigError(f"{out}: no runs.jsonl here; run `plate-inspect experiment continual --out {out}` first")
-    raw = json.loads((out / "settings.json").read_text())
-    raw["budgets"] = {m: [Budget(**b) for b in bs] for m, bs in raw["budgets"].items()}
-    for key in ("methods", "steps"):
-        raw[key] = tuple(raw[key])
-    return _read_jsonl(out / "runs.jsonl"), ContinualSettings(**raw)
+    try:
+        raw = json.loads((out / "settings.json").read_text())
+        raw["budgets"] = {m: [Budget(**b) for b in bs] for m, bs in raw["budgets"].items()}
+        for key in ("methods", "steps"):
+            raw[key] = tuple(raw[key])
+        settings = ContinualSettings(**raw)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(
+            f"{out / 'settings.json'}: missing or unreadable ({type(e).__name__}: {e}); it is written by "
+            f"`plate-inspect experiment continual --out {out}`: rerun that command with the run's options"
+        ) from None
+    records = _read_jsonl(out / "runs.jsonl")
+    if not records:
+        raise ConfigError(f"{out / 'runs.jsonl'}: holds no finished run yet; nothing to report")
+    return records, settings
 
 
 # --------------------------------------------------------------------------- aggregation
 def summarize(records: list[RunRecord]) -> list[dict[str, Any]]:
-    """Mean and 95% CI over seeds per (data, steps, method, budget); accuracies/forgetting in %, KL raw."""
+    """Mean and 95% CI over seeds per (data, steps, method, budget); accuracies/forgetting in %, KL raw; the trainable
+    count's mean and its range over seeds (it differs by seed for PLATE and its ablations)."""
     groups: dict[tuple[str, int, str, str], list[RunRecord]] = {}
     for rec in records:
         groups.setdefault((rec.data, rec.steps, rec.method, rec.budget), []).append(rec)
@@ -331,7 +468,10 @@ def summarize(records: list[RunRecord]) -> list[dict[str, Any]]:
             "method": method,
             "budget": budget,
             "seeds": len(recs),
-            "trainable_params": recs[0].trainable_params,
+            # PLATE's k (hence its count) comes from each seed's weights: the mean for sorting, the range for tables
+            "trainable_params": round(statistics.fmean(r.trainable_params for r in recs)),
+            "trainable_min": min(r.trainable_params for r in recs),
+            "trainable_max": max(r.trainable_params for r in recs),
             "data_using": recs[0].data_using,
         }
         values = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from plate_inspect.atomic import atomic_write
 from plate_inspect.experiments.methods import METHODS
 
 COLORS = {
@@ -35,6 +36,13 @@ def _pm(row: dict[str, Any], key: str, fmt: str) -> str:
     """The mean and its 95% half-width; one seed has no interval ("± n/a", not a misleading "± 0.00")."""
     half = "n/a" if row.get("seeds", 2) < 2 else f"{row[key + '_ci']:{fmt}}"
     return f"{row[key]:{fmt}} ± {half}"
+
+
+def trainable_text(row: dict[str, Any]) -> str:
+    """The trainable count of a summary row: one number, or the range over seeds where it differs (PLATE's k comes
+    from each seed's weights), so that it agrees with the % column (the mean over seeds)."""
+    lo, hi = row.get("trainable_min", row["trainable_params"]), row.get("trainable_max", row["trainable_params"])
+    return f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
 
 
 def _error_bars(sel: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -78,7 +86,7 @@ def rich_table(rows: list[dict[str, Any]], title: str):
             str(r["steps"]),
             _label(r),
             r["budget"],
-            f"{r['trainable_params']:,}",
+            trainable_text(r),
             f"{r['trainable_pct']:.2f}",
             str(r["seeds"]),
             _pm(r, "forgetting", ".2f"),
@@ -104,7 +112,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     ]
     for r in _ordered(rows):
         lines.append(
-            f"| {r['steps']} | {_label(r)} | {r['budget']} | {r['trainable_params']:,} | {r['trainable_pct']:.2f} | "
+            f"| {r['steps']} | {_label(r)} | {r['budget']} | {trainable_text(r)} | {r['trainable_pct']:.2f} | "
             f"{r['seeds']} | {r['task1_acc_before']:.2f} | {_pm(r, 'forgetting', '.2f')} | "
             f"{_pm(r, 'task2_acc', '.2f')} | {_pm(r, 'kl_task1', '.4f')} |"
         )
@@ -120,7 +128,7 @@ def ablation_rows(rows: list[dict[str, Any]], steps: int) -> list[list[str]]:
         [
             r["budget"],
             r["method"],
-            f"{r['trainable_params']:,}",
+            trainable_text(r),
             _pm(r, "forgetting", ".2f"),
             _pm(r, "task2_acc", ".2f"),
             _pm(r, "kl_task1", ".4f"),
@@ -197,9 +205,9 @@ def frontier_figure(rows: list[dict[str, Any]], steps: int, title: str):
                 name=_label(sel[0]),
                 marker={"color": COLORS[method], "size": 9},
                 line={"dash": "dot" if method.startswith("plate_") else "solid"},
-                customdata=[[r["trainable_params"], r["trainable_pct"], r["kl_task1"], r["seeds"]] for r in sel],
+                customdata=[[trainable_text(r), r["trainable_pct"], r["kl_task1"], r["seeds"]] for r in sel],
                 hovertemplate=(
-                    "%{text}<br>forgetting %{x:.2f} pts<br>task-2 %{y:.2f}%<br>trainable %{customdata[0]:,}"
+                    "%{text}<br>forgetting %{x:.2f} pts<br>task-2 %{y:.2f}%<br>trainable %{customdata[0]}"
                     " (%{customdata[1]:.2f}%)<br>KL %{customdata[2]:.4f}<br>seeds %{customdata[3]}<extra></extra>"
                 ),
             )
@@ -276,5 +284,5 @@ def write_html(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
         + "</body></html>\n"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(html)
+    atomic_write(path, html)
     return path

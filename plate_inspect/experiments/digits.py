@@ -175,10 +175,13 @@ def initial_model(d_in: int, seed: int, n_classes: int = 5, n_tasks: int = 2) ->
 
 
 def save_model(model: nn.Module, path) -> None:
-    """The model's state dict as one safetensors file."""
-    from safetensors.torch import save_file
+    """The model's state dict as one safetensors file, written atomically (a crash leaves the old file or none, never
+    half of one; a full disk raises OSError instead of safetensors' own error)."""
+    from safetensors.torch import save
 
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))
+    from plate_inspect.atomic import atomic_write
+
+    atomic_write(path, save({k: v.detach().contiguous() for k, v in model.state_dict().items()}))
 
 
 def load_model(path) -> DigitsMLP:

@@ -27,8 +27,8 @@ FILES = {
 }
 HOW_TO_GET = (
     "install Debian's package (sudo apt-get install dataset-fashion-mnist), or put the four IDX .gz files from "
-    "https://github.com/zalandoresearch/fashion-mnist (data/fashion) in a directory and set "
-    "PLATE_INSPECT_FASHION_MNIST=/that/dir"
+    "https://github.com/zalandoresearch/fashion-mnist (data/fashion) in a directory and pass that directory as "
+    "data_root (CLI: --data-root) or set PLATE_INSPECT_FASHION_MNIST=/that/dir"
 )
 
 

@@ -70,6 +70,34 @@ def default_budgets(method: str) -> list[Budget]:
     raise ConfigError(f"unknown method '{method}'; choose from {', '.join(METHODS)}")
 
 
+def budget_keys(method: str) -> tuple[str, ...]:
+    """The config keys a budget of ``method`` must set (what :func:`prepare` reads)."""
+    if method == "full_ft":
+        return ()
+    if method == "l2_init":
+        return ("lam",)
+    if method in LORA_FAMILY:
+        return ("rank",)
+    if method == "osf":
+        return ("n_low",)
+    if method == "plate" or (method.startswith("plate_") and method.removeprefix("plate_") in VARIANTS):
+        return ("r", "tau")
+    raise ConfigError(f"unknown method '{method}'; choose from {', '.join(METHODS)}")
+
+
+def check_budget(method: str, budget: Budget) -> None:
+    """ConfigError, before anything trains, for a budget whose config lacks a key of ``method`` or sets an unknown one
+    (a budget's config is only read when its run starts: a typo would otherwise fail after hours of other runs)."""
+    want = budget_keys(method)
+    config = budget.config if isinstance(budget, Budget) and isinstance(budget.config, dict) else None
+    if config is None or set(config) != set(want):
+        got = sorted(config) if config is not None else budget
+        raise ConfigError(
+            f"{method}: budget {getattr(budget, 'id', budget)!r} has config keys {got}; {method} needs exactly "
+            f"{list(want)} (e.g. {default_budgets(method)[0]})"
+        )
+
+
 def plate_budget(r: int, tau: float) -> Budget:
     return Budget(f"r{r}_tau{tau:g}", {"r": r, "tau": tau})
 

@@ -14,6 +14,10 @@ backbone, so the next task starts from the merged weights:
 
 After each task, every task seen so far is evaluated on its test split with its own head: retention of task j after
 task t is the accuracy matrix entry acc[t][j].
+
+Each finished (seed, method) is saved as ``OUT/seed<N>/<method>/records.json`` with the settings it ran with; a rerun
+with the same settings keeps those and runs only the rest (an interrupted run resumes). ``OUT/sequential.json``
+holds the records and mean matrices of the seeds and methods asked for.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plate_inspect.atomic import make_dirs
+from plate_inspect.atomic import atomic_write, make_dirs
+from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
+from plate_inspect.experiments.continual import _repeated, seed_list, settings_diff, writing_errors
 from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLATE_RHO, backbone_shapes
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 
@@ -112,8 +118,17 @@ def run_method(
     work.mkdir(parents=True, exist_ok=True)
     ckpt = task1_ckpt
     bundle = None
-    if method == "plate":
-        bundle = scan(ckpt, work / "bundle_t1", r=r, tau=tau, max_rank=256, seed=seed, target_modules=list(BACKBONE))
+    if method == "plate":  # overwrite: a rerun recomputes an unfinished (seed, method) from its fresh task-1 model
+        bundle = scan(
+            ckpt,
+            work / "bundle_t1",
+            r=r,
+            tau=tau,
+            max_rank=256,
+            seed=seed,
+            target_modules=list(BACKBONE),
+            overwrite=True,
+        )
     accs: list[tuple[int, int, float]] = []
     n_train = 0
     for t in range(2, N_TASKS + 1):
@@ -154,46 +169,121 @@ def run_sequential(
 ) -> SequentialResult:
     """Run the four-task protocol for every method and seed (a count -> 0..K-1, or a list); write OUT/sequential.json.
 
-    The file is rewritten after every (seed, method), so an interrupted run keeps what finished. ``progress``
-    gets one event per (seed, method) (unit "runs").
+    Each finished (seed, method) is saved at once (``OUT/seed<N>/<method>/records.json``) and OUT/sequential.json is
+    rewritten after it; a rerun with the same settings keeps what finished (an interrupted run resumes), a rerun
+    with other settings into the same OUT is refused. ``progress`` gets one event per (seed, method) (unit "runs";
+    kept ones count as done in the opening event).
     """
+    names = list(methods)
+    unknown = [m for m in names if m not in SEQUENTIAL_METHODS]
+    if not names or unknown:
+        got = f"unknown method '{unknown[0]}'" if unknown else "no methods given"
+        raise ConfigError(f"{got}; choose from {', '.join(SEQUENTIAL_METHODS)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"methods list {', '.join(_repeated(names))} twice; give each once")
+    seeds_run = seed_list(seeds)
+    for what, value in (("steps", steps), ("lora_rank", lora_rank), ("osf_n", osf_n), ("r", r)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
+    tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)  # before OUT is touched
     out = make_dirs(out, "the output directory")
-    tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)
+    settings = {
+        "data": data,
+        "steps": steps,
+        "r": r,
+        "tau": tau,
+        "lora_rank": lora_rank,
+        "osf_n": osf_n,
+        "rho": PLATE_RHO,
+    }
     result = SequentialResult(out / "sequential.json")
-    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    counter = ProgressCounter(progress, len(seed_list) * len(methods), "runs")
+    if result.path.exists():
+        differ = settings_diff(
+            _read_json(result.path, "the finished runs under OUT/seed<N>/ are kept").get("settings"), settings
+        )
+        if differ:
+            raise ConfigError(
+                f"{out}: holds sequential runs made with other settings ({differ}); rerun with the same options "
+                "to resume, or choose another --out"
+            )
+    kept = {(seed, m): _kept_unit(out, seed, m, settings) for seed in seeds_run for m in names}
+    counter = ProgressCounter(progress, len(kept), "runs", done=sum(v is not None for v in kept.values()))
     counter.start()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    note = f"the (seed, method) runs that finished are kept under {out}/seed<N>/: rerun the same command to resume"
     try:
-        for seed in seed_list:
-            seed_dir = out / f"seed{seed}"
-            seed_dir.mkdir(parents=True, exist_ok=True)
-            model = digits.train_stage1(tasks[0], seed, steps=steps, n_tasks=N_TASKS)
-            ckpt = seed_dir / "task1.safetensors"
-            digits.save_model(model, ckpt)
-            acc1 = digits.accuracy(model, tasks[0].x_test, tasks[0].y_test, 1)
-            for method in methods:
-                size = {"lora": lora_rank, "osf": osf_n}.get(method, 0)
-                accs, n_train = run_method(method, tasks, ckpt, seed_dir / method, seed, steps, r, tau, size)
-                for t, j, acc in [(1, 1, acc1), *accs]:
-                    result.records.append(SequentialRecord(method, seed, data, steps, t, j, acc, n_train))
-                _write_sequential(result, methods, {"r": r, "tau": tau, "lora_rank": lora_rank, "osf_n": osf_n})
-                counter.step(f"seed {seed}: {method}")
+        with writing_errors(out, note):
+            for seed in seeds_run:
+                todo = [m for m in names if kept[(seed, m)] is None]
+                seed_dir = out / f"seed{seed}"
+                acc1 = ckpt = None
+                if todo:
+                    seed_dir.mkdir(parents=True, exist_ok=True)
+                    model = digits.train_stage1(tasks[0], seed, steps=steps, n_tasks=N_TASKS)
+                    ckpt = seed_dir / "task1.safetensors"
+                    digits.save_model(model, ckpt)
+                    acc1 = digits.accuracy(model, tasks[0].x_test, tasks[0].y_test, 1)
+                for method in names:
+                    records = kept[(seed, method)]
+                    if records is None:
+                        size = {"lora": lora_rank, "osf": osf_n}.get(method, 0)
+                        accs, n_train = run_method(method, tasks, ckpt, seed_dir / method, seed, steps, r, tau, size)
+                        records = [
+                            SequentialRecord(method, seed, data, steps, t, j, acc, n_train)
+                            for t, j, acc in [(1, 1, acc1), *accs]
+                        ]
+                        unit = {"settings": settings, "records": [asdict(x) for x in records]}
+                        atomic_write(_unit_path(out, seed, method), json.dumps(unit, indent=2) + "\n")
+                    result.records.extend(records)
+                    _write_sequential(result, names, settings)
+                    if kept[(seed, method)] is None:
+                        counter.step(f"seed {seed}: {method}")
     finally:
         torch.set_num_threads(threads)
     return result
 
 
+def _unit_path(out: Path, seed: int, method: str) -> Path:
+    return out / f"seed{seed}" / method / "records.json"
+
+
+def _read_json(path: Path, after_delete: str = "its run reruns") -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); delete it ({after_delete}) or choose another --out") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: not a JSON object; delete it ({after_delete}) or choose another --out")
+    return value
+
+
+def _kept_unit(out: Path, seed: int, method: str, settings: dict[str, Any]) -> list[SequentialRecord] | None:
+    """The records of a (seed, method) finished earlier with the same settings, else None (it runs again)."""
+    path = _unit_path(out, seed, method)
+    if not path.exists():
+        return None
+    unit = _read_json(path)
+    if unit.get("settings") != settings:
+        return None
+    try:
+        records = [SequentialRecord(**r) for r in unit["records"]]
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a sequential run record ({e}); delete it (its run reruns)") from None
+    want = {(t, j) for t in range(1, N_TASKS + 1) for j in range(1, t + 1)}
+    if {(x.after_task, x.task) for x in records} != want or {(x.seed, x.method) for x in records} != {(seed, method)}:
+        raise ConfigError(f"{path}: does not hold every (after task, task) of seed {seed} {method}; delete it")
+    return records
+
+
 def _write_sequential(result: SequentialResult, methods, settings: dict[str, Any]) -> None:
-    steps = result.records[0].steps if result.records else None
     payload: dict[str, Any] = {
         "protocol": "2v3 -> 4v5 -> 6v7 -> 8v9, merge after each task (PLATE: merge + rescan)",
-        "settings": {**settings, "rho": PLATE_RHO, "steps": steps},
+        "settings": settings,
         "records": [asdict(r) for r in result.records],
         "matrices": {m: result.matrix(m) for m in methods},
     }
-    result.path.write_text(json.dumps(payload, indent=2) + "\n")
+    atomic_write(result.path, json.dumps(payload, indent=2) + "\n")
 
 
 def print_matrix(result: SequentialResult, console: Console) -> None:
