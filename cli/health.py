@@ -10,12 +10,10 @@ from rich import box
 from rich.table import Table
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.cli.common import console, err_console
+from plate_inspect.cli.common import console
 from plate_inspect.errors import BundleError
 from plate_inspect.formatting import counted
 
-#: Ablations whose B differs from their source bundle's (whose spectrum and health records they keep).
-OTHER_B_VARIANTS = ("random_b", "least_redundant_b", "random_bq")
 COLUMNS = ("alpha", "alpha_weighted", "spectral_norm", "stable_rank", "entropy", "mp_softrank", "num_spikes")
 
 
@@ -42,14 +40,6 @@ def health_command(bundle, as_json):
     records = {rec.name: rec.health for rec in b if rec.health}
     if not records:
         raise BundleError(f"{b.path}: no health records (a bundle from an older scan); rescan to add them")
-    variant = b.manifest.variant if isinstance(b.manifest.variant, dict) else {}
-    if variant.get("kind") in OTHER_B_VARIANTS:  # on stderr: --json output stays the records alone
-        err_console.print(
-            f"note: {b.path} is a {variant['kind']} ablation bundle: its health records are copied from the bundle "
-            "it was made from, so 'W_frozen' there means the rows outside that bundle's B, not outside this one's; "
-            "for this B's frozen rows use plate_inspect.health.health_record on their spectrum",
-            soft_wrap=True,
-        )
     if as_json:
         click.echo(json.dumps(records, indent=2))
         return

@@ -213,9 +213,9 @@ def plan_budget(bundle: Bundle | str | os.PathLike, budget: str | int, objective
 
 
 def refuse_ablation_bundle(b: Bundle) -> None:
-    """An ablation bundle (Random-B, Random-Q, ...) keeps its source's spectrum, but its Q is not the bottom
-    eigenspace of its own W_frozen (another B, or another Q): c(k) from the spectrum would not be what Q[:, :k]
-    captures (0.005 planned vs 0.06-0.996 measured on a test model), so it is not planned."""
+    """An ablation bundle's (Random-B, Random-Q, ...) Q is not the bottom eigenspace of its own W_frozen (another
+    B, or another Q): c(k) from the spectrum would not be what Q[:, :k] captures (0.005 planned vs 0.06-0.996
+    measured on a test model), so it is not planned."""
     variant = b.manifest.variant
     if variant:
         kind = variant.get("kind", "an ablation") if isinstance(variant, dict) else str(variant)

@@ -245,33 +245,66 @@ def test_cli_health_counts_only_fitted_alphas(tmp_path):
     assert "2 modules without a fit" in result.output
 
 
-def test_cli_health_of_an_other_b_ablation_says_whose_rows(tmp_path):
-    """QA: `health` on a Random-B ablation bundle showed records labelled "W_frozen" that are its source bundle's
-    (the ablation copies them): the spectral norm is that of the rows outside the *source's* B, not this B's
-    (dense numpy oracle below). The CLI now says so on stderr; --json stays the records alone."""
+def test_ablation_with_another_b_records_its_own_frozen_rows(tmp_path):
+    """QA: a Random-B / Least-redundant-B ablation copied its source bundle's spectrum and health records, so
+    "W_frozen" there meant the rows outside the *source's* B. Now spectrum, health and k(tau) are those of the rows
+    outside its own B (dense numpy float64 oracle); its k stays PLATE's, and `health` shows them as they are."""
     from click.testing import CliRunner
 
-    from plate_inspect import scan
+    from plate_inspect import scan, verify
     from plate_inspect.cli.main import cli
+    from plate_inspect.geometry import k_for_tau
     from plate_inspect.testing.synthetic import write_llama_like
     from plate_inspect.train.variants import make_variant
 
     ckpt = write_llama_like(tmp_path / "llama", layers=1, dtype=torch.float32, planted_fraction=0.2)
     bundle = scan(ckpt.path, tmp_path / "bundle", r=8)
-    ablation = make_variant(bundle, ckpt.path, "random_b", tmp_path / "random_b")
     weights = load_file(str(ckpt.path / "model.safetensors"))
-    name = "model.layers.0.self_attn.q_proj"
-    w = weights[f"{name}.weight"].double().numpy()
-
-    def frozen_spectral_norm(b):
-        return float(np.linalg.norm(np.delete(w, b.b_idx(name).numpy(), axis=0), 2) ** 2)
-
-    recorded = ablation.record(name).health["spectral_norm"]
-    assert recorded == pytest.approx(frozen_spectral_norm(bundle), rel=1e-5)  # the source's rows ...
-    assert abs(recorded - frozen_spectral_norm(ablation)) > 1e-3 * recorded  # ... not this B's
-    result = CliRunner().invoke(cli, ["health", str(ablation.path), "--json"])
+    for kind in ("random_b", "least_redundant_b", "random_q"):
+        ablation = make_variant(bundle, ckpt.path, kind, tmp_path / kind)
+        assert verify(ablation, ckpt.path).ok  # its digests cover the new spectrum
+        for rec in ablation:
+            w = weights[f"{rec.name}.weight"].double().numpy()
+            frozen = np.delete(w, ablation.b_idx(rec.name).numpy(), axis=0)
+            oracle = np.sort(np.linalg.svd(frozen, compute_uv=False) ** 2)[::-1].copy()
+            spectrum = ablation.spectrum(rec.name).double().numpy()
+            assert spectrum.shape == oracle.shape
+            np.testing.assert_allclose(spectrum, oracle, rtol=1e-4, atol=1e-6 * oracle[0])
+            assert rec.health["spectral_norm"] == pytest.approx(oracle[0], rel=1e-5)
+            assert rec.health["shape"] == list(frozen.shape)
+            assert rec.k == bundle.record(rec.name).k  # matched capacity: PLATE's k
+            tau = bundle.manifest.settings.tau
+            assert rec.k_by_tau[f"{tau:g}"] == k_for_tau(
+                torch.from_numpy(oracle), tau, w.shape[1], bundle.manifest.settings.max_rank
+            )
+        if kind != "random_q":  # another B: another spectrum than the source's
+            name = "model.layers.0.self_attn.q_proj"
+            assert not torch.equal(ablation.spectrum(name), bundle.spectrum(name))
+    result = CliRunner().invoke(cli, ["health", str(tmp_path / "random_b"), "--json"])
     assert result.exit_code == 0, result.output
-    assert "random_b ablation bundle" in result.stderr and "not outside this one's" in result.stderr
-    assert json.loads(result.stdout)[name]["spectral_norm"] == recorded
-    result = CliRunner().invoke(cli, ["health", str(bundle.path)])
-    assert result.exit_code == 0 and "note:" not in result.stderr
+    name = "model.layers.0.self_attn.q_proj"
+    assert (
+        json.loads(result.stdout)[name]["spectral_norm"]
+        == make_variant(bundle, ckpt.path, "random_b", tmp_path / "random_b").record(name).health["spectral_norm"]
+    )
+
+
+def test_ablation_built_before_its_spectrum_followed_its_b_is_rebuilt(tmp_path, monkeypatch):
+    """An ablation dir from before the fix (the source's spectrum copied, hence the source's scores digest) is not
+    kept as finished by a rerun of make_variant: its modules are rebuilt with their own frozen rows' spectrum."""
+    from plate_inspect import scan
+    from plate_inspect.testing.synthetic import write_llama_like
+    from plate_inspect.train import variants
+
+    ckpt = write_llama_like(tmp_path / "llama", layers=1, dtype=torch.float32, planted_fraction=0.2)
+    bundle = scan(ckpt.path, tmp_path / "bundle", r=8)
+    name = "model.layers.0.self_attn.q_proj"
+    with monkeypatch.context() as m:
+        m.setattr(variants, "OTHER_B_VARIANTS", ())  # the old behaviour: every variant copies the spectrum
+        old = variants.make_variant(bundle, ckpt.path, "random_b", tmp_path / "random_b")
+    assert torch.equal(old.spectrum(name), bundle.spectrum(name))
+    new = variants.make_variant(bundle, ckpt.path, "random_b", tmp_path / "random_b")
+    w = load_file(str(ckpt.path / "model.safetensors"))[f"{name}.weight"].double().numpy()
+    oracle = np.linalg.norm(np.delete(w, new.b_idx(name).numpy(), axis=0), 2) ** 2
+    assert new.spectrum(name)[0].item() == pytest.approx(oracle, rel=1e-5)
+    assert new.record(name).health["spectral_norm"] == pytest.approx(oracle, rel=1e-5)

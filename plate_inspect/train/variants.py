@@ -11,10 +11,12 @@ k per module (so A has exactly PLATE's parameter count) and a different B and/or
 
 Keeping PLATE's Q for the B ablations follows the paper: it compares B choices "at the same fixed Q and parameter
 count" and calls Random-B and Least-red.-B the "Q-preserving variants", so only B changes. (Recomputing Q from the
-new frozen rows would change two things at once.) Every variant goes through the same trainer path as PLATE
-(``apply_bundle`` / the PEFT method), and its manifest records ``variant`` per module and, at the top, the
-ablation's identity (kind, seed, identity of the base bundle): a second ablation or seed into the same directory
-is refused unless ``overwrite``.
+new frozen rows would change two things at once.) What describes the frozen rows does follow the new B: a variant
+with another B stores the spectrum of its own W_f (one float64 small-side eigvalsh per module), with the health
+metrics and k(tau) derived from it, as a scan would; its k stays PLATE's (matched capacity). Every variant goes
+through the same trainer path as PLATE (``apply_bundle`` / the PEFT method), and its manifest records ``variant``
+per module and, at the top, the ablation's identity (kind, seed, identity of the base bundle): a second ablation or
+seed into the same directory is refused unless ``overwrite``.
 """
 
 from __future__ import annotations
@@ -33,20 +35,25 @@ from plate_inspect.bundle import (
     ModuleRecord,
     geometry_digest,
     read_part_tensors,
+    scores_digest,
     weight_key,
 )
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.geometry import (
     high_energy_basis,
+    k_for_tau,
     least_redundant_rows,
     module_seed,
     random_orthonormal,
     random_rows,
 )
+from plate_inspect.health import health_record, weight_spectrum
 from plate_inspect.targets import TargetModule, load_target, modules_by_name
 
 VARIANTS = ("random_b", "least_redundant_b", "random_q", "high_energy_q", "random_bq")
+#: The variants whose B differs from PLATE's: their frozen rows, hence their spectrum and health, are their own.
+OTHER_B_VARIANTS = ("random_b", "least_redundant_b", "random_bq")
 
 
 def variant_geometry(
@@ -137,7 +144,9 @@ def _write_variant(
         for name in names:
             rec = src.record(name)
             oriented = _source_weight(src, rec, ckpt, modules, checkpoint)
-            if name in old and weight_key(old[name]) == weight_key(rec):
+            # an ablation built before its spectrum followed its B carries the source's scores digest: rebuilt
+            stale = variant in OTHER_B_VARIANTS and old.get(name) and old[name].scores_digest == rec.scores_digest
+            if name in old and weight_key(old[name]) == weight_key(rec) and not stale:
                 records.append(old[name])
                 continue
             w = oriented.to(torch.float64)
@@ -169,13 +178,20 @@ def _variant_module(
     new.captured_energy = float(((w[keep] @ q.to(torch.float64)) ** 2).sum()) / total if total > 0 else 0.0
     if (new.r, new.k) != (rec.r, rec.k):  # pragma: no cover - the helpers keep shapes by construction
         raise BundleError(f"{name}: variant {variant} changed r/k")
+    spectrum = src.spectrum(name)
+    if variant in OTHER_B_VARIANTS:  # the frozen rows are this B's complement: their own spectrum, health, k(tau)
+        spectrum = weight_spectrum(w[keep]).to(spectrum.dtype)
+        new.health = health_record(spectrum, (int(keep.sum()), w.shape[1]), "W_frozen")
+        max_rank = src.manifest.settings.max_rank
+        new.k_by_tau = {key: k_for_tau(spectrum, float(key), w.shape[1], max_rank) for key in rec.k_by_tau}
     tensors = {
         f"{name}.plate_B_idx": b_idx.to(torch.int64).contiguous(),
         f"{name}.plate_Q": q.contiguous(),
         f"{name}.redundancy": src.redundancy(name),
-        f"{name}.spectrum": src.spectrum(name),
+        f"{name}.spectrum": spectrum.contiguous(),
     }
     new.geometry_digest = geometry_digest(tensors[f"{name}.plate_B_idx"], tensors[f"{name}.plate_Q"])
+    new.scores_digest = scores_digest(tensors[f"{name}.redundancy"], tensors[f"{name}.spectrum"])
     return new, tensors
 
 
