@@ -57,9 +57,9 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
 
     check_target_patterns(split_names(target_modules))
     if report is not None:  # before the audit, which takes minutes on a large model
-        from plate_inspect.reports.audit import check_audit_report_path
+        from plate_inspect.reports import check_report_path
 
-        check_audit_report_path(report)
+        check_report_path(report, "--report", "audit.html")
     with progress_bar("audit", quiet=quiet or as_json, transient=True) as progress:
         records = audit(  # settings: --tau, --r, --anchors, --sketch-dim, --seed, --precision, --revision by name
             base,

@@ -57,7 +57,7 @@ def parse_budget(spec: str, records: list[ModuleRecord]) -> Budget:
     'as LoRA r=16' (LoRA's sum r*(d_in+d_out) at r=16 on the same modules)."""
     text = str(spec).strip()
     low = text.lower().replace(" ", "")
-    lora = re.fullmatch(r"(?:as)?lora(?::|=|r=|:r=|,r=)(\d+)", low)
+    lora = re.fullmatch(r"(?:as)?lora(?::|=|r=|:r=|,r=|r)?(\d+)", low)  # 'lora:16', 'as LoRA r=16', 'lora 16'
     try:
         if lora:
             rank = int(lora.group(1))
@@ -71,12 +71,12 @@ def parse_budget(spec: str, records: list[ModuleRecord]) -> Budget:
             total = sum(r.d_in * r.d_out for r in records)
             return Budget(text, "percent", pct, int(math.floor(pct / 100 * total)))
         value = float(low.replace(",", "").replace("_", ""))
-        if not (value >= 1 and math.isfinite(value)):
+        if not (value >= 1 and math.isfinite(value) and value == int(value)):  # a count: 2e6 yes, 1.5 no
             raise ValueError
         return Budget(text, "absolute", value, int(value))
     except ValueError:
         raise ConfigError(
-            f"--budget '{spec}': not a budget; use a parameter count ('2e6'), a percentage of the target weights "
+            f"--budget '{spec}': not a budget; use a whole parameter count ('2e6'), a percentage of the target weights "
             "('1%', in (0, 100]), or a LoRA-equivalent rank ('lora:16' or 'as LoRA r=16')"
         ) from None
 

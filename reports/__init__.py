@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from plate_inspect.atomic import atomic_write
+from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
 from plate_inspect.bundle import Bundle
 from plate_inspect.errors import ConfigError, ReportError
 from plate_inspect.progress import ProgressCallback
@@ -76,20 +76,34 @@ def write_report(
 
     Incomplete bundles and bundles of different architectures raise :class:`plate_inspect.errors.BundleError`.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise ReportError(f"{path}: is a directory; give a file name, e.g. -o {path / 'report.html'}")
+    path = check_report_path(path)
     text = render_report(bundles, labels=labels, max_points=max_points, bins=bins, progress=progress)
-    _atomic_write_text(path, text)
+    write_report_text(path, text)
     return path
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def check_report_path(path: str | os.PathLike, option: str = "-o", example: str = "report.html") -> Path:
+    """Refuse, before any work, a report path that cannot be written: a directory, a parent that cannot be created
+    or one without write permission (``option``: the CLI flag the message names). Creates the parent directories."""
+    path = Path(path)
+    if path.is_dir():
+        raise ReportError(f"{path}: is a directory; give a file name, e.g. {option} {path / example}")
+    make_dirs(path.parent, "the report's directory", option)
+    if not os.access(path.parent, os.W_OK):
+        raise ReportError(
+            f"{path}: cannot write the report (no write permission in {path.parent}); choose another {option}"
+        )
+    return path
+
+
+def write_report_text(path: Path, text: str, option: str = "-o") -> None:
+    """Write a rendered page atomically; ReportError naming the path, the reason and ``option`` when it fails."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, text)
     except OSError as e:
-        raise ReportError(f"{path}: cannot write the report ({e.strerror or e}); choose another -o") from None
+        raise ReportError(
+            f"{path}: cannot write the report ({os_error_reason(path, e)}); choose another {option}"
+        ) from None
 
 
 __all__ = [
@@ -102,6 +116,7 @@ __all__ = [
     "SpectrumView",
     "bundle_summary",
     "check_bundles",
+    "check_report_path",
     "heatmap",
     "k_tau_curves",
     "plotly_js",

@@ -163,33 +163,10 @@ def render_audit_page(records: list[AuditRecord], title: str = "Audit") -> str:
     )
 
 
-def check_audit_report_path(path: str | os.PathLike) -> Path:
-    """Refuse, before the audit runs (minutes on a large model), a report path that cannot be written: a directory,
-    a parent that cannot be created, or one without write permission. Creates the parent directories."""
-    from plate_inspect.atomic import make_dirs
-    from plate_inspect.reports import ReportError
-
-    path = Path(path)
-    if path.is_dir():
-        raise ReportError(f"{path}: is a directory; give a file name, e.g. --report {path / 'audit.html'}")
-    make_dirs(path.parent, "the report's directory", "--report")
-    if not os.access(path.parent, os.W_OK):
-        raise ReportError(
-            f"{path}: cannot write the report (no write permission in {path.parent}); choose another --report"
-        )
-    return path
-
-
 def write_audit_report(records: list[AuditRecord], path: str | os.PathLike, title: str = "Audit") -> Path:
     """Write the self-contained audit page; returns its path."""
-    from plate_inspect.atomic import atomic_write, os_error_reason
-    from plate_inspect.reports import ReportError
+    from plate_inspect.reports import check_report_path, write_report_text
 
-    path = check_audit_report_path(path)
-    try:
-        atomic_write(path, render_audit_page(records, title))
-    except OSError as e:
-        raise ReportError(
-            f"{path}: cannot write the report ({os_error_reason(path, e)}); choose another --report"
-        ) from None
+    path = check_report_path(path, "--report", "audit.html")
+    write_report_text(path, render_audit_page(records, title), "--report")
     return path

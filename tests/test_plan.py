@@ -51,10 +51,10 @@ def test_parse_budget(bundle):
     assert parse_budget("12345", records).params == 12345
     assert parse_budget("1%", records).params == math.floor(0.01 * weights)
     assert parse_budget("2.5 %", records).params == math.floor(0.025 * weights)
-    for spec in ("lora:16", "LoRA=16", "as LoRA r=16", "lora r=16"):
+    for spec in ("lora:16", "LoRA=16", "as LoRA r=16", "lora r=16", "lora 16", "LoRA16"):
         got = parse_budget(spec, records)
         assert (got.kind, got.params) == ("lora", lora16), spec
-    for bad in ("abc", "0%", "150%", "lora:0", "-5", "", "nan", "1e400"):
+    for bad in ("abc", "0%", "150%", "lora:0", "-5", "", "nan", "1e400", "1.5", "2000.25", "lora 1.5"):
         with pytest.raises(ConfigError, match="--budget"):
             parse_budget(bad, records)
 

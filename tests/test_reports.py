@@ -515,6 +515,23 @@ def test_incompatible_bundles_refused(tmp_path, small_bundle):
         write_report([small_bundle], tmp_path / "r.html", labels=["a", "b"])
 
 
+def test_report_path_is_checked_before_rendering(tmp_path, small_bundle, monkeypatch):
+    """A report path under a file (or a directory) is refused before the page is rendered, naming the file in the
+    way and the flag to change; nothing is left behind."""
+    import plate_inspect.reports as reports
+
+    def must_not_render(*args, **kwargs):
+        raise AssertionError("the report was rendered before its path was checked")
+
+    monkeypatch.setattr(reports, "render_report", must_not_render)
+    (tmp_path / "a-file").write_text("x")
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "a-file" / "r.html", "a-file is a file")):
+        res = CliRunner().invoke(cli, ["report", str(small_bundle.path), "-o", str(bad)])
+        assert res.exit_code == 2 and why in res.output and "-o" in res.output, res.output
+        assert "Traceback" not in res.output
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
 def test_partial_overlap_compares_common_modules(tmp_path, small_bundle):
     b = Bundle.load(write_fake_bundle(tmp_path / "two", 2, SMALL_TYPES, seed=3))  # layers 0-1, no lm_head
     rd = report_data([small_bundle, b])
