@@ -6,14 +6,20 @@ baseline, in the SAME run. Shapes: MiniLM's (384x384, 1536x384, 384x1536) and 7B
 
     .venv/bin/python benchmarks/health_cost.py [--skip-7b] [--minilm]
 
-``--minilm`` also scans the embedded MiniLM twice, with the scanner's health call and with it replaced by a no-op,
-and prints both wall times and their ratio.
+``--minilm`` also times the embedded MiniLM scan as it is (health from W_frozen's spectrum, which the scan already
+has) and with W's own health (``plate_inspect.health.health_of_weight``: one more small-side Gram, eigvalsh and the
+metrics) computed per module besides, twice each alternately, and prints the wall times and the best-of-two ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
 
 import torch
 
@@ -31,40 +37,62 @@ def timed(fn, repeat: int = 1) -> float:
     return best
 
 
-def minilm_scan_with_and_without_health() -> None:
-    """Wall time of the embedded MiniLM scan with the health call and with it patched out, same process."""
-    import tempfile
-    from unittest import mock
+@contextmanager
+def w_health_per_module() -> Iterator[list[dict]]:
+    """Inside: every scan also computes W's own health per module (``health_of_weight`` on the upcast weight, before
+    the geometry consumes it), as a scan recording W's health would; yields the list the records are appended to."""
+    from plate_inspect import scanner
 
+    compute_weight = scanner._compute_weight
+    records: list[dict] = []
+
+    def with_w_health(*args, **kwargs):
+        weight = compute_weight(*args, **kwargs)
+        records.append(health_of_weight(weight))
+        return weight
+
+    with mock.patch.object(scanner, "_compute_weight", with_w_health):
+        yield records
+
+
+def scan_with_and_without_w_health(model, rounds: int = 2, **scan_kwargs) -> dict[str, float]:
+    """Best wall time of ``rounds`` scans of ``model`` without and with W's own health per module (alternating, same
+    process; ``scan_kwargs`` go to ``scan``), printed as it goes; returns {"without": s, "with": s, "modules": n}."""
     from plate_inspect import scan
-    from plate_inspect.embedded import default_model_path
 
-    times = {}
-    for label in ("without health", "with health", "without health (again)", "with health (again)"):
-        with tempfile.TemporaryDirectory() as out:
-            patch = mock.patch("plate_inspect.scanner.health_of_weight", lambda w: None) if "without" in label else None
-            if patch:
-                patch.start()
-            try:
+    best = {"without": float("inf"), "with": float("inf")}
+    modules = 0
+    for i in range(rounds):
+        for label in ("without", "with"):
+            with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
+                records = stack.enter_context(w_health_per_module()) if label == "with" else []
                 t0 = time.perf_counter()
-                scan(default_model_path(), out)
-                times[label] = time.perf_counter() - t0
-            finally:
-                if patch:
-                    patch.stop()
-        print(f"MiniLM scan {label}: {times[label]:.1f} s")
-    off = min(times["without health"], times["without health (again)"])
-    on = min(times["with health"], times["with health (again)"])
-    print(f"MiniLM scan: health adds {100 * (on / off - 1):.1f}% (best of two each)")
+                bundle = scan(model, out, **scan_kwargs)
+                seconds = time.perf_counter() - t0
+            modules = len(bundle.modules)
+            if label == "with" and len(records) != modules:
+                raise RuntimeError(f"W's health was computed for {len(records)} of {modules} modules")
+            best[label] = min(best[label], seconds)
+            print(f"scan {label} W's health, round {i + 1}: {seconds:.2f} s ({modules} modules)")
+    print(
+        f"scan: {best['without']:.2f} s without, {best['with']:.2f} s with W's health per module "
+        f"({100 * (best['with'] / best['without'] - 1):+.1f}%, best of {rounds} each)"
+    )
+    return {**best, "modules": modules}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-7b", action="store_true")
-    ap.add_argument("--minilm", action="store_true", help="also time a MiniLM scan with and without health")
+    ap.add_argument(
+        "--minilm", action="store_true", help="also time a MiniLM scan without and with W's own health per module"
+    )
     args = ap.parse_args()
     if args.minilm:
-        minilm_scan_with_and_without_health()
+        from plate_inspect.embedded import default_model_path
+
+        print("MiniLM (embedded):")
+        scan_with_and_without_w_health(default_model_path())
     shapes = [(384, 384), (1536, 384), (384, 1536)] + ([] if args.skip_7b else [(3584, 3584), (18944, 3584)])
     print(f"torch threads {torch.get_num_threads()}")
     print(f"{'shape':>14} {'geometry s':>11} {'W spectrum s':>13} {'ratio':>7} {'metrics s':>10} {'ratio':>7}")
@@ -79,7 +107,6 @@ def main() -> None:
             f"{d_out:>6}x{d_in:<7} {t_geo:>11.3f} {t_spec:>13.3f} {t_spec / t_geo:>7.2f} {t_health:>10.3f} "
             f"{t_health / t_geo:>7.2f}"
         )
-    health_of_weight(w)  # the scanner's one call: spectrum + metrics
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 import click
 from rich.markup import escape
@@ -64,6 +65,18 @@ def _scan_runtime_env() -> None:
             os.environ.setdefault(key, value)
 
 
+#: click >= 8.2 prints a bare group's help by raising this UsageError (8.1: help and exit, no exception): kept as is.
+_NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def _usage_error(e: click.UsageError, command_path: str) -> NoReturn:
+    """A click usage error (bad option value, missing argument, unknown option or command) as one `error:` line,
+    like every other error, naming the command's --help instead of click's Usage/Try/Error block; exit 2."""
+    path = e.ctx.command_path if e.ctx is not None else command_path
+    err_console.print(f"[bold red]error:[/] {escape(e.format_message())} (see {escape(path)} --help)", soft_wrap=True)
+    sys.exit(e.exit_code)
+
+
 class LazyGroup(click.Group):
     """Imports a subcommand's module only when it runs (keeps --help fast); turns user errors into one line."""
 
@@ -92,10 +105,32 @@ class LazyGroup(click.Group):
             raise
         return getattr(mod, attr, None)
 
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except _NO_ARGS_HELP:  # `plate-inspect` alone: the help, as click prints it
+            raise
+        except click.UsageError as e:  # the group's own options: `plate-inspect --bogus`
+            _usage_error(e, info_name or "plate-inspect")
+
+    def _command_path(self, ctx: click.Context, words: list[str]) -> str:
+        """The command line's command words (plate-inspect experiment continual), for errors that carry no context."""
+        name = ctx.invoked_subcommand
+        if not name:
+            return ctx.command_path
+        sub = self._load(name)
+        if isinstance(sub, click.Group) and words and sub.get_command(ctx, words[0]) is not None:
+            return f"{ctx.command_path} {name} {words[0]}"
+        return f"{ctx.command_path} {name}"
+
     def invoke(self, ctx: click.Context):
         words = [a for a in ctx.args if not a.startswith("-")][:1]  # a group's subcommand (experiment continual)
         try:
             return super().invoke(ctx)
+        except _NO_ARGS_HELP:  # `plate-inspect experiment` alone: the help, as click prints it
+            raise
+        except click.UsageError as e:  # click's own checks (a bad value, a missing argument): one line, like ours
+            _usage_error(e, self._command_path(ctx, words))
         except PlateInspectError as e:
             # names in e are not markup; keyword arguments shown as the CLI's flags
             err_console.print(f"[bold red]error:[/] {escape(cli_text(str(e)))}", soft_wrap=True)

@@ -15,7 +15,12 @@ from plate_inspect.cli.common import console, err_console
 
 @click.command("plan")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--budget", required=True, help="'2e6' parameters, '1%' of the target weights, or 'lora:16'.")
+@click.option(
+    "--budget",
+    required=True,
+    help="Parameters ('2e6' or '2,000,000'), a share of the target weights ('1%'), or LoRA's count at a rank "
+    "('lora:16', 'lora 16' or 'as LoRA r=16').",
+)
 @click.option(
     "--objective",
     type=click.Choice(["minimax", "mean"]),

@@ -754,9 +754,8 @@ def audit(
     records = []
     counter = ProgressCounter(as_callback(progress, "audit"), len(targets), "modules")
     counter.start()
-    if geometry is None:
-        for target in targets:  # before any weight is read
-            check_sketch_dim(sketch_dim, target.shape[1], target.name)
+    if geometry is None:  # before any weight is read
+        check_sketch_dim(sketch_dim, [(target.name, target.shape[1]) for target in targets])
     for target in targets:
         stored, fingerprint = load_target(base_ckpt, target)
         weight = stored.to(dtype).contiguous()

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -61,6 +62,34 @@ SELECTION_SETTINGS = frozenset({"target_modules", "layers"})
 
 #: What to do about an output directory that holds another bundle, for Python and CLI users alike.
 REPLACE_HINT = "replace it with overwrite=True (CLI: --overwrite), or write elsewhere (CLI: --out)"
+#: The same for writers with no CLI command (``make_variant``): the Python keywords only.
+API_REPLACE_HINT = "replace it with overwrite=True, or write elsewhere (another out)"
+
+
+def not_a_bundle(path: Path) -> str:
+    """Why ``path`` (no manifest there) is not a bundle, and a command that makes one there or from it that would
+    itself work: a model checkpoint's directory or file cannot be a scan's --out, so it is named as the MODEL."""
+    command = f"plate-inspect scan MODEL --out {shlex.quote(str(path))}"
+    if path.is_dir():
+        model_files = [f.name for f in foreign_safetensors(path)]
+        model_files += ["config.json"] if (path / "config.json").is_file() else []
+        if not model_files:
+            return f"{path}: not a bundle (no {MANIFEST}); create a bundle with: {command}"
+        shown = ", ".join(model_files[:3]) + (", ..." if len(model_files) > 3 else "")
+        return (
+            f"{path}: not a bundle (no {MANIFEST}) but, by its files ({shown}), a model checkpoint; create a bundle of "
+            f"it with: plate-inspect scan {shlex.quote(str(path))} --out <another directory>"
+        )
+    if not path.exists():
+        return f"{path}: does not exist; create a bundle with: {command}"
+    if path.suffix == ".safetensors":
+        return (
+            f"{path}: is a file, not a bundle directory; to make a bundle of a model checkpoint in it: "
+            f"plate-inspect scan {shlex.quote(str(path))} --out <a directory>"
+        )
+    return (
+        f"{path}: is a file, not a bundle directory; create a bundle with: plate-inspect scan MODEL --out <a directory>"
+    )
 
 
 @dataclass(frozen=True)
@@ -360,11 +389,7 @@ class Bundle:
         path = Path(path)
         mpath = path / MANIFEST
         if not mpath.exists():
-            if path.is_dir():
-                why = f"not a bundle (no {MANIFEST})"
-            else:
-                why = "is a file, not a bundle directory" if path.exists() else "does not exist"
-            raise BundleError(f"{path}: {why}; create a bundle with: plate-inspect scan MODEL --out {path}")
+            raise BundleError(not_a_bundle(path))
         try:
             data = json.loads(mpath.read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -547,10 +572,14 @@ class BundleWriter:
     records, so whether an existing part can be kept is decided per module by :meth:`reusable`.
     """
 
-    def __init__(self, path: str | os.PathLike, manifest: Manifest, overwrite: bool = False):
+    def __init__(self, path: str | os.PathLike, manifest: Manifest, overwrite: bool = False, cli_hints: bool = True):
         self.path = Path(path)
         self.manifest = manifest
         self.overwrite = overwrite
+        # refusals' hints name the keywords and, for writers the CLI runs (scan, merge --rescan), the flags too
+        self._replace_hint = REPLACE_HINT if cli_hints else API_REPLACE_HINT
+        self._overwrite_hint = "overwrite=True (CLI: --overwrite)" if cli_hints else "overwrite=True"
+        self._elsewhere_hint = "write elsewhere (CLI: --out)" if cli_hints else "write elsewhere (another out)"
         self.damaged: list[str] = []  # modules whose stored tensors no longer matched their digests (recomputed)
         self.resumed = False  # the directory held an unfinished bundle of the same settings: this run finishes it
         self._lock: int | None = None
@@ -585,7 +614,7 @@ class BundleWriter:
             os.close(fd)
             raise BundleError(
                 f"{self.path}: another scan is writing this bundle right now (the directory is locked); wait for it "
-                "to finish, or write elsewhere (CLI: --out)"
+                f"to finish, or {self._elsewhere_hint}"
             ) from None
         except OSError:  # a filesystem without flock on directories (some network mounts): go on unlocked
             os.close(fd)
@@ -611,14 +640,14 @@ class BundleWriter:
             raise BundleError(
                 f"{self.path}: holds safetensors files that are not parts of a PLATE bundle ({names}): a model "
                 "checkpoint? A bundle needs a directory of its own, and nothing here is deleted, even with "
-                "--overwrite; write elsewhere (CLI: --out)"
+                f"{self._overwrite_hint}; {self._elsewhere_hint}"
             )
         if existing.exists() and not self.overwrite:
             try:
                 old = Manifest.from_json(json.loads(existing.read_text()), existing)
             except (json.JSONDecodeError, OSError, BundleError):
                 raise BundleError(
-                    f"{self.path}: holds something that is not a matching bundle; {REPLACE_HINT}"
+                    f"{self.path}: holds something that is not a matching bundle; {self._replace_hint}"
                 ) from None
             self._refuse_other(old)
             self.resumed = not old.complete
@@ -651,7 +680,7 @@ class BundleWriter:
         if old.variant != self.manifest.variant:
             raise BundleError(
                 f"{self.path}: holds {state()} bundle that is {describe_variant(old.variant)}, not "
-                f"{describe_variant(self.manifest.variant)}; {REPLACE_HINT}"
+                f"{describe_variant(self.manifest.variant)}; {self._replace_hint}"
             )
         same_plan = old.planned == self.manifest.planned
         differ = [
@@ -667,12 +696,13 @@ class BundleWriter:
             if not same_plan:
                 changed.append(f"{len(old.planned)} modules there, {len(self.manifest.planned)} here")
             raise BundleError(
-                f"{self.path}: holds {state()} bundle made with other settings ({'; '.join(changed)}); {REPLACE_HINT}"
+                f"{self.path}: holds {state()} bundle made with other settings ({'; '.join(changed)}); "
+                f"{self._replace_hint}"
             )
         if not same_plan:
             raise BundleError(
                 f"{self.path}: holds {state()} bundle of other target modules ({len(old.planned)} there, "
-                f"{len(self.manifest.planned)} here); {REPLACE_HINT}"
+                f"{len(self.manifest.planned)} here); {self._replace_hint}"
             )
         if old.settings != self.manifest.settings:  # an equivalent spelling of the selection: keep the bundle's
             self.manifest.settings = old.settings

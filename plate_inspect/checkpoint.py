@@ -807,25 +807,38 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
     from huggingface_hub import snapshot_download
 
     patterns = ["*.safetensors", "*.json"]
-    rev = f" --revision {revision}" if revision else ""
-    fetch_hint = (
-        f"fetch them on a connected machine with: hf download {repo_id} --include '*.safetensors' '*.json'{rev}"
-    )
     cached = _cached_snapshot(repo_id, revision, patterns)
     if cached is not None and _snapshot_complete(cached):
         return cached, cached.name
     is_offline = offline if offline is not None else bool(hf_constants.HF_HUB_OFFLINE)
     if is_offline:
-        missing = _missing_files(cached) if cached else ["the whole repo"]
         raise HubOfflineError(
-            f"{repo_id}: not fully in the local Hugging Face cache ({hf_constants.HF_HUB_CACHE}; missing: "
-            f"{', '.join(missing)}) and offline mode is on; {fetch_hint}"
+            f"{_not_cached(repo_id, cached, hf_constants.HF_HUB_CACHE)} and offline mode is on; "
+            f"{_fetch_hint(repo_id, revision, cached)}"
         )
     try:
         path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - mapped to one message per cause; the rest is "cannot reach"
-        raise _hub_error(e, repo_id, revision, cached, fetch_hint, hf_constants.HF_HUB_CACHE) from None
+        raise _hub_error(e, repo_id, revision, cached, hf_constants.HF_HUB_CACHE) from None
     return path, path.name
+
+
+def _not_cached(repo_id: str, cached: Path | None, cache: str) -> str:
+    """'<repo>: not (fully) in the local cache (...; missing: ...)', and when nothing is cached, not a local path."""
+    if cached is None:  # a mistyped local path reads as a repo id: say it is neither
+        return (
+            f"{repo_id}: not in the local Hugging Face cache ({cache}; missing: the whole repo), nor is it a local "
+            "path (for a local model, check the path),"
+        )
+    return (
+        f"{repo_id}: not fully in the local Hugging Face cache ({cache}; missing: {', '.join(_missing_files(cached))})"
+    )
+
+
+def _fetch_hint(repo_id: str, revision: str | None, cached: Path | None) -> str:
+    rev = f" --revision {revision}" if revision else ""
+    what = "the repo" if cached is None else "the missing files"
+    return f"download {what} on a connected machine with: hf download {repo_id} --include '*.safetensors' '*.json'{rev}"
 
 
 def _cached_snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path | None:
@@ -833,13 +846,14 @@ def _cached_snapshot(repo_id: str, revision: str | None, patterns: list[str]) ->
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True))
-    except Exception:  # noqa: BLE001 - anything that is not a cache hit is a miss
-        return None
+    except Exception as e:  # noqa: BLE001 - anything that is not a cache hit is a miss
+        # a recent huggingface_hub refuses a snapshot its cached listing shows incomplete, but says where it is: the
+        # partial snapshot, so that the message names the missing files (not "the whole repo")
+        partial = getattr(e, "snapshot_path", None)
+        return Path(partial) if isinstance(partial, str) and Path(partial).is_dir() else None
 
 
-def _hub_error(
-    e: Exception, repo_id: str, revision: str | None, cached: Path | None, hint: str, cache: str
-) -> HubError:
+def _hub_error(e: Exception, repo_id: str, revision: str | None, cached: Path | None, cache: str) -> HubError:
     """One message per cause: huggingface_hub's error types, then the HTTP status, then connection failures."""
     from huggingface_hub import errors as hf
 
@@ -875,11 +889,9 @@ def _hub_error(
         )
     if isinstance(e, hf.HfHubHTTPError) and status is not None:
         return HubError(f"{repo_id}: the hub answered HTTP {status} for revision '{rev}'; try again later")
-    missing = _missing_files(cached) if cached else ["the whole repo"]
-    local = "" if cached else " (nor is it a local path; for a local model, check the path)"
     return HubOfflineError(
-        f"{repo_id}: not in the local Hugging Face cache ({cache}; missing: {', '.join(missing)}){local} and the "
-        f"hub cannot be reached ({type(e).__name__}); {hint}"
+        f"{_not_cached(repo_id, cached, cache)} and the hub cannot be reached ({type(e).__name__}); "
+        f"{_fetch_hint(repo_id, revision, cached)}"
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -707,13 +707,27 @@ def validate_settings(
         raise ConfigError(f"sketch dim must be a positive integer, got {sketch_dim!r}")
 
 
-def check_sketch_dim(sketch_dim: int | None, d_in: int, module: str | None = None) -> None:
-    """Refuse a sketch wider than the rows it projects (its d_in x D Gaussian could need 100s of GB for nothing)."""
-    if sketch_dim is not None and sketch_dim > d_in:
-        where = f"module '{module}'" if module else "a target module"
+def check_sketch_dim(sketch_dim: int | None, d_ins: Iterable[tuple[str, int]]) -> None:
+    """Refuse a sketch wider than the rows it projects (its d_in x D Gaussian could need 100s of GB for nothing).
+
+    ``d_ins``: (module name, d_in) of every target; a refusal names the smallest d_in (the first such module), the
+    bound that holds for all of them, so following its advice cannot fail on the next module.
+    """
+    if sketch_dim is None:
+        return
+    d_ins = list(d_ins)
+    if not d_ins:
+        return
+    module, d_in = min(d_ins, key=lambda pair: pair[1])
+    if sketch_dim > d_in:
+        which = (
+            f"d_in={d_in}, the smallest input dimension of the {len(d_ins)} target modules (module '{module}')"
+            if len(d_ins) > 1
+            else f"the input dimension d_in={d_in} of the target module '{module}'"
+        )
         raise ConfigError(
-            f"sketch dim {sketch_dim} is larger than the input dimension d_in={d_in} of {where}; "
-            f"use --sketch-dim {d_in} or less (or leave it out: exact cosines)"
+            f"sketch dim {sketch_dim} is larger than {which}; use --sketch-dim {d_in} or less (or leave it out: "
+            "exact cosines)"
         )
 
 

@@ -100,7 +100,7 @@ def plan_scan(
     )
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(ckpt.logical_weight(target.logical_name))
-        check_sketch_dim(settings.sketch_dim, target.shape[1], target.name)
+    check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
     return ScanPlan(ckpt, targets, note, settings)
 
 

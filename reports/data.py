@@ -19,6 +19,7 @@ import torch
 from plate_inspect import __version__
 from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord, unfinished_note
 from plate_inspect.errors import BundleError
+from plate_inspect.formatting import counted
 from plate_inspect.geometry import energy_rank
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import expert_of
@@ -51,7 +52,10 @@ def bundle_labels(bundles: list[Bundle], labels: list[str] | None = None) -> lis
     """Display names: the given labels, else each bundle directory's name (made unique with #n)."""
     if labels is not None:
         if len(labels) != len(bundles):
-            raise BundleError(f"{len(labels)} labels given for {len(bundles)} bundles; give one label per bundle")
+            raise BundleError(
+                f"{counted(len(labels), 'label')} given for {counted(len(bundles), 'bundle')}; "
+                "give one label per bundle"
+            )
         repeated = sorted({str(x) for x in labels if [str(y) for y in labels].count(str(x)) > 1})
         if repeated:
             raise BundleError(f"labels must tell the bundles apart; {', '.join(map(repr, repeated))} is given twice")

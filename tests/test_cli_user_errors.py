@@ -123,10 +123,27 @@ def test_merge_write_errors_without_mounts(setup, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("command", ["scan", "audit"])
 def test_sketch_dim_larger_than_d_in(setup, tmp_path, command):
-    _, model, _, _ = setup
-    args = ["scan", model, "--out", tmp_path / "b", "-q"] if command == "scan" else ["audit", model, model]
-    assert_user_error([*args, "--sketch-dim", "100000000"], "sketch dim 100000000", "larger than", "d_in=")
-    assert not (tmp_path / "b").exists()  # refused when the scan is planned, before --out is made
+    """The bound given is the smallest d_in of all targets (it named the first failing module's, down_proj's 176,
+    and --sketch-dim 176 then failed on gate_proj's 64); following it works. One target: that module's own."""
+    _, model, bundle, _ = setup
+    smallest = min(bundle.record(name).shape[1] for name in bundle.modules)
+    assert smallest == 64 and bundle.record("model.layers.0.mlp.down_proj").shape[1] == 176
+    args = ["scan", model, "--out", tmp_path / "b", "-q"] if command == "scan" else ["audit", model, model, "-q"]
+    for too_big in ("100000000", "176"):
+        assert_user_error(
+            [*args, "--sketch-dim", too_big],
+            f"sketch dim {too_big} is larger than d_in=64, the smallest input dimension of the 14 target modules "
+            "(module 'model.layers.0.mlp.gate_proj'); use --sketch-dim 64 or less",
+        )
+        assert not (tmp_path / "b").exists()  # refused when the scan is planned, before --out is made
+    code, output = run_cli(*args, "--sketch-dim", "64")
+    assert code == 0 and "error" not in output, output
+    one = [*args, "--target-modules", "down_proj", "--layers", "1", "--sketch-dim", "177"]
+    if command == "scan":
+        one[3] = tmp_path / "b1"
+    assert_user_error(
+        one, "larger than the input dimension d_in=176 of the target module 'model.layers.1.mlp.down_proj'"
+    )
 
 
 # --------------------------------------------------------------------------- bug 3: merged files' mode
@@ -334,3 +351,137 @@ def test_scan_refuses_a_moe_layer_the_config_calls_dense_in_one_line(tmp_path):
         "use the config.json that came with these weights",
     )
     assert not (tmp_path / "b").exists()
+
+
+# --------------------------------------------------------------------------- README walk-through
+def _benchmark(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_health_cost_benchmark_adds_w_own_health_to_every_module(setup, tmp_path, capsys):
+    """benchmarks/health_cost.py --minilm patched `scanner.health_of_weight`, gone since the scanner records health
+    from W_frozen's spectrum: AttributeError. It now times the scan with W's own health computed per module besides:
+    one `health_of_weight` per module, of the weight as the checkpoint holds it (oracle: the tensors read back)."""
+    from safetensors.torch import load_file
+
+    from plate_inspect.health import health_of_weight
+
+    bench = _benchmark("health_cost")
+    _, model, bundle, _ = setup
+    with bench.w_health_per_module() as records:
+        scan(model, tmp_path / "b", r=4, tau=0.9, max_rank=64)
+    tensors = load_file(next(model.glob("*.safetensors")))
+    expected = sorted(health_of_weight(tensors[f"{name}.weight"].float())["spectral_norm"] for name in bundle.modules)
+    assert len(records) == len(bundle.modules) == 14
+    assert {r["spectrum_of"] for r in records} == {"W"}
+    assert sorted(r["spectral_norm"] for r in records) == pytest.approx(expected, rel=1e-5)
+    times = bench.scan_with_and_without_w_health(model, rounds=1, r=4, tau=0.9, max_rank=64)
+    assert times["modules"] == 14 and times["with"] > 0 and times["without"] > 0
+    assert "with W's health per module" in capsys.readouterr().out
+
+
+def _invoke(*args):
+    """The CLI as `plate-inspect` (CliRunner would call it `cli`), stdout and stderr apart."""
+    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="plate-inspect", catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_click_usage_errors_are_one_error_line_naming_the_commands_help(setup, tmp_path):
+    """README: every bad input ends with one `error:` line. Click's own checks printed a four-line Usage / Try /
+    blank / Error block; now one line in the project's style, exit 2, naming the command's --help (also for the
+    errors click raises without a context: a missing option value, a UsageError from a command)."""
+    _, model, bundle, _ = setup
+    missing = tmp_path / "nothere.safetensors"
+    cases = {
+        ("merge", model, missing, "-o", tmp_path / "m"): (
+            f"Invalid value for 'ADAPTER': Path '{missing}' does not exist.",
+            "merge",
+        ),
+        ("scan", model, "--precision", "float16"): (
+            "Invalid value for '--precision': 'float16' is not one of 'float32', 'float64'.",
+            "scan",
+        ),
+        ("report",): ("Missing argument 'BUNDLES...'.", "report"),
+        ("plan", bundle.path, "--budget"): ("Option '--budget' requires an argument.", "plan"),
+        ("experiment", "continual", "--seeds"): ("Option '--seeds' requires an argument.", "experiment continual"),
+        ("experiment", "bogus"): ("No such command 'bogus'.", "experiment"),
+        ("verify", bundle.path, "--exact"): ("--exact needs MODEL: the oracle is computed from its weights", "verify"),
+        ("scna",): ("No such command 'scna'.", ""),
+        ("--bogus",): ("No such option '--bogus'.", ""),
+    }
+    for args, (message, command) in cases.items():
+        code, out, err = _invoke(*args)
+        see = " ".join(["plate-inspect", command]).strip()
+        assert (code, out, err) == (2, "", f"error: {message} (see {see} --help)\n"), args
+    assert not (tmp_path / "m").exists()
+
+
+def test_help_and_bare_groups_still_print_clicks_help(setup):
+    """--help and a group given no command print click's help, unchanged (not an error line)."""
+    code, out, err = _invoke("--help")
+    assert code == 0 and out.startswith("Usage: plate-inspect [OPTIONS] COMMAND [ARGS]...") and err == ""
+    code, out, err = _invoke()  # click prints a bare group's help on stderr, exit 2
+    assert code == 2 and err.startswith("Usage: plate-inspect [OPTIONS] COMMAND") and "Commands:" in err
+    assert "error:" not in err
+    code, out, err = _invoke("experiment")
+    assert code == 2 and err.startswith("Usage: plate-inspect experiment [OPTIONS] COMMAND") and "continual" in err
+    code, out, err = _invoke("merge", "--help")
+    assert code == 0 and out.startswith("Usage: plate-inspect merge [OPTIONS] CHECKPOINT ADAPTER") and err == ""
+
+
+@pytest.mark.parametrize("command", ["report", "info", "health"])
+def test_a_model_given_as_a_bundle_is_named_a_model_and_the_hint_works(setup, tmp_path, command):
+    """`report/info/health MODEL_DIR` said "create a bundle with: plate-inspect scan MODEL --out MODEL_DIR", an --out
+    that scan refuses (it holds the model's safetensors). Now: it looks like a model checkpoint, scan it into another
+    directory; a .safetensors file is named the MODEL too; an empty directory keeps the --out hint, which works."""
+    _, model, _, _ = setup
+    extra = ["-o", tmp_path / "r.html"] if command == "report" else []
+    output = assert_user_error([command, model, *extra], f"{model}: not a bundle (no manifest.json)")
+    hint = f"a model checkpoint; create a bundle of it with: plate-inspect scan {model} --out <another directory>"
+    assert "(model.safetensors, config.json)" in output and hint in output, output
+    assert_user_error(["scan", model, "--out", model, "-q"], "not parts of a PLATE bundle")  # the old hint's --out
+    weights = model / "model.safetensors"
+    output = assert_user_error([command, weights, *extra], "is a file, not a bundle directory")
+    assert f"plate-inspect scan {weights} --out <a directory>" in output
+    code, output = run_cli("scan", weights, "--out", tmp_path / "b", "--r", "4", "--max-rank", "64", "-q")
+    assert code == 0, output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    output = assert_user_error(
+        [command, empty, *extra], f"create a bundle with: plate-inspect scan MODEL --out {empty}"
+    )
+    code, output = run_cli("scan", model, "--out", empty, "--r", "4", "--max-rank", "64", "-q")
+    assert code == 0, output
+
+
+def test_plan_help_lists_every_budget_form_and_each_works(setup, tmp_path):
+    """`plan --help` listed '2e6', '1%' and 'lora:16'; the README also uses '2,000,000', 'lora 16' and 'as LoRA r=16'
+    (all accepted). Every form is in the help now, and each one listed plans (the same LoRA budget three ways)."""
+    _, _, bundle, _ = setup
+    code, help_text, _ = _invoke("plan", "--help")
+    help_text = " ".join(help_text.split())  # click wraps the option help
+    forms = ["2e6", "2,000,000", "1%", "lora:16", "lora 16", "as LoRA r=16"]
+    assert code == 0 and all(f"'{form}'" in help_text for form in forms), help_text
+    budgets = {}
+    for form in forms:
+        code, out, err = _invoke("plan", bundle.path, "--budget", form, "--json")
+        assert code == 0, (form, err)
+        budgets[form] = json.loads(out)["budget"]["params"]
+    assert budgets["2e6"] == budgets["2,000,000"] == 2_000_000
+    assert budgets["lora:16"] == budgets["lora 16"] == budgets["as LoRA r=16"] > 0
+
+
+def test_continual_methods_help_points_at_the_list_that_is_there():
+    """`--methods ... see below` with nothing below: the help names every method above the options and says so."""
+    from plate_inspect.experiments.methods import METHODS
+
+    code, help_text, _ = _invoke("experiment", "continual", "--help")
+    above, options = help_text.split("Options:")
+    assert code == 0 and "see below" not in help_text and "(listed above)" in options
+    assert all(method in " ".join(above.split()) for method in METHODS)

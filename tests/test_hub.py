@@ -143,7 +143,9 @@ print(json.dumps(out))
 """
 
 
-def open_in_fresh_process(cases: list[tuple], home: Path, endpoint: str, token: str | None = None) -> list[dict]:
+def open_in_fresh_process(
+    cases: list[tuple], home: Path, endpoint: str, token: str | None = None, extra_env: dict[str, str] | None = None
+) -> list[dict]:
     """Checkpoint.open for each (repo, revision, offline) in a new interpreter pointed at the stand-in hub."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING")) and "proxy" not in k.lower()}
     env.update(
@@ -157,6 +159,7 @@ def open_in_fresh_process(cases: list[tuple], home: Path, endpoint: str, token: 
     )
     if token:
         env["HF_TOKEN"] = token
+    env.update(extra_env or {})
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=120
     )
@@ -196,6 +199,52 @@ def test_download_fetches_only_safetensors_and_json_then_runs_offline(hub, tmp_p
     assert offline["type"] == "HubOfflineError" and "offline mode is on" in offline["message"]
     for result in (other, offline):
         assert "hf download org/other --include '*.safetensors' '*.json'" in result["message"]
+
+
+def test_offline_messages_say_what_is_missing_and_what_to_download(hub, tmp_path):
+    """README walk-through: with --offline (or HF_HUB_OFFLINE=1) a repo missing from the cache entirely lacked the
+    "nor is it a local path" hint the unreachable-hub message has, and both said "fetch them" with no antecedent.
+    Now each says what is missing and downloads "the repo" or "the missing files"; a repo cached without its
+    weights says which files are missing, and no "local path" hint (it is a repo)."""
+    home, endpoint = tmp_path / "hf-home", endpoint_of(hub)
+    (first,) = open_in_fresh_process([("org/model", None, None)], home, endpoint)
+    assert first["ok"], first
+    (weights,) = (home / "hub" / "models--org--model" / "snapshots").glob("*/model.safetensors")
+    weights.unlink()  # cached, but without its weights
+    hub.shutdown()
+    hub.server_close()
+    cache = home / "hub"
+    whole = (
+        f"org/other: not in the local Hugging Face cache ({cache}; missing: the whole repo), nor is it a local path "
+        "(for a local model, check the path), and "
+    )
+    fetch_repo = (
+        "; download the repo on a connected machine with: hf download org/other --include '*.safetensors' '*.json'"
+    )
+    flag, unreachable, partial, partial_unreachable = open_in_fresh_process(
+        [("org/other", None, True), ("org/other", None, None), ("org/model", None, True), ("org/model", None, None)],
+        home,
+        endpoint,
+    )
+    (env,) = open_in_fresh_process([("org/other", None, None)], home, endpoint, extra_env={"HF_HUB_OFFLINE": "1"})
+    for result in (flag, env):
+        assert result["type"] == "HubOfflineError", result
+        assert result["message"] == f"{whole}offline mode is on{fetch_repo}"
+    assert unreachable["message"].startswith(f"{whole}the hub cannot be reached (")
+    assert unreachable["message"].endswith(fetch_repo)
+    assert partial["type"] == "HubOfflineError" and partial["message"] == (
+        f"org/model: not fully in the local Hugging Face cache ({cache}; missing: *.safetensors) and offline mode is "
+        "on; download the missing files on a connected machine with: hf download org/model --include "
+        "'*.safetensors' '*.json'"
+    )
+    assert partial_unreachable["message"].startswith(
+        f"org/model: not fully in the local Hugging Face cache ({cache}; missing: *.safetensors) and the hub cannot "
+        "be reached ("
+    )
+    assert partial_unreachable["message"].endswith(
+        "; download the missing files on a connected machine with: "
+        "hf download org/model --include '*.safetensors' '*.json'"
+    )
 
 
 def test_a_name_that_is_neither_a_path_nor_a_repo_id(tmp_path, monkeypatch):

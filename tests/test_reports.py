@@ -511,8 +511,10 @@ def test_incompatible_bundles_refused(tmp_path, small_bundle):
         write_report([small_bundle, c], tmp_path / "r.html")
     with pytest.raises(BundleError, match="no bundle given"):
         write_report([], tmp_path / "r.html")
-    with pytest.raises(BundleError, match="2 labels given for 1 bundles"):
+    with pytest.raises(BundleError, match="^2 labels given for 1 bundle; give one label per bundle$"):
         write_report([small_bundle], tmp_path / "r.html", labels=["a", "b"])
+    with pytest.raises(BundleError, match="^1 label given for 2 bundles; "):
+        write_report([small_bundle, small_bundle], tmp_path / "r.html", labels=["a"])
 
 
 def test_report_path_is_checked_before_rendering(tmp_path, small_bundle, monkeypatch):

@@ -107,9 +107,13 @@ def test_variant_identity_refuses_another_kind_seed_or_base(variants, tmp_path):
     again = make_variant(plate, ckpt, "random_q", out, seed=1)  # the same ablation: kept as is
     assert (out / first.record("fc2").file).stat().st_ino == q_before
     assert again.manifest.to_json() == first.manifest.to_json()
-    with pytest.raises(BundleError, match="seed 1.*--overwrite"):
+    # make_variant has no CLI command: its hints name the Python keywords only (they said "(CLI: --overwrite) ...
+    # (CLI: --out)")
+    python_hint = r"; replace it with overwrite=True, or write elsewhere \(another out\)$"
+    with pytest.raises(BundleError, match="seed 1.*" + python_hint) as refused:
         make_variant(plate, ckpt, "random_q", out, seed=2)
-    with pytest.raises(BundleError, match="random_q ablation.*--overwrite"):
+    assert "CLI" not in str(refused.value) and "--" not in str(refused.value)
+    with pytest.raises(BundleError, match="random_q ablation.*" + python_hint):
         make_variant(plate, ckpt, "random_b", out, seed=1)
     rebuilt = make_variant(plate, ckpt, "random_b", out, seed=1, overwrite=True)
     assert rebuilt.manifest.variant["kind"] == "random_b" and {r.variant for r in rebuilt} == {"random_b"}
@@ -117,8 +121,14 @@ def test_variant_identity_refuses_another_kind_seed_or_base(variants, tmp_path):
     for p in fresh.path.glob("*.safetensors"):
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
     # a scanned bundle's directory is not an ablation's, and the other way round
-    with pytest.raises(BundleError, match="a scanned bundle.*--overwrite"):
+    with pytest.raises(BundleError, match="a scanned bundle.*" + python_hint):
         make_variant(plate, ckpt, "random_q", plate.path, seed=1)
+    # a directory holding a model's weights: refused even with overwrite, in the same words
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes((out / first.record("fc2").file).read_bytes())
+    with pytest.raises(BundleError, match=r"even with overwrite=True; write elsewhere \(another out\)$"):
+        make_variant(plate, ckpt, "random_q", model_dir, seed=1, overwrite=True)
 
 
 def test_variant_of_a_rebuilt_base_bundle_is_refused(variants, tmp_path):

@@ -117,7 +117,7 @@ def make_variant(
     modules = modules_by_name(ckpt)  # every weight by module name, 3-D expert slices and quantized storage included
     if len(src):  # a wrong checkpoint is refused before ``out`` is touched (its smallest module, one extra read)
         _source_weight(src, min(src, key=lambda rec: rec.d_out * rec.d_in), ckpt, modules, checkpoint)
-    writer = BundleWriter(out, manifest, overwrite=overwrite)
+    writer = BundleWriter(out, manifest, overwrite=overwrite, cli_hints=False)  # no CLI command: Python keywords
     with closing(writer):
         writer.open()
         _write_variant(src, ckpt, modules, checkpoint, writer, variant, seed)
