@@ -48,11 +48,11 @@ from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callbac
 from plate_inspect.targets import (
     CONV1D_FAMILIES,
     TargetModule,
-    _matches,
     check_target_patterns,
     load_target,
     modules_by_name,
     select_targets,
+    target_matches,
 )
 
 #: Keys of one ``--json`` record, in order.
@@ -670,14 +670,7 @@ def select_by_filters(
     kept = [
         t
         for t in targets
-        if (layers is None or t.layer in set(layers))
-        and (
-            not target_modules
-            or any(
-                _matches(t.name, p) or _matches(t.logical_name.removesuffix(".weight"), p) or _matches(t.module_type, p)
-                for p in target_modules
-            )
-        )
+        if (layers is None or t.layer in set(layers)) and (not target_modules or target_matches(t, target_modules))
     ]
     if not kept:
         asked = " and ".join(

@@ -258,5 +258,6 @@ def weight_spectrum(weight: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 
 def health_of_weight(weight: torch.Tensor | np.ndarray) -> dict:
-    """:func:`health_record` of W itself (d_out x d_in): the call the scanner makes per module."""
+    """:func:`health_record` of W itself (d_out x d_in); the scanner records W_frozen's instead, from the spectrum
+    it already has (W's own costs one more Gram and eigvalsh: ``benchmarks/health_cost.py``)."""
     return health_record(weight_spectrum(weight), tuple(weight.shape), "W")

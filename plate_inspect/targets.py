@@ -215,6 +215,13 @@ def _matches(module: str, pattern: str) -> bool:
     return module == pattern or module.endswith("." + pattern)
 
 
+def target_matches(target: TargetModule, patterns: Iterable[str]) -> bool:
+    """Does any ``--target-modules`` pattern select ``target``: by module name, by its weight's name (a 3-D expert
+    stack) or by module type, each as an exact name, a dotted suffix or a regex (peft's rules)."""
+    names = (target.name, target.logical_name.removesuffix(".weight"), target.module_type)
+    return any(_matches(n, p) for p in patterns for n in names)
+
+
 def check_target_patterns(patterns: Iterable[str] | None) -> None:
     """ConfigError for a target-module pattern that looks like a regex but does not compile (``--target-modules '['``);
     call it before any slow work: matching raises the same error, later."""
@@ -360,14 +367,7 @@ def select_targets(
     candidates = [m for w in weights for m in _modules_of(w, model_type)]
     if target_modules:
         note = f"--target-modules {','.join(target_modules)}"
-        chosen = [
-            t
-            for t in candidates
-            if any(
-                _matches(t.name, p) or _matches(t.logical_name.removesuffix(".weight"), p) or _matches(t.module_type, p)
-                for p in target_modules
-            )
-        ]
+        chosen = [t for t in candidates if target_matches(t, target_modules)]
     elif model_type in FAMILY_TARGETS:
         wanted = set(FAMILY_TARGETS[model_type])
         note = f"defaults for model_type '{model_type}'"
