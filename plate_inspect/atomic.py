@@ -19,21 +19,26 @@ from pathlib import Path
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     """Write ``data`` to ``path`` via a fsynced temp file in the same directory and an atomic rename.
 
-    Raises OSError (after removing the temp file) so that each caller can word the error for its own users.
+    Raises OSError (after removing the temp file) so that each caller can word the error for its own users; its
+    ``filename`` is ``path``, never the temp file's name, which means nothing to a user.
     """
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
     parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = _create_temp(parent, path.name)
+    tmp = None
     try:
+        fd, tmp = _create_temp(parent, path.name)
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     _fsync_dir(parent)
     return path

@@ -609,6 +609,29 @@ def test_atomic_write_gives_the_umask_mode_and_leaves_the_umask_alone(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]  # no temp file left behind
 
 
+def test_atomic_write_errors_name_the_target_not_the_temp_file(tmp_path, monkeypatch):
+    """A failed write names the file the caller asked for (what a user can act on), not ``.f.json.<hex>.tmp``; the
+    error keeps its errno (and OSError subclass), and no temp file is left behind."""
+    import errno
+
+    from plate_inspect.atomic import atomic_write
+
+    (tmp_path / "a-file").write_text("x")
+    target = tmp_path / "a-file" / "f.json"  # creating the temp file fails: its parent is a file
+    with pytest.raises(NotADirectoryError) as info:
+        atomic_write(target, "x")
+    assert info.value.filename == str(target) and info.value.errno == errno.ENOTDIR
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)  # the write itself fails, after the temp file exists
+    with pytest.raises(OSError) as info:
+        atomic_write(tmp_path / "g.json", "x")
+    assert info.value.filename == str(tmp_path / "g.json") and info.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_cli_says_how_many_modules_changed(tmp_path, qwen_ckpt):
     from click.testing import CliRunner
 

@@ -18,7 +18,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import statistics
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -103,20 +102,20 @@ class ContinualSettings:
             raise ConfigError(f"steps must be integers >= 1 (got stage 2 {self.steps}, stage 1 {self.stage1_steps})")
         for what, values in (("methods (CLI: --methods)", self.methods), ("steps (CLI: --steps)", self.steps)):
             if len(set(values)) != len(values):
-                raise ConfigError(f"{what} lists {', '.join(map(str, _repeated(values)))} twice; give each once")
+                raise ConfigError(f"{what} lists {', '.join(map(str, repeated_values(values)))} twice; give each once")
         for m in self.methods:
             budgets = self.budgets_of(m)
             for b in budgets:
                 check_budget(m, b)
             if len({b.id for b in budgets}) != len(budgets):
-                raise ConfigError(f"{m}: budget ids {', '.join(_repeated([b.id for b in budgets]))} repeat")
+                raise ConfigError(f"{m}: budget ids {', '.join(repeated_values([b.id for b in budgets]))} repeat")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _repeated(values: Any) -> list[str]:
+def repeated_values(values: Any) -> list[str]:
     """The values that occur more than once, in order of their second occurrence."""
     seen: set[Any] = set()
     twice: list[str] = []
@@ -137,7 +136,7 @@ def seed_list(seeds: int | list[int]) -> list[int]:
     if bad:
         raise ConfigError(f"seeds must be integers >= 0, got {bad[0]!r}")
     if len(set(values)) != len(values):
-        raise ConfigError(f"seed {_repeated(values)[0]} is listed twice; give each seed once")
+        raise ConfigError(f"seed {repeated_values(values)[0]} is listed twice; give each seed once")
     return values
 
 
@@ -316,10 +315,7 @@ def writing_errors(out: Path, kept: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        where = Path(e.filename) if e.filename else out
-        temp = re.fullmatch(r"\.(.+)\.[0-9a-f]{12}\.tmp", where.name)  # atomic_write's temporary file: name the target
-        if temp:
-            where = where.with_name(temp.group(1))
+        where = Path(e.filename) if e.filename else out  # atomic_write names its target, not its temp file
         reason = os_error_reason(where, e)
         todo = "free space or choose another --out" if reason == "disk full" else "choose another --out"
         raise ConfigError(f"{where}: cannot write ({reason}); {kept}; {todo}") from None

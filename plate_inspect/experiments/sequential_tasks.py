@@ -34,7 +34,7 @@ import torch
 from plate_inspect.atomic import atomic_write, make_dirs
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
-from plate_inspect.experiments.continual import _repeated, seed_list, settings_diff, writing_errors
+from plate_inspect.experiments.continual import repeated_values, seed_list, settings_diff, writing_errors
 from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLATE_RHO, backbone_shapes
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 
@@ -180,7 +180,7 @@ def run_sequential(
         got = f"unknown method '{unknown[0]}'" if unknown else "no methods given"
         raise ConfigError(f"{got}; choose from {', '.join(SEQUENTIAL_METHODS)}")
     if len(set(names)) != len(names):
-        raise ConfigError(f"methods list {', '.join(_repeated(names))} twice; give each once")
+        raise ConfigError(f"methods list {', '.join(repeated_values(names))} twice; give each once")
     seeds_run = seed_list(seeds)
     for what, value in (("steps", steps), ("lora_rank", lora_rank), ("osf_n", osf_n), ("r", r)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -236,9 +236,10 @@ def run_sequential(
                         unit = {"settings": settings, "records": [asdict(x) for x in records]}
                         atomic_write(_unit_path(out, seed, method), json.dumps(unit, indent=2) + "\n")
                     result.records.extend(records)
-                    _write_sequential(result, names, settings)
-                    if kept[(seed, method)] is None:
+                    if kept[(seed, method)] is None:  # a run finished: sequential.json holds what finished so far
+                        _write_sequential(result, names, settings)
                         counter.step(f"seed {seed}: {method}")
+            _write_sequential(result, names, settings)  # every run kept: written once
     finally:
         torch.set_num_threads(threads)
     return result
