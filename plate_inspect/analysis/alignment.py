@@ -261,6 +261,13 @@ def weight_activation_alignment(
     """VE_k / AL_k records for every target linear layer of any torch model, fed an iterable of inputs."""
     ks = _check_ks(ks, select_linear_modules(model, target_modules))
     moments = collect_input_moments(model, inputs, target_modules, forward=forward)
+    return _records_from_moments(model, moments, ks, n_random, seed)
+
+
+def _records_from_moments(
+    model: nn.Module, moments: dict[str, ActivationMoments], ks: Sequence[int], n_random: int, seed: int
+) -> list[AlignmentRecord]:
+    """VE_k / AL_k records of each layer whose input moments were collected, for the k values its shape allows."""
     modules = dict(model.named_modules())
     records: list[AlignmentRecord] = []
     for name, m in moments.items():
@@ -451,10 +458,4 @@ def hf_text_alignment(
             warnings.warn(note, SeqLenCappedWarning, stacklevel=2)
     inputs = hf_text_inputs(tokenizer, text, seq_len=seq_len, max_tokens=max_tokens)
     moments = collect_input_moments(model, inputs, target_modules, progress=progress)
-    modules = dict(model.named_modules())
-    records: list[AlignmentRecord] = []
-    for name, m in moments.items():
-        weight = linear_weight(modules[name])
-        usable = [k for k in ks if k <= min(weight.shape)]
-        records.extend(alignment_from_moments(name, weight, m.sigma, usable, n_random, seed, n_samples=m.n))
-    return records
+    return _records_from_moments(model, moments, ks, n_random, seed)
