@@ -237,6 +237,36 @@ def test_include_mtp_is_a_setting_of_the_bundle(ckpts, tmp_path):
     assert again.manifest.identity == layer1.manifest.identity
 
 
+def test_include_mtp_that_plans_the_same_modules_rescans(ckpts, tmp_path):
+    """QA: include_mtp was compared strictly on a rescan, so `--include-mtp` on a model without an MTP layer (or
+    with it outside --layers) was refused as "other settings" though it plans the same modules. It is compared by
+    the modules it plans, like layers and target_modules: nothing is recomputed, the bundle keeps its own setting
+    (files and identity untouched); where it does add the MTP layer it is still refused."""
+    from plate_inspect.errors import BundleError
+
+    llama, out = ckpts["llama"].path, tmp_path / "llama"
+    first = plate_inspect.scan(llama, out, r=R, max_rank=8)
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "scan_stats.json"}
+    again = plate_inspect.scan(llama, out, r=R, max_rank=8, include_mtp=True)
+    assert again.stats()["modules_resumed"] == len(expected_targets("llama")) and again.stats()["modules_scanned"] == 0
+    assert again.settings.include_mtp is False and again.manifest.identity == first.manifest.identity
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "scan_stats.json"} == files
+    # DeepSeek-V3 with its MTP layer (2) outside --layers: the same plan both ways, in both directions
+    dsv3 = ckpts["deepseek_v3"].path
+    for before, after in ((False, True), (True, False)):
+        out = tmp_path / f"dsv3-{before}"
+        made = plate_inspect.scan(dsv3, out, r=R, max_rank=8, layers=[1], include_mtp=before)
+        again = plate_inspect.scan(dsv3, out, r=R, max_rank=8, layers=[1], include_mtp=after)
+        assert again.stats()["modules_scanned"] == 0 and again.manifest.identity == made.manifest.identity
+        assert again.settings.include_mtp is before
+    # where it adds the MTP layer's modules: refused, naming the setting and the module counts
+    with_mtp = len({t.name for t in select_targets(Checkpoint.open(dsv3), include_mtp=True)[0] if t.layer in (1, 2)})
+    without = len({t.name for t in select_targets(Checkpoint.open(dsv3))[0] if t.layer == 1})
+    plate_inspect.scan(dsv3, tmp_path / "d", r=R, max_rank=8, layers=[1, 2])
+    with pytest.raises(BundleError, match=rf"include_mtp False there, True here; {without} modules there, {with_mtp}"):
+        plate_inspect.scan(dsv3, tmp_path / "d", r=R, max_rank=8, layers=[1, 2], include_mtp=True)
+
+
 def test_routers_only_when_named(ckpts):
     ckpt = Checkpoint.open(ckpts["qwen2_moe"].path)
     chosen, _ = select_targets(ckpt, ["mlp.gate", "shared_expert_gate"])
