@@ -622,3 +622,94 @@ def test_every_part_name_is_recognised_as_a_bundle_part(ckpts):
         names = {part_name(t) for t in targets}
         assert all(PART_FILE_NAME.fullmatch(n) for n in names), (family, sorted(names))
         assert any("experts" in n for n in names) or family not in ("mixtral", "qwen2_moe", "deepseek_v3")
+
+
+# --------------------------------------------------------------------------- models built and saved by transformers
+#: transformers' names of an expert's projections in its per-expert checkpoint format -> part of its fused parameter
+_HF_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+HF_FAMILIES = ("llama", "mistral", "qwen3", "olmo2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
+               "deepseek_v3", "gpt_oss", "gpt2", "bert", "llama_tied")  # fmt: skip
+
+
+def _hf_model(family: str) -> torch.nn.Module:
+    """A tiny model of ``family`` built by transformers from its config, random bf16 weights."""
+    transformers = pytest.importorskip("transformers")
+    from plate_inspect.testing.synthetic import family_config
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+        model = transformers.GPT2LMHeadModel(config)
+    elif family == "bert":
+        config = transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=64,
+            max_position_embeddings=32,
+        )  # fmt: skip
+        model = transformers.BertModel(config)
+    else:
+        base = "llama" if family == "llama_tied" else family
+        config = family_config(base, 2, 64, torch.bfloat16, tie_word_embeddings=family == "llama_tied", pad_token_id=0)
+        config.pop("num_nextn_predict_layers", None)  # transformers builds no MTP layer
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+        )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model.to(torch.bfloat16)
+
+
+def _transformers_weights(model: torch.nn.Module, saved: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Oracle: every module PLATE should adapt, as transformers computes with it ([d_out, d_in]): its nn.Linear
+    (routers and lm_head left out) and GPT-2 Conv1D modules, and each expert of its fused expert parameters, named as
+    transformers' save_pretrained wrote them (``saved``: name -> shape): one tensor per expert (gate and up are the
+    halves of the fused ``gate_up_proj``, in that order, as its forward chunks them), or 3-D stacks [E, d_in, d_out]."""
+    import re
+
+    from transformers.pytorch_utils import Conv1D
+
+    modules = dict(model.named_modules())
+    want: dict[str, torch.Tensor] = {}
+    for name, module in modules.items():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and not re.search(r"(gate|router)$", name):
+            want[name] = module.weight
+        elif isinstance(module, Conv1D):
+            want[name] = module.weight.T
+    for key, shape in saved.items():
+        per_expert = re.match(r"(.*)\.experts\.(\d+)\.(\w+)\.weight$", key)
+        if per_expert:
+            base, e, proj = per_expert.group(1), int(per_expert.group(2)), _HF_PROJ[per_expert.group(3)]
+            experts = modules[base.replace("block_sparse_moe", "mlp") + ".experts"]
+            fused = experts.down_proj[e] if proj == "down" else experts.gate_up_proj[e]
+            half = fused.shape[0] // 2
+            want[key.removesuffix(".weight")] = {"down": fused, "gate": fused[:half], "up": fused[half:]}[proj]
+        elif len(shape) == 3 and re.search(r"experts\.(gate_up_proj|down_proj)$", key):
+            stack = getattr(modules[key.rsplit(".", 1)[0]], key.rsplit(".", 1)[1])
+            want.update({f"{key}.{e}": stack[e].T for e in range(shape[0])})
+    return want
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_targets_match_what_transformers_builds_and_saves(family, tmp_path):
+    """The default targets of a checkpoint written by transformers' own save_pretrained are exactly the modules
+    its model computes with (names), and each weight read is the one that model uses (values, orientation: Conv1D
+    transposed, fused experts split as transformers' forward splits them). BERT's pooler is left out on purpose."""
+    from safetensors import safe_open
+
+    model = _hf_model(family)
+    model.save_pretrained(tmp_path)
+    saved: dict[str, tuple[int, ...]] = {}
+    for f in tmp_path.glob("*.safetensors"):
+        with safe_open(f, "pt") as g:
+            saved.update({k: tuple(g.get_slice(k).get_shape()) for k in g.keys()})  # noqa: SIM118
+    want = _transformers_weights(model, saved)
+    if family == "bert":
+        want.pop("pooler.dense")
+    if family == "llama_tied":
+        assert "lm_head.weight" not in saved  # tied: the head is the embedding, saved once
+    ckpt = Checkpoint.open(tmp_path)
+    targets, _ = select_targets(ckpt)
+    assert {t.name for t in targets} == set(want)
+    for t in targets:
+        w, _ = load_target(ckpt, t)
+        assert w.dtype == torch.bfloat16 and torch.equal(w, want[t.name].detach()), t.name
