@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from plate_inspect.checkpoint import Checkpoint, TensorInfo
-from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError, UnsupportedWeightError
+from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError
 
 #: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
 #: [experts, d_out, d_in] (experts_out_major) or [experts, d_in, d_out] (experts_in_major).
@@ -357,12 +357,6 @@ def select_targets(
     """
     check_target_patterns(target_modules)
     model_type = str(ckpt.config.get("model_type", "")) or None
-    packed = sorted(n for n in ckpt.tensors if n.endswith((".qweight", ".qzeros", ".g_idx")))
-    if packed:
-        raise UnsupportedWeightError(
-            f"tensor '{packed[0]}' is a packed quantized weight (GPTQ/AWQ), which is not supported: "
-            "scan the unquantized base model instead"
-        )
     weights = logical_weights(ckpt)
     candidates = [m for w in weights for m in _modules_of(w, model_type)]
     if target_modules:
@@ -377,12 +371,16 @@ def select_targets(
             note += " (language model only)"
     else:
         why = f"unknown model_type '{model_type}'" if model_type else "no model_type in config.json"
-        note = f"{why}: every 2-D weight except embeddings, norms, heads and routers"
         chosen = [
             t
             for t in candidates
             if t.layout not in EXPERT_LAYOUTS and not _NEVER_BY_DEFAULT.search(t.name) and not ROUTER.search(t.name)
         ]
+        # outside the numbered layers sit heads and projectors (DistilBERT's vocab_transform): not a layer's module
+        in_layers = any(t.layer is not None for t in chosen)
+        chosen = [t for t in chosen if t.layer is not None] if in_layers else chosen
+        where = " in the numbered layers" if in_layers else ""
+        note = f"{why}: every 2-D weight{where} except embeddings, norms, heads and routers"
     mtp = mtp_layers(ckpt.config)
     if mtp and not include_mtp:
         chosen = [t for t in chosen if t.layer not in mtp]

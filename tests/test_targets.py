@@ -77,6 +77,26 @@ def test_unknown_model_type_falls_back_and_says_so(tmp_path):
     assert "unknown model_type 'mystery'" in note
 
 
+def test_unknown_model_type_keeps_to_the_numbered_layers(tmp_path):
+    """QA: the fallback targeted DistilBERT's MLM head `vocab_transform` (a layer-less 2-D weight) as a module.
+    Oracle: the nn.Linear modules transformers builds inside DistilBERT's numbered transformer blocks. Without any
+    numbered layer, every 2-D weight is still a candidate."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=48, vocab_size=64)
+    model = transformers.DistilBertForMaskedLM(config)
+    model.save_pretrained(tmp_path / "distilbert")
+    want = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.startswith("distilbert.transformer.layer.")
+    }
+    assert len(want) == 12 and "vocab_transform" in dict(model.named_modules())
+    chosen, note = select_targets(Checkpoint.open(tmp_path / "distilbert"))
+    assert {t.name for t in chosen} == want and "in the numbered layers" in note
+    flat = write(tmp_path, {"fc1.weight": torch.zeros(8, 4), "fc2.weight": torch.zeros(4, 8)}, {"model_type": "x"})
+    assert [t.name for t in select_targets(flat)[0]] == ["fc1", "fc2"]
+
+
 def test_packed_gptq_weights_are_unsupported(tmp_path):
     t = {
         "model.layers.0.self_attn.q_proj.qweight": torch.zeros(8, 32, dtype=torch.int32),
