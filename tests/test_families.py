@@ -73,6 +73,14 @@ def expected_targets(family: str, layers: int = 2) -> set[str]:
             out |= names(f"{p}.feed_forward.shared_expert", *GLU)
             for e in range(c["num_local_experts"]):
                 out |= names(f"{p}.feed_forward.experts", f"gate_up_proj.{e}", f"down_proj.{e}")
+        elif family == "qwen3_vl_moe":
+            p = f"model.language_model.layers.{i}"
+            out |= names(f"{p}.self_attn", *ATTN)
+            if i in c["mlp_only_layers"]:
+                out |= names(f"{p}.mlp", *GLU)
+                continue
+            for e in range(c["num_experts"]):
+                out |= names(f"{p}.mlp.experts", f"gate_up_proj.{e}", f"down_proj.{e}")
         elif family == "gpt_oss":
             out |= names(f"{p}.self_attn", *ATTN)
             for e in range(c["num_local_experts"]):
@@ -102,7 +110,7 @@ def oriented_weight(tensors: dict[str, torch.Tensor], name: str, family: str) ->
     if name + ".weight" in tensors:
         return tensors[name + ".weight"]
     stack, expert = name.rsplit(".", 1)
-    assert family in ("llama4", "gpt_oss")  # the families that store [experts, d_in, d_out]
+    assert family in ("llama4", "gpt_oss", "qwen3_vl_moe")  # the families that store [experts, d_in, d_out]
     return tensors[stack][int(expert)].T
 
 
@@ -158,6 +166,11 @@ SAMPLES = {  # a few modules per family: attention, dense and expert MLPs, 3-D e
         "language_model.model.layers.0.feed_forward.up_proj",
     ],
     "gpt_oss": ["model.layers.0.mlp.experts.gate_up_proj.1", "model.layers.1.mlp.experts.down_proj.2"],
+    "qwen3_vl_moe": [
+        "model.language_model.layers.1.mlp.experts.gate_up_proj.2",
+        "model.language_model.layers.1.mlp.experts.down_proj.0",
+        "model.language_model.layers.0.mlp.down_proj",
+    ],
     "gemma3": ["language_model.model.layers.1.self_attn.q_proj"],
     "phi3": ["model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"],
     "olmo2": ["model.layers.0.mlp.down_proj"],
@@ -175,7 +188,8 @@ def test_scan_matches_dense_oracle(ckpts, family, tmp_path):
     for rec in bundle:  # module types carry no expert index; the expert sits in the name
         assert rec.module_type.split(".")[-1].isdigit() is False
     layouts = {rec.layout for rec in bundle}
-    assert layouts == ({"linear", "experts_in_major"} if family in ("llama4", "gpt_oss") else {"linear"})
+    stacked = family in ("llama4", "gpt_oss", "qwen3_vl_moe")
+    assert layouts == ({"linear", "experts_in_major"} if stacked else {"linear"})
 
 
 def test_deepseek_mtp_layer_only_when_asked(ckpts, tmp_path):
@@ -713,3 +727,51 @@ def test_targets_match_what_transformers_builds_and_saves(family, tmp_path):
     for t in targets:
         w, _ = load_target(ckpt, t)
         assert w.dtype == torch.bfloat16 and torch.equal(w, want[t.name].detach()), t.name
+
+
+@pytest.mark.parametrize("as_released", [True, False])
+def test_qwen3_vl_moe_stacks_in_either_orientation_against_transformers(tmp_path, as_released):
+    """Qwen3-VL-MoE (a model_type that fell back to "every 2-D weight": its 3-D experts were skipped and its vision
+    tower targeted) keeps experts as 3-D stacks: its release stores [E, hidden, 2 x moe] (transformers transposes them
+    on load), transformers 5 re-saves its own [E, 2 x moe, hidden]. Oracle: the model transformers builds, whose
+    forward is linear(x, gate_up_proj[e]) (so [d_out, d_in] = its parameter's slice), saved by its save_pretrained;
+    the release layout is that file with each stack transposed."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    text = {**FAMILY_DEFAULTS["qwen3_vl_moe"], "num_hidden_layers": 2, "vocab_size": 64}
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 1e4}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])  # fmt: skip
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    params = dict(model.named_parameters())
+    want = {
+        n.removesuffix(".weight"): p
+        for n, p in params.items()
+        if ".language_model.layers." in n and n.endswith("_proj.weight")
+    }
+    for n, p in params.items():
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            want.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
+    (shard,) = tmp_path.glob("*.safetensors")
+    if as_released:
+        tensors = load_file(shard)
+        for n, t in tensors.items():
+            if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[n] = t.transpose(1, 2).contiguous()
+        save_file(tensors, shard, metadata={"format": "pt"})
+    ckpt = Checkpoint.open(tmp_path)
+    targets, note = select_targets(ckpt)
+    assert "qwen3_vl_moe" in note and {t.name for t in targets} == set(want)
+    layouts = {t.layout for t in targets if t.expert is not None}
+    assert layouts == {"experts_in_major" if as_released else "experts_out_major"}
+    for t in targets:
+        w, _ = load_target(ckpt, t)
+        assert torch.equal(w, want[t.name].detach()), t.name
