@@ -589,6 +589,7 @@ def write_family(
     seed: int = 0,
     fp8: bool = False,
     mxfp4: bool = False,
+    max_shard_bytes: int | None = None,
     **overrides,
 ) -> SyntheticCheckpoint:
     """A checkpoint of ``family`` (a key of :data:`FAMILY_DEFAULTS`) with its real tensor names and config keys.
@@ -599,7 +600,8 @@ def write_family(
     ``layers``), the vision towers of Gemma-3, Llama-4 and Qwen3-VL-MoE and their language models' prefixes. ``fp8``
     stores linear weights as DeepSeek-V3's release does (float8_e4m3fn + 128x128 ``weight_scale_inv``), ``mxfp4`` stores
     expert stacks as gpt-oss's release does (``*_blocks`` + ``*_scales``); both add the release's
-    ``quantization_config`` to config.json.
+    ``quantization_config`` to config.json. ``max_shard_bytes``: shards + index.json, tensors in name order (a
+    weight and its scale may land in different shards, as in any sharded release).
     """
     if family not in FAMILY_DEFAULTS:
         raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILY_DEFAULTS)}")
@@ -633,7 +635,11 @@ def write_family(
         b.linear(f"{vision}.mlp.fc1", 24, 16, bias=True)
         b.linear(f"{vision}.mlp.fc2", 16, 24, bias=True)
         b.linear("multi_modal_projector.linear_1", h, 16)
-    total = _save_single(b.tensors, out)
+    writer = ShardedWriter(out, max_shard_bytes)
+    for name in sorted(b.tensors):
+        writer.add(name, b.tensors[name])
+        writer.flush()
+    total = writer.close()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return SyntheticCheckpoint(out, config, total_bytes=total)
 
