@@ -721,6 +721,26 @@ def _fp8_weight(info: TensorInfo, scale: TensorInfo, block: tuple[int, int] | No
     raise CorruptCheckpointError(f"{where}: scale shape {list(s_shape)} does not fit weight {list(shape)}{hint}")
 
 
+def refuse_adapter(ckpt: Checkpoint) -> None:
+    """A PEFT adapter (adapter_config.json beside adapter_model*.safetensors only) is not a model to choose target
+    modules in: its lora_A / lora_B matrices would be scanned as modules. Refused, naming the base model to scan
+    instead. (Reading an adapter's tensors, as audit does, is fine: this is for target selection.)"""
+    root, files = ckpt.root, ckpt.files
+    adapter_config = root / "adapter_config.json"
+    if not files or not adapter_config.is_file() or not all(f.name.startswith("adapter_model") for f in files):
+        return
+    try:
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        base = None
+    named = f" ({base}, as adapter_config.json names it)" if isinstance(base, str) and base else ""
+    raise CheckpointError(
+        f"{root}: holds a PEFT adapter (adapter_config.json, {files[0].name}), not a model; scan its base "
+        f"model{named}, or merge the adapter into it first (peft: PeftModel.from_pretrained(base, DIR)"
+        ".merge_and_unload().save_pretrained(OUT))"
+    )
+
+
 def _refuse_packed(ckpt: Checkpoint) -> None:
     """Packed integer formats (GPTQ, AWQ, bitsandbytes, ...) are refused up front, naming the format."""
     for name in sorted(ckpt.tensors):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from plate_inspect.checkpoint import Checkpoint, TensorInfo
+from plate_inspect.checkpoint import Checkpoint, TensorInfo, refuse_adapter
 from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError
 
 #: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
@@ -345,6 +345,19 @@ def _modules_of(weight: _Weight, model_type: str | None) -> list[TargetModule]:
     ]
 
 
+def _tied_head_hint(ckpt: Checkpoint, target_modules: list[str] | None) -> str:
+    """Why an asked-for lm_head is not there: a model with tied embeddings stores its head once, as the embedding."""
+    if not any("lm_head" in p for p in target_modules or []) or any("lm_head" in n for n in ckpt.tensors):
+        return ""
+    embeddings = sorted(n.removesuffix(".weight") for n in ckpt.tensors if n.endswith("embed_tokens.weight"))
+    if not embeddings:
+        return ""
+    return (
+        f"; this checkpoint stores no lm_head: its output head is tied to the input embedding, stored once as "
+        f"'{embeddings[0]}' (name that to scan it)"
+    )
+
+
 def _stack_layout_by_shape(
     candidates: list[TargetModule], shapes: dict[str, tuple[int, int] | None]
 ) -> list[TargetModule]:
@@ -388,6 +401,7 @@ def select_targets(
     layer is left out unless ``include_mtp``.
     """
     check_target_patterns(target_modules)
+    refuse_adapter(ckpt)
     model_type = str(ckpt.config.get("model_type", "")) or None
     weights = logical_weights(ckpt)
     candidates = [m for w in weights for m in _modules_of(w, model_type)]
@@ -430,6 +444,7 @@ def select_targets(
             + (f", layers {sorted(set(layers))}" if layers is not None else "")
             + f"); weights in this checkpoint have types: {', '.join(sample) or 'none'}"
             + (f"; its layers: {_layer_span(candidates)}" if layers is not None else "")
+            + _tied_head_hint(ckpt, target_modules)
         )
     chosen.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, _natural_key(t.name)))
     experts = expected_experts(ckpt.config, model_type)
