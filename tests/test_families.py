@@ -775,3 +775,17 @@ def test_qwen3_vl_moe_stacks_in_either_orientation_against_transformers(tmp_path
     for t in targets:
         w, _ = load_target(ckpt, t)
         assert torch.equal(w, want[t.name].detach()), t.name
+
+
+def test_qwen3_vl_moe_mixed_stack_orientations_are_refused(tmp_path):
+    """One checkpoint, one orientation: a Qwen3-VL-MoE file with one stack transposed against the others cannot be
+    read both ways; the shape check names that tensor (stored transposed?) instead of guessing."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_family(tmp_path / "m", "qwen3_vl_moe").path
+    tensors = load_file(path / "model.safetensors")
+    odd = "model.language_model.layers.1.mlp.experts.down_proj"
+    tensors[odd] = tensors[odd].transpose(1, 2).contiguous()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"'{odd}' has \[d_out, d_in\] = .* \(stored transposed\?\)"):
+        select_targets(Checkpoint.open(path))
