@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections import defaultdict
 from pathlib import Path
 
@@ -194,6 +195,7 @@ def scan_command(
         out = out or Path("bundles") / "all-MiniLM-L6-v2"
         err_console.print(f"no model given: scanning {DEFAULT_MODEL_NAME}")
     out = out or default_out_dir(model)
+    report_path = scan_report_path(out) if make_report else None  # refused before the scan, not after it
     plan = plan_scan(model, settings, revision=revision, offline=True if offline else None)
     root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if root:
@@ -209,11 +211,50 @@ def scan_command(
     if not root:
         return
     print_summary(bundle)
-    if make_report:
-        from plate_inspect.reports import write_report
+    if report_path is not None:
+        write_scan_report(bundle, report_path)
+        console.print(f"report: {report_path}")
 
-        path = write_report([bundle], Path(out) / "report.html")
-        console.print(f"report: {path}")
+
+#: Where ``scan --report`` writes its report, inside the bundle directory.
+SCAN_REPORT_NAME = "report.html"
+
+
+def _report_elsewhere(out: Path) -> str:
+    """The command that writes the report of a scanned bundle to a file of the user's choice."""
+    return f"plate-inspect report {shlex.quote(str(out))} -o FILE.html"
+
+
+def scan_report_path(out: Path) -> Path:
+    """``<out>/report.html``, the path ``scan --report`` writes; ReportError before any scanning when a directory
+    is in its way (the scan would finish only to fail there). ``--report`` has no path of its own to change, so the
+    message says how to get the report without it."""
+    from plate_inspect.errors import ReportError
+
+    path = Path(out) / SCAN_REPORT_NAME
+    if path.is_dir():
+        raise ReportError(
+            f"{path}: is a directory, where scan --report writes the bundle's report; move it away, or scan without "
+            f"--report and then run: {_report_elsewhere(Path(out))}"
+        )
+    return path
+
+
+def write_scan_report(bundle: Bundle, path: Path) -> None:
+    """Write the report of a scanned (complete) bundle; a failed write says the bundle is complete and how to write
+    the report elsewhere (not a report command's ``-o``: scan has none for the report)."""
+    from plate_inspect.atomic import atomic_write, os_error_reason
+    from plate_inspect.errors import ReportError
+    from plate_inspect.reports import render_report
+
+    text = render_report([bundle])
+    try:
+        atomic_write(path, text)
+    except OSError as e:
+        raise ReportError(
+            f"{path}: cannot write the report ({os_error_reason(path, e)}); the bundle in {bundle.path} is complete: "
+            f"write its report elsewhere with: {_report_elsewhere(bundle.path)}"
+        ) from None
 
 
 @click.command("info")

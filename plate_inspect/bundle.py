@@ -56,8 +56,9 @@ _LATER_SETTINGS: dict[str, object] = {"include_mtp": False}
 
 #: Settings that only choose which modules a scan plans. Their spelling is not what counts but what they select:
 #: two values that plan the same modules of the checkpoint (``layers=[0, 1, 2]`` and all layers of a 3-layer model,
-#: ``q_proj,v_proj`` and ``v_proj,q_proj``) make the same bundle, so a rescan spelling them differently is accepted.
-SELECTION_SETTINGS = frozenset({"target_modules", "layers"})
+#: ``q_proj,v_proj`` and ``v_proj,q_proj``, ``include_mtp`` on a model without a multi-token-prediction layer or
+#: with it outside ``layers``) make the same bundle, so a rescan spelling them differently is accepted.
+SELECTION_SETTINGS = frozenset({"target_modules", "layers", "include_mtp"})
 
 
 #: What to do about an output directory that holds another bundle, for Python and CLI users alike.

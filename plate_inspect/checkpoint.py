@@ -372,7 +372,9 @@ class Checkpoint:
                         f"{path}: pickle checkpoints are never opened (unpickling can run arbitrary code); "
                         + _CONVERT_HINT
                     )
-                raise CheckpointError(f"{path}: not a .safetensors file")
+                raise CheckpointError(
+                    f"{path}: not a .safetensors file; give a model directory or one of its .safetensors files"
+                )
             tensors, _ = parse_safetensors_header(path)
             config = path.parent / "config.json"
             if not config.exists() and path.is_symlink():  # a link to a model's file: the config is beside the file
@@ -392,7 +394,10 @@ class Checkpoint:
                             f"{root}: only pickle weights found ({', '.join(pickles)}); plate-inspect reads "
                             f"safetensors only and never unpickles; " + _CONVERT_HINT
                         )
-                    raise CheckpointError(f"{root}: no .safetensors files found")
+                    raise CheckpointError(
+                        f"{root}: no .safetensors files found; give a Hugging Face model directory (model.safetensors, "
+                        "or shards with model.safetensors.index.json), a .safetensors file, or a hub repo id"
+                    )
                 tensors = {}
                 for f in files:
                     entries, _ = parse_safetensors_header(f)
@@ -704,10 +709,36 @@ def _fp8_weight(info: TensorInfo, scale: TensorInfo, block: tuple[int, int] | No
                 return with_block(block)
             raise CorruptCheckpointError(
                 f"{where}: scale grid {list(s_shape)} does not match weight {list(shape)} with "
-                f"quantization_config.weight_block_size {list(block)} (expected {list(lead + expected)})"
+                f"quantization_config.weight_block_size {list(block)} (expected {list(lead + expected)}); use the "
+                "config.json that came with the weights, or re-download this file"
             )
-    hint = "" if block is not None else "; block scales need quantization_config.weight_block_size in config.json"
+    hint = (
+        "; re-download this file"
+        if block is not None
+        else "; block scales need quantization_config.weight_block_size in config.json (use the config.json that "
+        "came with the weights)"
+    )
     raise CorruptCheckpointError(f"{where}: scale shape {list(s_shape)} does not fit weight {list(shape)}{hint}")
+
+
+def refuse_adapter(ckpt: Checkpoint) -> None:
+    """A PEFT adapter (adapter_config.json beside adapter_model*.safetensors only) is not a model to choose target
+    modules in: its lora_A / lora_B matrices would be scanned as modules. Refused, naming the base model to scan
+    instead. (Reading an adapter's tensors, as audit does, is fine: this is for target selection.)"""
+    root, files = ckpt.root, ckpt.files
+    adapter_config = root / "adapter_config.json"
+    if not files or not adapter_config.is_file() or not all(f.name.startswith("adapter_model") for f in files):
+        return
+    try:
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        base = None
+    named = f" ({base}, as adapter_config.json names it)" if isinstance(base, str) and base else ""
+    raise CheckpointError(
+        f"{root}: holds a PEFT adapter (adapter_config.json, {files[0].name}), not a model; scan its base "
+        f"model{named}, or merge the adapter into it first (peft: PeftModel.from_pretrained(base, DIR)"
+        ".merge_and_unload().save_pretrained(OUT))"
+    )
 
 
 def _refuse_packed(ckpt: Checkpoint) -> None:
@@ -727,9 +758,9 @@ def _read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{path}: cannot parse config.json: {e}") from None
+        raise CorruptCheckpointError(f"{path}: cannot parse config.json: {e}; re-download it") from None
     if not isinstance(config, dict):
-        raise CorruptCheckpointError(f"{path}: config.json is not a JSON object")
+        raise CorruptCheckpointError(f"{path}: config.json is not a JSON object; re-download it")
     quant = config.get("quantization_config")
     if quant:
         _check_quantization(path, quant)
@@ -765,9 +796,11 @@ def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
         index = json.loads(index_path.read_text())
         weight_map = index["weight_map"]
     except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{index_path}: corrupt index ({type(e).__name__}: {e})") from None
+        raise CorruptCheckpointError(f"{index_path}: corrupt index ({type(e).__name__}: {e}); re-download it") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
-        raise CorruptCheckpointError(f"{index_path}: corrupt index (weight_map must map tensor names to file names)")
+        raise CorruptCheckpointError(
+            f"{index_path}: corrupt index (weight_map must map tensor names to file names); re-download it"
+        )
     root_norm = os.path.normpath(root)
     shard_names = sorted(set(weight_map.values()))
     files: list[Path] = []
@@ -786,7 +819,10 @@ def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
     for name, shard in weight_map.items():
         info = headers[shard].get(name)
         if info is None:
-            raise CheckpointError(f"{index_path}: lists tensor '{name}' in '{shard}', but that shard lacks it")
+            raise CheckpointError(
+                f"{index_path}: lists tensor '{name}' in '{shard}', but that shard lacks it; the index and its shards "
+                "come from different versions: re-download both"
+            )
         tensors[name] = info
     return files, tensors
 

@@ -249,8 +249,8 @@ def _scan_share(
     )
     counter.start()
     settings = writer.manifest.settings
-    tally = {"computed": 0, "reused": 0, "changed": 0}
-    computed: list[str] = []  # names of the modules this process computed
+    tally = {"reused": 0, "changed": 0}
+    computed: list[str] = []  # names of the modules this process computed (the one tally of them)
     records_out: list[ModuleRecord] = []
     state = _PartState({})
     written: Future[list[ModuleRecord]] | None = None  # the part being written while the next one computes
@@ -281,7 +281,7 @@ def _scan_share(
         "wall_seconds": round(time.perf_counter() - started, 3),
         "bytes_read": ckpt.bytes_read,
         "peak_rss_bytes": peak_rss_bytes(),
-        "modules_scanned": tally["computed"],
+        "modules_scanned": len(computed),
         "modules_resumed": tally["reused"],
         "modules_changed": tally["changed"],
         "modules_damaged": len(writer.damaged),
@@ -367,22 +367,20 @@ class _PartState:
         part: str,
         members: list[TargetModule],
         tally: dict[str, int],
-        computed: list[str] | None = None,
+        computed: list[str],
     ) -> list[ModuleRecord]:
         """Make the computed modules' records (health metrics included) and tensors, write the part (or leave it
         alone when every module was kept) and return its records in plan order (``computed`` gets the names of the
-        modules computed, not kept)."""
+        modules computed, not kept; ``tally`` counts the kept ones)."""
         settings = writer.manifest.settings
         for target, geo, fingerprint in self.computed:
             self.by_name[target.name], tensors = module_outputs(target, geo, fingerprint, settings, part)
             self.tensors.update(tensors)
         self.computed.clear()
         records = [self.by_name[t.name] for t in members]
-        tally["computed"] += len(records) - len(self.kept)
         tally["reused"] += len(self.kept)
-        if computed is not None:
-            kept = set(self.kept)
-            computed.extend(t.name for t in members if t.name not in kept)
+        kept = set(self.kept)
+        computed.extend(t.name for t in members if t.name not in kept)
         if len(self.kept) == len(records) and set(self.old) == set(self.kept):
             writer.add_records(records)  # the part on disk is exactly this part: leave it alone
         else:

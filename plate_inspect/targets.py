@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from plate_inspect.checkpoint import Checkpoint, TensorInfo
-from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError, UnsupportedWeightError
+from plate_inspect.checkpoint import Checkpoint, TensorInfo, refuse_adapter
+from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError
 
 #: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
 #: [experts, d_out, d_in] (experts_out_major) or [experts, d_in, d_out] (experts_in_major).
@@ -67,6 +67,8 @@ FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
     ),
     "qwen2_moe": (*_QWEN3_MOE, *(f"mlp.shared_expert.{p}" for p in _GLU)),
     "qwen3_moe": _QWEN3_MOE,
+    "qwen3_vl_moe": _QWEN3_MOE,  # experts as 3-D stacks mlp.experts.gate_up_proj / down_proj
+    "qwen3_vl_moe_text": _QWEN3_MOE,
     "deepseek_v2": _DEEPSEEK,
     "deepseek_v3": _DEEPSEEK,
     "llama4": _LLAMA4,
@@ -87,7 +89,12 @@ CONV1D_FAMILIES = frozenset({"gpt2"})
 #: Families whose plain 3-D expert tensors are [experts, d_in, d_out] (they multiply x @ W[e]); the others'
 #: (transformers' fused gate_up_proj/down_proj parameters) are [experts, d_out, d_in]. MXFP4 ``*_blocks`` are
 #: always [experts, d_out, d_in / 32, 16]: output rows first.
-EXPERTS_IN_MAJOR_FAMILIES = frozenset({"llama4", "llama4_text", "gpt_oss"})
+EXPERTS_IN_MAJOR_FAMILIES = frozenset({"llama4", "llama4_text", "gpt_oss", "qwen3_vl_moe", "qwen3_vl_moe_text"})
+#: Families whose 3-D expert stacks come in either orientation: Qwen3-VL-MoE's released checkpoints store
+#: [experts, d_in, d_out], transformers 5 re-saves them as its parameters, [experts, d_out, d_in]. The shapes against
+#: config.json decide (gate_up_proj is square only when 2 x moe_intermediate_size = hidden_size, and then down_proj
+#: is not), one orientation for the whole checkpoint.
+LAYOUT_BY_SHAPE_FAMILIES = frozenset({"qwen3_vl_moe", "qwen3_vl_moe_text"})
 #: Router / gate weights: never targets unless named explicitly.
 ROUTER = re.compile(r"(^|\.)(gate|router|shared_expert_gate)$")
 _NEVER_BY_DEFAULT = re.compile(r"(embed|lm_head|wte|wpe|norm|ln_|layernorm|pooler|classifier|score|head)", re.I)
@@ -338,6 +345,44 @@ def _modules_of(weight: _Weight, model_type: str | None) -> list[TargetModule]:
     ]
 
 
+def _tied_head_hint(ckpt: Checkpoint, target_modules: list[str] | None) -> str:
+    """Why an asked-for lm_head is not there: a model with tied embeddings stores its head once, as the embedding."""
+    if not any("lm_head" in p for p in target_modules or []) or any("lm_head" in n for n in ckpt.tensors):
+        return ""
+    embeddings = sorted(n.removesuffix(".weight") for n in ckpt.tensors if n.endswith("embed_tokens.weight"))
+    if not embeddings:
+        return ""
+    return (
+        f"; this checkpoint stores no lm_head: its output head is tied to the input embedding, stored once as "
+        f"'{embeddings[0]}' (name that to scan it)"
+    )
+
+
+def _stack_layout_by_shape(
+    candidates: list[TargetModule], shapes: dict[str, tuple[int, int] | None]
+) -> list[TargetModule]:
+    """Plain 3-D expert stacks oriented by their shapes against config.json (:data:`LAYOUT_BY_SHAPE_FAMILIES`): the
+    orientation every stack whose shape decides it agrees on. Undecided (no config dims) or contradictory: left as
+    they are, for the shape check to name the tensor that does not fit."""
+    votes = set()
+    for t in candidates:
+        want = shapes.get(t.module_type)
+        if t.layout not in EXPERT_LAYOUTS or t.tensor.name.endswith("_blocks") or want is None:
+            continue
+        stored = tuple(t.logical_shape[-2:])
+        if stored == want and stored != want[::-1]:
+            votes.add("experts_out_major")
+        elif stored == want[::-1] and stored != want:
+            votes.add("experts_in_major")
+    if len(votes) != 1:
+        return candidates
+    layout = votes.pop()
+    return [
+        replace(t, layout=layout) if t.layout in EXPERT_LAYOUTS and not t.tensor.name.endswith("_blocks") else t
+        for t in candidates
+    ]
+
+
 def _natural_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
@@ -356,15 +401,13 @@ def select_targets(
     layer is left out unless ``include_mtp``.
     """
     check_target_patterns(target_modules)
+    refuse_adapter(ckpt)
     model_type = str(ckpt.config.get("model_type", "")) or None
-    packed = sorted(n for n in ckpt.tensors if n.endswith((".qweight", ".qzeros", ".g_idx")))
-    if packed:
-        raise UnsupportedWeightError(
-            f"tensor '{packed[0]}' is a packed quantized weight (GPTQ/AWQ), which is not supported: "
-            "scan the unquantized base model instead"
-        )
     weights = logical_weights(ckpt)
     candidates = [m for w in weights for m in _modules_of(w, model_type)]
+    shapes = expected_shapes(ckpt.config, model_type)
+    if model_type in LAYOUT_BY_SHAPE_FAMILIES:
+        candidates = _stack_layout_by_shape(candidates, shapes)
     if target_modules:
         note = f"--target-modules {','.join(target_modules)}"
         chosen = [t for t in candidates if target_matches(t, target_modules)]
@@ -377,12 +420,16 @@ def select_targets(
             note += " (language model only)"
     else:
         why = f"unknown model_type '{model_type}'" if model_type else "no model_type in config.json"
-        note = f"{why}: every 2-D weight except embeddings, norms, heads and routers"
         chosen = [
             t
             for t in candidates
             if t.layout not in EXPERT_LAYOUTS and not _NEVER_BY_DEFAULT.search(t.name) and not ROUTER.search(t.name)
         ]
+        # outside the numbered layers sit heads and projectors (DistilBERT's vocab_transform): not a layer's module
+        in_layers = any(t.layer is not None for t in chosen)
+        chosen = [t for t in chosen if t.layer is not None] if in_layers else chosen
+        where = " in the numbered layers" if in_layers else ""
+        note = f"{why}: every 2-D weight{where} except embeddings, norms, heads and routers"
     mtp = mtp_layers(ckpt.config)
     if mtp and not include_mtp:
         chosen = [t for t in chosen if t.layer not in mtp]
@@ -397,9 +444,9 @@ def select_targets(
             + (f", layers {sorted(set(layers))}" if layers is not None else "")
             + f"); weights in this checkpoint have types: {', '.join(sample) or 'none'}"
             + (f"; its layers: {_layer_span(candidates)}" if layers is not None else "")
+            + _tied_head_hint(ckpt, target_modules)
         )
     chosen.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, _natural_key(t.name)))
-    shapes = expected_shapes(ckpt.config, model_type)
     experts = expected_experts(ckpt.config, model_type)
     for t in chosen:
         check_shape_against_config(t, shapes, experts)
@@ -455,6 +502,10 @@ def _mla(c: dict[str, Any]) -> dict[str, tuple[int, int] | None]:
     return shapes
 
 
+#: The Qwen mixture-of-experts families (one config layout: moe_intermediate_size, mlp_only_layers, ...).
+_QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "qwen3_vl_moe_text")
+
+
 def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
     if model_type == "gpt2":
         e = int(c["n_embd"])
@@ -493,7 +544,7 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
             **_glu("block_sparse_moe.experts", i, h, ("w1", "w3", "w2")),
             **_fused("mlp.experts", i, h),
         }
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in _QWEN_MOE_TYPES:
         moe = int(c["moe_intermediate_size"])
         shapes.update({**_glu("mlp", int(c["intermediate_size"]), h), **_glu("mlp.experts", moe, h)})
         shapes.update(_fused("mlp.experts", moe, h))
@@ -531,6 +582,8 @@ EXPERT_COUNT_KEYS = {
     "mixtral": "num_local_experts",
     "qwen2_moe": "num_experts",
     "qwen3_moe": "num_experts",
+    "qwen3_vl_moe": "num_experts",
+    "qwen3_vl_moe_text": "num_experts",
     "deepseek_v2": "n_routed_experts",
     "deepseek_v3": "n_routed_experts",
     "llama4": "num_local_experts",
@@ -603,6 +656,8 @@ def check_expert_counts(
 MOE_LAYER_FIELDS: dict[str, tuple[str, ...]] = {
     "qwen2_moe": ("mlp_only_layers", "decoder_sparse_step"),
     "qwen3_moe": ("mlp_only_layers", "decoder_sparse_step"),
+    "qwen3_vl_moe": ("mlp_only_layers", "decoder_sparse_step"),
+    "qwen3_vl_moe_text": ("mlp_only_layers", "decoder_sparse_step"),
     "deepseek_v2": ("first_k_dense_replace", "moe_layer_freq"),
     "deepseek_v3": ("first_k_dense_replace", "moe_layer_freq"),
     "llama4": ("moe_layers", "interleave_moe_layer_step"),
@@ -646,7 +701,7 @@ def moe_layer_rule(config: dict[str, Any], model_type: str | None) -> MoeLayerRu
     c = text_config(config)
     if not keys or not any(k in c for k in keys):
         return None
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in _QWEN_MOE_TYPES:
         dense = _config_layers(c, "mlp_only_layers") or []
         step = _config_int(c, "decoder_sparse_step", 1, 1)
         no_experts = c.get("num_experts") == 0

@@ -81,17 +81,56 @@ def test_tensor_listed_in_index_but_absent(tmp_path, model):
     first_shard = sorted(set(index["weight_map"].values()))[0]
     index["weight_map"]["model.layers.0.mlp.ghost.weight"] = first_shard
     index_path.write_text(json.dumps(index))
-    assert_user_error(scan_args(model, tmp_path), "model.layers.0.mlp.ghost.weight", first_shard)
+    assert_user_error(scan_args(model, tmp_path), "model.layers.0.mlp.ghost.weight", first_shard, "re-download both")
 
 
-def _rewrite_tensor(model: Path, name: str, new: torch.Tensor) -> None:
-    index = json.loads((model / "model.safetensors.index.json").read_text())
+def test_damaged_files_say_what_to_do(tmp_path, model):
+    """QA: some refusals named the file and the damage but not what to do (an empty directory, a corrupt index or
+    config.json, an FP8 scale grid that does not fit its weight): each now ends with the remedy."""
+    index_path = model / "model.safetensors.index.json"
+    index_text = index_path.read_text()
+    index_path.write_text(index_text[:-20])
+    assert_user_error(scan_args(model, tmp_path), str(index_path), "corrupt index", "re-download it")
+    index_path.write_text(index_text)
+    config_path = model / "config.json"
+    config_text = config_path.read_text()
+    config_path.write_text(config_text + "}")
+    assert_user_error(scan_args(model, tmp_path), str(config_path), "cannot parse config.json", "re-download it")
+    config_path.write_text("[1, 2]")
+    assert_user_error(scan_args(model, tmp_path), str(config_path), "not a JSON object", "re-download it")
+    config_path.write_text(config_text)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_user_error(scan_args(empty, tmp_path), str(empty), "no .safetensors files", "give a Hugging Face model")
+    text_file = tmp_path / "weights.npz"
+    text_file.write_bytes(b"PK")
+    assert_user_error(scan_args(text_file, tmp_path), str(text_file), "not a .safetensors file", "give a model")
+    # an FP8 weight whose 128x128 scale grid is [3, 3] for a [176, 64] weight (the grid is [2, 1])
+    name = "model.layers.0.mlp.up_proj.weight"
+    _rewrite_tensor(model, name, torch.randn(176, 64).to(torch.float8_e4m3fn), {name + "_scale_inv": torch.ones(3, 3)})
+    config_path.write_text(
+        json.dumps(
+            {**json.loads(config_text), "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+        )
+    )
+    assert_user_error(
+        scan_args(model, tmp_path), name + "_scale_inv", "expected [2, 1]", "use the config.json that came"
+    )
+
+
+def _rewrite_tensor(model: Path, name: str, new: torch.Tensor, extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Replace tensor ``name`` in its shard (adding ``extra`` tensors beside it, listed in the index)."""
+    index_path = model / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
     shard = model / index["weight_map"][name]
     from safetensors.torch import load_file
 
     tensors = load_file(str(shard))
     tensors[name] = new
+    tensors.update(extra or {})
     save_file(tensors, str(shard))
+    index["weight_map"].update({k: shard.name for k in extra or {}})
+    index_path.write_text(json.dumps(index))
 
 
 def test_nan_in_weight_names_tensor_and_nothing_is_complete(tmp_path, model):

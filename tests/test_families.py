@@ -73,6 +73,14 @@ def expected_targets(family: str, layers: int = 2) -> set[str]:
             out |= names(f"{p}.feed_forward.shared_expert", *GLU)
             for e in range(c["num_local_experts"]):
                 out |= names(f"{p}.feed_forward.experts", f"gate_up_proj.{e}", f"down_proj.{e}")
+        elif family == "qwen3_vl_moe":
+            p = f"model.language_model.layers.{i}"
+            out |= names(f"{p}.self_attn", *ATTN)
+            if i in c["mlp_only_layers"]:
+                out |= names(f"{p}.mlp", *GLU)
+                continue
+            for e in range(c["num_experts"]):
+                out |= names(f"{p}.mlp.experts", f"gate_up_proj.{e}", f"down_proj.{e}")
         elif family == "gpt_oss":
             out |= names(f"{p}.self_attn", *ATTN)
             for e in range(c["num_local_experts"]):
@@ -102,7 +110,7 @@ def oriented_weight(tensors: dict[str, torch.Tensor], name: str, family: str) ->
     if name + ".weight" in tensors:
         return tensors[name + ".weight"]
     stack, expert = name.rsplit(".", 1)
-    assert family in ("llama4", "gpt_oss")  # the families that store [experts, d_in, d_out]
+    assert family in ("llama4", "gpt_oss", "qwen3_vl_moe")  # the families that store [experts, d_in, d_out]
     return tensors[stack][int(expert)].T
 
 
@@ -158,6 +166,11 @@ SAMPLES = {  # a few modules per family: attention, dense and expert MLPs, 3-D e
         "language_model.model.layers.0.feed_forward.up_proj",
     ],
     "gpt_oss": ["model.layers.0.mlp.experts.gate_up_proj.1", "model.layers.1.mlp.experts.down_proj.2"],
+    "qwen3_vl_moe": [
+        "model.language_model.layers.1.mlp.experts.gate_up_proj.2",
+        "model.language_model.layers.1.mlp.experts.down_proj.0",
+        "model.language_model.layers.0.mlp.down_proj",
+    ],
     "gemma3": ["language_model.model.layers.1.self_attn.q_proj"],
     "phi3": ["model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"],
     "olmo2": ["model.layers.0.mlp.down_proj"],
@@ -175,7 +188,8 @@ def test_scan_matches_dense_oracle(ckpts, family, tmp_path):
     for rec in bundle:  # module types carry no expert index; the expert sits in the name
         assert rec.module_type.split(".")[-1].isdigit() is False
     layouts = {rec.layout for rec in bundle}
-    assert layouts == ({"linear", "experts_in_major"} if family in ("llama4", "gpt_oss") else {"linear"})
+    stacked = family in ("llama4", "gpt_oss", "qwen3_vl_moe")
+    assert layouts == ({"linear", "experts_in_major"} if stacked else {"linear"})
 
 
 def test_deepseek_mtp_layer_only_when_asked(ckpts, tmp_path):
@@ -235,6 +249,36 @@ def test_include_mtp_is_a_setting_of_the_bundle(ckpts, tmp_path):
     again = plate_inspect.scan(path, mixed, r=R, max_rank=8, layers=[1])
     assert again.stats()["modules_resumed"] == 0
     assert again.manifest.identity == layer1.manifest.identity
+
+
+def test_include_mtp_that_plans_the_same_modules_rescans(ckpts, tmp_path):
+    """QA: include_mtp was compared strictly on a rescan, so `--include-mtp` on a model without an MTP layer (or
+    with it outside --layers) was refused as "other settings" though it plans the same modules. It is compared by
+    the modules it plans, like layers and target_modules: nothing is recomputed, the bundle keeps its own setting
+    (files and identity untouched); where it does add the MTP layer it is still refused."""
+    from plate_inspect.errors import BundleError
+
+    llama, out = ckpts["llama"].path, tmp_path / "llama"
+    first = plate_inspect.scan(llama, out, r=R, max_rank=8)
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "scan_stats.json"}
+    again = plate_inspect.scan(llama, out, r=R, max_rank=8, include_mtp=True)
+    assert again.stats()["modules_resumed"] == len(expected_targets("llama")) and again.stats()["modules_scanned"] == 0
+    assert again.settings.include_mtp is False and again.manifest.identity == first.manifest.identity
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "scan_stats.json"} == files
+    # DeepSeek-V3 with its MTP layer (2) outside --layers: the same plan both ways, in both directions
+    dsv3 = ckpts["deepseek_v3"].path
+    for before, after in ((False, True), (True, False)):
+        out = tmp_path / f"dsv3-{before}"
+        made = plate_inspect.scan(dsv3, out, r=R, max_rank=8, layers=[1], include_mtp=before)
+        again = plate_inspect.scan(dsv3, out, r=R, max_rank=8, layers=[1], include_mtp=after)
+        assert again.stats()["modules_scanned"] == 0 and again.manifest.identity == made.manifest.identity
+        assert again.settings.include_mtp is before
+    # where it adds the MTP layer's modules: refused, naming the setting and the module counts
+    with_mtp = len({t.name for t in select_targets(Checkpoint.open(dsv3), include_mtp=True)[0] if t.layer in (1, 2)})
+    without = len({t.name for t in select_targets(Checkpoint.open(dsv3))[0] if t.layer == 1})
+    plate_inspect.scan(dsv3, tmp_path / "d", r=R, max_rank=8, layers=[1, 2])
+    with pytest.raises(BundleError, match=rf"include_mtp False there, True here; {without} modules there, {with_mtp}"):
+        plate_inspect.scan(dsv3, tmp_path / "d", r=R, max_rank=8, layers=[1, 2], include_mtp=True)
 
 
 def test_routers_only_when_named(ckpts):
@@ -592,3 +636,156 @@ def test_every_part_name_is_recognised_as_a_bundle_part(ckpts):
         names = {part_name(t) for t in targets}
         assert all(PART_FILE_NAME.fullmatch(n) for n in names), (family, sorted(names))
         assert any("experts" in n for n in names) or family not in ("mixtral", "qwen2_moe", "deepseek_v3")
+
+
+# --------------------------------------------------------------------------- models built and saved by transformers
+#: transformers' names of an expert's projections in its per-expert checkpoint format -> part of its fused parameter
+_HF_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+HF_FAMILIES = ("llama", "mistral", "qwen3", "olmo2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
+               "deepseek_v3", "gpt_oss", "gpt2", "bert", "llama_tied")  # fmt: skip
+
+
+def _hf_model(family: str) -> torch.nn.Module:
+    """A tiny model of ``family`` built by transformers from its config, random bf16 weights."""
+    transformers = pytest.importorskip("transformers")
+    from plate_inspect.testing.synthetic import family_config
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+        model = transformers.GPT2LMHeadModel(config)
+    elif family == "bert":
+        config = transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=64,
+            max_position_embeddings=32,
+        )  # fmt: skip
+        model = transformers.BertModel(config)
+    else:
+        base = "llama" if family == "llama_tied" else family
+        config = family_config(base, 2, 64, torch.bfloat16, tie_word_embeddings=family == "llama_tied", pad_token_id=0)
+        config.pop("num_nextn_predict_layers", None)  # transformers builds no MTP layer
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+        )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model.to(torch.bfloat16)
+
+
+def _transformers_weights(model: torch.nn.Module, saved: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Oracle: every module PLATE should adapt, as transformers computes with it ([d_out, d_in]): its nn.Linear
+    (routers and lm_head left out) and GPT-2 Conv1D modules, and each expert of its fused expert parameters, named as
+    transformers' save_pretrained wrote them (``saved``: name -> shape): one tensor per expert (gate and up are the
+    halves of the fused ``gate_up_proj``, in that order, as its forward chunks them), or 3-D stacks [E, d_in, d_out]."""
+    import re
+
+    from transformers.pytorch_utils import Conv1D
+
+    modules = dict(model.named_modules())
+    want: dict[str, torch.Tensor] = {}
+    for name, module in modules.items():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and not re.search(r"(gate|router)$", name):
+            want[name] = module.weight
+        elif isinstance(module, Conv1D):
+            want[name] = module.weight.T
+    for key, shape in saved.items():
+        per_expert = re.match(r"(.*)\.experts\.(\d+)\.(\w+)\.weight$", key)
+        if per_expert:
+            base, e, proj = per_expert.group(1), int(per_expert.group(2)), _HF_PROJ[per_expert.group(3)]
+            experts = modules[base.replace("block_sparse_moe", "mlp") + ".experts"]
+            fused = experts.down_proj[e] if proj == "down" else experts.gate_up_proj[e]
+            half = fused.shape[0] // 2
+            want[key.removesuffix(".weight")] = {"down": fused, "gate": fused[:half], "up": fused[half:]}[proj]
+        elif len(shape) == 3 and re.search(r"experts\.(gate_up_proj|down_proj)$", key):
+            stack = getattr(modules[key.rsplit(".", 1)[0]], key.rsplit(".", 1)[1])
+            want.update({f"{key}.{e}": stack[e].T for e in range(shape[0])})
+    return want
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_targets_match_what_transformers_builds_and_saves(family, tmp_path):
+    """The default targets of a checkpoint written by transformers' own save_pretrained are exactly the modules
+    its model computes with (names), and each weight read is the one that model uses (values, orientation: Conv1D
+    transposed, fused experts split as transformers' forward splits them). BERT's pooler is left out on purpose."""
+    from safetensors import safe_open
+
+    model = _hf_model(family)
+    model.save_pretrained(tmp_path)
+    saved: dict[str, tuple[int, ...]] = {}
+    for f in tmp_path.glob("*.safetensors"):
+        with safe_open(f, "pt") as g:
+            saved.update({k: tuple(g.get_slice(k).get_shape()) for k in g.keys()})  # noqa: SIM118
+    want = _transformers_weights(model, saved)
+    if family == "bert":
+        want.pop("pooler.dense")
+    if family == "llama_tied":
+        assert "lm_head.weight" not in saved  # tied: the head is the embedding, saved once
+    ckpt = Checkpoint.open(tmp_path)
+    targets, _ = select_targets(ckpt)
+    assert {t.name for t in targets} == set(want)
+    for t in targets:
+        w, _ = load_target(ckpt, t)
+        assert w.dtype == torch.bfloat16 and torch.equal(w, want[t.name].detach()), t.name
+
+
+@pytest.mark.parametrize("as_released", [True, False])
+def test_qwen3_vl_moe_stacks_in_either_orientation_against_transformers(tmp_path, as_released):
+    """Qwen3-VL-MoE (a model_type that fell back to "every 2-D weight": its 3-D experts were skipped and its vision
+    tower targeted) keeps experts as 3-D stacks: its release stores [E, hidden, 2 x moe] (transformers transposes them
+    on load), transformers 5 re-saves its own [E, 2 x moe, hidden]. Oracle: the model transformers builds, whose
+    forward is linear(x, gate_up_proj[e]) (so [d_out, d_in] = its parameter's slice), saved by its save_pretrained;
+    the release layout is that file with each stack transposed."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    text = {**FAMILY_DEFAULTS["qwen3_vl_moe"], "num_hidden_layers": 2, "vocab_size": 64}
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 1e4}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])  # fmt: skip
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    params = dict(model.named_parameters())
+    want = {
+        n.removesuffix(".weight"): p
+        for n, p in params.items()
+        if ".language_model.layers." in n and n.endswith("_proj.weight")
+    }
+    for n, p in params.items():
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            want.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
+    (shard,) = tmp_path.glob("*.safetensors")
+    if as_released:
+        tensors = load_file(shard)
+        for n, t in tensors.items():
+            if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[n] = t.transpose(1, 2).contiguous()
+        save_file(tensors, shard, metadata={"format": "pt"})
+    ckpt = Checkpoint.open(tmp_path)
+    targets, note = select_targets(ckpt)
+    assert "qwen3_vl_moe" in note and {t.name for t in targets} == set(want)
+    layouts = {t.layout for t in targets if t.expert is not None}
+    assert layouts == {"experts_in_major" if as_released else "experts_out_major"}
+    for t in targets:
+        w, _ = load_target(ckpt, t)
+        assert torch.equal(w, want[t.name].detach()), t.name
+
+
+def test_qwen3_vl_moe_mixed_stack_orientations_are_refused(tmp_path):
+    """One checkpoint, one orientation: a Qwen3-VL-MoE file with one stack transposed against the others cannot be
+    read both ways; the shape check names that tensor (stored transposed?) instead of guessing."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_family(tmp_path / "m", "qwen3_vl_moe").path
+    tensors = load_file(path / "model.safetensors")
+    odd = "model.language_model.layers.1.mlp.experts.down_proj"
+    tensors[odd] = tensors[odd].transpose(1, 2).contiguous()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"'{odd}' has \[d_out, d_in\] = .* \(stored transposed\?\)"):
+        select_targets(Checkpoint.open(path))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import plate_inspect
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import CheckpointError, CorruptCheckpointError
 from plate_inspect.testing.quantized import (
@@ -366,3 +367,25 @@ def test_compressed_tensors_fp8_per_channel_scans_like_its_oracle_dequantization
     }
     ct_dir = write_safetensors(tmp_path / "ct", {**others, **quantized}, {**config, "quantization_config": quant})
     _assert_scans_alike(tmp_path, ct_dir, oracle, others, config)
+
+
+def test_sharded_fp8_release_with_scales_in_other_shards_scans_like_one_file(tmp_path):
+    """A DeepSeek-V3-style FP8 release (128x128 block scales, partial edge blocks, MTP layer) split into shards
+    whose boundaries fall between a weight and its weight_scale_inv reads exactly like the same tensors in one
+    file: same identity (fingerprints of the same bytes), B, k and Q. Oracle for the sharding: the index itself."""
+    from plate_inspect.testing.synthetic import write_family
+
+    dims = dict(hidden_size=160, intermediate_size=136, moe_intermediate_size=24, q_lora_rank=144, kv_lora_rank=16)
+    one = write_family(tmp_path / "one", "deepseek_v3", fp8=True, **dims).path
+    sharded = write_family(tmp_path / "sharded", "deepseek_v3", fp8=True, max_shard_bytes=20_000, **dims).path
+    weight_map = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    split = [
+        n for n in weight_map if n.endswith("_scale_inv") and weight_map[n] != weight_map[n.removesuffix("_scale_inv")]
+    ]
+    assert len(set(weight_map.values())) > 3 and split  # the case under test exists
+    settings = dict(r=4, max_rank=16, include_mtp=True)
+    a = plate_inspect.scan(one, tmp_path / "a", **settings)
+    b = plate_inspect.scan(sharded, tmp_path / "b", **settings)
+    assert a.manifest.identity == b.manifest.identity and len(a) == len(b) > 40
+    for name in (n.removesuffix(".weight_scale_inv") for n in split):
+        assert torch.equal(a.b_idx(name), b.b_idx(name)) and torch.equal(a.q(name), b.q(name)), name

@@ -950,3 +950,39 @@ def test_resumed_fresh_scan_does_not_claim_a_finished_bundle_changed(tmp_path, q
         plate_inspect.scan(model, tmp_path / "c", r=R, progress=stop_in_layer_1)
     again = plate_inspect.scan(model, tmp_path / "c", r=R).stats()
     assert reuse_line(again) == "resumed an interrupted scan: kept 7 finished modules, computed 7 (of 14)"
+
+
+def test_scan_report_errors_name_what_scan_users_set(tmp_path, gpt2_ckpt, monkeypatch):
+    """QA: `scan --report`'s report-write errors said "give a file name, e.g. -o <out>/report.html/report.html" or
+    "choose another -o": words of `plate-inspect report`; for scan, -o is the bundle's directory. A directory in the
+    report's way is now refused before the scan (nothing computed), and a failed write (disk full) says the bundle
+    is complete and which command writes its report elsewhere."""
+    import errno
+    import os
+
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+
+    out = tmp_path / "b"
+    (out / "report.html").mkdir(parents=True)
+    args = ["scan", str(gpt2_ckpt.path), "--out", str(out), "--r", "4", "--max-rank", "24", "--report", "-q"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "scan --report" in res.output and f"plate-inspect report {out} -o FILE.html" in res.output
+    assert "-o " + str(out / "report.html") not in res.output and not (out / "manifest.json").exists()
+    (out / "report.html").rmdir()
+
+    real_replace = os.replace
+
+    def disk_full_for_reports(src, dst, *a, **k):  # the disk fills up just when the report is written
+        if str(dst).endswith("report.html"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", disk_full_for_reports)
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    line = res.output.strip().splitlines()[-1]
+    assert "disk full" in line and f"the bundle in {out} is complete" in line and "choose another -o" not in line
+    assert plate_inspect.Bundle.load(out).manifest.complete and not (out / "report.html").exists()

@@ -77,6 +77,26 @@ def test_unknown_model_type_falls_back_and_says_so(tmp_path):
     assert "unknown model_type 'mystery'" in note
 
 
+def test_unknown_model_type_keeps_to_the_numbered_layers(tmp_path):
+    """QA: the fallback targeted DistilBERT's MLM head `vocab_transform` (a layer-less 2-D weight) as a module.
+    Oracle: the nn.Linear modules transformers builds inside DistilBERT's numbered transformer blocks. Without any
+    numbered layer, every 2-D weight is still a candidate."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=48, vocab_size=64)
+    model = transformers.DistilBertForMaskedLM(config)
+    model.save_pretrained(tmp_path / "distilbert")
+    want = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.startswith("distilbert.transformer.layer.")
+    }
+    assert len(want) == 12 and "vocab_transform" in dict(model.named_modules())
+    chosen, note = select_targets(Checkpoint.open(tmp_path / "distilbert"))
+    assert {t.name for t in chosen} == want and "in the numbered layers" in note
+    flat = write(tmp_path, {"fc1.weight": torch.zeros(8, 4), "fc2.weight": torch.zeros(4, 8)}, {"model_type": "x"})
+    assert [t.name for t in select_targets(flat)[0]] == ["fc1", "fc2"]
+
+
 def test_packed_gptq_weights_are_unsupported(tmp_path):
     t = {
         "model.layers.0.self_attn.q_proj.qweight": torch.zeros(8, 32, dtype=torch.int32),
@@ -234,3 +254,32 @@ def test_moe_layer_fields_of_the_wrong_type_are_refused(tmp_path):
     del config["mlp_only_layers"], config["decoder_sparse_step"]
     (ckpt.path / "config.json").write_text(json.dumps(config))
     assert select_targets(Checkpoint.open(ckpt.path))[0]
+
+
+def test_peft_adapter_dir_is_refused_as_a_model_and_tied_heads_are_explained(tmp_path):
+    """QA: `scan ./lora-output` (what PEFT's save_pretrained writes) scanned its lora_A / lora_B matrices as 8 model
+    modules; it is now refused naming the base model to scan. And `--target-modules lm_head` on a model with tied
+    embeddings (no lm_head stored) said only "no target modules matched": it now names the embedding to scan."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "tied")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora.save_pretrained(tmp_path / "lora")
+    adapter_config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    adapter_config["base_model_name_or_path"] = "org/base-model"
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps(adapter_config))
+    for source in (tmp_path / "lora", tmp_path / "lora" / "adapter_model.safetensors"):
+        adapter = Checkpoint.open(source)  # its tensors stay readable (audit reads LoRA adapters this way)
+        assert any(".lora_A." in n for n in adapter.tensors)
+        with pytest.raises(CheckpointError, match=r"PEFT adapter .* scan its base model \(org/base-model, as"):
+            select_targets(adapter)
+    tied = Checkpoint.open(tmp_path / "tied")
+    assert not any("lm_head" in n for n in tied.tensors)
+    with pytest.raises(ConfigError, match=r"no lm_head: .* tied to the input embedding, stored once as 'model.embed"):
+        select_targets(tied, ["lm_head"])
+    assert [t.name for t in select_targets(tied, ["model.embed_tokens"])[0]] == ["model.embed_tokens"]

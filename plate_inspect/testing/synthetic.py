@@ -330,6 +330,18 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+    "qwen3_vl_moe": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 20,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "num_experts": 3,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
     "deepseek_v3": {
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -385,7 +397,19 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     },
 }
 #: Families whose text model sits inside a multimodal wrapper (config.text_config, weights under language_model.).
-MULTIMODAL = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+MULTIMODAL = {"gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
+#: Where the language model's layers sit in each family's checkpoint.
+MODEL_ROOT = {
+    "gemma3": "language_model.model",
+    "llama4": "language_model.model",
+    "qwen3_vl_moe": "model.language_model",
+}
+#: Where the families' one-layer vision towers sit (never default targets).
+VISION_LAYER = {
+    "gemma3": "vision_tower.vision_model.encoder.layers.0",
+    "llama4": "vision_model.model.layers.0",
+    "qwen3_vl_moe": "model.visual.blocks.0",
+}
 
 
 class _LayerBuilder:
@@ -490,7 +514,7 @@ def _decoder_layer(b: _LayerBuilder, family: str, c: dict, prefix: str, layer: i
         b.glu(f"{prefix}.mlp.shared_experts", moe * c["n_shared_experts"], h)
         return
     head_dim = c.get("head_dim") or h // c["num_attention_heads"]
-    qk_norm = {"qwen3": head_dim, "qwen3_moe": head_dim, "gemma3": head_dim}.get(family, 0)
+    qk_norm = {"qwen3": head_dim, "qwen3_moe": head_dim, "qwen3_vl_moe": head_dim, "gemma3": head_dim}.get(family, 0)
     if family == "olmo2":
         qk_norm = c["num_attention_heads"] * head_dim
     b.attention(f"{prefix}.self_attn", c, bias=family in ("qwen2_moe", "gpt_oss"), qk_norm=qk_norm)
@@ -515,6 +539,14 @@ def _decoder_layer(b: _LayerBuilder, family: str, c: dict, prefix: str, layer: i
         if family == "qwen2_moe":
             b.glu(f"{prefix}.mlp.shared_expert", c["shared_expert_intermediate_size"], h)
             b.router(f"{prefix}.mlp.shared_expert_gate", 1, h)
+    elif family == "qwen3_vl_moe":  # the release's layout: stacks [E, d_in, d_out] (gate_up: [E, hidden, 2 x moe])
+        if layer in c["mlp_only_layers"]:
+            b.glu(f"{prefix}.mlp", c["intermediate_size"], h)
+            return
+        n, moe = c["num_experts"], c["moe_intermediate_size"]
+        b.router(f"{prefix}.mlp.gate", n, h)
+        b.stack(f"{prefix}.mlp.experts.gate_up_proj", n, 2 * moe, h, in_major=True)
+        b.stack(f"{prefix}.mlp.experts.down_proj", n, h, moe, in_major=True)
     elif family == "llama4":
         if (layer + 1) % c["interleave_moe_layer_step"] != 0:
             b.glu(f"{prefix}.feed_forward", c["intermediate_size_mlp"], h)
@@ -557,17 +589,19 @@ def write_family(
     seed: int = 0,
     fp8: bool = False,
     mxfp4: bool = False,
+    max_shard_bytes: int | None = None,
     **overrides,
 ) -> SyntheticCheckpoint:
     """A checkpoint of ``family`` (a key of :data:`FAMILY_DEFAULTS`) with its real tensor names and config keys.
 
-    Mixtral/Qwen-MoE/DeepSeek store one 2-D tensor per expert; Llama-4 and gpt-oss store each projection's
-    experts as one 3-D tensor [experts, d_in, d_out] (gpt-oss as its bf16 release does, with biases). Routers,
-    norms, biases, embeddings and heads are there too, as are DeepSeek's multi-token-prediction layer (index
-    ``layers``), the vision towers of Gemma-3 and Llama-4 and their ``language_model.`` prefix. ``fp8`` stores
-    linear weights as DeepSeek-V3's release does (float8_e4m3fn + 128x128 ``weight_scale_inv``), ``mxfp4`` stores
+    Mixtral/Qwen-MoE/DeepSeek store one 2-D tensor per expert; Llama-4, gpt-oss and Qwen3-VL-MoE store each
+    projection's experts as one 3-D tensor [experts, d_in, d_out] (as their bf16 releases do; gpt-oss with biases).
+    Routers, norms, biases, embeddings and heads are there too, as are DeepSeek's multi-token-prediction layer (index
+    ``layers``), the vision towers of Gemma-3, Llama-4 and Qwen3-VL-MoE and their language models' prefixes. ``fp8``
+    stores linear weights as DeepSeek-V3's release does (float8_e4m3fn + 128x128 ``weight_scale_inv``), ``mxfp4`` stores
     expert stacks as gpt-oss's release does (``*_blocks`` + ``*_scales``); both add the release's
-    ``quantization_config`` to config.json.
+    ``quantization_config`` to config.json. ``max_shard_bytes``: shards + index.json, tensors in name order (a
+    weight and its scale may land in different shards, as in any sharded release).
     """
     if family not in FAMILY_DEFAULTS:
         raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILY_DEFAULTS)}")
@@ -579,7 +613,7 @@ def write_family(
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     if mxfp4:
         config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router"]}
-    root = "language_model.model" if family in MULTIMODAL else "model"
+    root = MODEL_ROOT.get(family, "model")
     h = c["hidden_size"]
     b.tensors[f"{root}.embed_tokens.weight"] = (torch.randn(vocab, h, generator=b.gen) * 0.02).to(dtype)
     for layer in range(layers):
@@ -593,15 +627,19 @@ def write_family(
         b.tensors[f"{prefix}.embed_tokens.weight"] = b.tensors[f"{root}.embed_tokens.weight"].clone()
         b.tensors[f"{prefix}.shared_head.head.weight"] = (torch.randn(vocab, h, generator=b.gen) * 0.02).to(dtype)
     b.vector(f"{root}.norm.weight", h)
-    head = "language_model.lm_head" if family in MULTIMODAL else "lm_head"
+    head = {"gemma3": "language_model.lm_head", "llama4": "language_model.lm_head"}.get(family, "lm_head")
     b.tensors[f"{head}.weight"] = (torch.randn(vocab, h, generator=b.gen) * 0.02).to(dtype)
     if family in MULTIMODAL:  # a one-layer vision tower whose projections must never be default targets
-        vision = "vision_tower.vision_model.encoder.layers.0" if family == "gemma3" else "vision_model.model.layers.0"
+        vision = VISION_LAYER[family]
         b.attention(f"{vision}.self_attn", {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2})
         b.linear(f"{vision}.mlp.fc1", 24, 16, bias=True)
         b.linear(f"{vision}.mlp.fc2", 16, 24, bias=True)
         b.linear("multi_modal_projector.linear_1", h, 16)
-    total = _save_single(b.tensors, out)
+    writer = ShardedWriter(out, max_shard_bytes)
+    for name in sorted(b.tensors):
+        writer.add(name, b.tensors[name])
+        writer.flush()
+    total = writer.close()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return SyntheticCheckpoint(out, config, total_bytes=total)
 
