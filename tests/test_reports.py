@@ -534,6 +534,37 @@ def test_report_path_is_checked_before_rendering(tmp_path, small_bundle, monkeyp
     assert (tmp_path / "a-file").read_text() == "x"
 
 
+def test_report_never_replaces_a_device_fifo_or_a_bundle_file(tmp_path):
+    """``-o /dev/null`` used to rename the page over the device (as root: /dev/null became a plain file), and
+    ``-o BUNDLE/manifest.json`` over the bundle's manifest. Both are refused (exit 2, one line); the FIFO (standing
+    in for /dev/null) stays a FIFO and the bundle's files keep their bytes. An .html inside the bundle is fine."""
+    import os
+    import stat
+
+    from plate_inspect.atomic import atomic_write
+
+    path = write_fake_bundle(tmp_path / "b", 1, {"self_attn.q_proj": (48, 40)})
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for bad, why in (
+        (fifo, "is not a regular file"),
+        (path / "manifest.json", "is inside the bundle"),
+        (path / "layer-00000.safetensors", "is inside the bundle"),
+        (path / "notes.txt", "is inside the bundle"),
+    ):
+        res = CliRunner().invoke(cli, ["report", str(path), "-o", str(bad), "-q"])
+        assert res.exit_code == 2 and why in res.output and "Traceback" not in res.output, res.output
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before
+    # the one atomic writer refuses to rename over a non-regular file too (plan -o, experiments, audit --report)
+    with pytest.raises(OSError, match="not a regular file"):
+        atomic_write(fifo, "x")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    res = CliRunner().invoke(cli, ["report", str(path), "-o", str(path / "report.html"), "-q"])
+    assert res.exit_code == 0 and (path / "report.html").read_text().startswith("<!DOCTYPE html>")
+
+
 def test_partial_overlap_compares_common_modules(tmp_path, small_bundle):
     b = Bundle.load(write_fake_bundle(tmp_path / "two", 2, SMALL_TYPES, seed=3))  # layers 0-1, no lm_head
     rd = report_data([small_bundle, b])
