@@ -788,3 +788,51 @@ def test_60_layer_256_expert_report_stays_small(tmp_path):
     data = extract_data(out.read_text())
     assert len(data["expertGroups"]) == 180 and len(data["spectra"]) == 480
     assert len(data["table"]["rows"]) == 480 + 180
+
+
+# --------------------------------------------------------------------------- ablation bundles
+def test_ablation_reports_place_q_and_b_where_they_are(tmp_path):
+    """An ablation bundle's report must not claim PLATE's geometry: checked against float64 eigenvalues of the
+    frozen rows and the stored scores. high_energy_q's Q holds the top-k energy (band at 1..k), random_q's holds
+    neither end (no band), random_b's B is not the top-r scores (no cut-off line, no "top r" claim); PLATE's own
+    bundle keeps the bottom-k band and the cut-off."""
+    from safetensors.torch import load_file as load_weights
+
+    from plate_inspect.testing.synthetic import write_llama_like
+    from plate_inspect.train.variants import make_variant
+
+    ckpt = write_llama_like(tmp_path / "m", layers=1, dtype=torch.float32, seed=5)
+    base = plate_inspect.scan(str(ckpt.path), tmp_path / "plate", r=8, tau=0.8, target_modules=["q_proj"])
+    name = "model.layers.0.self_attn.q_proj"
+    weights = {}
+    for f in Path(ckpt.path).glob("*.safetensors"):
+        weights.update(load_weights(str(f)))
+    w = weights[name + ".weight"].double()
+    bundles = {"plate": base}
+    for v in ("high_energy_q", "random_q", "random_b"):
+        bundles[v] = make_variant(base, ckpt.path, v, tmp_path / v, seed=1)
+    for v, b in bundles.items():
+        keep = torch.ones(w.shape[0], dtype=torch.bool)
+        keep[b.b_idx(name)] = False
+        evals = torch.linalg.eigvalsh(w[keep].T @ w[keep]).flip(0)  # descending
+        q = b.q(name).double()
+        k = q.shape[1]
+        energy = float(torch.trace(q.T @ (w[keep].T @ w[keep]) @ q))
+        top, bottom = float(evals[:k].sum()), float(evals[-k:].sum())
+        scores = b.redundancy(name).double()
+        top_r = set(torch.topk(scores, len(b.b_idx(name))).indices.tolist())
+        d = extract_data(render_report([b]))
+        bands = [(s["x0"], s["x1"]) for s in d["spectra"][name]["layout"]["shapes"] if s["type"] == "rect"]
+        q_text = d["spectra"][name]["layout"]["annotations"][1]["text"]
+        hist = d["histograms"][name]["layout"]
+        d_in = w.shape[1]
+        if math.isclose(energy, top, rel_tol=1e-4):  # Q spans the top-k eigen-directions
+            assert v == "high_energy_q" and set(bands) == {(0.5, k + 0.5)} and "top k=" in q_text
+        elif math.isclose(energy, bottom, rel_tol=1e-4, abs_tol=1e-9 * float(evals.sum())):
+            assert v in ("plate",) and set(bands) == {(d_in - k + 0.5, d_in + 0.5)} and "bottom k=" in q_text
+        else:  # random_q's frame; random_b keeps PLATE's Q, bottom for the base rows but not for its own
+            assert v in ("random_q", "random_b") and bands == [] and "no band" in q_text
+        if set(b.b_idx(name).tolist()) == top_r:
+            assert len(hist["shapes"]) == 1 and "B: top r=" in hist["annotations"][0]["text"]
+        else:
+            assert v == "random_b" and hist["shapes"] == [] and "not the r highest" in hist["annotations"][0]["text"]
