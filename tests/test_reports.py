@@ -332,7 +332,7 @@ def test_spectrum_view_matches_stored_spectrum(small_bundle):
 
 def test_spectrum_hand_computed():
     class Rec:  # minimal stand-in for a bundle with one module
-        d_in, k = 6, 3
+        d_in, k, variant = 6, 3, None
 
     class B:
         settings = ScanSettings(tau=0.7)
@@ -370,7 +370,7 @@ def test_downsampled_spectrum_keeps_tau_cut_and_q_start():
     """A long stored spectrum where Q starts inside it: both the tau cut and Q's first direction are drawn."""
 
     class Rec:
-        d_in, k = 1000, 300
+        d_in, k, variant = 1000, 300, None
 
     class B:
         settings = ScanSettings(tau=0.9)
