@@ -150,3 +150,47 @@ def test_killed_rank_resumes_to_the_same_bundle(four_layers, reference, tmp_path
     assert_same_bundle(reference, out)
     stats = json.loads((out / "scan_stats.json").read_text())
     assert stats["modules_resumed"] >= 7 and stats["modules_resumed"] + stats["modules_scanned"] == 28
+
+
+_DISAGREE = textwrap.dedent(
+    """
+    import json, os, sys
+    from plate_inspect import distributed
+    from plate_inspect.bundle import ScanSettings
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.scanner import plan_scan
+
+    rank = int(os.environ["RANK"])
+    cases = {  # rank 1's settings for each case; rank 0 always scans with r=8 over every layer
+        "same": {"r": 8},
+        "r": {"r": 16},
+        "layers": {"r": 8, "layers": (0, 1)},
+    }
+    verdicts = {}
+    with distributed.join() as group:
+        for case, kw in cases.items():
+            plan = plan_scan(sys.argv[1], ScanSettings(**(kw if rank == 1 else {"r": 8})))
+            try:
+                group.agree(distributed.plan_identity(plan), "the scan plan")
+                verdicts[case] = "agreed"
+            except ConfigError as e:
+                verdicts[case] = str(e)
+    print("VERDICTS " + json.dumps(verdicts), flush=True)
+    """
+)
+
+
+def test_ranks_that_planned_different_scans_are_told_so_on_every_rank(four_layers, tmp_path):
+    """Rank 1 started with another --r or --layers: every rank gets one ConfigError naming what differs (the old
+    run went on: with rank 0's r silently, or scanning its own share of another plan and leaving 7 modules
+    unwritten); the same plan on both ranks agrees."""
+    script = tmp_path / "disagree.py"
+    script.write_text(_DISAGREE)
+    out = run(torchrun(str(script), str(four_layers.path))).stdout
+    verdicts = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("VERDICTS ")]
+    assert len(verdicts) == 2 and verdicts[0] == verdicts[1]  # every rank hears the same verdict
+    v = verdicts[0]
+    assert v["same"] == "agreed"
+    assert v["r"].startswith("ranks disagree on the scan plan: settings.r is 8 on rank 0 but 16 on rank 1")
+    assert "modules is '28 modules, " in v["layers"] and "'14 modules, " in v["layers"]
+    assert "same command line" in v["layers"]
