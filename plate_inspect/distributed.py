@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import queue as queue_mod
 import socket
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -272,7 +273,9 @@ def scan_on_devices(
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)}
             with _environ(rank_env):  # spawned children copy the environment when they start
                 proc = ctx.Process(
-                    target=_device_worker, args=(plan, str(out), device, overwrite, messages), name=f"plate-scan-{rank}"
+                    target=_device_worker,
+                    args=(plan, str(out), device, overwrite, messages, os.getpid()),
+                    name=f"plate-scan-{rank}",
                 )
                 proc.start()
             procs.append(proc)
@@ -312,8 +315,28 @@ def _watch(procs: list, messages: Any, counter: ProgressCounter) -> PlateInspect
             return None
 
 
-def _device_worker(plan: ScanPlan, out: str, device: str, overwrite: bool, messages: Any) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this worker is killed when the process that started it dies (kill, SIGTERM, OOM), instead of
+    scanning on as an orphan that holds its GPU; a later rerun resumes from the parts written. Elsewhere: no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+        os._exit(1)
+
+
+def _device_worker(
+    plan: ScanPlan, out: str, device: str, overwrite: bool, messages: Any, parent_pid: int | None = None
+) -> None:
     from plate_inspect.scanner import run_scan
+
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
 
     read = [0]
 

@@ -194,3 +194,62 @@ def test_ranks_that_planned_different_scans_are_told_so_on_every_rank(four_layer
     assert v["r"].startswith("ranks disagree on the scan plan: settings.r is 8 on rank 0 but 16 on rank 1")
     assert "modules is '28 modules, " in v["layers"] and "'14 modules, " in v["layers"]
     assert "same command line" in v["layers"]
+
+
+_SLOW_DEVICES_SCAN = textwrap.dedent(
+    """
+    import sys, time
+    import plate_inspect.scanner as scanner
+
+    _compute = scanner._compute
+
+    def slow_compute(*args, **kwargs):  # module level: spawned workers re-import this file, so they are slow too
+        time.sleep(1.0)
+        yield from _compute(*args, **kwargs)
+
+    scanner._compute = slow_compute
+
+    if __name__ == "__main__":
+        scanner.scan(sys.argv[1], sys.argv[2], r=8, devices="cpu,cpu")
+    """
+)
+
+
+@pytest.mark.slow
+def test_devices_workers_die_with_their_parent(four_layers, tmp_path):
+    """Killing the process that runs a --devices scan (kill, a job manager's SIGKILL) used to leave its workers
+    scanning on as orphans (holding their GPUs) until they finished the bundle; now they die with it, and the
+    bundle stays unfinished for a rerun to resume."""
+    import signal
+    import time
+
+    script = tmp_path / "slow_devices.py"
+    script.write_text(_SLOW_DEVICES_SCAN)
+    out = tmp_path / "b"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    parent = subprocess.Popen([sys.executable, str(script), str(four_layers.path), str(out)], env={**env, **ONE_THREAD})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("layer-*.safetensors")) and time.monotonic() < deadline:  # workers are scanning
+            time.sleep(0.05)
+        workers = [int(p) for p in Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()]
+        workers = [w for w in workers if "spawn_main" in Path(f"/proc/{w}/cmdline").read_text()]
+        assert len(workers) == 2
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5  # a worker needs 7 s per part: dying here is not finishing
+        while any(Path(f"/proc/{w}").exists() and _state(w) != "Z" for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(Path(f"/proc/{w}").exists() and _state(w) != "Z" for w in workers)
+    finally:
+        parent.kill()
+    with pytest.raises(BundleError, match="incomplete"):  # 4 parts x 7 modules x 1 s: far from done
+        plate_inspect.Bundle.load(out)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (Z: a zombie, dead but not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
