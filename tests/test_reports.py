@@ -836,3 +836,72 @@ def test_ablation_reports_place_q_and_b_where_they_are(tmp_path):
             assert len(hist["shapes"]) == 1 and "B: top r=" in hist["annotations"][0]["text"]
         else:
             assert v == "random_b" and hist["shapes"] == [] and "not the r highest" in hist["annotations"][0]["text"]
+
+
+def test_report_numbers_equal_a_float64_recomputation_from_the_weights(tmp_path):
+    """Every number of a real scan's report against float64 computed here from the checkpoint's weights (not from
+    the bundle): B = the top-r rows of |cos| to the anchors, k and k(tau) from the frozen rows' eigenvalues, the
+    captured energy of the stored Q, each drawn eigenvalue, the tau cut, the Q band, the B cut-off, the table and
+    the k(tau) and parameter curves."""
+    from safetensors.torch import load_file as load_weights
+
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    ckpt = write_llama_like(tmp_path / "m", layers=2, dtype=torch.float32, seed=11, planted_fraction=0.2)
+    b = plate_inspect.scan(str(ckpt.path), tmp_path / "b", r=8, tau=0.85, max_rank=40)
+    d = extract_data(render_report([b], max_points=30))
+    weights = {}
+    for f in Path(ckpt.path).glob("*.safetensors"):
+        weights.update(load_weights(str(f)))
+    rows = {
+        row[0]: dict(zip([c["key"] for c in d["table"]["columns"]], row, strict=True)) for row in d["table"]["rows"]
+    }
+    k_of: dict[str, dict[float, int]] = {}
+    for name in b.modules:
+        w = weights[name + ".weight"].double()
+        d_out, d_in = w.shape
+        anchors = (torch.arange(min(256, d_out)) * d_out) // min(256, d_out)
+        unit = w / w.norm(dim=1, keepdim=True)
+        cos = (unit @ unit[anchors].T).abs()
+        cos[anchors, torch.arange(len(anchors))] = 0
+        scores = cos.sum(1) / (len(anchors) - torch.isin(torch.arange(d_out), anchors).double())
+        r = min(8, math.floor(0.9 * d_out))
+        b_idx = sorted(torch.sort(scores, descending=True, stable=True).indices[:r].tolist())
+        assert b.b_idx(name).tolist() == b_idx, name
+        keep = torch.ones(d_out, dtype=torch.bool)
+        keep[b_idx] = False
+        gram = w[keep].T @ w[keep]
+        evals = torch.linalg.eigvalsh(gram).flip(0)[: min(d_out - r, d_in)].clamp_min(0)
+        cum = torch.cumsum(evals, 0) / evals.sum()
+
+        def m_tau(tau: float, cum=cum) -> int:
+            return int((cum < tau - 1e-12).sum()) + 1
+
+        k_of[name] = {float(t): max(1, min(d_in - m_tau(float(t)), 40)) for t in b.record(name).k_by_tau}
+        m, k = m_tau(0.85), k_of[name][0.85]
+        q = b.q(name).double()
+        energy = float(torch.trace(q.T @ gram @ q) / torch.trace(gram))
+        spec = d["spectra"][name]
+        x, y = spec["data"][0]["x"], spec["data"][0]["y"]
+        # 4 digits drawn; the scan's float32 eigensolve is accurate to ~1e-7 of the largest eigenvalue
+        np.testing.assert_allclose(y, evals[torch.tensor(x) - 1].numpy(), rtol=1e-3, atol=1e-6 * float(evals[0]))
+        shapes = spec["layout"]["shapes"]
+        assert shapes[0]["x0"] == m + 0.5 and (shapes[2]["x0"], shapes[2]["x1"]) == (d_in - k + 0.5, d_in + 0.5)
+        cutoff = d["histograms"][name]["layout"]["shapes"][0]["x0"]
+        assert math.isclose(cutoff, float(torch.sort(scores, descending=True).values[r - 1]), rel_tol=1e-5)
+        row = rows[name]
+        assert (row["r"], row["k"], row["plate"], row["lora"]) == (r, k, r * k, r * (d_in + d_out)), name
+        assert math.isclose(row["energy"], energy, rel_tol=1e-3, abs_tol=1e-9) and math.isclose(
+            row["score"], float(scores.mean()), rel_tol=1e-5
+        )
+    types: dict[str, list[str]] = {}
+    for name in b.modules:
+        types.setdefault(b.record(name).module_type, []).append(name)
+    curves = [t for t in d["ktau"]["figure"]["data"] if t.get("mode") == "lines+markers"]
+    assert {t["name"] for t in curves} == set(types)
+    for t in curves:
+        for tau, mean_k, (lo, hi) in zip(t["x"], t["y"], t["customdata"], strict=True):
+            ks = [k_of[n][tau] for n in types[t["name"]]]
+            assert math.isclose(mean_k, float(np.mean(ks)), abs_tol=0.051) and (lo, hi) == (min(ks), max(ks))
+    params = d["params"]["figure"]["data"][0]
+    assert params["y"] == [sum(8 * k_of[n][tau] for n in b.modules) for tau in params["x"]]
