@@ -56,9 +56,9 @@ def render_report(
     from plate_inspect.reports.html import render_page
 
     if max_points < 16:
-        raise ConfigError(f"max_points must be at least 16, got {max_points}")
+        raise ConfigError(f"--max-points (max_points) must be at least 16, got {max_points}")
     if bins < 2:
-        raise ConfigError(f"bins must be at least 2, got {bins}")
+        raise ConfigError(f"--bins (bins) must be at least 2, got {bins}")
     rd = report_data(list(bundles), labels=labels, max_points=max_points, bins=bins, progress=progress)
     return render_page(rd, plotly_js())
 
