@@ -180,6 +180,7 @@ _DISAGREE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_ranks_that_planned_different_scans_are_told_so_on_every_rank(four_layers, tmp_path):
     """Rank 1 started with another --r or --layers: every rank gets one ConfigError naming what differs (the old
     run went on: with rank 0's r silently, or scanning its own share of another plan and leaving 7 modules
