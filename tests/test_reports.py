@@ -189,6 +189,15 @@ def test_summary_totals_match_bundle(small_bundle):
     assert s.model == "/models/fake-0" and s.model_type == "qwen2"
 
 
+def test_header_counts_kept_modules_in_words(tmp_path):
+    """A rescan that kept every module says "1 module kept from an earlier run" (was "1 modules resumed")."""
+    path = write_fake_bundle(tmp_path / "b", 1, {"self_attn.q_proj": (48, 40)})
+    stats = json.loads((path / "scan_stats.json").read_text())
+    for n, words in ((1, "1 module kept from an earlier run"), (2, "2 modules kept from an earlier run")):
+        (path / "scan_stats.json").write_text(json.dumps({**stats, "modules_resumed": n}))
+        assert words in render_report([Bundle.load(path)])
+
+
 def test_q_memory_in_bf16_is_half(tmp_path):
     a = Bundle.load(write_fake_bundle(tmp_path / "f32", 1, SMALL_TYPES, q_dtype="float32"))
     b = Bundle.load(write_fake_bundle(tmp_path / "bf16", 1, SMALL_TYPES, q_dtype="bfloat16", wall_seconds=None))
