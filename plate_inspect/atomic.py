@@ -23,6 +23,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     ``filename`` is ``path``, never the temp file's name, which means nothing to a user.
     """
     path = Path(path)
+    refuse_special_file(path)
     payload = data.encode() if isinstance(data, str) else data
     parent = path.parent if str(path.parent) else Path(".")
     tmp = None
@@ -42,6 +43,22 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
         raise
     _fsync_dir(parent)
     return path
+
+
+def refuse_special_file(path: Path) -> None:
+    """OSError for a target that exists but is no regular file (a device such as /dev/null, a FIFO, a socket,
+    a directory): the rename would replace it with a plain file (as root, /dev/null itself). Symlinks to regular
+    files are allowed (the rename replaces the link, as with any atomic writer)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError:
+        return  # unreadable: the write below reports the real reason
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket); give a file path", str(path))
 
 
 def _create_temp(parent: Path, name: str) -> tuple[int, Path]:

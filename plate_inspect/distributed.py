@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import queue as queue_mod
 import socket
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -100,6 +101,26 @@ class Coordinator:
             raise value
         return value
 
+    def agree(self, value: dict[str, Any], what: str) -> None:
+        """ConfigError on every rank unless every rank holds the same ``value`` (a dict; ``what`` names it).
+
+        Ranks that planned different scans (another --r, --layers or model on one node) would otherwise each scan
+        a share of their own plan and leave a bundle with holes, or silently scan with rank 0's settings.
+        """
+        if self.world_size == 1:
+            return
+        values = self.gather(value)
+
+        def verdict() -> None:
+            for rank, other in enumerate(values or []):
+                if other != values[0]:
+                    raise ConfigError(
+                        f"ranks disagree on {what}: {_first_difference(values[0], other, rank)}; start every rank "
+                        "with the same command line and the same model files"
+                    )
+
+        self.on_root(verdict)
+
     def gather(self, obj: T) -> list[T] | None:
         """Every rank's ``obj`` at rank 0 (in rank order); None elsewhere."""
         if self.world_size == 1:
@@ -107,6 +128,40 @@ class Coordinator:
         out: list[Any] | None = [None] * self.world_size if self.is_root else None
         torch.distributed.gather_object(obj, out, dst=0)
         return out
+
+
+def _first_difference(root: dict[str, Any], other: dict[str, Any], rank: int) -> str:
+    """The first key whose value differs between rank 0's dict and rank ``rank``'s, both values shown (shortened)."""
+    for key in sorted(set(root) | set(other)):
+        a, b = root.get(key), other.get(key)
+        if a != b:
+            if isinstance(a, dict) and isinstance(b, dict):
+                sub = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)][0]
+                key, a, b = f"{key}.{sub}", a.get(sub), b.get(sub)
+            return f"{key} is {_short(a)} on rank 0 but {_short(b)} on rank {rank}"
+    return f"rank {rank} differs from rank 0"
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def plan_identity(plan: ScanPlan) -> dict[str, Any]:
+    """What every rank of one scan must agree on: the settings, the planned modules (name and shape) and the
+    checkpoint's identity (its tensors and file sizes, not its path: nodes may mount it elsewhere)."""
+    return {
+        "settings": plan.settings.to_json(),
+        "modules": f"{len(plan.targets)} modules, " + _digest([(t.name, list(t.shape)) for t in plan.targets]),
+        "checkpoint": plan.checkpoint.signature(),
+    }
+
+
+def _digest(obj: Any) -> str:
+    import hashlib
+    import json
+
+    return "sha256:" + hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -218,7 +273,9 @@ def scan_on_devices(
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)}
             with _environ(rank_env):  # spawned children copy the environment when they start
                 proc = ctx.Process(
-                    target=_device_worker, args=(plan, str(out), device, overwrite, messages), name=f"plate-scan-{rank}"
+                    target=_device_worker,
+                    args=(plan, str(out), device, overwrite, messages, os.getpid()),
+                    name=f"plate-scan-{rank}",
                 )
                 proc.start()
             procs.append(proc)
@@ -258,8 +315,28 @@ def _watch(procs: list, messages: Any, counter: ProgressCounter) -> PlateInspect
             return None
 
 
-def _device_worker(plan: ScanPlan, out: str, device: str, overwrite: bool, messages: Any) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this worker is killed when the process that started it dies (kill, SIGTERM, OOM), instead of
+    scanning on as an orphan that holds its GPU; a later rerun resumes from the parts written. Elsewhere: no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+        os._exit(1)
+
+
+def _device_worker(
+    plan: ScanPlan, out: str, device: str, overwrite: bool, messages: Any, parent_pid: int | None = None
+) -> None:
     from plate_inspect.scanner import run_scan
+
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
 
     read = [0]
 

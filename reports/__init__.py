@@ -56,9 +56,9 @@ def render_report(
     from plate_inspect.reports.html import render_page
 
     if max_points < 16:
-        raise ConfigError(f"max_points must be at least 16, got {max_points}")
+        raise ConfigError(f"--max-points (max_points) must be at least 16, got {max_points}")
     if bins < 2:
-        raise ConfigError(f"bins must be at least 2, got {bins}")
+        raise ConfigError(f"--bins (bins) must be at least 2, got {bins}")
     rd = report_data(list(bundles), labels=labels, max_points=max_points, bins=bins, progress=progress)
     return render_page(rd, plotly_js())
 
@@ -77,6 +77,7 @@ def write_report(
     Incomplete bundles and bundles of different architectures raise :class:`plate_inspect.errors.BundleError`.
     """
     path = check_report_path(path)
+    refuse_bundle_file(path, bundles)
     text = render_report(bundles, labels=labels, max_points=max_points, bins=bins, progress=progress)
     write_report_text(path, text)
     return path
@@ -88,12 +89,29 @@ def check_report_path(path: str | os.PathLike, option: str = "-o", example: str 
     path = Path(path)
     if path.is_dir():
         raise ReportError(f"{path}: is a directory; give a file name, e.g. {option} {path / example}")
+    if path.exists() and not path.is_file():
+        raise ReportError(
+            f"{path}: is not a regular file (a device, FIFO or socket; writing would replace it); "
+            f"give a file name, e.g. {option} {example}"
+        )
     make_dirs(path.parent, "the report's directory", option)
     if not os.access(path.parent, os.W_OK):
         raise ReportError(
             f"{path}: cannot write the report (no write permission in {path.parent}); choose another {option}"
         )
     return path
+
+
+def refuse_bundle_file(path: Path, bundles: list[Bundle]) -> None:
+    """Refuse a report path inside a bundle directory unless it is an HTML file: ``-o bundle/manifest.json`` (or a
+    part file) would replace the bundle's own data with the page."""
+    where = path.resolve().parent
+    for b in bundles:
+        if isinstance(b, Bundle) and Path(b.path).resolve() == where and path.suffix.lower() not in (".html", ".htm"):
+            raise ReportError(
+                f"{path}: is inside the bundle {b.path} and is not an .html file (the report would replace or sit "
+                f"among the bundle's own files); choose another -o, e.g. -o {Path(b.path) / 'report.html'}"
+            )
 
 
 def write_report_text(path: Path, text: str, option: str = "-o") -> None:

@@ -340,6 +340,11 @@ class SpectrumView:
     cum_energy: list[float]
     downsampled: bool
     zero_eigenvalues: int
+    #: Where Q lies on this spectrum: "bottom" (PLATE: the bottom k directions), "top" (the high_energy_q ablation:
+    #: the top k), "random" (random_q, random_bq: a random k-frame) or "base" (random_b, least_redundant_b: PLATE's Q
+    #: kept, an eigenspace of the base bundle's frozen rows, not of these).
+    q_directions: str = "bottom"
+    variant: str | None = None
 
     @property
     def null_directions(self) -> int:
@@ -349,6 +354,16 @@ class SpectrumView:
     def k_start(self) -> int:
         """First (1-based) direction spanned by Q."""
         return self.d_in - self.k + 1
+
+
+#: Ablation kind (plate_inspect.train.variants) -> where its Q lies on the stored spectrum (see SpectrumView).
+Q_DIRECTIONS = {
+    "high_energy_q": "top",
+    "random_q": "random",
+    "random_bq": "random",
+    "random_b": "base",
+    "least_redundant_b": "base",
+}
 
 
 def display_indices(n: int, max_points: int, keep: list[int] | tuple[int, ...] = ()) -> np.ndarray:
@@ -386,6 +401,8 @@ def spectrum_view(
         cum_energy=[_sig(c, 4) for c in cum[idx]],
         downsampled=len(idx) < n,
         zero_eigenvalues=int((s <= 0).sum()),
+        q_directions=Q_DIRECTIONS.get(rec.variant or "", "bottom"),
+        variant=rec.variant,
     )
 
 
@@ -402,6 +419,12 @@ class ScoreHistogram:
     cutoff: float
     b_min: float
     rest_max: float | None
+    variant: str | None = None
+
+    @property
+    def b_is_top(self) -> bool:
+        """B holds the r highest scores (PLATE's choice); false for the random_b / least_redundant_b ablations."""
+        return self.rest_max is None or self.b_min >= self.rest_max
 
 
 def score_edges(score_arrays: list[np.ndarray], bins: int = DEFAULT_BINS) -> np.ndarray:
@@ -413,8 +436,10 @@ def score_edges(score_arrays: list[np.ndarray], bins: int = DEFAULT_BINS) -> np.
     return np.linspace(lo, hi, bins + 1)
 
 
-def score_histogram(name: str, scores: np.ndarray, b_idx: np.ndarray, edges: np.ndarray) -> ScoreHistogram:
-    """Counts of scores per bin; cut-off = min score of B's rows (B = the top-r rows by score)."""
+def score_histogram(
+    name: str, scores: np.ndarray, b_idx: np.ndarray, edges: np.ndarray, variant: str | None = None
+) -> ScoreHistogram:
+    """Counts of scores per bin; cut-off = min score of B's rows (for PLATE, B = the top-r rows by score)."""
     scores = np.asarray(scores, dtype=np.float64)
     b_idx = np.asarray(b_idx, dtype=np.int64)
     counts, _ = np.histogram(scores, bins=edges)
@@ -431,6 +456,7 @@ def score_histogram(name: str, scores: np.ndarray, b_idx: np.ndarray, edges: np.
         cutoff=b_min,
         b_min=b_min,
         rest_max=rest_max,
+        variant=variant,
     )
 
 
@@ -670,7 +696,10 @@ def report_data(
         md = read_module(bundles, name)
         spectra[name] = [spectrum_view(b, name, max_points, s) for b, s in zip(bundles, md.spectra, strict=True)]
         edges = score_edges(md.scores, bins)
-        histograms[name] = [score_histogram(name, s, bi, edges) for s, bi in zip(md.scores, md.b_idx, strict=True)]
+        histograms[name] = [
+            score_histogram(name, s, bi, edges, b.record(name).variant)
+            for b, s, bi in zip(bundles, md.scores, md.b_idx, strict=True)
+        ]
         row = table_row(bundles[0].record(name))
         if len(bundles) > 1:
             row["per_bundle"] = [

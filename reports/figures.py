@@ -291,16 +291,27 @@ def _tau_cut(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[
 
 
 def _q_band(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Q's directions d_in-k+1 .. d_in: a solid strip at the bottom (one row per bundle), a faint full-height
-    shade, and its label."""
+    """Q's directions d_in-k+1 .. d_in (PLATE; 1..k for the high_energy_q ablation): a solid strip at the bottom
+    (one row per bundle), a faint full-height shade, and its label. An ablation whose Q is no eigenspace of this
+    spectrum (random_q, random_bq; random_b and least_redundant_b keep PLATE's Q) gets the label only."""
+    first, last = (1, v.k) if v.q_directions == "top" else (v.k_start, v.d_in)
+    y_label = 0.04 * (b + 1) + 0.06 * b
+    if v.q_directions in ("random", "base"):
+        what = (
+            "a random orthonormal k-frame"
+            if v.q_directions == "random"
+            else "PLATE's Q kept, bottom directions of the base bundle's frozen rows, not of these"
+        )
+        text = f"Q: k={v.k} ({what}; ablation {v.variant}), no band drawn" + suffix
+        return [], _line_label(v.d_in + 0.5, y_label, text, {"size": 10, "color": col}, yanchor="bottom")
 
     def rect(y0: float, y1: float, opacity: float) -> dict[str, Any]:
         return {
             "type": "rect",
             "xref": "x",
             "yref": "paper",
-            "x0": v.k_start - 0.5,
-            "x1": v.d_in + 0.5,
+            "x0": first - 0.5,
+            "x1": last + 0.5,
             "y0": y0,
             "y1": y1,
             "fillcolor": col,
@@ -308,8 +319,10 @@ def _q_band(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[s
             "line": {"width": 0},
         }
 
-    text = f"Q: bottom k={v.k} directions ({v.k_start}..{v.d_in})" + suffix
-    label = _line_label(v.d_in + 0.5, 0.04 * (b + 1) + 0.06 * b, text, {"size": 10, "color": col}, yanchor="bottom")
+    where = "top" if v.q_directions == "top" else "bottom"
+    ablation = f", ablation {v.variant}" if v.variant else ""
+    text = f"Q: {where} k={v.k} directions ({first}..{last}{ablation})" + suffix
+    label = _line_label(v.d_in + 0.5, y_label, text, {"size": 10, "color": col}, yanchor="bottom")
     return [rect(0.04 * b, 0.04 * (b + 1), 0.35), rect(0, 1, 0.06)], label
 
 
@@ -390,8 +403,13 @@ def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
                 "hovertemplate": f"scores %{{x:.4f}} ± {width / 2:.2g}<br>%{{y}} rows<extra></extra>",
             }
         )
-        shapes.append(_vline(h.cutoff, col, "dash"))
-        text = f"B: top r={h.r} of {h.d_out} rows, score >= {h.cutoff:.4g}" + (f" ({label})" if multi else "")
+        if h.b_is_top:
+            shapes.append(_vline(h.cutoff, col, "dash"))
+            text = f"B: top r={h.r} of {h.d_out} rows, score >= {h.cutoff:.4g}"
+        else:  # an ablation's B (random or least redundant rows): no cut-off to draw
+            how = f" (ablation {h.variant})" if h.variant else ""
+            text = f"B: r={h.r} of {h.d_out} rows, not the r highest scores{how}; B's lowest score {h.b_min:.4g}"
+        text += f" ({label})" if multi else ""
         annotations.append(_line_label(h.cutoff, 1.0 - 0.08 * b, text, {"size": 10, "color": col}))
     layout = {
         "title": {"text": f"Redundancy scores: {hists[0].name}"},

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from plate_inspect import __version__
-from plate_inspect.formatting import human_bytes
+from plate_inspect.formatting import counted, human_bytes
 from plate_inspect.reports import figures as F
 from plate_inspect.reports.data import HEATMAP_METRICS, ReportData, _sig, heatmap_difference, overlap_heatmap
 from plate_inspect.reports.template import EXPERT_SECTION, PAGE
@@ -285,7 +285,7 @@ def _scan_time(seconds: float | None, stats: dict[str, Any]) -> str:
     if stats.get("peak_rss_bytes"):
         extra.append(f"peak RSS {human_bytes(stats['peak_rss_bytes'])}")
     if stats.get("modules_resumed"):
-        extra.append(f"{stats['modules_resumed']} modules resumed from an earlier run")
+        extra.append(f"{counted(stats['modules_resumed'], 'module')} kept from an earlier run")
     return f"<b>{seconds:.1f} s</b>" + (f" <span class='dim'>({html.escape(', '.join(extra))})</span>" if extra else "")
 
 

@@ -150,3 +150,107 @@ def test_killed_rank_resumes_to_the_same_bundle(four_layers, reference, tmp_path
     assert_same_bundle(reference, out)
     stats = json.loads((out / "scan_stats.json").read_text())
     assert stats["modules_resumed"] >= 7 and stats["modules_resumed"] + stats["modules_scanned"] == 28
+
+
+_DISAGREE = textwrap.dedent(
+    """
+    import json, os, sys
+    from plate_inspect import distributed
+    from plate_inspect.bundle import ScanSettings
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.scanner import plan_scan
+
+    rank = int(os.environ["RANK"])
+    cases = {  # rank 1's settings for each case; rank 0 always scans with r=8 over every layer
+        "same": {"r": 8},
+        "r": {"r": 16},
+        "layers": {"r": 8, "layers": (0, 1)},
+    }
+    verdicts = {}
+    with distributed.join() as group:
+        for case, kw in cases.items():
+            plan = plan_scan(sys.argv[1], ScanSettings(**(kw if rank == 1 else {"r": 8})))
+            try:
+                group.agree(distributed.plan_identity(plan), "the scan plan")
+                verdicts[case] = "agreed"
+            except ConfigError as e:
+                verdicts[case] = str(e)
+    print("VERDICTS " + json.dumps(verdicts), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_ranks_that_planned_different_scans_are_told_so_on_every_rank(four_layers, tmp_path):
+    """Rank 1 started with another --r or --layers: every rank gets one ConfigError naming what differs (the old
+    run went on: with rank 0's r silently, or scanning its own share of another plan and leaving 7 modules
+    unwritten); the same plan on both ranks agrees."""
+    script = tmp_path / "disagree.py"
+    script.write_text(_DISAGREE)
+    out = run(torchrun(str(script), str(four_layers.path))).stdout
+    verdicts = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("VERDICTS ")]
+    assert len(verdicts) == 2 and verdicts[0] == verdicts[1]  # every rank hears the same verdict
+    v = verdicts[0]
+    assert v["same"] == "agreed"
+    assert v["r"].startswith("ranks disagree on the scan plan: settings.r is 8 on rank 0 but 16 on rank 1")
+    assert "modules is '28 modules, " in v["layers"] and "'14 modules, " in v["layers"]
+    assert "same command line" in v["layers"]
+
+
+_SLOW_DEVICES_SCAN = textwrap.dedent(
+    """
+    import sys, time
+    import plate_inspect.scanner as scanner
+
+    _compute = scanner._compute
+
+    def slow_compute(*args, **kwargs):  # module level: spawned workers re-import this file, so they are slow too
+        time.sleep(1.0)
+        yield from _compute(*args, **kwargs)
+
+    scanner._compute = slow_compute
+
+    if __name__ == "__main__":
+        scanner.scan(sys.argv[1], sys.argv[2], r=8, devices="cpu,cpu")
+    """
+)
+
+
+@pytest.mark.slow
+def test_devices_workers_die_with_their_parent(four_layers, tmp_path):
+    """Killing the process that runs a --devices scan (kill, a job manager's SIGKILL) used to leave its workers
+    scanning on as orphans (holding their GPUs) until they finished the bundle; now they die with it, and the
+    bundle stays unfinished for a rerun to resume."""
+    import signal
+    import time
+
+    script = tmp_path / "slow_devices.py"
+    script.write_text(_SLOW_DEVICES_SCAN)
+    out = tmp_path / "b"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    parent = subprocess.Popen([sys.executable, str(script), str(four_layers.path), str(out)], env={**env, **ONE_THREAD})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("layer-*.safetensors")) and time.monotonic() < deadline:  # workers are scanning
+            time.sleep(0.05)
+        workers = [int(p) for p in Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()]
+        workers = [w for w in workers if "spawn_main" in Path(f"/proc/{w}/cmdline").read_text()]
+        assert len(workers) == 2
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5  # a worker needs 7 s per part: dying here is not finishing
+        while any(Path(f"/proc/{w}").exists() and _state(w) != "Z" for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(Path(f"/proc/{w}").exists() and _state(w) != "Z" for w in workers)
+    finally:
+        parent.kill()
+    with pytest.raises(BundleError, match="incomplete"):  # 4 parts x 7 modules x 1 s: far from done
+        plate_inspect.Bundle.load(out)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (Z: a zombie, dead but not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"

@@ -189,6 +189,15 @@ def test_summary_totals_match_bundle(small_bundle):
     assert s.model == "/models/fake-0" and s.model_type == "qwen2"
 
 
+def test_header_counts_kept_modules_in_words(tmp_path):
+    """A rescan that kept every module says "1 module kept from an earlier run" (was "1 modules resumed")."""
+    path = write_fake_bundle(tmp_path / "b", 1, {"self_attn.q_proj": (48, 40)})
+    stats = json.loads((path / "scan_stats.json").read_text())
+    for n, words in ((1, "1 module kept from an earlier run"), (2, "2 modules kept from an earlier run")):
+        (path / "scan_stats.json").write_text(json.dumps({**stats, "modules_resumed": n}))
+        assert words in render_report([Bundle.load(path)])
+
+
 def test_q_memory_in_bf16_is_half(tmp_path):
     a = Bundle.load(write_fake_bundle(tmp_path / "f32", 1, SMALL_TYPES, q_dtype="float32"))
     b = Bundle.load(write_fake_bundle(tmp_path / "bf16", 1, SMALL_TYPES, q_dtype="bfloat16", wall_seconds=None))
@@ -332,7 +341,7 @@ def test_spectrum_view_matches_stored_spectrum(small_bundle):
 
 def test_spectrum_hand_computed():
     class Rec:  # minimal stand-in for a bundle with one module
-        d_in, k = 6, 3
+        d_in, k, variant = 6, 3, None
 
     class B:
         settings = ScanSettings(tau=0.7)
@@ -370,7 +379,7 @@ def test_downsampled_spectrum_keeps_tau_cut_and_q_start():
     """A long stored spectrum where Q starts inside it: both the tau cut and Q's first direction are drawn."""
 
     class Rec:
-        d_in, k = 1000, 300
+        d_in, k, variant = 1000, 300, None
 
     class B:
         settings = ScanSettings(tau=0.9)
@@ -532,6 +541,37 @@ def test_report_path_is_checked_before_rendering(tmp_path, small_bundle, monkeyp
         assert res.exit_code == 2 and why in res.output and "-o" in res.output, res.output
         assert "Traceback" not in res.output
     assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_report_never_replaces_a_device_fifo_or_a_bundle_file(tmp_path):
+    """``-o /dev/null`` used to rename the page over the device (as root: /dev/null became a plain file), and
+    ``-o BUNDLE/manifest.json`` over the bundle's manifest. Both are refused (exit 2, one line); the FIFO (standing
+    in for /dev/null) stays a FIFO and the bundle's files keep their bytes. An .html inside the bundle is fine."""
+    import os
+    import stat
+
+    from plate_inspect.atomic import atomic_write
+
+    path = write_fake_bundle(tmp_path / "b", 1, {"self_attn.q_proj": (48, 40)})
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for bad, why in (
+        (fifo, "is not a regular file"),
+        (path / "manifest.json", "is inside the bundle"),
+        (path / "layer-00000.safetensors", "is inside the bundle"),
+        (path / "notes.txt", "is inside the bundle"),
+    ):
+        res = CliRunner().invoke(cli, ["report", str(path), "-o", str(bad), "-q"])
+        assert res.exit_code == 2 and why in res.output and "Traceback" not in res.output, res.output
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before
+    # the one atomic writer refuses to rename over a non-regular file too (plan -o, experiments, audit --report)
+    with pytest.raises(OSError, match="not a regular file"):
+        atomic_write(fifo, "x")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    res = CliRunner().invoke(cli, ["report", str(path), "-o", str(path / "report.html"), "-q"])
+    assert res.exit_code == 0 and (path / "report.html").read_text().startswith("<!DOCTYPE html>")
 
 
 def test_partial_overlap_compares_common_modules(tmp_path, small_bundle):
@@ -757,3 +797,120 @@ def test_60_layer_256_expert_report_stays_small(tmp_path):
     data = extract_data(out.read_text())
     assert len(data["expertGroups"]) == 180 and len(data["spectra"]) == 480
     assert len(data["table"]["rows"]) == 480 + 180
+
+
+# --------------------------------------------------------------------------- ablation bundles
+def test_ablation_reports_place_q_and_b_where_they_are(tmp_path):
+    """An ablation bundle's report must not claim PLATE's geometry: checked against float64 eigenvalues of the
+    frozen rows and the stored scores. high_energy_q's Q holds the top-k energy (band at 1..k), random_q's holds
+    neither end (no band), random_b's B is not the top-r scores (no cut-off line, no "top r" claim); PLATE's own
+    bundle keeps the bottom-k band and the cut-off."""
+    from safetensors.torch import load_file as load_weights
+
+    from plate_inspect.testing.synthetic import write_llama_like
+    from plate_inspect.train.variants import make_variant
+
+    ckpt = write_llama_like(tmp_path / "m", layers=1, dtype=torch.float32, seed=5)
+    base = plate_inspect.scan(str(ckpt.path), tmp_path / "plate", r=8, tau=0.8, target_modules=["q_proj"])
+    name = "model.layers.0.self_attn.q_proj"
+    weights = {}
+    for f in Path(ckpt.path).glob("*.safetensors"):
+        weights.update(load_weights(str(f)))
+    w = weights[name + ".weight"].double()
+    bundles = {"plate": base}
+    for v in ("high_energy_q", "random_q", "random_b"):
+        bundles[v] = make_variant(base, ckpt.path, v, tmp_path / v, seed=1)
+    for v, b in bundles.items():
+        keep = torch.ones(w.shape[0], dtype=torch.bool)
+        keep[b.b_idx(name)] = False
+        evals = torch.linalg.eigvalsh(w[keep].T @ w[keep]).flip(0)  # descending
+        q = b.q(name).double()
+        k = q.shape[1]
+        energy = float(torch.trace(q.T @ (w[keep].T @ w[keep]) @ q))
+        top, bottom = float(evals[:k].sum()), float(evals[-k:].sum())
+        scores = b.redundancy(name).double()
+        top_r = set(torch.topk(scores, len(b.b_idx(name))).indices.tolist())
+        d = extract_data(render_report([b]))
+        bands = [(s["x0"], s["x1"]) for s in d["spectra"][name]["layout"]["shapes"] if s["type"] == "rect"]
+        q_text = d["spectra"][name]["layout"]["annotations"][1]["text"]
+        hist = d["histograms"][name]["layout"]
+        d_in = w.shape[1]
+        if math.isclose(energy, top, rel_tol=1e-4):  # Q spans the top-k eigen-directions
+            assert v == "high_energy_q" and set(bands) == {(0.5, k + 0.5)} and "top k=" in q_text
+        elif math.isclose(energy, bottom, rel_tol=1e-4, abs_tol=1e-9 * float(evals.sum())):
+            assert v in ("plate",) and set(bands) == {(d_in - k + 0.5, d_in + 0.5)} and "bottom k=" in q_text
+        else:  # random_q's frame; random_b keeps PLATE's Q, bottom for the base rows but not for its own
+            assert v in ("random_q", "random_b") and bands == [] and "no band" in q_text
+        if set(b.b_idx(name).tolist()) == top_r:
+            assert len(hist["shapes"]) == 1 and "B: top r=" in hist["annotations"][0]["text"]
+        else:
+            assert v == "random_b" and hist["shapes"] == [] and "not the r highest" in hist["annotations"][0]["text"]
+
+
+def test_report_numbers_equal_a_float64_recomputation_from_the_weights(tmp_path):
+    """Every number of a real scan's report against float64 computed here from the checkpoint's weights (not from
+    the bundle): B = the top-r rows of |cos| to the anchors, k and k(tau) from the frozen rows' eigenvalues, the
+    captured energy of the stored Q, each drawn eigenvalue, the tau cut, the Q band, the B cut-off, the table and
+    the k(tau) and parameter curves."""
+    from safetensors.torch import load_file as load_weights
+
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    ckpt = write_llama_like(tmp_path / "m", layers=2, dtype=torch.float32, seed=11, planted_fraction=0.2)
+    b = plate_inspect.scan(str(ckpt.path), tmp_path / "b", r=8, tau=0.85, max_rank=40)
+    d = extract_data(render_report([b], max_points=30))
+    weights = {}
+    for f in Path(ckpt.path).glob("*.safetensors"):
+        weights.update(load_weights(str(f)))
+    rows = {
+        row[0]: dict(zip([c["key"] for c in d["table"]["columns"]], row, strict=True)) for row in d["table"]["rows"]
+    }
+    k_of: dict[str, dict[float, int]] = {}
+    for name in b.modules:
+        w = weights[name + ".weight"].double()
+        d_out, d_in = w.shape
+        anchors = (torch.arange(min(256, d_out)) * d_out) // min(256, d_out)
+        unit = w / w.norm(dim=1, keepdim=True)
+        cos = (unit @ unit[anchors].T).abs()
+        cos[anchors, torch.arange(len(anchors))] = 0
+        scores = cos.sum(1) / (len(anchors) - torch.isin(torch.arange(d_out), anchors).double())
+        r = min(8, math.floor(0.9 * d_out))
+        b_idx = sorted(torch.sort(scores, descending=True, stable=True).indices[:r].tolist())
+        assert b.b_idx(name).tolist() == b_idx, name
+        keep = torch.ones(d_out, dtype=torch.bool)
+        keep[b_idx] = False
+        gram = w[keep].T @ w[keep]
+        evals = torch.linalg.eigvalsh(gram).flip(0)[: min(d_out - r, d_in)].clamp_min(0)
+        cum = torch.cumsum(evals, 0) / evals.sum()
+
+        def m_tau(tau: float, cum=cum) -> int:
+            return int((cum < tau - 1e-12).sum()) + 1
+
+        k_of[name] = {float(t): max(1, min(d_in - m_tau(float(t)), 40)) for t in b.record(name).k_by_tau}
+        m, k = m_tau(0.85), k_of[name][0.85]
+        q = b.q(name).double()
+        energy = float(torch.trace(q.T @ gram @ q) / torch.trace(gram))
+        spec = d["spectra"][name]
+        x, y = spec["data"][0]["x"], spec["data"][0]["y"]
+        # 4 digits drawn; the scan's float32 eigensolve is accurate to ~1e-7 of the largest eigenvalue
+        np.testing.assert_allclose(y, evals[torch.tensor(x) - 1].numpy(), rtol=1e-3, atol=1e-6 * float(evals[0]))
+        shapes = spec["layout"]["shapes"]
+        assert shapes[0]["x0"] == m + 0.5 and (shapes[2]["x0"], shapes[2]["x1"]) == (d_in - k + 0.5, d_in + 0.5)
+        cutoff = d["histograms"][name]["layout"]["shapes"][0]["x0"]
+        assert math.isclose(cutoff, float(torch.sort(scores, descending=True).values[r - 1]), rel_tol=1e-5)
+        row = rows[name]
+        assert (row["r"], row["k"], row["plate"], row["lora"]) == (r, k, r * k, r * (d_in + d_out)), name
+        assert math.isclose(row["energy"], energy, rel_tol=1e-3, abs_tol=1e-9) and math.isclose(
+            row["score"], float(scores.mean()), rel_tol=1e-5
+        )
+    types: dict[str, list[str]] = {}
+    for name in b.modules:
+        types.setdefault(b.record(name).module_type, []).append(name)
+    curves = [t for t in d["ktau"]["figure"]["data"] if t.get("mode") == "lines+markers"]
+    assert {t["name"] for t in curves} == set(types)
+    for t in curves:
+        for tau, mean_k, (lo, hi) in zip(t["x"], t["y"], t["customdata"], strict=True):
+            ks = [k_of[n][tau] for n in types[t["name"]]]
+            assert math.isclose(mean_k, float(np.mean(ks)), abs_tol=0.051) and (lo, hi) == (min(ks), max(ks))
+    params = d["params"]["figure"]["data"][0]
+    assert params["y"] == [sum(8 * k_of[n][tau] for n in b.modules) for tau in params["x"]]
