@@ -201,6 +201,7 @@ def run_scan(
     writer = BundleWriter(out, manifest, overwrite=overwrite)
     with distributed.join() as group, closing(writer):  # closing: the directory lock goes with any error
         dev = distributed.rank_device(_resolve_device(device), group.info)
+        group.agree(distributed.plan_identity(plan), "the scan plan")  # before any rank touches the directory
         # the directory is checked (and cleared with overwrite) before any rank writes; every rank goes on with the
         # settings it resolved to (an equivalent spelling of the bundle's own: its part files stay valid)
         opened = group.on_root(writer.open)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -188,13 +189,51 @@ def test_ranks_that_planned_different_scans_are_told_so_on_every_rank(four_layer
     script = tmp_path / "disagree.py"
     script.write_text(_DISAGREE)
     out = run(torchrun(str(script), str(four_layers.path))).stdout
-    verdicts = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("VERDICTS ")]
+    # the two ranks' prints may interleave in torchrun's merged stdout: decode each JSON object after its marker
+    decoder = json.JSONDecoder()
+    verdicts = [decoder.raw_decode(chunk)[0] for chunk in out.split("VERDICTS ")[1:]]
     assert len(verdicts) == 2 and verdicts[0] == verdicts[1]  # every rank hears the same verdict
     v = verdicts[0]
     assert v["same"] == "agreed"
     assert v["r"].startswith("ranks disagree on the scan plan: settings.r is 8 on rank 0 but 16 on rank 1")
     assert "modules is '28 modules, " in v["layers"] and "'14 modules, " in v["layers"]
     assert "same command line" in v["layers"]
+
+
+_DISAGREEING_SCAN = textwrap.dedent(
+    """
+    import os, sys
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.scanner import scan
+
+    rank = int(os.environ["RANK"])
+    try:
+        scan(sys.argv[1], sys.argv[2], r=8 if rank == 0 else 16)
+        print(f"RANK {rank} scanned", flush=True)
+    except ConfigError as e:
+        print(f"RANK {rank} refused: {e}", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_scan_with_ranks_started_differently_is_refused_before_writing(four_layers, tmp_path):
+    """run_scan asks every rank to agree on its plan first: rank 1 with another r used to scan with rank 0's r
+    silently; now both ranks are refused and the output directory holds no bundle."""
+    script = tmp_path / "disagreeing_scan.py"
+    script.write_text(_DISAGREEING_SCAN)
+    out = tmp_path / "b"
+    stdout = run(torchrun(str(script), str(four_layers.path), str(out))).stdout
+    # the two ranks' lines may interleave in torchrun's merged stdout: find each rank's verdict, not lines
+    verdicts = sorted(
+        re.findall(
+            r"RANK (\d) (refused: ranks disagree on the scan plan: settings\.r is 8 on rank 0 "
+            r"but 16 on rank 1|scanned)",
+            stdout,
+        )
+    )
+    assert [rank for rank, _ in verdicts] == ["0", "1"] and all(v.startswith("refused") for _, v in verdicts), stdout
+    assert not (out / "manifest.json").exists() and not list(out.glob("layer-*.safetensors"))
 
 
 _SLOW_DEVICES_SCAN = textwrap.dedent(
