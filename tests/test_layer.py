@@ -200,6 +200,32 @@ def test_adapter_save_load_round_trip_and_refusals(setup, tmp_path):
         load_adapter(load_digits(other_ckpt), path)
 
 
+def test_adapter_whose_bundle_moved_or_other_model_says_what_to_do(setup, tmp_path):
+    """A moved bundle names bundle=; bundle=NEW reproduces the dense oracle; another model's bundle says rescan."""
+    import shutil
+
+    root, ckpt, bundle = setup
+    own = tmp_path / "bundle"
+    shutil.copytree(bundle.path, own)
+    model = load_digits(ckpt)
+    params = apply_bundle(model, own, rho=0.5)
+    randomize_adapters(params, seed=11)
+    a_s = {name: layer.plate_A.detach().clone() for name, layer in plate_layers(model).items()}
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    shutil.move(own, tmp_path / "moved")
+    with pytest.raises(BundleError, match=r"bundle, is not there \(moved or deleted\?\); pass its new place.*bundle="):
+        load_adapter(load_digits(ckpt), path)
+    fresh = load_digits(ckpt)
+    load_adapter(fresh, path, bundle=tmp_path / "moved")
+    base = load_digits(ckpt)
+    w = dense_plate_weight(base.fc2.weight.detach(), bundle.b_idx("fc2"), a_s["fc2"], bundle.q("fc2"), 0.5)
+    x = _x(d=256, seed=4)
+    torch.testing.assert_close(fresh.fc2(x).double(), x.double() @ w.T + base.fc2.bias.double(), rtol=1e-5, atol=1e-5)
+    renamed = nn.Sequential(nn.Linear(64, 256))  # no module named fc1..fc3
+    with pytest.raises(BundleError, match=r"'fc1': no module of the model \(Sequential\).*plate-inspect scan"):
+        apply_bundle(renamed, bundle)
+
+
 def test_bundle_names_map_onto_a_model_that_wraps_the_checkpoint(gpt2_ckpt):
     """GPT-2 checkpoints store h.0.attn.c_attn; GPT2LMHeadModel calls it transformer.h.0.attn.c_attn."""
     from helpers_train import skeleton

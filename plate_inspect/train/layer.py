@@ -150,8 +150,13 @@ def resolve_module_names(model: nn.Module, names: list[str]) -> dict[str, str]:
             continue
         cands = [m for m in modules if m.endswith("." + name)] or [m for m in modules if m and name.endswith("." + m)]
         if len(cands) != 1:
-            why = "no module" if not cands else f"{len(cands)} modules ({', '.join(cands[:3])}...)"
-            raise BundleError(f"bundle module '{name}': {why} of the model matches this name")
+            if cands:
+                why = f"{len(cands)} modules of the model ({', '.join(cands[:3])}...) match this name"
+                fix = "pass the model whose module names are the checkpoint's (e.g. the full ...ForCausalLM)"
+            else:
+                why = f"no module of the model ({type(model).__name__}) matches this name"
+                fix = "the bundle was made for another model: scan this model's checkpoint (plate-inspect scan)"
+            raise BundleError(f"bundle module '{name}': {why}; {fix}")
         out[name] = cands[0]
     return out
 
@@ -163,6 +168,7 @@ def check_module_against_record(
     check_fingerprint: bool = True,
     reference: WeightSketch | None = None,
     bundle: Bundle | None = None,
+    adapter: bool = False,
 ) -> WeightSketch | None:
     """Refuse a module whose layout, shape or weights differ from what the bundle was made for.
 
@@ -176,9 +182,16 @@ def check_module_against_record(
             f"module '{name}': the bundle was made for [d_out, d_in] = {list(record.shape)} but the model's "
             f"{layout} weight is {shape}; this bundle belongs to another model"
         )
+    w = module.weight
+    if w.is_meta or (hasattr(w, "to_local") and w.to_local().is_meta):
+        raise BundleError(
+            f"module '{name}': its weight is on the meta device (not loaded yet); PLATE checks the weights and keeps "
+            "B/Q beside them, which to_empty() would wipe: load the weights first (from_pretrained, or to_empty() + "
+            "load_state_dict), then apply the bundle (get_peft_model / apply_bundle), then shard"
+        )
     if not check_fingerprint:
         return None
-    return check_weight(module, name, record, layout, reference=reference, bundle=bundle)
+    return check_weight(module, name, record, layout, reference=reference, bundle=bundle, adapter=adapter)
 
 
 def load_plan(plan: dict[str, Any] | str | os.PathLike | None, bundle: Bundle) -> dict[str, int]:
@@ -278,7 +291,9 @@ def apply_bundle(
         if isinstance(mod, PlateLinear):
             raise BundleError(f"module '{mapping[name]}' is already a PLATE layer; merge or unload it first")
         ref = (references or {}).get(name)
-        sketches[name] = check_module_against_record(mod, mapping[name], b.record(name), check_fingerprints, ref, b)
+        sketches[name] = check_module_against_record(
+            mod, mapping[name], b.record(name), check_fingerprints, ref, b, adapter=references is not None
+        )
         targets[name] = mod
     keep = {id(layer.plate_A) for layer in plate_layers(model).values() if layer.plate_A.requires_grad}
     for p in model.parameters():
@@ -515,6 +530,11 @@ def load_adapter(
     created = not layers
     try:
         if created:
+            if bundle is None and not Path(meta["bundle_path"]).exists():
+                raise BundleError(
+                    f"{path}: the bundle this adapter was made with, {meta['bundle_path']}, is not there (moved or "
+                    "deleted?); pass its new place: load_adapter(model, ADAPTER, bundle=BUNDLE_DIR)"
+                )
             b = _as_bundle(bundle if bundle is not None else meta["bundle_path"])
             _check_adapter_bundle(path, tensors, meta, b)
             groups: dict[str | None, list[str]] = {}  # apply_bundle once per dtype Q was held in

@@ -136,11 +136,12 @@ def check_weight(
     layout: str,
     reference: WeightSketch | None = None,
     bundle: Bundle | None = None,
+    adapter: bool = False,
 ) -> WeightSketch:
     """Refuse (BundleError) a weight that is neither the bundle's nor a rounded copy of it; return its reference sketch.
 
     The returned sketch is the one to record in an adapter: of the model's weight when it matched exactly, else the
-    reference it was compared with.
+    reference it was compared with. ``adapter``: a saved adapter is being loaded (the refusal says what to do then).
     """
     w = full_weight(module)
     if weight_fingerprint(w, record.dtype) == record.fingerprint:
@@ -149,10 +150,12 @@ def check_weight(
     # a model holding the dequantized weights is a rounded copy of those float32 values (float32 itself included)
     quantized = record.dtype in QUANTIZED_DTYPES
     stored = torch.float32 if quantized else FLOAT_DTYPES.get(record.dtype)
-    refused = (
-        f"module '{name}': weight fingerprint differs from the bundle's ({record.fingerprint[:19]}...): the bundle "
-        "was made for other weights; rescan this checkpoint (plate-inspect scan) or load the right one"
+    fix = (
+        "this adapter was trained on other base weights: load it onto the base model it was made for"
+        if adapter
+        else "the bundle was made for other weights; rescan this checkpoint (plate-inspect scan) or load the right one"
     )
+    refused = f"module '{name}': weight fingerprint differs from the bundle's ({record.fingerprint[:19]}...): {fix}"
     if stored is None or not w.is_floating_point():
         raise BundleError(refused)
     if not quantized and unit_roundoff(w.dtype) <= unit_roundoff(stored):
