@@ -241,6 +241,33 @@ def test_bundle_names_map_onto_a_model_that_wraps_the_checkpoint(gpt2_ckpt):
     assert sum(p.numel() for p in params) == sum(rec.r * rec.k for rec in bundle)
 
 
+def test_modules_by_name_suffix_as_in_peft(gpt2_ckpt):
+    """modules=["c_attn"] wraps every bundle module ending in .c_attn (peft's list rule); the wrapped Conv1D's output
+    is the dense oracle x (W + rho E_B A Q^T)^T + b; an unknown suffix is one BundleError line."""
+    from helpers_train import skeleton
+
+    from plate_inspect import scan
+
+    bundle = scan(gpt2_ckpt.path, gpt2_ckpt.path.parent / "bundle_sfx", r=8, tau=0.8, max_rank=32, overwrite=True)
+    outer = nn.Module()
+    outer.transformer = skeleton(gpt2_ckpt.path, bundle.modules, layout="conv1d")
+    randomize_adapters(apply_bundle(outer, bundle, rho=0.25, modules=["c_attn", "h.1.mlp.c_fc"]), seed=5)
+    expected = {m for m in bundle.modules if m.endswith(".c_attn")} | {"h.1.mlp.c_fc"}
+    assert len(expected) == 3 and set(plate_layers(outer)) == {f"transformer.{m}" for m in expected}
+    layer = plate_layers(outer)["transformer.h.0.attn.c_attn"]
+    w = dense_plate_weight(
+        layer.base.weight.detach().T,
+        bundle.b_idx("h.0.attn.c_attn"),
+        layer.plate_A.detach(),
+        bundle.q("h.0.attn.c_attn"),
+        0.25,
+    )
+    x = _x(n=5, d=w.shape[1], seed=3)
+    torch.testing.assert_close(layer(x).double(), x.double() @ w.T + layer.base.bias.double(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(BundleError, match=r"no module 'q_proj' in this bundle.*name suffixes"):
+        apply_bundle(skeleton(gpt2_ckpt.path, bundle.modules, layout="conv1d"), bundle, modules="q_proj")
+
+
 def _dense_model(ckpt, terms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]):
     """The digits model with W + rho E_B A Q^T written into the named modules (float64 oracle, rounded once)."""
     model = load_digits(ckpt)

@@ -266,18 +266,15 @@ def apply_bundle(
 
     Before wrapping, each module's weight must be the one the bundle was made for (exact fingerprint, or a rounded
     copy of it: see ``weightcheck``); a mismatch raises BundleError naming the module and nothing is wrapped.
-    ``check_fingerprints=False`` skips that check, with a warning. ``modules``: bundle module names (one name may be
-    given as a string). ``q_dtype``: the dtype the layers hold Q in (None: as the bundle stores it); B/Q's digest
-    is the bundle's whatever it is. ``plan`` (a plate-plan dict or JSON path) sets a smaller k per module
+    ``check_fingerprints=False`` skips that check, with a warning. ``modules``: bundle module names or name suffixes
+    (``"q_proj"``; one may be given as a string). ``q_dtype``: the dtype the layers hold Q in (None: as the bundle
+    stores it); B/Q's digest is the bundle's whatever it is. ``plan`` (a plate-plan dict or JSON path) sets a smaller k per module
     (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter). Calling it again for other modules
     (another rho, say) keeps the earlier calls' A's trainable.
     """
     rho = check_rho(rho)
     b = _as_bundle(bundle)
     names = _module_names(modules, b)
-    missing = [n for n in names if n not in b]
-    if missing:
-        raise BundleError(f"{b.path}: no module '{missing[0]}' in this bundle (it has {', '.join(b.modules[:5])}...)")
     ks = load_plan(plan, b)
     mapping = resolve_module_names(model, names)
     if not check_fingerprints:
@@ -316,18 +313,29 @@ def apply_bundle(
 
 
 def _module_names(modules: list[str] | str | None, bundle: Bundle) -> list[str]:
-    """``apply_bundle``'s ``modules``: None (every bundle module), one name, or a list of names."""
+    """``apply_bundle``'s ``modules``: None (every bundle module), or bundle module names or ``.``-separated name
+    suffixes (``"q_proj"``: every bundle module ending in ``.q_proj``, peft's list rule), as a list or one string."""
     if modules is None:
         return list(bundle.modules)
     if isinstance(modules, str):
-        return [modules]
+        modules = [modules]
     try:
         names = list(modules)
     except TypeError:
         names = None
     if names is None or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"modules must be a list of the bundle's module names (or one name), got {modules!r}")
-    return names
+    chosen: list[str] = []
+    for n in names:
+        matches = [n] if n in bundle else [m for m in bundle.modules if m.endswith("." + n)]
+        if not matches:
+            shown = ", ".join(bundle.modules[:3])
+            raise BundleError(
+                f"{bundle.path}: no module '{n}' in this bundle (it has {shown}, ...); modules takes bundle module "
+                "names or name suffixes ('q_proj'); rescan with --target-modules/--layers that cover it"
+            )
+        chosen += [m for m in matches if m not in chosen]
+    return chosen
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
