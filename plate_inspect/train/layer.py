@@ -269,8 +269,8 @@ def apply_bundle(
     ``check_fingerprints=False`` skips that check, with a warning. ``modules``: bundle module names or name suffixes
     (``"q_proj"``; one may be given as a string). ``q_dtype``: the dtype the layers hold Q in (None: as the bundle
     stores it); B/Q's digest is the bundle's whatever it is. ``plan`` (a plate-plan dict or JSON path) sets a
-    smaller k per module (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter). Calling it again for other modules
-    (another rho, say) keeps the earlier calls' A's trainable.
+    smaller k per module (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter). Calling it
+    again for other modules (another rho, say) keeps the earlier calls' A's trainable.
     """
     rho = check_rho(rho)
     b = _as_bundle(bundle)
