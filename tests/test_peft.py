@@ -487,3 +487,19 @@ def test_peft_adapter_given_to_load_adapter_or_merge_says_what_to_use(digits_set
             load_adapter(load_digits(ckpt), given)
         res = CliRunner().invoke(cli, ["merge", str(ckpt), str(given), "-o", str(tmp_path / "merged")])
         assert res.exit_code == 2 and "merge_and_unload" in res.output and "Traceback" not in res.output
+
+
+def test_mixing_apply_bundle_and_the_peft_method_is_refused_in_one_line(digits_setup):
+    """A model wrapped by one PLATE route is refused by the other, naming the module and how to undo it."""
+    from plate_inspect.train.layer import apply_bundle
+
+    _, ckpt, bundle = digits_setup
+    model = load_digits(ckpt)
+    apply_bundle(model, bundle)
+    with pytest.raises(BundleError, match=r"module 'fc1' is already wrapped \(PlateLinear\).*unload\(model\)"):
+        get_peft_model(model, PlateConfig(bundle=str(bundle.path)))
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path)))
+    with pytest.raises(
+        BundleError, match=r"'base_model.model.fc1' is already wrapped \(PlateLayer\).*merge_and_unload"
+    ):
+        apply_bundle(pm, bundle)

@@ -175,6 +175,12 @@ def check_module_against_record(
     Returns the weight's reference sketch (to record in an adapter), or None when the fingerprint check is skipped.
     A rounded copy of the bundle's weights (model cast to a narrower dtype) passes: see ``weightcheck``.
     """
+    if isinstance(module, PlateLinear) or hasattr(module, "base_layer"):
+        how = "unload(model)" if isinstance(module, PlateLinear) else "merge_and_unload() or unload()"
+        raise BundleError(
+            f"module '{name}' is already wrapped ({type(module).__name__}); use one PLATE route per model "
+            f"(apply_bundle or the PEFT method; several PEFT adapters: add_adapter), or {how} first"
+        )
     layout = layout_of(module)
     shape = list(oriented_shape(module))
     if shape != list(record.shape):
