@@ -503,3 +503,28 @@ def test_mixing_apply_bundle_and_the_peft_method_is_refused_in_one_line(digits_s
         BundleError, match=r"'base_model.model.fc1' is already wrapped \(PlateLayer\).*merge_and_unload"
     ):
         apply_bundle(pm, bundle)
+
+
+def test_moe_checkpoint_whose_experts_transformers_fuses(tmp_path):
+    """transformers 5 holds Mixtral's per-expert w1/w2/w3 as fused 3-D parameters: the bundle's expert modules have
+    no Linear to wrap. Attention-only targets work (dense oracle); every module is refused in one line saying why."""
+    from transformers import AutoModelForCausalLM
+
+    from plate_inspect.testing.synthetic import write_family
+
+    write_family(tmp_path / "model", "mixtral", dtype=torch.float32)
+    bundle = scan(tmp_path / "model", tmp_path / "bundle", r=4, tau=0.9, max_rank=16)
+    assert any(".experts.0.w1" in m for m in bundle.modules)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with pytest.raises(BundleError, match=r"experts\.0\.w1' \(and \d+ more\): the model \(MixtralForCausalLM\) has no"):
+        get_peft_model(model, PlateConfig(bundle=str(bundle.path)))
+    pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), target_modules=["q_proj"], rho=0.5))
+    name = "model.layers.1.self_attn.q_proj"
+    assert pm.peft_config["default"].target_modules == {"model.layers.0.self_attn.q_proj", name}
+    layer = pm.base_model.model.get_submodule(name)
+    with torch.no_grad():
+        layer.plate_A["default"].normal_(generator=torch.Generator().manual_seed(0))
+    a = layer.plate_A["default"].detach()
+    w = dense_plate_weight(layer.base_layer.weight.detach(), bundle.b_idx(name), a, bundle.q(name), 0.5)
+    x = torch.randn(6, w.shape[1], generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)

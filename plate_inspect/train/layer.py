@@ -135,12 +135,13 @@ class PlateLinear(nn.Module):
 
 
 # --------------------------------------------------------------------------- bundle -> model
-def resolve_module_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+def resolve_module_names(model: nn.Module, names: list[str], strict: bool = True) -> dict[str, str]:
     """Bundle (checkpoint) module names -> the model's module names.
 
     Exact match first; otherwise a unique module whose name ends with ``.<name>`` (model wraps the checkpoint's
     base model, e.g. ``transformer.h.0.attn.c_attn`` for ``h.0.attn.c_attn``) or the unique one that ``<name>``
     ends with (checkpoint carries a prefix the model lacks, e.g. ``model.layers.0...`` into a bare ``Qwen2Model``).
+    ``strict=False``: names with no unique match are left out (the caller decides whether it needs them).
     """
     modules = dict(model.named_modules())
     out: dict[str, str] = {}
@@ -149,16 +150,33 @@ def resolve_module_names(model: nn.Module, names: list[str]) -> dict[str, str]:
             out[name] = name
             continue
         cands = [m for m in modules if m.endswith("." + name)] or [m for m in modules if m and name.endswith("." + m)]
-        if len(cands) != 1:
-            if cands:
-                why = f"{len(cands)} modules of the model ({', '.join(cands[:3])}...) match this name"
-                fix = "pass the model whose module names are the checkpoint's (e.g. the full ...ForCausalLM)"
-            else:
-                why = f"no module of the model ({type(model).__name__}) matches this name"
-                fix = "the bundle was made for another model: scan this model's checkpoint (plate-inspect scan)"
-            raise BundleError(f"bundle module '{name}': {why}; {fix}")
-        out[name] = cands[0]
+        if len(cands) == 1:
+            out[name] = cands[0]
+        elif cands:
+            raise BundleError(
+                f"bundle module '{name}': {len(cands)} modules of the model ({', '.join(cands[:3])}...) match this "
+                "name; pass the model whose module names are the checkpoint's (e.g. the full ...ForCausalLM)"
+            )
+    missing = [n for n in names if n not in out]
+    if strict and missing:
+        raise unresolved_modules(model, missing, len(out))
     return out
+
+
+def unresolved_modules(model: nn.Module, missing: list[str], resolved: int) -> BundleError:
+    """The refusal for bundle modules the model has no layer for: another model, or layers transformers fuses."""
+    first = f"bundle module '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+    if not resolved:
+        return BundleError(
+            f"{first}: no module of the model ({type(model).__name__}) matches this name; the bundle was made for "
+            "another model: scan this model's checkpoint (plate-inspect scan)"
+        )
+    return BundleError(
+        f"{first}: the model ({type(model).__name__}) has no Linear/Conv1D layer of that name, though it has "
+        f"{resolved} of the bundle's other modules; transformers may hold these fused (MoE experts as one 3-D "
+        "parameter), which PLATE layers cannot wrap: adapt the others (target_modules / modules=['q_proj', ...]) "
+        "or rescan with --target-modules that leave them out"
+    )
 
 
 def check_module_against_record(

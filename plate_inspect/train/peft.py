@@ -48,6 +48,7 @@ from plate_inspect.train.layer import (
     module_geometry,
     oriented_shape,
     resolve_module_names,
+    unresolved_modules,
 )
 from plate_inspect.train.weightcheck import WeightSketch
 
@@ -387,15 +388,21 @@ class _Record:
     fingerprint: str
 
 
-def _select_targets(config: PlateConfig, mapping: dict[str, str]) -> list[str]:
+def _select_targets(
+    config: PlateConfig, mapping: dict[str, str], unresolved: list[str] | None = None, model: nn.Module | None = None
+) -> list[str]:
     """Model names of the bundle modules ``config.target_modules`` selects; it is then set to exactly those names.
 
     peft's rules: a list entry matches a whole name or a ``.``-separated suffix, a string is a regular expression
     that must match a whole name; here an entry may name the model's module or the bundle's (checkpoint) one.
+    ``unresolved``: bundle modules the model has no layer for; selecting one is refused.
     """
     tm = config.target_modules
+    unresolved = unresolved or []
     if tm is None or tm == "all-linear":  # the bundle holds only linear layers
         chosen = list(mapping.values())
+        if unresolved:
+            raise unresolved_modules(model, unresolved, len(mapping))
     else:
         if isinstance(tm, str):
             pattern = re.compile(tm)
@@ -408,7 +415,10 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str]) -> list[str]:
                 return any(key == t or key.endswith("." + t) for t in tm)
 
         chosen = [m for n, m in mapping.items() if match(m) or match(n)]
-        names = [*mapping, *mapping.values()]
+        wanted = [n for n in unresolved if match(n)]
+        if wanted:
+            raise unresolved_modules(model, wanted, len(mapping))
+        names = [*mapping, *mapping.values(), *unresolved]
         unused = [] if isinstance(tm, str) else [t for t in tm if not any(k == t or k.endswith("." + t) for k in names)]
         if chosen and unused:
             warnings.warn(
@@ -465,9 +475,9 @@ class PlateModel(BaseTuner):
             self._plate[adapter_name] = self._carried_geometry(model, config)
             return
         bundle = _load_recorded_bundle(config) if recorded else Bundle.load(config.bundle)
-        mapping = resolve_module_names(model, bundle.modules)  # bundle name -> model name
+        mapping = resolve_module_names(model, bundle.modules, strict=False)  # bundle name -> model name
+        chosen = _select_targets(config, mapping, [n for n in bundle.modules if n not in mapping], model)
         inverse = {v: k for k, v in mapping.items()}
-        chosen = _select_targets(config, mapping)
         ks = load_plan(config.plan, bundle)
         geometry, records = {}, {}
         for m in chosen:
