@@ -222,7 +222,7 @@ def test_adapter_whose_bundle_moved_or_other_model_says_what_to_do(setup, tmp_pa
     x = _x(d=256, seed=4)
     torch.testing.assert_close(fresh.fc2(x).double(), x.double() @ w.T + base.fc2.bias.double(), rtol=1e-5, atol=1e-5)
     renamed = nn.Sequential(nn.Linear(64, 256))  # no module named fc1..fc3
-    with pytest.raises(BundleError, match=r"'fc1': no module of the model \(Sequential\).*plate-inspect scan"):
+    with pytest.raises(BundleError, match=r"'fc1' \(and 2 more\): no module of the model \(Sequential\).*scan"):
         apply_bundle(renamed, bundle)
 
 
