@@ -200,6 +200,32 @@ def test_adapter_save_load_round_trip_and_refusals(setup, tmp_path):
         load_adapter(load_digits(other_ckpt), path)
 
 
+def test_adapter_whose_bundle_moved_or_other_model_says_what_to_do(setup, tmp_path):
+    """A moved bundle names bundle=; bundle=NEW reproduces the dense oracle; another model's bundle says rescan."""
+    import shutil
+
+    root, ckpt, bundle = setup
+    own = tmp_path / "bundle"
+    shutil.copytree(bundle.path, own)
+    model = load_digits(ckpt)
+    params = apply_bundle(model, own, rho=0.5)
+    randomize_adapters(params, seed=11)
+    a_s = {name: layer.plate_A.detach().clone() for name, layer in plate_layers(model).items()}
+    path = save_adapter(model, tmp_path / "adapter.safetensors")
+    shutil.move(own, tmp_path / "moved")
+    with pytest.raises(BundleError, match=r"bundle, is not there \(moved or deleted\?\); pass its new place.*bundle="):
+        load_adapter(load_digits(ckpt), path)
+    fresh = load_digits(ckpt)
+    load_adapter(fresh, path, bundle=tmp_path / "moved")
+    base = load_digits(ckpt)
+    w = dense_plate_weight(base.fc2.weight.detach(), bundle.b_idx("fc2"), a_s["fc2"], bundle.q("fc2"), 0.5)
+    x = _x(d=256, seed=4)
+    torch.testing.assert_close(fresh.fc2(x).double(), x.double() @ w.T + base.fc2.bias.double(), rtol=1e-5, atol=1e-5)
+    renamed = nn.Sequential(nn.Linear(64, 256))  # no module named fc1..fc3
+    with pytest.raises(BundleError, match=r"'fc1' \(and 2 more\): no module of the model \(Sequential\).*scan"):
+        apply_bundle(renamed, bundle)
+
+
 def test_bundle_names_map_onto_a_model_that_wraps_the_checkpoint(gpt2_ckpt):
     """GPT-2 checkpoints store h.0.attn.c_attn; GPT2LMHeadModel calls it transformer.h.0.attn.c_attn."""
     from helpers_train import skeleton
@@ -213,6 +239,33 @@ def test_bundle_names_map_onto_a_model_that_wraps_the_checkpoint(gpt2_ckpt):
     assert set(plate_layers(outer)) == {f"transformer.{m}" for m in bundle.modules}
     assert all(layer.layout == "conv1d" for layer in plate_layers(outer).values())
     assert sum(p.numel() for p in params) == sum(rec.r * rec.k for rec in bundle)
+
+
+def test_modules_by_name_suffix_as_in_peft(gpt2_ckpt):
+    """modules=["c_attn"] wraps every bundle module ending in .c_attn (peft's list rule); the wrapped Conv1D's output
+    is the dense oracle x (W + rho E_B A Q^T)^T + b; an unknown suffix is one BundleError line."""
+    from helpers_train import skeleton
+
+    from plate_inspect import scan
+
+    bundle = scan(gpt2_ckpt.path, gpt2_ckpt.path.parent / "bundle_sfx", r=8, tau=0.8, max_rank=32, overwrite=True)
+    outer = nn.Module()
+    outer.transformer = skeleton(gpt2_ckpt.path, bundle.modules, layout="conv1d")
+    randomize_adapters(apply_bundle(outer, bundle, rho=0.25, modules=["c_attn", "h.1.mlp.c_fc"]), seed=5)
+    expected = {m for m in bundle.modules if m.endswith(".c_attn")} | {"h.1.mlp.c_fc"}
+    assert len(expected) == 3 and set(plate_layers(outer)) == {f"transformer.{m}" for m in expected}
+    layer = plate_layers(outer)["transformer.h.0.attn.c_attn"]
+    w = dense_plate_weight(
+        layer.base.weight.detach().T,
+        bundle.b_idx("h.0.attn.c_attn"),
+        layer.plate_A.detach(),
+        bundle.q("h.0.attn.c_attn"),
+        0.25,
+    )
+    x = _x(n=5, d=w.shape[1], seed=3)
+    torch.testing.assert_close(layer(x).double(), x.double() @ w.T + layer.base.bias.double(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(BundleError, match=r"no module 'q_proj' in this bundle.*name suffixes"):
+        apply_bundle(skeleton(gpt2_ckpt.path, bundle.modules, layout="conv1d"), bundle, modules="q_proj")
 
 
 def _dense_model(ckpt, terms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]):

@@ -114,8 +114,58 @@ def test_mismatched_bundle_or_weights_refused(digits_setup, tmp_path):
     pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(b.path)))
     pm.save_pretrained(tmp_path / "adapter")
     digits_bundle(ckpt, bpath, r=8, tau=0.8)  # rescanned with other settings at the same path
-    with pytest.raises(BundleError, match="another bundle"):
+    with pytest.raises(
+        BundleError, match=r"another bundle \(module 'fc1': the adapter has r = 16, k = \d+, the bundle r = 8"
+    ):
         PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapter")
+
+
+def test_lean_adapter_whose_bundle_moved_says_how_to_point_at_it(digits_setup, tmp_path):
+    """A moved bundle: one line naming the recorded path and the config override; the override reproduces the
+    dense oracle W + rho B A Q^T."""
+    import shutil
+
+    _, ckpt, bundle = digits_setup
+    own = tmp_path / "bundle"
+    shutil.copytree(bundle.path, own)
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(own), rho=0.5))
+    g = torch.Generator().manual_seed(7)
+    a_s = {}
+    with torch.no_grad():
+        for m in BACKBONE:
+            a = getattr(pm.base_model.model, m).plate_A["default"]
+            a.copy_(torch.randn(a.shape, generator=g) * 0.3)
+            a_s[m] = a.detach().clone()
+    pm.save_pretrained(tmp_path / "adapter")
+    shutil.move(own, tmp_path / "moved")
+    with pytest.raises(BundleError, match=r"bundle: the bundle this adapter was made with is not there.*config=config"):
+        PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapter")
+    config = PlateConfig.from_pretrained(tmp_path / "adapter")
+    config.bundle = str(tmp_path / "moved")
+    loaded = PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapter", config=config)
+    base = load_digits(ckpt)
+    x = torch.randn(5, 64, generator=g)
+    h = x.double()
+    for m in BACKBONE:  # DigitsMLP.features: relu(fc3(relu(fc2(relu(fc1(x))))))
+        w = dense_plate_weight(getattr(base, m).weight.detach(), bundle.b_idx(m), a_s[m], bundle.q(m), 0.5)
+        h = h @ w.T + getattr(base, m).bias.detach().double()
+        h = torch.relu(h)
+    torch.testing.assert_close(loaded.base_model.model.features(x).double(), h, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_initialised_model_is_refused_in_one_line(digits_setup):
+    """Weights on the meta device: B/Q would be wiped by to_empty(), so PLATE refuses, also without the check."""
+    from plate_inspect.experiments import digits
+    from plate_inspect.train.layer import apply_bundle
+
+    _, _, bundle = digits_setup
+    for check in (True, False):
+        with torch.device("meta"):
+            model = digits.DigitsMLP()
+        with pytest.raises(BundleError, match=r"module 'fc1': its weight is on the meta device"):
+            get_peft_model(model, PlateConfig(bundle=str(bundle.path), check_fingerprints=check))
+        with pytest.raises(BundleError, match=r"module 'fc1': its weight is on the meta device"):
+            apply_bundle(model, bundle, check_fingerprints=check)
 
 
 def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
@@ -224,7 +274,7 @@ def test_adapter_carrying_b_and_q_loads_without_the_bundle(digits_setup, tmp_pat
     loaded = PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "adapter")
     torch.testing.assert_close(loaded(x), out, rtol=0, atol=0)
     other, _ = digits_checkpoint(tmp_path / "other", seed=5)
-    with pytest.raises(BundleError, match="fingerprint"):
+    with pytest.raises(BundleError, match="fingerprint differs.*load it onto the base model it was made for"):
         PeftModel.from_pretrained(other, tmp_path / "adapter")
     # a lean adapter (the default) needs its bundle, and says so
     lean = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path)))
@@ -236,7 +286,7 @@ def test_adapter_carrying_b_and_q_loads_without_the_bundle(digits_setup, tmp_pat
     cfg = json.loads((tmp_path / "lean" / "adapter_config.json").read_text())
     cfg["bundle"] = str(tmp_path / "no_bundle_here")
     (tmp_path / "lean" / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(BundleError, match="no_bundle_here: does not exist"):
+    with pytest.raises(BundleError, match=r"no_bundle_here: the bundle this adapter was made with is not there"):
         PeftModel.from_pretrained(load_digits(ckpt), tmp_path / "lean")
 
 
@@ -437,3 +487,44 @@ def test_peft_adapter_given_to_load_adapter_or_merge_says_what_to_use(digits_set
             load_adapter(load_digits(ckpt), given)
         res = CliRunner().invoke(cli, ["merge", str(ckpt), str(given), "-o", str(tmp_path / "merged")])
         assert res.exit_code == 2 and "merge_and_unload" in res.output and "Traceback" not in res.output
+
+
+def test_mixing_apply_bundle_and_the_peft_method_is_refused_in_one_line(digits_setup):
+    """A model wrapped by one PLATE route is refused by the other, naming the module and how to undo it."""
+    from plate_inspect.train.layer import apply_bundle
+
+    _, ckpt, bundle = digits_setup
+    model = load_digits(ckpt)
+    apply_bundle(model, bundle)
+    with pytest.raises(BundleError, match=r"module 'fc1' is already wrapped \(PlateLinear\).*unload\(model\)"):
+        get_peft_model(model, PlateConfig(bundle=str(bundle.path)))
+    pm = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path)))
+    with pytest.raises(
+        BundleError, match=r"'base_model.model.fc1' is already wrapped \(PlateLayer\).*merge_and_unload"
+    ):
+        apply_bundle(pm, bundle)
+
+
+def test_moe_checkpoint_whose_experts_transformers_fuses(tmp_path):
+    """transformers 5 holds Mixtral's per-expert w1/w2/w3 as fused 3-D parameters: the bundle's expert modules have
+    no Linear to wrap. Attention-only targets work (dense oracle); every module is refused in one line saying why."""
+    from transformers import AutoModelForCausalLM
+
+    from plate_inspect.testing.synthetic import write_family
+
+    write_family(tmp_path / "model", "mixtral", dtype=torch.float32)
+    bundle = scan(tmp_path / "model", tmp_path / "bundle", r=4, tau=0.9, max_rank=16)
+    assert any(".experts.0.w1" in m for m in bundle.modules)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with pytest.raises(BundleError, match=r"experts\.0\.w1' \(and \d+ more\): the model \(MixtralForCausalLM\) has no"):
+        get_peft_model(model, PlateConfig(bundle=str(bundle.path)))
+    pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), target_modules=["q_proj"], rho=0.5))
+    name = "model.layers.1.self_attn.q_proj"
+    assert pm.peft_config["default"].target_modules == {"model.layers.0.self_attn.q_proj", name}
+    layer = pm.base_model.model.get_submodule(name)
+    with torch.no_grad():
+        layer.plate_A["default"].normal_(generator=torch.Generator().manual_seed(0))
+    a = layer.plate_A["default"].detach()
+    w = dense_plate_weight(layer.base_layer.weight.detach(), bundle.b_idx(name), a, bundle.q(name), 0.5)
+    x = torch.randn(6, w.shape[1], generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)

@@ -169,3 +169,42 @@ def test_bundle_of_an_fp8_checkpoint_applies_to_its_dequantized_weights(tmp_path
         apply_bundle(model_holding(changed), bundle)
     with pytest.raises(BundleError, match="keep the quantized source checkpoint"):
         apply_bundle(model_holding(dequantized), _without_source(bundle, tmp_path / "moved" / "bundle"))
+
+
+def test_which_casts_hold_every_stored_value_exactly():
+    """Hand-known dtype pairs: only a cast to a dtype with finer mantissa and wider range is exact."""
+    from plate_inspect.train.weightcheck import holds_exactly
+
+    assert holds_exactly(torch.float32, torch.bfloat16) and holds_exactly(torch.float32, torch.float16)
+    assert all(holds_exactly(d, d) for d in (torch.float32, torch.bfloat16, torch.float16))
+    assert not holds_exactly(torch.bfloat16, torch.float32) and not holds_exactly(torch.float16, torch.float32)
+    assert not holds_exactly(torch.float16, torch.bfloat16)  # finer mantissa, narrower exponent range
+    assert not holds_exactly(torch.bfloat16, torch.float16)  # wider range, coarser mantissa
+
+
+def test_float16_model_of_a_bfloat16_checkpoint_passes_other_weights_do_not(tmp_path):
+    """A bf16 checkpoint loaded in float16 (GPUs without bf16): entries below float16's normal range round, so the
+    bytes differ, but it is the same model; a 1% change is still refused (float16 resolves 2u = 0.1%)."""
+    from plate_inspect.experiments import digits
+
+    _, ckpt32 = digits_checkpoint(tmp_path / "f32", seed=0)
+    model = load_digits(ckpt32).to(torch.bfloat16)
+    with torch.no_grad():  # planted: values in float16's subnormal range, which a float16 cast rounds
+        for m in BACKBONE:
+            getattr(model, m).weight[::7, ::5] = 3.3e-7
+    (tmp_path / "bf16").mkdir()
+    digits.save_model(model, tmp_path / "bf16" / "model.safetensors")
+    bundle = digits_bundle(tmp_path / "bf16" / "model.safetensors", tmp_path / "bundle", r=16, tau=0.8)
+    fp16 = load_digits(tmp_path / "bf16" / "model.safetensors").to(torch.float16)
+    for m in BACKBONE:  # dense oracle: the cast is lossy, and by far less than float16's 2u
+        w16, wbf = getattr(fp16, m).weight.double(), getattr(model, m).weight.double()
+        rel = float((w16 - wbf).norm() / wbf.norm())
+        assert 0 < rel < 2 * 2.0**-11
+    randomize_adapters(apply_bundle(fp16, bundle, rho=0.5), seed=2)
+    assert set(plate_layers(fp16)) == set(BACKBONE)
+    changed = load_digits(tmp_path / "bf16" / "model.safetensors")
+    with torch.no_grad():
+        w = changed.fc3.weight
+        w.add_(0.01 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+    with pytest.raises(BundleError, match="module 'fc3'.*differs by about"):
+        apply_bundle(changed.to(torch.float16), bundle)

@@ -135,12 +135,13 @@ class PlateLinear(nn.Module):
 
 
 # --------------------------------------------------------------------------- bundle -> model
-def resolve_module_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+def resolve_module_names(model: nn.Module, names: list[str], strict: bool = True) -> dict[str, str]:
     """Bundle (checkpoint) module names -> the model's module names.
 
     Exact match first; otherwise a unique module whose name ends with ``.<name>`` (model wraps the checkpoint's
     base model, e.g. ``transformer.h.0.attn.c_attn`` for ``h.0.attn.c_attn``) or the unique one that ``<name>``
     ends with (checkpoint carries a prefix the model lacks, e.g. ``model.layers.0...`` into a bare ``Qwen2Model``).
+    ``strict=False``: names with no unique match are left out (the caller decides whether it needs them).
     """
     modules = dict(model.named_modules())
     out: dict[str, str] = {}
@@ -149,11 +150,33 @@ def resolve_module_names(model: nn.Module, names: list[str]) -> dict[str, str]:
             out[name] = name
             continue
         cands = [m for m in modules if m.endswith("." + name)] or [m for m in modules if m and name.endswith("." + m)]
-        if len(cands) != 1:
-            why = "no module" if not cands else f"{len(cands)} modules ({', '.join(cands[:3])}...)"
-            raise BundleError(f"bundle module '{name}': {why} of the model matches this name")
-        out[name] = cands[0]
+        if len(cands) == 1:
+            out[name] = cands[0]
+        elif cands:
+            raise BundleError(
+                f"bundle module '{name}': {len(cands)} modules of the model ({', '.join(cands[:3])}...) match this "
+                "name; pass the model whose module names are the checkpoint's (e.g. the full ...ForCausalLM)"
+            )
+    missing = [n for n in names if n not in out]
+    if strict and missing:
+        raise unresolved_modules(model, missing, len(out))
     return out
+
+
+def unresolved_modules(model: nn.Module, missing: list[str], resolved: int) -> BundleError:
+    """The refusal for bundle modules the model has no layer for: another model, or layers transformers fuses."""
+    first = f"bundle module '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+    if not resolved:
+        return BundleError(
+            f"{first}: no module of the model ({type(model).__name__}) matches this name; the bundle was made for "
+            "another model: scan this model's checkpoint (plate-inspect scan)"
+        )
+    return BundleError(
+        f"{first}: the model ({type(model).__name__}) has no Linear/Conv1D layer of that name, though it has "
+        f"{resolved} of the bundle's other modules; transformers may hold these fused (MoE experts as one 3-D "
+        "parameter), which PLATE layers cannot wrap: adapt the others (target_modules / modules=['q_proj', ...]) "
+        "or rescan with --target-modules that leave them out"
+    )
 
 
 def check_module_against_record(
@@ -163,12 +186,19 @@ def check_module_against_record(
     check_fingerprint: bool = True,
     reference: WeightSketch | None = None,
     bundle: Bundle | None = None,
+    adapter: bool = False,
 ) -> WeightSketch | None:
     """Refuse a module whose layout, shape or weights differ from what the bundle was made for.
 
     Returns the weight's reference sketch (to record in an adapter), or None when the fingerprint check is skipped.
     A rounded copy of the bundle's weights (model cast to a narrower dtype) passes: see ``weightcheck``.
     """
+    if isinstance(module, PlateLinear) or hasattr(module, "base_layer"):
+        how = "unload(model)" if isinstance(module, PlateLinear) else "merge_and_unload() or unload()"
+        raise BundleError(
+            f"module '{name}' is already wrapped ({type(module).__name__}); use one PLATE route per model "
+            f"(apply_bundle or the PEFT method; several PEFT adapters: add_adapter), or {how} first"
+        )
     layout = layout_of(module)
     shape = list(oriented_shape(module))
     if shape != list(record.shape):
@@ -176,9 +206,16 @@ def check_module_against_record(
             f"module '{name}': the bundle was made for [d_out, d_in] = {list(record.shape)} but the model's "
             f"{layout} weight is {shape}; this bundle belongs to another model"
         )
+    w = module.weight
+    if w.is_meta or (hasattr(w, "to_local") and w.to_local().is_meta):
+        raise BundleError(
+            f"module '{name}': its weight is on the meta device (not loaded yet); PLATE checks the weights and keeps "
+            "B/Q beside them, which to_empty() would wipe: load the weights first (from_pretrained, or to_empty() + "
+            "load_state_dict), then apply the bundle (get_peft_model / apply_bundle), then shard"
+        )
     if not check_fingerprint:
         return None
-    return check_weight(module, name, record, layout, reference=reference, bundle=bundle)
+    return check_weight(module, name, record, layout, reference=reference, bundle=bundle, adapter=adapter)
 
 
 def load_plan(plan: dict[str, Any] | str | os.PathLike | None, bundle: Bundle) -> dict[str, int]:
@@ -253,18 +290,15 @@ def apply_bundle(
 
     Before wrapping, each module's weight must be the one the bundle was made for (exact fingerprint, or a rounded
     copy of it: see ``weightcheck``); a mismatch raises BundleError naming the module and nothing is wrapped.
-    ``check_fingerprints=False`` skips that check, with a warning. ``modules``: bundle module names (one name may be
-    given as a string). ``q_dtype``: the dtype the layers hold Q in (None: as the bundle stores it); B/Q's digest
-    is the bundle's whatever it is. ``plan`` (a plate-plan dict or JSON path) sets a smaller k per module
-    (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter). Calling it again for other modules
-    (another rho, say) keeps the earlier calls' A's trainable.
+    ``check_fingerprints=False`` skips that check, with a warning. ``modules``: bundle module names or name suffixes
+    (``"q_proj"``; one may be given as a string). ``q_dtype``: the dtype the layers hold Q in (None: as the bundle
+    stores it); B/Q's digest is the bundle's whatever it is. ``plan`` (a plate-plan dict or JSON path) sets a
+    smaller k per module (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter). Calling it
+    again for other modules (another rho, say) keeps the earlier calls' A's trainable.
     """
     rho = check_rho(rho)
     b = _as_bundle(bundle)
     names = _module_names(modules, b)
-    missing = [n for n in names if n not in b]
-    if missing:
-        raise BundleError(f"{b.path}: no module '{missing[0]}' in this bundle (it has {', '.join(b.modules[:5])}...)")
     ks = load_plan(plan, b)
     mapping = resolve_module_names(model, names)
     if not check_fingerprints:
@@ -278,7 +312,9 @@ def apply_bundle(
         if isinstance(mod, PlateLinear):
             raise BundleError(f"module '{mapping[name]}' is already a PLATE layer; merge or unload it first")
         ref = (references or {}).get(name)
-        sketches[name] = check_module_against_record(mod, mapping[name], b.record(name), check_fingerprints, ref, b)
+        sketches[name] = check_module_against_record(
+            mod, mapping[name], b.record(name), check_fingerprints, ref, b, adapter=references is not None
+        )
         targets[name] = mod
     keep = {id(layer.plate_A) for layer in plate_layers(model).values() if layer.plate_A.requires_grad}
     for p in model.parameters():
@@ -301,18 +337,29 @@ def apply_bundle(
 
 
 def _module_names(modules: list[str] | str | None, bundle: Bundle) -> list[str]:
-    """``apply_bundle``'s ``modules``: None (every bundle module), one name, or a list of names."""
+    """``apply_bundle``'s ``modules``: None (every bundle module), or bundle module names or ``.``-separated name
+    suffixes (``"q_proj"``: every bundle module ending in ``.q_proj``, peft's list rule), as a list or one string."""
     if modules is None:
         return list(bundle.modules)
     if isinstance(modules, str):
-        return [modules]
+        modules = [modules]
     try:
         names = list(modules)
     except TypeError:
         names = None
     if names is None or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"modules must be a list of the bundle's module names (or one name), got {modules!r}")
-    return names
+    chosen: list[str] = []
+    for n in names:
+        matches = [n] if n in bundle else [m for m in bundle.modules if m.endswith("." + n)]
+        if not matches:
+            shown = ", ".join(bundle.modules[:3])
+            raise BundleError(
+                f"{bundle.path}: no module '{n}' in this bundle (it has {shown}, ...); modules takes bundle module "
+                "names or name suffixes ('q_proj'); rescan with --target-modules/--layers that cover it"
+            )
+        chosen += [m for m in matches if m not in chosen]
+    return chosen
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -515,6 +562,11 @@ def load_adapter(
     created = not layers
     try:
         if created:
+            if bundle is None and not Path(meta["bundle_path"]).exists():
+                raise BundleError(
+                    f"{path}: the bundle this adapter was made with, {meta['bundle_path']}, is not there (moved or "
+                    "deleted?); pass its new place: load_adapter(model, ADAPTER, bundle=BUNDLE_DIR)"
+                )
             b = _as_bundle(bundle if bundle is not None else meta["bundle_path"])
             _check_adapter_bundle(path, tensors, meta, b)
             groups: dict[str | None, list[str]] = {}  # apply_bundle once per dtype Q was held in

@@ -48,6 +48,7 @@ from plate_inspect.train.layer import (
     module_geometry,
     oriented_shape,
     resolve_module_names,
+    unresolved_modules,
 )
 from plate_inspect.train.weightcheck import WeightSketch
 
@@ -341,6 +342,40 @@ def _bundle_digest(records: dict[str, dict[str, Any]]) -> str:
     return "sha256:" + h.hexdigest()
 
 
+_POINT_AT_BUNDLE = (
+    "config = PlateConfig.from_pretrained(ADAPTER_DIR); config.bundle = BUNDLE_DIR; "
+    "PeftModel.from_pretrained(base, ADAPTER_DIR, config=config)"
+)
+
+
+def _load_recorded_bundle(config: PlateConfig) -> Bundle:
+    """The bundle a saved (lean) adapter recorded; a missing one is named with how to point the adapter at it."""
+    if not Path(config.bundle).exists():
+        raise BundleError(
+            f"{config.bundle}: the bundle this adapter was made with is not there (moved or deleted?); point the "
+            f"adapter at its new place: {_POINT_AT_BUNDLE}; or rescan the base model into {config.bundle} with the "
+            "same settings (B/Q are checked)"
+        )
+    return Bundle.load(config.bundle)
+
+
+def _first_difference(recorded: dict[str, dict[str, Any]], records: dict[str, dict[str, Any]]) -> str | None:
+    """What differs between the module records an adapter saved and the ones its bundle gives now (one phrase)."""
+    for m in sorted(recorded):
+        old, new = recorded[m], records.get(m)
+        if new is None:
+            return f"module '{m}' is not in this bundle"
+        if old.get("fingerprint") != new["fingerprint"]:
+            return f"module '{m}': the bundle was made for other base weights"
+        if (old.get("r"), old.get("k")) != (new["r"], new["k"]):
+            had, has = f"r = {old.get('r')}, k = {old.get('k')}", f"r = {new['r']}, k = {new['k']}"
+            return f"module '{m}': the adapter has {had}, the bundle {has}"
+        if old.get("digest") != new["digest"]:
+            return f"module '{m}': B/Q differ at the same r and k (rescanned with other settings, or edited)"
+    extra = sorted(set(records) - set(recorded))
+    return f"module '{extra[0]}' is in the bundle but not in the adapter" if extra else None
+
+
 _Geometry = tuple[torch.Tensor, torch.Tensor, str, "frozenset[str] | None", bool]  # B, Q, digest, carried, pending
 
 
@@ -353,15 +388,21 @@ class _Record:
     fingerprint: str
 
 
-def _select_targets(config: PlateConfig, mapping: dict[str, str]) -> list[str]:
+def _select_targets(
+    config: PlateConfig, mapping: dict[str, str], unresolved: list[str] | None = None, model: nn.Module | None = None
+) -> list[str]:
     """Model names of the bundle modules ``config.target_modules`` selects; it is then set to exactly those names.
 
     peft's rules: a list entry matches a whole name or a ``.``-separated suffix, a string is a regular expression
     that must match a whole name; here an entry may name the model's module or the bundle's (checkpoint) one.
+    ``unresolved``: bundle modules the model has no layer for; selecting one is refused.
     """
     tm = config.target_modules
+    unresolved = unresolved or []
     if tm is None or tm == "all-linear":  # the bundle holds only linear layers
         chosen = list(mapping.values())
+        if unresolved:
+            raise unresolved_modules(model, unresolved, len(mapping))
     else:
         if isinstance(tm, str):
             pattern = re.compile(tm)
@@ -374,7 +415,10 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str]) -> list[str]:
                 return any(key == t or key.endswith("." + t) for t in tm)
 
         chosen = [m for n, m in mapping.items() if match(m) or match(n)]
-        names = [*mapping, *mapping.values()]
+        wanted = [n for n in unresolved if match(n)]
+        if wanted:
+            raise unresolved_modules(model, wanted, len(mapping))
+        names = [*mapping, *mapping.values(), *unresolved]
         unused = [] if isinstance(tm, str) else [t for t in tm if not any(k == t or k.endswith("." + t) for k in names)]
         if chosen and unused:
             warnings.warn(
@@ -430,10 +474,10 @@ class PlateModel(BaseTuner):
         if config.carry_geometry and recorded:  # its own B/Q, whatever the bundle path holds now
             self._plate[adapter_name] = self._carried_geometry(model, config)
             return
-        bundle = Bundle.load(config.bundle)
-        mapping = resolve_module_names(model, bundle.modules)  # bundle name -> model name
+        bundle = _load_recorded_bundle(config) if recorded else Bundle.load(config.bundle)
+        mapping = resolve_module_names(model, bundle.modules, strict=False)  # bundle name -> model name
+        chosen = _select_targets(config, mapping, [n for n in bundle.modules if n not in mapping], model)
         inverse = {v: k for k, v in mapping.items()}
-        chosen = _select_targets(config, mapping)
         ks = load_plan(config.plan, bundle)
         geometry, records = {}, {}
         for m in chosen:
@@ -442,7 +486,9 @@ class PlateModel(BaseTuner):
             ref = recorded.get(m, {}).get("sketch")
             ref = WeightSketch.from_json(ref) if ref else None
             module = _tuner_base(model.get_submodule(m), m)
-            sketch = check_module_against_record(module, m, rec, config.check_fingerprints, ref, bundle)
+            sketch = check_module_against_record(
+                module, m, rec, config.check_fingerprints, ref, bundle, adapter=bool(recorded)
+            )
             b_idx, q = module_geometry(bundle, name, ks.get(name), q_dtype=None)  # as stored: the bundle's digest
             digest = geometry_digest(b_idx, q)
             carried = _carried_digests(b_idx, q) if config.carry_geometry else None
@@ -462,9 +508,10 @@ class PlateModel(BaseTuner):
         digest = _bundle_digest(records)
         sig = bundle.manifest.source_signature
         if config.bundle_digest is not None and config.bundle_digest != digest:
+            differs = _first_difference(recorded, records) or "its modules' digest differs"
             raise BundleError(
-                f"{config.bundle}: this adapter was trained with another bundle or other base weights "
-                "(bundle digest differs); load it with the bundle and base model it was made for"
+                f"{config.bundle}: this adapter was trained with another bundle ({differs}); load it with the bundle "
+                f"it was made for ({_POINT_AT_BUNDLE}), or save adapters with PlateConfig(carry_geometry=True)"
             )
         if config.bundle_signature is not None and config.bundle_signature != sig:
             raise BundleError(f"{config.bundle}: bundle source signature differs from the one the adapter recorded")
@@ -488,7 +535,12 @@ class PlateModel(BaseTuner):
             module = _tuner_base(module, m)
             sketch = WeightSketch.from_json(rec["sketch"]) if rec.get("sketch") else None
             check_module_against_record(
-                module, m, _Record(rec["shape"], rec["dtype"], rec["fingerprint"]), config.check_fingerprints, sketch
+                module,
+                m,
+                _Record(rec["shape"], rec["dtype"], rec["fingerprint"]),
+                config.check_fingerprints,
+                sketch,
+                adapter=True,
             )
             # adapters written before carried_digests recorded one digest, of Q in the dtype it was saved in
             accepted = frozenset((rec.get("carried_digests") or {}).values()) or frozenset([rec.get("carried_digest")])

@@ -4,12 +4,15 @@ A bundle records, per module, the sha256 fingerprint of the weight's stored byte
 loaded in float32) passes exactly: the weight is cast back to the stored dtype before hashing. A *downcast* model
 (float32 checkpoint loaded with ``torch_dtype=bfloat16``, or ``model.to(torch.bfloat16)``) holds a rounded copy,
 whose bytes differ; B and Q are still valid for it. So does a model holding the dequantized weights of an FP8 or
-MXFP4 checkpoint (the scan read them dequantized to float32). For those cases (and only those: the model's dtype
-has a larger unit roundoff than the stored one, or the storage is quantized) the check compares a seeded sketch
+MXFP4 checkpoint (the scan read them dequantized to float32), and a bf16 checkpoint loaded in float16 (entries
+below float16's normal range round). For those cases (and only those: the model's dtype cannot hold every stored
+value exactly, or the storage is quantized) the check compares a seeded sketch
 ``S = L W R`` (L: [8, d_out], R: [d_in, 8], standard normal, float64) of the model's weight with the sketch of the
 reference weight:
 
     ||S_model - S_ref||_F / (8 ||W_ref||_F)  <=  2 u(model dtype)   (quantized storage: 2 max(u(model), u(float32)))
+
+(plus float16's subnormal spacing term, negligible for real weights: ``cast_tolerance``).
 
 For a rounded copy, ``|E_ij| <= u |W_ij|`` so ``||E||_F <= u ||W||_F``, and ``||L E R||_F / 8`` estimates
 ``||E||_F`` (E[(l^T E r)^2] = ||E||_F^2 for each of the 64 entries); rounding errors give about u/sqrt(3), well
@@ -92,6 +95,31 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+def holds_exactly(model_dtype: torch.dtype, stored_dtype: torch.dtype) -> bool:
+    """True when every finite value of ``stored_dtype`` is a value of ``model_dtype`` (an upcast: nothing rounds).
+
+    bfloat16 -> float32 is exact; float32 -> bfloat16 rounds the mantissa; bfloat16 -> float16 rounds values outside
+    float16's narrower exponent range (its subnormals), although float16 has the finer mantissa.
+    """
+    m, s = torch.finfo(model_dtype), torch.finfo(stored_dtype)
+    return m.eps <= s.eps and m.max >= s.max and m.smallest_normal * m.eps <= s.smallest_normal * s.eps
+
+
+def cast_tolerance(model_dtype: torch.dtype, stored_dtype: torch.dtype, numel: int, fro: float) -> float:
+    """The largest ||E||_F / ||W||_F the sketch check accepts for a copy of W (stored dtype) rounded to the model's.
+
+    Rounding to the model dtype moves each entry by at most u |w_ij| (normal range) or half the subnormal spacing
+    (float16 holds values below 6.1e-5 with absolute spacing 6e-8), so ||E||_F <= u ||W||_F + spacing / 2 sqrt(numel);
+    the bound allows ``TOLERANCE_UNITS`` times that, with u the larger of the two dtypes' unit roundoffs.
+    """
+    info = torch.finfo(model_dtype)
+    u = max(unit_roundoff(model_dtype), unit_roundoff(stored_dtype))
+    if unit_roundoff(model_dtype) < unit_roundoff(stored_dtype) and not holds_exactly(model_dtype, stored_dtype):
+        u = unit_roundoff(model_dtype)  # finer mantissa (bf16 -> fp16): only the model's own rounding
+    subnormal = info.smallest_normal * info.eps / 2 * math.sqrt(numel) / max(fro, 1e-300)
+    return TOLERANCE_UNITS * (u + subnormal)
+
+
 def sketch_distance(model: WeightSketch, ref: WeightSketch) -> float:
     """||S_model - S_ref||_F / (sqrt(#entries) ||W_ref||_F): an estimate of ||W_model - W_ref||_F / ||W_ref||_F."""
     a, b = torch.tensor(model.values, dtype=torch.float64), torch.tensor(ref.values, dtype=torch.float64)
@@ -136,11 +164,12 @@ def check_weight(
     layout: str,
     reference: WeightSketch | None = None,
     bundle: Bundle | None = None,
+    adapter: bool = False,
 ) -> WeightSketch:
     """Refuse (BundleError) a weight that is neither the bundle's nor a rounded copy of it; return its reference sketch.
 
     The returned sketch is the one to record in an adapter: of the model's weight when it matched exactly, else the
-    reference it was compared with.
+    reference it was compared with. ``adapter``: a saved adapter is being loaded (the refusal says what to do then).
     """
     w = full_weight(module)
     if weight_fingerprint(w, record.dtype) == record.fingerprint:
@@ -149,13 +178,15 @@ def check_weight(
     # a model holding the dequantized weights is a rounded copy of those float32 values (float32 itself included)
     quantized = record.dtype in QUANTIZED_DTYPES
     stored = torch.float32 if quantized else FLOAT_DTYPES.get(record.dtype)
-    refused = (
-        f"module '{name}': weight fingerprint differs from the bundle's ({record.fingerprint[:19]}...): the bundle "
-        "was made for other weights; rescan this checkpoint (plate-inspect scan) or load the right one"
+    fix = (
+        "this adapter was trained on other base weights: load it onto the base model it was made for"
+        if adapter
+        else "the bundle was made for other weights; rescan this checkpoint (plate-inspect scan) or load the right one"
     )
+    refused = f"module '{name}': weight fingerprint differs from the bundle's ({record.fingerprint[:19]}...): {fix}"
     if stored is None or not w.is_floating_point():
         raise BundleError(refused)
-    if not quantized and unit_roundoff(w.dtype) <= unit_roundoff(stored):
+    if not quantized and holds_exactly(w.dtype, stored):  # an upcast is exact: the fingerprint must have matched
         raise BundleError(refused)
     if reference is None and bundle is not None:
         reference = source_reference(bundle, record.name)  # the bundle's name; ``name`` is the model's
@@ -173,7 +204,7 @@ def check_weight(
             f"the rounded copy against; {how}"
         )
     distance = sketch_distance(sketch_weight(oriented(w, layout)), reference)
-    limit = TOLERANCE_UNITS * max(unit_roundoff(w.dtype), unit_roundoff(stored))
+    limit = cast_tolerance(w.dtype, stored, w.numel(), reference.fro)
     if not distance <= limit:
         raise BundleError(
             f"{refused} (a {str(w.dtype).removeprefix('torch.')} copy of the bundle's weights would differ by at "
