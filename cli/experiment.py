@@ -53,7 +53,12 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     help="Smoke run: one budget per method; 1 seed and 180 + 60 steps unless --seeds/--stage1-steps/--steps given.",
 )
 @click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
-@click.option("--report-only", is_flag=True, help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl.")
+@click.option(
+    "--report-only",
+    is_flag=True,
+    help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl (trains nothing); with --methods/--steps/--seeds, "
+    "of those runs only.",
+)
 @click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
 )
@@ -81,19 +86,18 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
     """
     from plate_inspect.experiments.continual import (
         ContinualSettings,
-        records_from_dir,
         run_continual,
         write_outputs,
     )
     from plate_inspect.experiments.continual_report import rich_table
     from plate_inspect.experiments.methods import METHODS, parse_methods
 
+    names = tuple(parse_methods(methods)) if methods else METHODS
     if report_only:
-        records, settings = records_from_dir(out)
+        records, settings = _report_records(out, names if methods else None, steps, seeds, stage1_steps, data)
         result = write_outputs(out, records, settings, console=console)
         err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
         return
-    names = tuple(parse_methods(methods)) if methods else METHODS
     common = {"data": data, "methods": names, "data_root": str(data_root) if data_root else None}
     settings = ContinualSettings(steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, **common)
     if quick:  # its small defaults, where the command line did not set the option itself
@@ -109,6 +113,32 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
         result = run_continual(out, seeds=seeds, settings=settings, progress=progress)
     console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, mean ± 95% CI over seeds"))
     err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
+
+
+def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: int, data: str):
+    """--report-only: the finished runs of OUT, restricted by --methods/--steps/--seeds where given; --data and
+    --stage1-steps must be OUT's own; --quick and --data-root (they only shape training) are refused, not ignored."""
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.experiments.continual import records_from_dir, select_records
+
+    training_only = [f"--{name.replace('_', '-')}" for name in ("quick", "data_root") if _given(name)]
+    if training_only:
+        raise ConfigError(
+            f"--report-only trains nothing, so {' and '.join(training_only)} cannot apply; drop "
+            f"{'it' if len(training_only) == 1 else 'them'} (--methods, --steps and --seeds select runs to report)"
+        )
+    records, settings = records_from_dir(out)
+    for name, value in (("data", data), ("stage1_steps", stage1_steps)):
+        recorded = getattr(settings, name)
+        if _given(name) and value != recorded:
+            flag = f"--{name.replace('_', '-')}"
+            raise ConfigError(
+                f"{out}: its runs were made with {flag} {recorded}, not {value}; drop {flag} or choose the --out of "
+                "those runs"
+            )
+    chosen_steps = _int_list(steps, "--steps") if _given("steps") else None
+    chosen_seeds = list(range(seeds)) if _given("seeds") else None
+    return select_records(records, out, methods, chosen_steps, chosen_seeds), settings
 
 
 @experiment_group.command("sequential")

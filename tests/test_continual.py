@@ -370,3 +370,86 @@ def test_trainable_column_agrees_with_the_percent_column_across_seeds():
     assert "| plate | r8_tau0.98 | 1,432-1,464 | 0.98 |" in table  # (1464 + 1432) / 2 / 148224 = 0.98%
     assert "| plate_random_q | r8_tau0.98 | 1,464 | 0.99 |" in table  # one seed: its own count, 0.99%
     assert [c[2] for c in ablation_rows(rows, 60)] == ["1,432-1,464", "1,464"]
+
+
+def test_report_only_reports_the_named_runs_and_refuses_what_it_cannot_honour(tmp_path):
+    """--report-only used to ignore --methods/--steps/--seeds (a report of everything) and every training option;
+    now they select runs (the oracle: runs.jsonl filtered by hand), a name with no finished run is one error line
+    naming what finished, and options that only shape training are refused by name."""
+    from plate_inspect.experiments.continual import run_continual
+
+    run_continual(tmp_path, seeds=2, settings=_tiny(steps=(3, 4)))
+    lines = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert len(lines) == 8
+    runner = CliRunner()
+    args = ["experiment", "continual", "--out", str(tmp_path), "--report-only"]
+
+    def reported(*extra):
+        result = runner.invoke(cli, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads((tmp_path / "results.json").read_text())
+
+    assert reported("--methods", "lora") == [r for r in lines if r["method"] == "lora"]
+    assert reported("--methods", "lora", "--steps", "4", "--seeds", "1") == [
+        r for r in lines if (r["method"], r["steps"], r["seed"]) == ("lora", 4, 0)
+    ]
+    assert reported("--data", "digits", "--stage1-steps", "5") == lines  # OUT's own settings: accepted
+    for extra, message in (
+        (["--methods", "osf,lora"], "has no finished run of method osf (--methods); finished: full_ft, lora"),
+        (["--steps", "9"], "has no finished run of stage-2 step count 9 (--steps); finished: 3, 4"),
+        (["--seeds", "3"], "has no finished run of seed 2 (--seeds); finished: 0, 1"),
+        (["--quick"], "--report-only trains nothing, so --quick cannot apply"),
+        (["--data-root", str(tmp_path)], "so --data-root cannot apply"),
+        (["--stage1-steps", "6"], "its runs were made with --stage1-steps 5, not 6"),
+        (["--data", "fashion-mnist"], "its runs were made with --data digits, not fashion-mnist"),
+    ):
+        bad = runner.invoke(cli, [*args, *extra])
+        assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, (extra, bad.output)
+        assert len(bad.output.strip().splitlines()) == 1
+    assert (tmp_path / "runs.jsonl").read_text().count("\n") == 8  # a report never touches the finished runs
+    assert reported() == lines
+
+
+def test_data_root_with_digits_is_refused_not_ignored(tmp_path):
+    """digits read no files: --data-root there used to be silently ignored (a user believing their files ran)."""
+    from plate_inspect.experiments.continual import run_continual
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    runner = CliRunner()
+    for command in ("continual", "sequential"):
+        out = tmp_path / command
+        bad = runner.invoke(cli, ["experiment", command, "--out", str(out), "--data-root", str(tmp_path), "-q"])
+        assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+        assert "--data-root applies to fashion-mnist only" in bad.output and not out.exists()
+    with pytest.raises(ConfigError, match="--data-root applies to fashion-mnist only"):
+        run_continual(tmp_path / "api", seeds=1, settings=_tiny(data_root=str(tmp_path)))
+    with pytest.raises(ConfigError, match="applies to fashion-mnist only"):
+        run_sequential(tmp_path / "api", ["lora"], seeds=1, steps=2, data_root=tmp_path)
+    assert not (tmp_path / "api").exists()
+
+
+def test_frontier_error_bars_are_per_point():
+    """One budget with one seed used to hide the bars of every budget of that method; now each point has its own
+    bar, none (null) only where that point has one seed. Oracle: the Student-t half-width of two values by hand,
+    t(0.975, 1) * |a - b| / 2."""
+    from plate_inspect.experiments.continual import RunRecord, summarize
+    from plate_inspect.experiments.continual_report import frontier_figure, sensitivity_figure
+
+    def rec(budget, seed, n, after, task2, steps=60):
+        return RunRecord("plate", budget, {}, seed, "digits", steps, 180, False, n, 100 * n / BACKBONE_PARAMS,
+                         0.99, after, task2, 0.01)  # fmt: skip
+
+    records = [rec("small", 0, 1464, 0.97, 0.80), rec("small", 1, 1464, 0.95, 0.90), rec("big", 0, 10336, 0.9, 0.95)]
+    t975 = 12.7062047361747  # Student t quantile, 1 degree of freedom
+    fig = frontier_figure(summarize(records), 60, "mixed").to_dict()
+    (trace,) = fig["data"]
+    assert trace["text"] == ["small", "big"]  # ordered by size
+    assert trace["error_x"]["array"][0] == pytest.approx(t975 * 2.0 / 2, rel=1e-9)  # forgetting 2 and 4 points
+    assert trace["error_y"]["array"][0] == pytest.approx(t975 * 10.0 / 2, rel=1e-9)  # task-2 80% and 90%
+    assert trace["error_x"]["array"][1] is None and trace["error_y"]["array"][1] is None  # one seed: no bar
+    assert trace["error_x"]["visible"] is True and trace["error_y"]["visible"] is True
+    steps = [*records, *(rec(b, s, n, a, t, steps=300) for b, s, n, a, t in [("small", 0, 1464, 0.9, 0.8)])]
+    sens = sensitivity_figure(summarize(steps), "mixed").to_dict()
+    small = next(t for t in sens["data"] if t["name"] == "plate small")
+    assert small["x"] == [60, 300] and small["error_y"]["array"][1] is None
+    assert small["error_y"]["array"][0] == pytest.approx(t975 * 2.0 / 2, rel=1e-9)

@@ -90,8 +90,7 @@ class ContinualSettings:
     def validate(self) -> None:
         """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
         be counted as a second seed: a fake confidence interval)."""
-        if self.data not in digits.DATA_SETS:
-            raise ConfigError(f"unknown data set '{self.data}'; choose one of {', '.join(digits.DATA_SETS)}")
+        check_data_root(self.data, self.data_root)
         if not self.methods:
             raise ConfigError(f"no methods given; choose from {', '.join(METHODS)}")
         for m in self.methods:
@@ -109,6 +108,18 @@ class ContinualSettings:
                 check_budget(m, b)
             if len({b.id for b in budgets}) != len(budgets):
                 raise ConfigError(f"{m}: budget ids {', '.join(repeated_values([b.id for b in budgets]))} repeat")
+
+
+def check_data_root(data: str, data_root: str | os.PathLike | None) -> None:
+    """ConfigError for an unknown data set, or a data root given for a data set that reads no files (digits ship
+    with scikit-learn: the root would be silently ignored)."""
+    if data not in digits.DATA_SETS:
+        raise ConfigError(f"unknown data set '{data}'; choose one of {', '.join(digits.DATA_SETS)}")
+    if data_root is not None and data != "fashion-mnist":
+        raise ConfigError(
+            f"--data-root applies to fashion-mnist only: {data} ships with scikit-learn and reads no files; drop "
+            "--data-root (API: data_root=None) or use --data fashion-mnist"
+        )
 
 
 def _is_int(value: Any) -> bool:
@@ -447,6 +458,34 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
     if not records:
         raise ConfigError(f"{out / 'runs.jsonl'}: holds no finished run yet; nothing to report")
     return records, settings
+
+
+def select_records(
+    records: list[RunRecord],
+    where: str | os.PathLike,
+    methods: list[str] | tuple[str, ...] | None = None,
+    steps: list[int] | tuple[int, ...] | None = None,
+    seeds: list[int] | None = None,
+) -> list[RunRecord]:
+    """The finished runs of the given methods, stage-2 step counts and seeds (None: all), for a report of part of a
+    run; ConfigError naming what ``where`` holds for a value no finished run has (a report of a typo would be empty)."""
+    rank = {m: i for i, m in enumerate(METHODS)}
+    for flag, what, wanted, attr in (
+        ("CLI: --methods", "method", methods, "method"),
+        ("CLI: --steps", "stage-2 step count", steps, "steps"),
+        ("CLI: --seeds", "seed", seeds, "seed"),
+    ):
+        if wanted is None:
+            continue
+        have = sorted({getattr(r, attr) for r in records}, key=lambda v: rank.get(v, 0) if attr == "method" else v)
+        missing = [str(v) for v in wanted if v not in have]
+        if missing:
+            raise ConfigError(
+                f"{where} has no finished run of {what} {', '.join(missing)} ({flag}); finished: "
+                f"{', '.join(map(str, have))}"
+            )
+        records = [r for r in records if getattr(r, attr) in wanted]
+    return records
 
 
 # --------------------------------------------------------------------------- aggregation
