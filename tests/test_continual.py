@@ -416,9 +416,11 @@ def test_data_root_with_digits_is_refused_not_ignored(tmp_path):
     from plate_inspect.experiments.sequential_tasks import run_sequential
 
     runner = CliRunner()
+    small = {"continual": ["--stage1-steps", "2"], "sequential": []}  # without the check: a short run, not hours
     for command in ("continual", "sequential"):
         out = tmp_path / command
-        bad = runner.invoke(cli, ["experiment", command, "--out", str(out), "--data-root", str(tmp_path), "-q"])
+        args = ["experiment", command, "--out", str(out), "--methods", "lora", "--seeds", "1", "--steps", "2"]
+        bad = runner.invoke(cli, [*args, *small[command], "--data-root", str(tmp_path), "-q"])
         assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
         assert "--data-root applies to fashion-mnist only" in bad.output and not out.exists()
     with pytest.raises(ConfigError, match="--data-root applies to fashion-mnist only"):
