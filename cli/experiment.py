@@ -119,7 +119,7 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
     """--report-only: the finished runs of OUT, restricted by --methods/--steps/--seeds where given; --data and
     --stage1-steps must be OUT's own; --quick and --data-root (they only shape training) are refused, not ignored."""
     from plate_inspect.errors import ConfigError
-    from plate_inspect.experiments.continual import records_from_dir, select_records
+    from plate_inspect.experiments.continual import records_from_dir, seed_list, select_records
 
     training_only = [f"--{name.replace('_', '-')}" for name in ("quick", "data_root") if _given(name)]
     if training_only:
@@ -137,7 +137,7 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
                 "those runs"
             )
     chosen_steps = _int_list(steps, "--steps") if _given("steps") else None
-    chosen_seeds = list(range(seeds)) if _given("seeds") else None
+    chosen_seeds = seed_list(seeds) if _given("seeds") else None
     return select_records(records, out, methods, chosen_steps, chosen_seeds), settings
 
 

@@ -221,7 +221,7 @@ def test_a_run_listed_twice_is_refused_not_summarised_as_two_seeds(tmp_path):
     assert not (tmp_path / "cli" / "runs.jsonl").exists()
     with pytest.raises(ConfigError, match="seed 0 is listed twice"):
         run_continual(tmp_path / "api", seeds=[0, 0], settings=_tiny())
-    with pytest.raises(ConfigError, match="seeds must be integers >= 0"):
+    with pytest.raises(ConfigError, match=r"seeds must be integers in \[0, 2\^63\)"):
         run_continual(tmp_path / "api", seeds=[-1], settings=_tiny())
     with pytest.raises(ConfigError, match="lists lora twice"):
         run_continual(tmp_path / "api", seeds=1, settings=_tiny(methods=("lora", "lora")))
@@ -455,3 +455,17 @@ def test_frontier_error_bars_are_per_point():
     small = next(t for t in sens["data"] if t["name"] == "plate small")
     assert small["x"] == [60, 300] and small["error_y"]["array"][1] is None
     assert small["error_y"]["array"][0] == pytest.approx(t975 * 2.0 / 2, rel=1e-9)
+
+
+def test_an_impossible_seed_count_is_one_error_line_not_a_memory_error(tmp_path):
+    """--seeds 99999999999 (a typo) used to build a list of 10^11 seeds: MemoryError and a traceback."""
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    runner = CliRunner()
+    for command, extra in (("continual", ["--methods", "lora", "--quick"]), ("sequential", ["--methods", "lora"])):
+        out = tmp_path / command
+        bad = runner.invoke(cli, ["experiment", command, "--out", str(out), *extra, "--seeds", "99999999999", "-q"])
+        assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+        assert "--seeds) 99,999,999,999 is more than 10,000" in bad.output and not out.exists()
+    with pytest.raises(ConfigError, match=r"seeds must be integers in \[0, 2\^63\), got 9223372036854775808"):
+        run_sequential(tmp_path / "api", ["lora"], seeds=[2**63], steps=2)

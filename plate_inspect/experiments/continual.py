@@ -137,15 +137,25 @@ def repeated_values(values: Any) -> list[str]:
     return twice
 
 
+MAX_SEEDS = 10_000  # far beyond any useful confidence interval (the paper: 10); a larger count is a typo
+MAX_SEED = 2**63 - 1  # torch.manual_seed's largest
+
+
 def seed_list(seeds: int | list[int]) -> list[int]:
-    """``seeds`` as a list (a count K -> 0..K-1): distinct integers >= 0, else ConfigError (a seed listed twice would
-    be summarised as two seeds)."""
+    """``seeds`` as a list (a count K -> 0..K-1): distinct integers in [0, 2^63), at most MAX_SEEDS, else ConfigError
+    (a seed listed twice would be summarised as two seeds; a count of 10^11 would exhaust memory planning it)."""
+    if _is_int(seeds) and seeds > MAX_SEEDS:
+        raise ConfigError(
+            f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
+        )
     values = list(range(seeds)) if _is_int(seeds) else list(seeds)
     if not values:
         raise ConfigError(f"seeds must be at least 1 (got {seeds!r})")
-    bad = [v for v in values if not (_is_int(v) and v >= 0)]
+    if len(values) > MAX_SEEDS:
+        raise ConfigError(f"{len(values):,} seeds is more than {MAX_SEEDS:,}; give fewer")
+    bad = [v for v in values if not (_is_int(v) and 0 <= v <= MAX_SEED)]
     if bad:
-        raise ConfigError(f"seeds must be integers >= 0, got {bad[0]!r}")
+        raise ConfigError(f"seeds must be integers in [0, 2^63), got {bad[0]!r}")
     if len(set(values)) != len(values):
         raise ConfigError(f"seed {repeated_values(values)[0]} is listed twice; give each seed once")
     return values
