@@ -469,3 +469,31 @@ def test_an_impossible_seed_count_is_one_error_line_not_a_memory_error(tmp_path)
         assert "--seeds) 99,999,999,999 is more than 10,000" in bad.output and not out.exists()
     with pytest.raises(ConfigError, match=r"seeds must be integers in \[0, 2\^63\), got 9223372036854775808"):
         run_sequential(tmp_path / "api", ["lora"], seeds=[2**63], steps=2)
+
+
+def test_methods_can_be_added_to_a_finished_run(tmp_path):
+    """Each method's runs start from the same stage-1 model and are independent: adding one to an OUT used to be
+    refused as "other settings" (so it could never share a report); now it runs only the new method (its record is
+    the one a fresh directory gives) and keeps the rest, while another budget for a method already run is refused."""
+    from plate_inspect.experiments.continual import run_continual
+    from plate_inspect.experiments.methods import Budget
+
+    mica = {"mica": [Budget("r1", {"rank": 1})]}
+    run_continual(tmp_path / "fresh", seeds=1, settings=_tiny(methods=("mica",), budgets=mica))
+    fresh = json.loads((tmp_path / "fresh" / "results.json").read_text())
+    out = tmp_path / "out"
+    first = run_continual(out, seeds=1, settings=_tiny())
+    events = []
+    more = _tiny(methods=("lora", "mica"), budgets={**_tiny().budgets, **mica})
+    run_continual(out, seeds=1, settings=more, progress=events.append)
+    assert events[0].done == 1 and events[-1].done == 2  # lora kept, only mica ran
+    data = json.loads((out / "results.json").read_text())
+    assert (
+        data == [r for r in json.loads(json.dumps([vars(x) for x in first.records])) if r["method"] == "lora"] + fresh
+    )
+    assert json.loads((out / "settings.json").read_text())["methods"] == ["full_ft", "lora", "mica"]
+    with pytest.raises(ConfigError, match="other settings \\(budgets: "):
+        run_continual(out, seeds=1, settings=_tiny(budgets={"lora": [Budget("r2", {"rank": 2})]}))
+    result = CliRunner().invoke(cli, ["experiment", "continual", "--out", str(out), "--report-only"])
+    assert result.exit_code == 0, result.output
+    assert [r["method"] for r in json.loads((out / "results.json").read_text())] == ["full_ft", "lora", "mica"]

@@ -385,14 +385,18 @@ def run_continual(
     settings_path = out / "settings.json"
     if jsonl.exists():
         try:
-            differ = settings_diff(json.loads(settings_path.read_text()), settings)
+            recorded = json.loads(settings_path.read_text())
         except (OSError, ValueError):
-            differ = "settings.json is missing or unreadable"
-        if differ:
+            recorded = None
+        differ = settings_diff(*_shared_methods(recorded, settings)) if recorded is not None else ""
+        if recorded is None or differ:
+            differ = differ or "settings.json is missing or unreadable"
             raise ConfigError(
                 f"{out}: holds runs made with other settings ({differ}); rerun with the same options to resume, "
                 "or choose another --out"
             )
+        settings = _all_methods(recorded, settings)  # methods added to a run: settings.json lists every one run
+        settings_json = json.dumps(settings, indent=2, sort_keys=True) + "\n"
     kept = f"the runs that finished are kept in {jsonl}: rerun the same command to resume"
     with writing_errors(out, kept):
         atomic_write(settings_path, settings_json)
@@ -421,6 +425,26 @@ def run_continual(
     records = [done[(m, b.id, seed, st)] for seed, st, m, b in todo]
     with writing_errors(out, kept):
         return write_outputs(out, records, s, console=console)
+
+
+def _shared_methods(old: Any, new: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``old`` and ``new`` settings without the method list and with the budgets of the methods both name: methods
+    are independent runs from the same stage-1 model, so adding (or leaving out) one changes no other run."""
+    if not (isinstance(old, dict) and isinstance(old.get("methods"), list) and isinstance(old.get("budgets"), dict)):
+        return old, new
+    both = set(old["methods"]) & set(new["methods"])
+
+    def shared(d: dict[str, Any]) -> dict[str, Any]:
+        kept = {k: v for k, v in d.items() if k != "methods"}
+        return {**kept, "budgets": {m: b for m, b in d["budgets"].items() if m in both}}
+
+    return shared(old), shared(new)
+
+
+def _all_methods(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` listing every method of ``old`` too (in METHODS order), with each one's budgets."""
+    methods = [m for m in METHODS if m in old["methods"] or m in new["methods"]]
+    return {**new, "methods": methods, "budgets": {**old["budgets"], **new["budgets"]}}
 
 
 def _settings_dict(s: ContinualSettings) -> dict[str, Any]:
