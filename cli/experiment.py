@@ -52,7 +52,12 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     is_flag=True,
     help="Smoke run: one budget per method; 1 seed and 180 + 60 steps unless --seeds/--stage1-steps/--steps given.",
 )
-@click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
+@click.option(
+    "--data-root",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Fashion-MNIST IDX directory (--data fashion-mnist only).",
+)
 @click.option(
     "--report-only",
     is_flag=True,
@@ -80,9 +85,10 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
       plate-inspect experiment continual --out runs/steps --steps 60,300,1200,2400 --methods full_ft,lora,plate
       plate-inspect experiment continual --out /tmp/cq --quick --seeds 3     # smoke run with error bars
       plate-inspect experiment continual --out runs/digits --report-only     # tables/HTML of what finished
+      plate-inspect experiment continual --out /tmp/cq --report-only --methods lora,plate   # of two methods
 
-    A rerun of the same command resumes (finished runs are in OUT/runs.jsonl); other settings into the same OUT
-    are refused, naming what differs.
+    A rerun of the same command resumes (finished runs are in OUT/runs.jsonl; more --seeds or --methods add to
+    them); other settings into the same OUT are refused, naming what differs.
     """
     from plate_inspect.experiments.continual import (
         ContinualSettings,
@@ -149,7 +155,12 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
 @click.option(
     "--steps", type=click.IntRange(min=1), default=950, show_default=True, help="Adam steps per task (10 MNIST epochs)."
 )
-@click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
+@click.option(
+    "--data-root",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Fashion-MNIST IDX directory (--data fashion-mnist only).",
+)
 @click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
 )
