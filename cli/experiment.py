@@ -125,7 +125,12 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
     """--report-only: the finished runs of OUT, restricted by --methods/--steps/--seeds where given; --data and
     --stage1-steps must be OUT's own; --quick and --data-root (they only shape training) are refused, not ignored."""
     from plate_inspect.errors import ConfigError
-    from plate_inspect.experiments.continual import records_from_dir, seed_list, select_records
+    from plate_inspect.experiments.continual import (
+        check_not_other_experiment,
+        records_from_dir,
+        seed_list,
+        select_records,
+    )
 
     training_only = [f"--{name.replace('_', '-')}" for name in ("quick", "data_root") if _given(name)]
     if training_only:
@@ -133,6 +138,7 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
             f"--report-only trains nothing, so {' and '.join(training_only)} cannot apply; drop "
             f"{'it' if len(training_only) == 1 else 'them'} (--methods, --steps and --seeds select runs to report)"
         )
+    check_not_other_experiment(out, "continual")
     records, settings = records_from_dir(out)
     for name, value in (("data", data), ("stage1_steps", stage1_steps)):
         recorded = getattr(settings, name)

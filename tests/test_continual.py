@@ -497,3 +497,26 @@ def test_methods_can_be_added_to_a_finished_run(tmp_path):
     result = CliRunner().invoke(cli, ["experiment", "continual", "--out", str(out), "--report-only"])
     assert result.exit_code == 0, result.output
     assert [r["method"] for r in json.loads((out / "results.json").read_text())] == ["full_ft", "lora", "mica"]
+
+
+def test_one_out_holds_one_experiment(tmp_path):
+    """continual and sequential both write OUT/seed<N>/: pointed at the other's OUT they used to mix their files in
+    silence; each now refuses it in one line before writing anything."""
+    runner = CliRunner()
+    seq = tmp_path / "seq"
+    args = ["experiment", "sequential", "--out", str(seq), "--methods", "lora", "--seeds", "1", "--steps", "2", "-q"]
+    assert runner.invoke(cli, args).exit_code == 0
+    before = sorted(p.relative_to(seq) for p in seq.rglob("*"))
+    for extra in (["--methods", "lora", "--seeds", "1", "--steps", "2", "--stage1-steps", "2"], ["--report-only"]):
+        bad = runner.invoke(cli, ["experiment", "continual", "--out", str(seq), *extra, "-q"])
+        assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+        assert "holds `experiment sequential` runs (sequential.json); give `experiment continual` its own --out" in (
+            bad.output
+        )
+    assert sorted(p.relative_to(seq) for p in seq.rglob("*")) == before
+    cont = tmp_path / "cont"
+    args = ["experiment", "continual", "--out", str(cont), "--methods", "lora", "--seeds", "1", "--steps", "2"]
+    assert runner.invoke(cli, [*args, "--stage1-steps", "2", "-q"]).exit_code == 0
+    bad = runner.invoke(cli, ["experiment", "sequential", "--out", str(cont), "--methods", "lora", "--steps", "2"])
+    assert bad.exit_code == 2 and "holds `experiment continual` runs (runs.jsonl)" in bad.output, bad.output
+    assert not (cont / "sequential.json").exists() and not (cont / "seed0" / "lora").exists()

@@ -122,6 +122,19 @@ def check_data_root(data: str, data_root: str | os.PathLike | None) -> None:
         )
 
 
+_MARKERS = {"continual": "runs.jsonl", "sequential": "sequential.json"}  # the file each experiment's OUT holds
+
+
+def check_not_other_experiment(out: str | os.PathLike, experiment: str) -> None:
+    """ConfigError when ``out`` holds the other experiment's runs: both write seed<N>/ directories, so one OUT mixed
+    would make each resume and report read the other's files."""
+    for other, marker in _MARKERS.items():
+        if other != experiment and (Path(out) / marker).exists():
+            raise ConfigError(
+                f"{out}: holds `experiment {other}` runs ({marker}); give `experiment {experiment}` its own --out"
+            )
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -378,6 +391,7 @@ def run_continual(
     s.validate()
     seeds_run = seed_list(seeds)
     task1, task2 = digits.load_tasks(s.data, s.data_root)  # a missing data set is refused before OUT is touched
+    check_not_other_experiment(out_dir, "continual")
     out = make_dirs(out_dir, "the output directory")
     settings = _settings_dict(s)
     settings_json = json.dumps(settings, indent=2, sort_keys=True) + "\n"

@@ -36,6 +36,7 @@ from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.continual import (
     check_data_root,
+    check_not_other_experiment,
     repeated_values,
     seed_list,
     settings_diff,
@@ -193,6 +194,7 @@ def run_sequential(
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
     check_data_root(data, data_root)
     tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)  # before OUT is touched
+    check_not_other_experiment(out, "sequential")
     out = make_dirs(out, "the output directory")
     settings = {
         "data": data,
