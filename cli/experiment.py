@@ -167,10 +167,11 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
     default=None,
     help="Fashion-MNIST IDX directory (--data fashion-mnist only).",
 )
+@click.option("--quick", is_flag=True, help="Smoke run: 1 seed and 60 steps per task unless --seeds/--steps given.")
 @click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
 )
-def sequential_command(out, data, methods, seeds, steps, data_root, quiet):
+def sequential_command(out, data, methods, seeds, steps, data_root, quick, quiet):
     """The paper's four-task sequential protocol: 2v3 -> 4v5 -> 6v7 -> 8v9, merge (+ rescan) after each task.
 
     Task 1 trains the backbone and head 1 from scratch; tasks 2-4 train only the method's adapter and the task's
@@ -185,12 +186,21 @@ def sequential_command(out, data, methods, seeds, steps, data_root, quiet):
     \b
     Examples:
       plate-inspect experiment sequential --out runs/seq --seeds 3
+      plate-inspect experiment sequential --out /tmp/sq --quick              # smoke run: 1 seed, 60 steps per task
       plate-inspect experiment sequential --out runs/seq-fm --data fashion-mnist --seeds 3 --methods plate,lora
     """
     from plate_inspect.experiments.methods import parse_methods
-    from plate_inspect.experiments.sequential_tasks import SEQUENTIAL_METHODS, print_matrix, run_sequential
+    from plate_inspect.experiments.sequential_tasks import (
+        QUICK_PAIR_STEPS,
+        SEQUENTIAL_METHODS,
+        print_matrix,
+        run_sequential,
+    )
 
     names = parse_methods(methods, SEQUENTIAL_METHODS)
+    if quick:  # its small defaults, where the command line did not set the option itself
+        seeds = seeds if _given("seeds") else 1
+        steps = steps if _given("steps") else QUICK_PAIR_STEPS
     with progress_bar("sequential", quiet=quiet) as progress:
         result = run_sequential(out, names, seeds=seeds, steps=steps, data=data, data_root=data_root, progress=progress)
     print_matrix(result, console)

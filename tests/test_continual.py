@@ -520,3 +520,16 @@ def test_one_out_holds_one_experiment(tmp_path):
     bad = runner.invoke(cli, ["experiment", "sequential", "--out", str(cont), "--methods", "lora", "--steps", "2"])
     assert bad.exit_code == 2 and "holds `experiment continual` runs (runs.jsonl)" in bad.output, bad.output
     assert not (cont / "sequential.json").exists() and not (cont / "seed0" / "lora").exists()
+
+
+def test_sequential_quick_is_a_smoke_run_keeping_the_options_given(tmp_path):
+    """experiment sequential had no --quick (continual has): a new user's first run was 3 seeds x 950 steps."""
+    runner = CliRunner()
+    args = ["experiment", "sequential", "--out", str(tmp_path / "a"), "--quick", "--methods", "lora", "-q"]
+    assert runner.invoke(cli, args).exit_code == 0
+    written = json.loads((tmp_path / "a" / "sequential.json").read_text())
+    assert written["settings"]["steps"] == 60 and {r["seed"] for r in written["records"]} == {0}
+    args = ["experiment", "sequential", "--out", str(tmp_path / "b"), "--quick", "--methods", "lora", "-q"]
+    assert runner.invoke(cli, [*args, "--seeds", "2", "--steps", "3"]).exit_code == 0
+    written = json.loads((tmp_path / "b" / "sequential.json").read_text())
+    assert written["settings"]["steps"] == 3 and {r["seed"] for r in written["records"]} == {0, 1}

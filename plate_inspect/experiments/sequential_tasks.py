@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 SEQUENTIAL_METHODS = ("plate", "lora", "osf")
 N_TASKS = 4
 PAPER_PAIR_STEPS = 950  # 10 epochs of a ~12,000-image MNIST digit pair at batch 128 (the paper's binary tasks)
+QUICK_PAIR_STEPS = 60  # a smoke run of every code path (CLI: --quick)
 
 
 @dataclass
