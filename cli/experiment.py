@@ -52,8 +52,18 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     is_flag=True,
     help="Smoke run: one budget per method; 1 seed and 180 + 60 steps unless --seeds/--stage1-steps/--steps given.",
 )
-@click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
-@click.option("--report-only", is_flag=True, help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl.")
+@click.option(
+    "--data-root",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Fashion-MNIST IDX directory (--data fashion-mnist only).",
+)
+@click.option(
+    "--report-only",
+    is_flag=True,
+    help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl (trains nothing); with --methods/--steps/--seeds, "
+    "of those runs only.",
+)
 @click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
 )
@@ -75,25 +85,25 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
       plate-inspect experiment continual --out runs/steps --steps 60,300,1200,2400 --methods full_ft,lora,plate
       plate-inspect experiment continual --out /tmp/cq --quick --seeds 3     # smoke run with error bars
       plate-inspect experiment continual --out runs/digits --report-only     # tables/HTML of what finished
+      plate-inspect experiment continual --out /tmp/cq --report-only --methods lora,plate   # of two methods
 
-    A rerun of the same command resumes (finished runs are in OUT/runs.jsonl); other settings into the same OUT
-    are refused, naming what differs.
+    A rerun of the same command resumes (finished runs are in OUT/runs.jsonl; more --seeds or --methods add to
+    them); other settings into the same OUT are refused, naming what differs.
     """
     from plate_inspect.experiments.continual import (
         ContinualSettings,
-        records_from_dir,
         run_continual,
         write_outputs,
     )
     from plate_inspect.experiments.continual_report import rich_table
     from plate_inspect.experiments.methods import METHODS, parse_methods
 
+    names = tuple(parse_methods(methods)) if methods else METHODS
     if report_only:
-        records, settings = records_from_dir(out)
+        records, settings = _report_records(out, names if methods else None, steps, seeds, stage1_steps, data)
         result = write_outputs(out, records, settings, console=console)
         err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
         return
-    names = tuple(parse_methods(methods)) if methods else METHODS
     common = {"data": data, "methods": names, "data_root": str(data_root) if data_root else None}
     settings = ContinualSettings(steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, **common)
     if quick:  # its small defaults, where the command line did not set the option itself
@@ -111,6 +121,38 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
     err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
 
 
+def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: int, data: str):
+    """--report-only: the finished runs of OUT, restricted by --methods/--steps/--seeds where given; --data and
+    --stage1-steps must be OUT's own; --quick and --data-root (they only shape training) are refused, not ignored."""
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.experiments.continual import (
+        check_not_other_experiment,
+        records_from_dir,
+        seed_list,
+        select_records,
+    )
+
+    training_only = [f"--{name.replace('_', '-')}" for name in ("quick", "data_root") if _given(name)]
+    if training_only:
+        raise ConfigError(
+            f"--report-only trains nothing, so {' and '.join(training_only)} cannot apply; drop "
+            f"{'it' if len(training_only) == 1 else 'them'} (--methods, --steps and --seeds select runs to report)"
+        )
+    check_not_other_experiment(out, "continual")
+    records, settings = records_from_dir(out)
+    for name, value in (("data", data), ("stage1_steps", stage1_steps)):
+        recorded = getattr(settings, name)
+        if _given(name) and value != recorded:
+            flag = f"--{name.replace('_', '-')}"
+            raise ConfigError(
+                f"{out}: its runs were made with {flag} {recorded}, not {value}; drop {flag} or choose the --out of "
+                "those runs"
+            )
+    chosen_steps = _int_list(steps, "--steps") if _given("steps") else None
+    chosen_seeds = seed_list(seeds) if _given("seeds") else None
+    return select_records(records, out, methods, chosen_steps, chosen_seeds), settings
+
+
 @experiment_group.command("sequential")
 @click.option("--out", "-o", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
@@ -119,11 +161,17 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
 @click.option(
     "--steps", type=click.IntRange(min=1), default=950, show_default=True, help="Adam steps per task (10 MNIST epochs)."
 )
-@click.option("--data-root", type=click.Path(path_type=Path), default=None, help="Fashion-MNIST IDX directory.")
+@click.option(
+    "--data-root",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Fashion-MNIST IDX directory (--data fashion-mnist only).",
+)
+@click.option("--quick", is_flag=True, help="Smoke run: 1 seed and 60 steps per task unless --seeds/--steps given.")
 @click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
 )
-def sequential_command(out, data, methods, seeds, steps, data_root, quiet):
+def sequential_command(out, data, methods, seeds, steps, data_root, quick, quiet):
     """The paper's four-task sequential protocol: 2v3 -> 4v5 -> 6v7 -> 8v9, merge (+ rescan) after each task.
 
     Task 1 trains the backbone and head 1 from scratch; tasks 2-4 train only the method's adapter and the task's
@@ -138,12 +186,21 @@ def sequential_command(out, data, methods, seeds, steps, data_root, quiet):
     \b
     Examples:
       plate-inspect experiment sequential --out runs/seq --seeds 3
+      plate-inspect experiment sequential --out /tmp/sq --quick              # smoke run: 1 seed, 60 steps per task
       plate-inspect experiment sequential --out runs/seq-fm --data fashion-mnist --seeds 3 --methods plate,lora
     """
     from plate_inspect.experiments.methods import parse_methods
-    from plate_inspect.experiments.sequential_tasks import SEQUENTIAL_METHODS, print_matrix, run_sequential
+    from plate_inspect.experiments.sequential_tasks import (
+        QUICK_PAIR_STEPS,
+        SEQUENTIAL_METHODS,
+        print_matrix,
+        run_sequential,
+    )
 
     names = parse_methods(methods, SEQUENTIAL_METHODS)
+    if quick:  # its small defaults, where the command line did not set the option itself
+        seeds = seeds if _given("seeds") else 1
+        steps = steps if _given("steps") else QUICK_PAIR_STEPS
     with progress_bar("sequential", quiet=quiet) as progress:
         result = run_sequential(out, names, seeds=seeds, steps=steps, data=data, data_root=data_root, progress=progress)
     print_matrix(result, console)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import math
 import struct
 
@@ -278,6 +279,59 @@ def test_sequential_resumes_and_never_overwrites_other_settings(tmp_path):
     with pytest.raises(ConfigError, match=r"other settings \(steps: 5 -> 6\)"):
         run_sequential(out, ["lora"], seeds=1, steps=6)
     assert (out / "sequential.json").read_text() == before
+
+
+def _old_style_sequential_json(out, data="digits", steps=2):
+    """sequential.json as written before session 13: settings without "data", every record in this one file (seed 0
+    lora complete: 10 (after task, task) pairs; seed 0 osf torn after task 2), no OUT/seed<N>/<method>/ files."""
+    pairs = [(t, j) for t in range(1, 5) for j in range(1, t + 1)]
+    lora = [
+        {
+            "method": "lora",
+            "seed": 0,
+            "data": data,
+            "steps": steps,
+            "after_task": t,
+            "task": j,
+            "accuracy": 0.5 + 0.01 * (4 * t + j),
+            "trainable_params": 1344,
+        }  # fmt: skip
+        for t, j in pairs
+    ]
+    osf = [dict(r, method="osf", trainable_params=1347) for r in lora[:3]]
+    payload = {
+        "protocol": "2v3 -> 4v5 -> 6v7 -> 8v9, merge after each task (PLATE: merge + rescan)",
+        "settings": {"r": 8, "tau": 0.98, "lora_rank": 1, "osf_n": 1, "rho": 0.5, "steps": steps},
+        "records": lora + osf,
+        "matrices": {},
+    }
+    out.mkdir()
+    (out / "sequential.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return lora
+
+
+def test_sequential_resumes_an_old_sequential_json_without_a_data_setting(tmp_path):
+    """Old files have no "data" in their settings and were refused as "other settings"; the missing key now reads as
+    the data their records name, and their finished (seed, method) runs are kept (the hand-written accuracies come
+    back unchanged, nothing trains); an incomplete one reruns. Records of another data set are still refused."""
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    out = tmp_path / "old"
+    lora = _old_style_sequential_json(out)
+    events = []
+    result = run_sequential(out, ["lora"], seeds=1, steps=2, progress=events.append)
+    assert events[0].done == 1 and events[-1].done == 1  # kept: nothing ran
+    assert [json.loads(json.dumps(r.__dict__)) for r in result.records] == lora
+    written = json.loads((out / "sequential.json").read_text())
+    assert written["settings"]["data"] == "digits" and written["records"] == lora
+    assert not (out / "seed0" / "task1.safetensors").exists()  # no stage 1 trained
+    assert not (out / "seed0" / "osf" / "records.json").exists()  # the torn osf run is not taken as finished
+    other = tmp_path / "fm"
+    _old_style_sequential_json(other, data="fashion-mnist")
+    with pytest.raises(ConfigError, match=r'other settings \(data: "fashion-mnist" -> "digits"\)'):
+        run_sequential(other, ["lora"], seeds=1, steps=2)
+    with pytest.raises(ConfigError, match=r"other settings \(steps: 2 -> 3\)"):
+        run_sequential(tmp_path / "old", ["lora"], seeds=1, steps=3)
 
 
 def test_sequential_unwritable_output_is_a_one_line_error(tmp_path):

@@ -221,7 +221,7 @@ def test_a_run_listed_twice_is_refused_not_summarised_as_two_seeds(tmp_path):
     assert not (tmp_path / "cli" / "runs.jsonl").exists()
     with pytest.raises(ConfigError, match="seed 0 is listed twice"):
         run_continual(tmp_path / "api", seeds=[0, 0], settings=_tiny())
-    with pytest.raises(ConfigError, match="seeds must be integers >= 0"):
+    with pytest.raises(ConfigError, match=r"seeds must be integers in \[0, 2\^63\)"):
         run_continual(tmp_path / "api", seeds=[-1], settings=_tiny())
     with pytest.raises(ConfigError, match="lists lora twice"):
         run_continual(tmp_path / "api", seeds=1, settings=_tiny(methods=("lora", "lora")))
@@ -370,3 +370,166 @@ def test_trainable_column_agrees_with_the_percent_column_across_seeds():
     assert "| plate | r8_tau0.98 | 1,432-1,464 | 0.98 |" in table  # (1464 + 1432) / 2 / 148224 = 0.98%
     assert "| plate_random_q | r8_tau0.98 | 1,464 | 0.99 |" in table  # one seed: its own count, 0.99%
     assert [c[2] for c in ablation_rows(rows, 60)] == ["1,432-1,464", "1,464"]
+
+
+def test_report_only_reports_the_named_runs_and_refuses_what_it_cannot_honour(tmp_path):
+    """--report-only used to ignore --methods/--steps/--seeds (a report of everything) and every training option;
+    now they select runs (the oracle: runs.jsonl filtered by hand), a name with no finished run is one error line
+    naming what finished, and options that only shape training are refused by name."""
+    from plate_inspect.experiments.continual import run_continual
+
+    run_continual(tmp_path, seeds=2, settings=_tiny(steps=(3, 4)))
+    lines = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert len(lines) == 8
+    runner = CliRunner()
+    args = ["experiment", "continual", "--out", str(tmp_path), "--report-only"]
+
+    def reported(*extra):
+        result = runner.invoke(cli, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads((tmp_path / "results.json").read_text())
+
+    assert reported("--methods", "lora") == [r for r in lines if r["method"] == "lora"]
+    assert reported("--methods", "lora", "--steps", "4", "--seeds", "1") == [
+        r for r in lines if (r["method"], r["steps"], r["seed"]) == ("lora", 4, 0)
+    ]
+    assert reported("--data", "digits", "--stage1-steps", "5") == lines  # OUT's own settings: accepted
+    for extra, message in (
+        (["--methods", "osf,lora"], "has no finished run of method osf (--methods); finished: full_ft, lora"),
+        (["--steps", "9"], "has no finished run of stage-2 step count 9 (--steps); finished: 3, 4"),
+        (["--seeds", "3"], "has no finished run of seed 2 (--seeds); finished: 0, 1"),
+        (["--quick"], "--report-only trains nothing, so --quick cannot apply"),
+        (["--data-root", str(tmp_path)], "so --data-root cannot apply"),
+        (["--stage1-steps", "6"], "its runs were made with --stage1-steps 5, not 6"),
+        (["--data", "fashion-mnist"], "its runs were made with --data digits, not fashion-mnist"),
+    ):
+        bad = runner.invoke(cli, [*args, *extra])
+        assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, (extra, bad.output)
+        assert len(bad.output.strip().splitlines()) == 1
+    assert (tmp_path / "runs.jsonl").read_text().count("\n") == 8  # a report never touches the finished runs
+    assert reported() == lines
+
+
+def test_data_root_with_digits_is_refused_not_ignored(tmp_path):
+    """digits read no files: --data-root there used to be silently ignored (a user believing their files ran)."""
+    from plate_inspect.experiments.continual import run_continual
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    runner = CliRunner()
+    small = {"continual": ["--stage1-steps", "2"], "sequential": []}  # without the check: a short run, not hours
+    for command in ("continual", "sequential"):
+        out = tmp_path / command
+        args = ["experiment", command, "--out", str(out), "--methods", "lora", "--seeds", "1", "--steps", "2"]
+        bad = runner.invoke(cli, [*args, *small[command], "--data-root", str(tmp_path), "-q"])
+        assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+        assert "--data-root applies to fashion-mnist only" in bad.output and not out.exists()
+    with pytest.raises(ConfigError, match="--data-root applies to fashion-mnist only"):
+        run_continual(tmp_path / "api", seeds=1, settings=_tiny(data_root=str(tmp_path)))
+    with pytest.raises(ConfigError, match="applies to fashion-mnist only"):
+        run_sequential(tmp_path / "api", ["lora"], seeds=1, steps=2, data_root=tmp_path)
+    assert not (tmp_path / "api").exists()
+
+
+def test_frontier_error_bars_are_per_point():
+    """One budget with one seed used to hide the bars of every budget of that method; now each point has its own
+    bar, none (null) only where that point has one seed. Oracle: the Student-t half-width of two values by hand,
+    t(0.975, 1) * |a - b| / 2."""
+    from plate_inspect.experiments.continual import RunRecord, summarize
+    from plate_inspect.experiments.continual_report import frontier_figure, sensitivity_figure
+
+    def rec(budget, seed, n, after, task2, steps=60):
+        return RunRecord("plate", budget, {}, seed, "digits", steps, 180, False, n, 100 * n / BACKBONE_PARAMS,
+                         0.99, after, task2, 0.01)  # fmt: skip
+
+    records = [rec("small", 0, 1464, 0.97, 0.80), rec("small", 1, 1464, 0.95, 0.90), rec("big", 0, 10336, 0.9, 0.95)]
+    t975 = 12.7062047361747  # Student t quantile, 1 degree of freedom
+    fig = frontier_figure(summarize(records), 60, "mixed").to_dict()
+    (trace,) = fig["data"]
+    assert trace["text"] == ["small", "big"]  # ordered by size
+    assert trace["error_x"]["array"][0] == pytest.approx(t975 * 2.0 / 2, rel=1e-9)  # forgetting 2 and 4 points
+    assert trace["error_y"]["array"][0] == pytest.approx(t975 * 10.0 / 2, rel=1e-9)  # task-2 80% and 90%
+    assert trace["error_x"]["array"][1] is None and trace["error_y"]["array"][1] is None  # one seed: no bar
+    assert trace["error_x"]["visible"] is True and trace["error_y"]["visible"] is True
+    steps = [*records, *(rec(b, s, n, a, t, steps=300) for b, s, n, a, t in [("small", 0, 1464, 0.9, 0.8)])]
+    sens = sensitivity_figure(summarize(steps), "mixed").to_dict()
+    small = next(t for t in sens["data"] if t["name"] == "plate small")
+    assert small["x"] == [60, 300] and small["error_y"]["array"][1] is None
+    assert small["error_y"]["array"][0] == pytest.approx(t975 * 2.0 / 2, rel=1e-9)
+
+
+def test_an_impossible_seed_count_is_one_error_line_not_a_memory_error(tmp_path):
+    """--seeds 99999999999 (a typo) used to build a list of 10^11 seeds: MemoryError and a traceback."""
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    runner = CliRunner()
+    for command, extra in (("continual", ["--methods", "lora", "--quick"]), ("sequential", ["--methods", "lora"])):
+        out = tmp_path / command
+        bad = runner.invoke(cli, ["experiment", command, "--out", str(out), *extra, "--seeds", "99999999999", "-q"])
+        assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+        assert "--seeds) 99,999,999,999 is more than 10,000" in bad.output and not out.exists()
+    with pytest.raises(ConfigError, match=r"seeds must be integers in \[0, 2\^63\), got 9223372036854775808"):
+        run_sequential(tmp_path / "api", ["lora"], seeds=[2**63], steps=2)
+
+
+def test_methods_can_be_added_to_a_finished_run(tmp_path):
+    """Each method's runs start from the same stage-1 model and are independent: adding one to an OUT used to be
+    refused as "other settings" (so it could never share a report); now it runs only the new method (its record is
+    the one a fresh directory gives) and keeps the rest, while another budget for a method already run is refused."""
+    from plate_inspect.experiments.continual import run_continual
+    from plate_inspect.experiments.methods import Budget
+
+    mica = {"mica": [Budget("r1", {"rank": 1})]}
+    run_continual(tmp_path / "fresh", seeds=1, settings=_tiny(methods=("mica",), budgets=mica))
+    fresh = json.loads((tmp_path / "fresh" / "results.json").read_text())
+    out = tmp_path / "out"
+    first = run_continual(out, seeds=1, settings=_tiny())
+    events = []
+    more = _tiny(methods=("lora", "mica"), budgets={**_tiny().budgets, **mica})
+    run_continual(out, seeds=1, settings=more, progress=events.append)
+    assert events[0].done == 1 and events[-1].done == 2  # lora kept, only mica ran
+    data = json.loads((out / "results.json").read_text())
+    assert (
+        data == [r for r in json.loads(json.dumps([vars(x) for x in first.records])) if r["method"] == "lora"] + fresh
+    )
+    assert json.loads((out / "settings.json").read_text())["methods"] == ["full_ft", "lora", "mica"]
+    with pytest.raises(ConfigError, match="other settings \\(budgets: "):
+        run_continual(out, seeds=1, settings=_tiny(budgets={"lora": [Budget("r2", {"rank": 2})]}))
+    result = CliRunner().invoke(cli, ["experiment", "continual", "--out", str(out), "--report-only"])
+    assert result.exit_code == 0, result.output
+    assert [r["method"] for r in json.loads((out / "results.json").read_text())] == ["full_ft", "lora", "mica"]
+
+
+def test_one_out_holds_one_experiment(tmp_path):
+    """continual and sequential both write OUT/seed<N>/: pointed at the other's OUT they used to mix their files in
+    silence; each now refuses it in one line before writing anything."""
+    runner = CliRunner()
+    seq = tmp_path / "seq"
+    args = ["experiment", "sequential", "--out", str(seq), "--methods", "lora", "--seeds", "1", "--steps", "2", "-q"]
+    assert runner.invoke(cli, args).exit_code == 0
+    before = sorted(p.relative_to(seq) for p in seq.rglob("*"))
+    for extra in (["--methods", "lora", "--seeds", "1", "--steps", "2", "--stage1-steps", "2"], ["--report-only"]):
+        bad = runner.invoke(cli, ["experiment", "continual", "--out", str(seq), *extra, "-q"])
+        assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+        assert "holds `experiment sequential` runs (sequential.json); give `experiment continual` its own --out" in (
+            bad.output
+        )
+    assert sorted(p.relative_to(seq) for p in seq.rglob("*")) == before
+    cont = tmp_path / "cont"
+    args = ["experiment", "continual", "--out", str(cont), "--methods", "lora", "--seeds", "1", "--steps", "2"]
+    assert runner.invoke(cli, [*args, "--stage1-steps", "2", "-q"]).exit_code == 0
+    bad = runner.invoke(cli, ["experiment", "sequential", "--out", str(cont), "--methods", "lora", "--steps", "2"])
+    assert bad.exit_code == 2 and "holds `experiment continual` runs (runs.jsonl)" in bad.output, bad.output
+    assert not (cont / "sequential.json").exists() and not (cont / "seed0" / "lora").exists()
+
+
+def test_sequential_quick_is_a_smoke_run_keeping_the_options_given(tmp_path):
+    """experiment sequential had no --quick (continual has): a new user's first run was 3 seeds x 950 steps."""
+    runner = CliRunner()
+    args = ["experiment", "sequential", "--out", str(tmp_path / "a"), "--quick", "--methods", "lora", "-q"]
+    assert runner.invoke(cli, args).exit_code == 0
+    written = json.loads((tmp_path / "a" / "sequential.json").read_text())
+    assert written["settings"]["steps"] == 60 and {r["seed"] for r in written["records"]} == {0}
+    args = ["experiment", "sequential", "--out", str(tmp_path / "b"), "--quick", "--methods", "lora", "-q"]
+    assert runner.invoke(cli, [*args, "--seeds", "2", "--steps", "3"]).exit_code == 0
+    written = json.loads((tmp_path / "b" / "sequential.json").read_text())
+    assert written["settings"]["steps"] == 3 and {r["seed"] for r in written["records"]} == {0, 1}

@@ -90,8 +90,7 @@ class ContinualSettings:
     def validate(self) -> None:
         """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
         be counted as a second seed: a fake confidence interval)."""
-        if self.data not in digits.DATA_SETS:
-            raise ConfigError(f"unknown data set '{self.data}'; choose one of {', '.join(digits.DATA_SETS)}")
+        check_data_root(self.data, self.data_root)
         if not self.methods:
             raise ConfigError(f"no methods given; choose from {', '.join(METHODS)}")
         for m in self.methods:
@@ -111,6 +110,31 @@ class ContinualSettings:
                 raise ConfigError(f"{m}: budget ids {', '.join(repeated_values([b.id for b in budgets]))} repeat")
 
 
+def check_data_root(data: str, data_root: str | os.PathLike | None) -> None:
+    """ConfigError for an unknown data set, or a data root given for a data set that reads no files (digits ship
+    with scikit-learn: the root would be silently ignored)."""
+    if data not in digits.DATA_SETS:
+        raise ConfigError(f"unknown data set '{data}'; choose one of {', '.join(digits.DATA_SETS)}")
+    if data_root is not None and data != "fashion-mnist":
+        raise ConfigError(
+            f"--data-root applies to fashion-mnist only: {data} ships with scikit-learn and reads no files; drop "
+            "--data-root (API: data_root=None) or use --data fashion-mnist"
+        )
+
+
+_MARKERS = {"continual": "runs.jsonl", "sequential": "sequential.json"}  # the file each experiment's OUT holds
+
+
+def check_not_other_experiment(out: str | os.PathLike, experiment: str) -> None:
+    """ConfigError when ``out`` holds the other experiment's runs: both write seed<N>/ directories, so one OUT mixed
+    would make each resume and report read the other's files."""
+    for other, marker in _MARKERS.items():
+        if other != experiment and (Path(out) / marker).exists():
+            raise ConfigError(
+                f"{out}: holds `experiment {other}` runs ({marker}); give `experiment {experiment}` its own --out"
+            )
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -126,15 +150,25 @@ def repeated_values(values: Any) -> list[str]:
     return twice
 
 
+MAX_SEEDS = 10_000  # far beyond any useful confidence interval (the paper: 10); a larger count is a typo
+MAX_SEED = 2**63 - 1  # torch.manual_seed's largest
+
+
 def seed_list(seeds: int | list[int]) -> list[int]:
-    """``seeds`` as a list (a count K -> 0..K-1): distinct integers >= 0, else ConfigError (a seed listed twice would
-    be summarised as two seeds)."""
+    """``seeds`` as a list (a count K -> 0..K-1): distinct integers in [0, 2^63), at most MAX_SEEDS, else ConfigError
+    (a seed listed twice would be summarised as two seeds; a count of 10^11 would exhaust memory planning it)."""
+    if _is_int(seeds) and seeds > MAX_SEEDS:
+        raise ConfigError(
+            f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
+        )
     values = list(range(seeds)) if _is_int(seeds) else list(seeds)
     if not values:
         raise ConfigError(f"seeds must be at least 1 (got {seeds!r})")
-    bad = [v for v in values if not (_is_int(v) and v >= 0)]
+    if len(values) > MAX_SEEDS:
+        raise ConfigError(f"{len(values):,} seeds is more than {MAX_SEEDS:,}; give fewer")
+    bad = [v for v in values if not (_is_int(v) and 0 <= v <= MAX_SEED)]
     if bad:
-        raise ConfigError(f"seeds must be integers >= 0, got {bad[0]!r}")
+        raise ConfigError(f"seeds must be integers in [0, 2^63), got {bad[0]!r}")
     if len(set(values)) != len(values):
         raise ConfigError(f"seed {repeated_values(values)[0]} is listed twice; give each seed once")
     return values
@@ -357,6 +391,7 @@ def run_continual(
     s.validate()
     seeds_run = seed_list(seeds)
     task1, task2 = digits.load_tasks(s.data, s.data_root)  # a missing data set is refused before OUT is touched
+    check_not_other_experiment(out_dir, "continual")
     out = make_dirs(out_dir, "the output directory")
     settings = _settings_dict(s)
     settings_json = json.dumps(settings, indent=2, sort_keys=True) + "\n"
@@ -364,14 +399,18 @@ def run_continual(
     settings_path = out / "settings.json"
     if jsonl.exists():
         try:
-            differ = settings_diff(json.loads(settings_path.read_text()), settings)
+            recorded = json.loads(settings_path.read_text())
         except (OSError, ValueError):
-            differ = "settings.json is missing or unreadable"
-        if differ:
+            recorded = None
+        differ = settings_diff(*_shared_methods(recorded, settings)) if recorded is not None else ""
+        if recorded is None or differ:
+            differ = differ or "settings.json is missing or unreadable"
             raise ConfigError(
                 f"{out}: holds runs made with other settings ({differ}); rerun with the same options to resume, "
                 "or choose another --out"
             )
+        settings = _all_methods(recorded, settings)  # methods added to a run: settings.json lists every one run
+        settings_json = json.dumps(settings, indent=2, sort_keys=True) + "\n"
     kept = f"the runs that finished are kept in {jsonl}: rerun the same command to resume"
     with writing_errors(out, kept):
         atomic_write(settings_path, settings_json)
@@ -400,6 +439,26 @@ def run_continual(
     records = [done[(m, b.id, seed, st)] for seed, st, m, b in todo]
     with writing_errors(out, kept):
         return write_outputs(out, records, s, console=console)
+
+
+def _shared_methods(old: Any, new: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``old`` and ``new`` settings without the method list and with the budgets of the methods both name: methods
+    are independent runs from the same stage-1 model, so adding (or leaving out) one changes no other run."""
+    if not (isinstance(old, dict) and isinstance(old.get("methods"), list) and isinstance(old.get("budgets"), dict)):
+        return old, new
+    both = set(old["methods"]) & set(new["methods"])
+
+    def shared(d: dict[str, Any]) -> dict[str, Any]:
+        kept = {k: v for k, v in d.items() if k != "methods"}
+        return {**kept, "budgets": {m: b for m, b in d["budgets"].items() if m in both}}
+
+    return shared(old), shared(new)
+
+
+def _all_methods(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` listing every method of ``old`` too (in METHODS order), with each one's budgets."""
+    methods = [m for m in METHODS if m in old["methods"] or m in new["methods"]]
+    return {**new, "methods": methods, "budgets": {**old["budgets"], **new["budgets"]}}
 
 
 def _settings_dict(s: ContinualSettings) -> dict[str, Any]:
@@ -447,6 +506,34 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
     if not records:
         raise ConfigError(f"{out / 'runs.jsonl'}: holds no finished run yet; nothing to report")
     return records, settings
+
+
+def select_records(
+    records: list[RunRecord],
+    where: str | os.PathLike,
+    methods: list[str] | tuple[str, ...] | None = None,
+    steps: list[int] | tuple[int, ...] | None = None,
+    seeds: list[int] | None = None,
+) -> list[RunRecord]:
+    """The finished runs of the given methods, stage-2 step counts and seeds (None: all), for a report of part of a
+    run; ConfigError naming what ``where`` holds for a value no finished run has (a report of a typo would be empty)."""
+    rank = {m: i for i, m in enumerate(METHODS)}
+    for flag, what, wanted, attr in (
+        ("CLI: --methods", "method", methods, "method"),
+        ("CLI: --steps", "stage-2 step count", steps, "steps"),
+        ("CLI: --seeds", "seed", seeds, "seed"),
+    ):
+        if wanted is None:
+            continue
+        have = sorted({getattr(r, attr) for r in records}, key=lambda v: rank.get(v, 0) if attr == "method" else v)
+        missing = [str(v) for v in wanted if v not in have]
+        if missing:
+            raise ConfigError(
+                f"{where} has no finished run of {what} {', '.join(missing)} ({flag}); finished: "
+                f"{', '.join(map(str, have))}"
+            )
+        records = [r for r in records if getattr(r, attr) in wanted]
+    return records
 
 
 # --------------------------------------------------------------------------- aggregation

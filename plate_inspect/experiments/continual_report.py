@@ -46,8 +46,10 @@ def trainable_text(row: dict[str, Any]) -> str:
 
 
 def _error_bars(sel: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """Plotly error bars of the 95% half-widths; hidden where a point has one seed (no interval, not a 0-width bar)."""
-    return {"type": "data", "array": [r[key + "_ci"] for r in sel], "visible": all(r["seeds"] >= 2 for r in sel)}
+    """Plotly error bars of the 95% half-widths, per point: none (null) where that point has one seed (no interval,
+    not a 0-width bar), so a one-seed budget does not hide the bars of the method's other budgets."""
+    half = [r[key + "_ci"] if r["seeds"] >= 2 else None for r in sel]
+    return {"type": "data", "array": half, "visible": any(h is not None for h in half)}
 
 
 def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

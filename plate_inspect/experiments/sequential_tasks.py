@@ -34,7 +34,14 @@ import torch
 from plate_inspect.atomic import atomic_write, make_dirs
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
-from plate_inspect.experiments.continual import repeated_values, seed_list, settings_diff, writing_errors
+from plate_inspect.experiments.continual import (
+    check_data_root,
+    check_not_other_experiment,
+    repeated_values,
+    seed_list,
+    settings_diff,
+    writing_errors,
+)
 from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLATE_RHO, backbone_shapes
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 
@@ -44,6 +51,7 @@ if TYPE_CHECKING:
 SEQUENTIAL_METHODS = ("plate", "lora", "osf")
 N_TASKS = 4
 PAPER_PAIR_STEPS = 950  # 10 epochs of a ~12,000-image MNIST digit pair at batch 128 (the paper's binary tasks)
+QUICK_PAIR_STEPS = 60  # a smoke run of every code path (CLI: --quick)
 
 
 @dataclass
@@ -185,7 +193,9 @@ def run_sequential(
     for what, value in (("steps", steps), ("lora_rank", lora_rank), ("osf_n", osf_n), ("r", r)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
+    check_data_root(data, data_root)
     tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)  # before OUT is touched
+    check_not_other_experiment(out, "sequential")
     out = make_dirs(out, "the output directory")
     settings = {
         "data": data,
@@ -198,14 +208,17 @@ def run_sequential(
     }
     result = SequentialResult(out / "sequential.json")
     if result.path.exists():
-        differ = settings_diff(
-            _read_json(result.path, "the finished runs under OUT/seed<N>/ are kept").get("settings"), settings
-        )
+        previous = _read_json(result.path, "the finished runs under OUT/seed<N>/ are kept")
+        recorded = _with_legacy_data(previous)
+        differ = settings_diff(recorded, settings)
         if differ:
             raise ConfigError(
                 f"{out}: holds sequential runs made with other settings ({differ}); rerun with the same options "
                 "to resume, or choose another --out"
             )
+        if recorded is not previous.get("settings"):  # written before per-run files existed: keep its runs
+            with writing_errors(out, "nothing was changed"):
+                _keep_legacy_runs(out, previous.get("records"), settings)
     kept = {(seed, m): _kept_unit(out, seed, m, settings) for seed in seeds_run for m in names}
     counter = ProgressCounter(progress, len(kept), "runs", done=sum(v is not None for v in kept.values()))
     counter.start()
@@ -243,6 +256,46 @@ def run_sequential(
     finally:
         torch.set_num_threads(threads)
     return result
+
+
+def _with_legacy_data(payload: dict[str, Any]) -> Any:
+    """The settings of a sequential.json; one written before they recorded ``data`` (up to session 12) gets the data
+    its records name (each record always did; "digits", the only default, where they name none or disagree)."""
+    recorded = payload.get("settings")
+    if not isinstance(recorded, dict) or "data" in recorded:
+        return recorded
+    records = payload.get("records")
+    named = {r.get("data") for r in records if isinstance(r, dict)} if isinstance(records, list) else set()
+    return {**recorded, "data": named.pop() if len(named) == 1 else "digits"}
+
+
+def _keep_legacy_runs(out: Path, records: Any, settings: dict[str, Any]) -> None:
+    """Save each complete (seed, method) of an old-style sequential.json (all records in that one file) as its
+    OUT/seed<N>/<method>/records.json, so a resume keeps it instead of rerunning it and rewriting the file without it.
+    An incomplete or unreadable group is left to run again."""
+    groups: dict[tuple[int, str], list[SequentialRecord]] = {}
+    for raw in records if isinstance(records, list) else []:
+        try:
+            rec = SequentialRecord(**raw)
+        except TypeError:
+            continue
+        groups.setdefault((rec.seed, rec.method), []).append(rec)
+    for (seed, method), group in groups.items():
+        path = _unit_path(out, seed, method)
+        same = all((x.data, x.steps) == (settings["data"], settings["steps"]) for x in group)
+        if method not in SEQUENTIAL_METHODS or path.exists() or not same or not _complete(group):
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        unit = {"settings": settings, "records": [asdict(x) for x in group]}
+        atomic_write(path, json.dumps(unit, indent=2) + "\n")
+
+
+def _complete(records: list[SequentialRecord]) -> bool:
+    """Whether ``records`` hold every (after task, task) of the protocol exactly once."""
+    pairs = [(x.after_task, x.task) for x in records]
+    return len(pairs) == len(set(pairs)) and set(pairs) == {
+        (t, j) for t in range(1, N_TASKS + 1) for j in range(1, t + 1)
+    }
 
 
 def _unit_path(out: Path, seed: int, method: str) -> Path:
