@@ -78,6 +78,26 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.parametrize("command", ["align", "curvature"])
+def test_analysis_commands_shorten_openmp_spinning_before_torch_loads(command, monkeypatch):
+    """align and curvature get GOMP_SPINCOUNT=1000 when their module loads (before torch, in a fresh process), and
+    keep a value the user set."""
+    code = (
+        "import os, sys\n"
+        "from plate_inspect.cli.main import LazyGroup\n"
+        "assert 'torch' not in sys.modules\n"
+        f"LazyGroup._load({command!r})\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert fresh.stdout.strip() == "1000"
+    chosen = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "5"}, capture_output=True, text=True, check=True
+    )
+    assert chosen.stdout.strip() == "5"
+
+
 @pytest.mark.parametrize("loaded", ["torch", "numpy", "scipy"])
 def test_scan_command_sets_its_runtime_env_before_its_libraries_load(monkeypatch, loaded):
     """`plate-inspect scan` asks libgomp for passive waiting, OpenBLAS for short spinning and torch for huge pages,
@@ -91,10 +111,10 @@ def test_scan_command_sets_its_runtime_env_before_its_libraries_load(monkeypatch
     for name in ("torch", "numpy", "scipy"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, loaded, object())
-    cli_main._scan_runtime_env()  # one of them already loaded: too late, nothing set
+    cli_main._apply_runtime_env(cli_main.SCAN_RUNTIME_ENV)  # one of them already loaded: too late, nothing set
     assert not set(cli_main.SCAN_RUNTIME_ENV) & set(os.environ)
     monkeypatch.delitem(sys.modules, loaded)
-    cli_main._scan_runtime_env()
+    cli_main._apply_runtime_env(cli_main.SCAN_RUNTIME_ENV)
     assert {key: os.environ[key] for key in cli_main.SCAN_RUNTIME_ENV} == {
         "OMP_WAIT_POLICY": "PASSIVE",
         "OPENBLAS_THREAD_TIMEOUT": "20",
@@ -102,5 +122,5 @@ def test_scan_command_sets_its_runtime_env_before_its_libraries_load(monkeypatch
     }
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "28")
-    cli_main._scan_runtime_env()
+    cli_main._apply_runtime_env(cli_main.SCAN_RUNTIME_ENV)
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["OPENBLAS_THREAD_TIMEOUT"] == "28"
