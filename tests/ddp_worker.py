@@ -154,6 +154,9 @@ def main() -> None:
     state.update(losses=losses, world=world)
     Path(out).mkdir(parents=True, exist_ok=True)
     torch.save(state, Path(out) / f"rank{rank}.pt")
+    if torch.distributed.is_initialized():  # torn down before exit: gloo's threads dying with the interpreter
+        torch.distributed.barrier()  # aborted a rank now and then ("terminate called without an active exception")
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
