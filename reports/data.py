@@ -510,6 +510,9 @@ class ExpertGroup:
     score: list[float]
     spectrum_index: list[int] = field(default_factory=list)  # 1-based directions drawn (shared by the group)
     spectra: list[list[float | None]] = field(default_factory=list)  # log10 eigenvalues there (None: zero)
+    #: Where Q lies on the experts' spectra (see SpectrumView.q_directions; an ablation bundle's kind is per bundle).
+    q_directions: str = "bottom"
+    variant: str | None = None
 
     @property
     def d_in(self) -> int:
@@ -560,6 +563,8 @@ def expert_groups(records: list[ModuleRecord]) -> list[ExpertGroup]:
                 k=[rec.k for _, rec in members],
                 energy=[rec.captured_energy for _, rec in members],
                 score=[rec.mean_redundancy for _, rec in members],
+                q_directions=Q_DIRECTIONS.get(first.variant or "", "bottom"),
+                variant=first.variant,
             )
         )
     return out

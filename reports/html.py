@@ -92,7 +92,7 @@ def page_model(rd: ReportData) -> dict[str, Any]:
             "id": "params-plot",
             "figure": F.params_tau_figure(rd.params_tau, rd.taus, [s.lora_params for s in rd.summaries], rd.labels),
         },
-        "modules": rd.modules,
+        "modules": [n for n in rd.modules if n in rd.spectra],  # the explorer's (experts have their own drill-down)
         "spectrumBase": F.SPECTRUM_BASE,
         "histogramBase": F.HISTOGRAM_BASE,
         "spectra": {n: F.spectrum_figure(v, rd.labels) for n, v in rd.spectra.items()},
@@ -123,6 +123,8 @@ def expert_model(rd: ReportData) -> dict[str, Any]:
                     "energy": [_sig(v, 3) for v in g.energy],
                     "score": [_sig(v, 3) for v in g.score],
                     "specIndex": g.spectrum_index,
+                    "qDirections": g.q_directions,
+                    "variant": g.variant,
                     "spectra": [pack_logs(s) for s in g.spectra],  # the page unpacks one expert at a time
                 }
                 for g in group

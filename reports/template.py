@@ -119,7 +119,8 @@ SCRIPT = r"""
     return out;
   }
   function showExpert(g, pos) {
-    // one line per bundle: the same expert's compact spectrum; the Q band is the first bundle's bottom k
+    // one line per bundle: the same expert's compact spectrum; the Q band is the first bundle's: its bottom k
+    // (PLATE), its top k (the high_energy_q ablation), or none where Q is no eigenspace of this spectrum
     var dIn = g.shape[1], many = g.bundles.length > 1, base = D.expertSpectrumBase;
     var traces = g.bundles.map(function (b, j) {
       var idx = b.specIndex, vals = unpackLogs(b.spectra[pos]), x = [], y = [];
@@ -131,7 +132,20 @@ SCRIPT = r"""
       return merge(base.data[0], merge(extra, { x: x, y: y,
         hovertemplate: (many ? D.labels[j] + ": " : "") + "direction %{x}<br>eigenvalue %{y:.3e}<extra></extra>" }));
     });
-    var first = g.bundles[0], k = first.k[pos], start = dIn - k + 1, idx0 = first.specIndex;
+    var first = g.bundles[0], k = first.k[pos], idx0 = first.specIndex, where = first.qDirections;
+    var start = where === "top" ? 1 : dIn - k + 1, stop = where === "top" ? k : dIn;
+    var ablation = first.variant ? "; ablation " + first.variant : "";
+    var qLabel = "Q" + (many ? " [" + D.labels[0] + "]" : "") + ": ";
+    if (where === "random" || where === "base") {
+      qLabel += "k=" + k + " (" + (where === "random" ? "a random orthonormal k-frame"
+        : "PLATE's Q kept, bottom directions of the base bundle's frozen rows, not of these") + ablation +
+        "), no band drawn";
+    } else {
+      qLabel += where + " k=" + k + " directions (" + start + ".." + stop + ablation.replace(";", ",") + ")";
+    }
+    var band = where === "random" || where === "base" ? [] :
+      [{ type: "rect", xref: "x", yref: "paper", x0: start - 0.5, x1: stop + 0.5, y0: 0, y1: 1,
+         fillcolor: "#636efa", opacity: 0.12, line: { width: 0 } }];
     var drawn = first.spectra[pos].length / 3;
     var kText = many ? "k = " + g.bundles.map(function (b, j) { return D.labels[j] + " " + b.k[pos]; }).join(", ")
                      : "k = " + k + ", captured energy " + Number(first.energy[pos]).toExponential(2);
@@ -141,11 +155,9 @@ SCRIPT = r"""
             (drawn < dIn ? "; directions past " + idx0[idx0.length - 1] + " are null" : "")) },
       showlegend: many,
       xaxis: { range: [0.5, dIn + 0.5] },
-      shapes: [{ type: "rect", xref: "x", yref: "paper", x0: start - 0.5, x1: dIn + 0.5, y0: 0, y1: 1,
-                 fillcolor: "#636efa", opacity: 0.12, line: { width: 0 } }],
+      shapes: band,
       annotations: [{ x: dIn + 0.5, y: 0.02, xref: "x", yref: "paper", showarrow: false, xanchor: "right",
-                      yanchor: "bottom", text: "Q" + (many ? " [" + D.labels[0] + "]" : "") + ": bottom k=" + k +
-                      " directions (" + start + ".." + dIn + ")", font: { size: 10 } }]
+                      yanchor: "bottom", text: qLabel, font: { size: 10 } }]
     });
     expertSelect.value = String(pos);
     return Plotly.react("expert-spectrum-plot", traces, layout, CONFIG);

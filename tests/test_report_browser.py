@@ -3,12 +3,14 @@ no console errors, no network, every plot rendered (plotly's SVG), the page scri
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from test_reports import MOE_DENSE, MOE_EXPERTS, QWEN7B_TYPES, write_fake_bundle
 
 import plate_inspect
@@ -266,3 +268,63 @@ def test_checker_sees_errors_network_and_missing_plots(chromium, tmp_path):
     assert any("null" in e for e in check.exceptions)
     assert check.network_requests == ["http://plate-inspect.invalid/x.png"]
     assert check.plots == {"p1": 0} and not check.every_plot_rendered
+
+
+# Picks the first expert group, its first expert, and returns what the drill-down spectrum draws for Q.
+EXPERT_Q_BAND = """
+(async () => {
+  const wait = ms => new Promise(r => setTimeout(r, ms));
+  const gs = document.getElementById("group-select");
+  gs.value = gs.options[0].value;
+  gs.dispatchEvent(new Event("change"));
+  await wait(400);
+  document.getElementById("expert-bars-plot").emit("plotly_click", { points: [{ pointIndex: 0 }] });
+  await wait(400);
+  const layout = document.getElementById("expert-spectrum-plot").layout;
+  return { group: gs.value, bands: (layout.shapes || []).map(s => [s.x0, s.x1]),
+           label: layout.annotations[0].text };
+})()
+"""
+
+
+HEATMAPS_OF_ONE = {f"heatmap-{m}-0" for m in METRICS}
+
+
+def test_moe_ablation_drill_down_draws_q_where_it_lies(chromium, tmp_path):
+    """The expert drill-down of an ablation bundle must not claim PLATE's bottom-k Q: checked against float64
+    eigenvalues of the expert's frozen rows. high_energy_q: band over the top k; random_q: no band; PLATE: bottom k
+    (the page drew "bottom k" for every bundle). A bundle of experts only renders cleanly (its page script crashed
+    opening a dense module that is not there)."""
+    from safetensors.torch import load_file as load_weights
+
+    from plate_inspect.testing.synthetic import write_family
+    from plate_inspect.train.variants import make_variant
+
+    ckpt = write_family(tmp_path / "m", "mixtral", layers=1, dtype=torch.float32, seed=2)
+    base = plate_inspect.scan(str(ckpt.path), tmp_path / "plate", r=4, tau=0.8, max_rank=16, target_modules=["w1"])
+    weights = {}
+    for f in Path(ckpt.path).glob("*.safetensors"):
+        weights.update(load_weights(str(f)))
+    bundles = {"plate": base}
+    for v in ("high_energy_q", "random_q"):
+        bundles[v] = make_variant(base, ckpt.path, v, tmp_path / v, seed=1)
+    for v, b in bundles.items():
+        check = open_report(write_report([b], tmp_path / f"{v}.html"), script=EXPERT_Q_BAND)
+        assert_clean(check, (STATIC_PLOTS - {"spectrum-plot", "scores-plot"}) | EXPERT_PLOTS | HEATMAPS_OF_ONE)
+        got = check.details["script"]
+        name = "model.layers.0.block_sparse_moe.experts.0.w1"
+        assert got["group"].startswith("experts:0:") and b.record(name) is not None
+        w = weights[name + ".weight"].double()
+        keep = torch.ones(w.shape[0], dtype=torch.bool)
+        keep[b.b_idx(name)] = False
+        gram = w[keep].T @ w[keep]
+        evals = torch.linalg.eigvalsh(gram).flip(0)
+        q = b.q(name).double()
+        k, d_in = q.shape[1], w.shape[1]
+        energy = float(torch.trace(q.T @ gram @ q))
+        if math.isclose(energy, float(evals[:k].sum()), rel_tol=1e-4):  # Q spans the top-k directions
+            assert v == "high_energy_q" and got["bands"] == [[0.5, k + 0.5]] and "top k=" in got["label"]
+        elif math.isclose(energy, float(evals[-k:].sum()), rel_tol=1e-4, abs_tol=1e-9 * float(evals.sum())):
+            assert v == "plate" and got["bands"] == [[d_in - k + 0.5, d_in + 0.5]] and "bottom k=" in got["label"]
+        else:
+            assert v == "random_q" and got["bands"] == [] and "no band drawn" in got["label"]
