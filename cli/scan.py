@@ -243,18 +243,11 @@ def scan_report_path(out: Path) -> Path:
 def write_scan_report(bundle: Bundle, path: Path) -> None:
     """Write the report of a scanned (complete) bundle; a failed write says the bundle is complete and how to write
     the report elsewhere (not a report command's ``-o``: scan has none for the report)."""
-    from plate_inspect.atomic import atomic_write, os_error_reason
-    from plate_inspect.errors import ReportError
-    from plate_inspect.reports import render_report
+    from plate_inspect.reports import render_report, write_report_text
 
-    text = render_report([bundle])
-    try:
-        atomic_write(path, text)
-    except OSError as e:
-        raise ReportError(
-            f"{path}: cannot write the report ({os_error_reason(path, e)}); the bundle in {bundle.path} is complete: "
-            f"write its report elsewhere with: {_report_elsewhere(bundle.path)}"
-        ) from None
+    elsewhere = _report_elsewhere(bundle.path)
+    remedy = f"the bundle in {bundle.path} is complete: write its report elsewhere with: {elsewhere}"
+    write_report_text(path, render_report([bundle]), remedy=remedy)
 
 
 @click.command("info")

@@ -114,13 +114,14 @@ def refuse_bundle_file(path: Path, bundles: list[Bundle]) -> None:
             )
 
 
-def write_report_text(path: Path, text: str, option: str = "-o") -> None:
-    """Write a rendered page atomically; ReportError naming the path, the reason and ``option`` when it fails."""
+def write_report_text(path: Path, text: str, option: str = "-o", remedy: str | None = None) -> None:
+    """Write a rendered page atomically; ReportError naming the path, the reason and what to do (``remedy``, else
+    choose another ``option``) when it fails."""
     try:
         atomic_write(path, text)
     except OSError as e:
         raise ReportError(
-            f"{path}: cannot write the report ({os_error_reason(path, e)}); choose another {option}"
+            f"{path}: cannot write the report ({os_error_reason(path, e)}); {remedy or f'choose another {option}'}"
         ) from None
 
 
