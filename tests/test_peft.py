@@ -153,21 +153,6 @@ def test_lean_adapter_whose_bundle_moved_says_how_to_point_at_it(digits_setup, t
     torch.testing.assert_close(loaded.base_model.model.features(x).double(), h, rtol=1e-5, atol=1e-5)
 
 
-def test_meta_initialised_model_is_refused_in_one_line(digits_setup):
-    """Weights on the meta device: B/Q would be wiped by to_empty(), so PLATE refuses, also without the check."""
-    from plate_inspect.experiments import digits
-    from plate_inspect.train.layer import apply_bundle
-
-    _, _, bundle = digits_setup
-    for check in (True, False):
-        with torch.device("meta"):
-            model = digits.DigitsMLP()
-        with pytest.raises(BundleError, match=r"module 'fc1': its weight is on the meta device"):
-            get_peft_model(model, PlateConfig(bundle=str(bundle.path), check_fingerprints=check))
-        with pytest.raises(BundleError, match=r"module 'fc1': its weight is on the meta device"):
-            apply_bundle(model, bundle, check_fingerprints=check)
-
-
 def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
     import dataclasses
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,16 @@ class PlateLinear(nn.Module):
     """A frozen Linear/Conv1D plus a PLATE branch: y = base(x) + rho * scatter_B((x Q) A^T) (math in ``core``)."""
 
     def __init__(
-        self, base: nn.Module, b_idx: torch.Tensor, q: torch.Tensor, rho: float = 0.5, digest: str | None = None
+        self,
+        base: nn.Module,
+        b_idx: torch.Tensor,
+        q: torch.Tensor,
+        rho: float = 0.5,
+        digest: str | None = None,
+        awaiting: AwaitingWeights | None = None,
     ):
-        """``digest``: the identity of B/Q when ``q`` is a rounded copy of a bundle's Q (default: digest of ``q``)."""
+        """``digest``: the identity of B/Q when ``q`` is a rounded copy of a bundle's Q (default: digest of ``q``);
+        ``awaiting``: the base weight is on the meta device, and this is what the layer owes once it is loaded."""
         super().__init__()
         self.layout = layout_of(base)
         d_out, d_in = oriented_shape(base)
@@ -83,11 +91,15 @@ class PlateLinear(nn.Module):
         self.d_out, self.d_in = d_out, d_in
         self.geometry_digest = digest or geometry_digest(b_idx, q)
         dev = base.weight.device
-        self.register_buffer("plate_B_idx", b_idx.to(dev))
-        self.register_buffer("plate_Q", q.to(dev).contiguous())
+        self.register_buffer("plate_B_idx", b_idx.to(geometry_device(dev)))
+        self.register_buffer("plate_Q", q.to(geometry_device(dev)).contiguous())
         self.plate_A = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=dev, dtype=torch.float32))
         self._saved_rows: torch.Tensor | None = None
         self._inplace = type(base) is nn.Linear or is_conv1d(base)
+        self._awaiting: dict[str, AwaitingWeights] = {}  # {"plate_A": ...} while the weight is on the meta device
+        if awaiting is not None:
+            self._awaiting["plate_A"] = awaiting
+        self.register_load_state_dict_pre_hook(note_loaded_a)
         for p in self.base.parameters():
             p.requires_grad_(False)
 
@@ -112,13 +124,29 @@ class PlateLinear(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._awaiting:
+            self.settle(zero_a=False)
         y = self.base(x)
         if self.merged:
             return y
         return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=self._inplace)
 
+    @torch.compiler.disable
+    def settle(self, zero_a: bool) -> None:
+        """A layer made on meta-device weights, now loaded: check them, reload B/Q beside them, see to A."""
+        with torch.inference_mode(False):
+            for key, awaiting in list(self._awaiting.items()):
+                sketch, b_idx, q = settle_branch(self, self.base, key, awaiting, zero_a)
+                dev = self.base.weight.device
+                self.plate_B_idx = b_idx.to(dev)
+                self.plate_Q = q.to(dev, self.plate_Q.dtype).contiguous()
+                self.weight_sketch = sketch if sketch is not None else getattr(self, "weight_sketch", None)
+                del self._awaiting[key]
+
     def merge(self) -> None:
         """W[B] += rho A Q^T in the base weight (computed in float32, rounded once to the weight's dtype)."""
+        if self._awaiting:
+            self.settle(zero_a=False)
         if not self.merged:
             self._saved_rows = merge_rows(
                 self.base.weight, self.layout, self.plate_B_idx, self.plate_A, self.plate_Q, self.rho
@@ -132,6 +160,123 @@ class PlateLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_out={self.d_out}, r={self.r}, k={self.k}, rho={self.rho}, layout={self.layout}"
+
+
+# --------------------------------------------------------------------------- models on the meta device
+def is_meta_tensor(t: torch.Tensor) -> bool:
+    """True for a meta tensor, or a DTensor whose local shard is one (a sharded model not materialised yet)."""
+    return t.is_meta or (hasattr(t, "to_local") and t.to_local().is_meta)
+
+
+def geometry_device(weight_device: torch.device) -> torch.device:
+    """Where B/Q go beside a weight: its device, or the CPU while it is on meta (real values survive the re-placing
+    of non-persistent buffers that accelerate's FSDP2 loading does; ``to_empty()`` wipes them: they are reloaded)."""
+    return torch.device("cpu") if weight_device.type == "meta" else weight_device
+
+
+@dataclass
+class AwaitingWeights:
+    """What a PLATE branch made on a meta-device weight owes once the weight is loaded.
+
+    The weight check (it needs the values), B/Q (reloaded from the bundle then: ``to_empty()`` leaves buffers
+    uninitialised) and A (on the meta device, like the weight: a state dict fills it, such as the one accelerate
+    broadcasts from rank 0, or ``finish_meta_init`` zeroes it).
+    """
+
+    name: str  # the model's module name, for messages
+    record: Any  # what the weight must be: the bundle's ModuleRecord, or an adapter's record of it
+    check_fingerprint: bool
+    reference: WeightSketch | None
+    bundle: Bundle | None  # B/Q are reloaded from it (None: the adapter's state dict carries them)
+    bundle_module: str
+    k: int | None
+    digest: str
+    adapter: bool = False
+    a_loaded: bool = False  # a state dict has given A values since it was made on the meta device
+    record_entry: dict[str, Any] | None = None  # a PEFT config's module record: the weight sketch is filled in
+
+
+_UNSET_A = (
+    "its PLATE A was made on the meta device and has had no values since (to_empty() leaves it uninitialised): "
+    "call plate_inspect.train.layer.finish_meta_init(model) once the weights are loaded (it checks them, reloads "
+    "B/Q and zeroes A), or load a state dict that holds A"
+)
+
+
+def settle_branch(
+    layer: nn.Module, base: nn.Module, a_key: str, awaiting: AwaitingWeights, zero_a: bool
+) -> tuple[WeightSketch | None, torch.Tensor | None, torch.Tensor | None]:
+    """Check a branch's now-loaded weight, read its B/Q again (as stored; None when carried), zero or check A.
+
+    ``a_key``: A's name in ``layer`` (``plate_A``, or ``plate_A.<adapter>`` for the PEFT layer).
+    """
+    name = awaiting.name
+    if is_meta_tensor(base.weight):
+        raise BundleError(
+            f"module '{name}': its weight is still on the meta device; load the weights (to_empty() + "
+            "load_state_dict or set_model_state_dict) before the first forward or finish_meta_init(model)"
+        )
+    sketch = None
+    if awaiting.check_fingerprint:
+        try:
+            sketch = check_weight(
+                base, name, awaiting.record, layout_of(base), awaiting.reference, awaiting.bundle, awaiting.adapter
+            )
+        except BundleError as e:
+            raise BundleError(
+                f"{e} (the layer was made while the weights were on the meta device: were they loaded after "
+                "to_empty()? it leaves them uninitialised)"
+            ) from None
+        entry = awaiting.record_entry
+        if entry is not None and entry.get("sketch") is None:
+            entry["sketch"] = sketch.to_json()
+    b_idx = q = None
+    if awaiting.bundle is not None:
+        b_idx, q = module_geometry(awaiting.bundle, awaiting.bundle_module, awaiting.k, q_dtype=None)
+        if geometry_digest(b_idx, q) != awaiting.digest:
+            raise BundleError(
+                f"module '{name}': B/Q in {awaiting.bundle.path} changed since the PLATE layer was made (rescanned "
+                "in place?); make the PLATE model again"
+            )
+    a = layer.get_parameter(a_key)
+    if zero_a and not is_meta_tensor(a):
+        with torch.no_grad():
+            a.zero_()  # in place: a sharded A stays sharded, an optimizer made already keeps it
+    elif zero_a and not hasattr(a, "to_local"):
+        parent, _, leaf = a_key.rpartition(".")  # loaded with assign=True, never to_empty(): a new zero A
+        zero = nn.Parameter(torch.zeros_like(a, device=base.weight.device), requires_grad=a.requires_grad)
+        setattr(layer.get_submodule(parent), leaf, zero)
+    elif zero_a:
+        raise BundleError(f"module '{name}': A is sharded on the meta device; call model.to_empty(device=...) first")
+    elif not awaiting.a_loaded:
+        raise BundleError(f"module '{name}': {_UNSET_A}")
+    return sketch, b_idx, q
+
+
+def note_loaded_a(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *args: Any) -> None:
+    """load_state_dict pre-hook: a state dict that holds a meta-made A gives it values (into a materialised A, or
+    with ``assign=True``, as accelerate's FSDP2 loading does)."""
+    assign = bool(local_metadata.get("assign_to_params_buffers"))
+    for key, awaiting in module._awaiting.items():
+        if prefix + key in state_dict and (assign or not is_meta_tensor(module.get_parameter(key))):
+            awaiting.a_loaded = True
+
+
+def finish_meta_init(model: nn.Module) -> int:
+    """Finish the PLATE layers made while the model's weights were on the meta device; returns how many it finished.
+
+    Call it once the weights are loaded (after ``to_empty()`` + ``load_state_dict`` / ``set_model_state_dict``;
+    on every rank of a sharded model: the check gathers full weights). Each such layer's weight is checked against
+    the bundle, B/Q are read again from it, and A is zeroed (PLATE's start). Create the optimizer after this call.
+    Without it, the first forward checks the weights and reloads B/Q, and needs A from a state dict.
+    """
+    done = 0
+    for module in model.modules():
+        awaiting = getattr(module, "_awaiting", None)
+        if awaiting and hasattr(module, "settle"):
+            done += len(awaiting)
+            module.settle(zero_a=True)
+    return done
 
 
 # --------------------------------------------------------------------------- bundle -> model
@@ -206,15 +351,13 @@ def check_module_against_record(
             f"module '{name}': the bundle was made for [d_out, d_in] = {list(record.shape)} but the model's "
             f"{layout} weight is {shape}; this bundle belongs to another model"
         )
-    w = module.weight
-    if w.is_meta or (hasattr(w, "to_local") and w.to_local().is_meta):
-        raise BundleError(
-            f"module '{name}': its weight is on the meta device (not loaded yet); PLATE checks the weights and keeps "
-            "B/Q beside them, which to_empty() would wipe: load the weights first (from_pretrained, or to_empty() + "
-            "load_state_dict), then apply the bundle (get_peft_model / apply_bundle), then shard"
-        )
     if not check_fingerprint:
         return None
+    if is_meta_tensor(module.weight):
+        raise BundleError(
+            f"module '{name}': its weight is on the meta device (not loaded yet); load the weights first "
+            "(from_pretrained, or to_empty() + load_state_dict)"
+        )
     return check_weight(module, name, record, layout, reference=reference, bundle=bundle, adapter=adapter)
 
 
@@ -306,15 +449,19 @@ def apply_bundle(
             "apply_bundle: fingerprint check skipped; a bundle made for other weights would go unnoticed",
             stacklevel=2,
         )
-    targets, sketches = {}, {}
+    targets, sketches, waiting = {}, {}, set()
     for name in names:
         mod = model.get_submodule(mapping[name])
         if isinstance(mod, PlateLinear):
             raise BundleError(f"module '{mapping[name]}' is already a PLATE layer; merge or unload it first")
         ref = (references or {}).get(name)
+        meta = is_meta_tensor(getattr(mod, "weight", torch.empty(0)))  # checked once loaded: AwaitingWeights
         sketches[name] = check_module_against_record(
-            mod, mapping[name], b.record(name), check_fingerprints, ref, b, adapter=references is not None
+            mod, mapping[name], b.record(name), check_fingerprints and not meta, ref, b, adapter=references is not None
         )
+        if meta:
+            sketches[name] = ref
+            waiting.add(name)
         targets[name] = mod
     keep = {id(layer.plate_A) for layer in plate_layers(model).values() if layer.plate_A.requires_grad}
     for p in model.parameters():
@@ -325,7 +472,15 @@ def apply_bundle(
     for name, mod in targets.items():
         b_idx, q = module_geometry(b, name, ks.get(name), q_dtype=None)  # as stored: the digest is the bundle's
         digest = geometry_digest(b_idx, q)
-        layer = PlateLinear(mod, b_idx, q if q_dtype is None else q.to(q_dtype), rho=rho, digest=digest)
+        awaiting = None
+        if name in waiting:
+            awaiting = AwaitingWeights(
+                mapping[name], b.record(name), check_fingerprints, sketches[name], b, name, ks.get(name), digest,
+                adapter=references is not None,
+            )  # fmt: skip
+        layer = PlateLinear(
+            mod, b_idx, q if q_dtype is None else q.to(q_dtype), rho=rho, digest=digest, awaiting=awaiting
+        )
         layer.q_dtype = None if q_dtype is None else _dtype_name(q_dtype)
         layer.bundle_name = name
         layer.bundle_record_fingerprint = b.record(name).fingerprint
@@ -612,9 +767,16 @@ def _load_a(
             )
         if tuple(a.shape) != tuple(layer.plate_A.shape):
             raise BundleError(f"{path}: A of '{name}' is {list(a.shape)}, the layer needs {list(layer.plate_A.shape)}")
+        if is_meta_tensor(layer.plate_A):
+            raise BundleError(
+                f"{path}: the model's weights are on the meta device (module '{name}'), where A cannot take values; "
+                "load the adapter once the weights are loaded (to_empty() + load_state_dict)"
+            )
     with torch.no_grad():
         for name, a in tensors.items():
             layer = by_name[name]
             layer.plate_A.copy_(a.to(layer.plate_A.dtype))
             layer.rho = meta["rhos"][name]
+            if "plate_A" in layer._awaiting:
+                layer._awaiting["plate_A"].a_loaded = True
     return [by_name[n].plate_A for n in tensors]

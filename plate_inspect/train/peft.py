@@ -42,12 +42,17 @@ from plate_inspect.train.core import (
     validate_geometry,
 )
 from plate_inspect.train.layer import (
+    AwaitingWeights,
     check_module_against_record,
+    geometry_device,
+    is_meta_tensor,
     layout_of,
     load_plan,
     module_geometry,
+    note_loaded_a,
     oriented_shape,
     resolve_module_names,
+    settle_branch,
     unresolved_modules,
 )
 from plate_inspect.train.weightcheck import WeightSketch
@@ -166,6 +171,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         digest: str | None = None,
         carried: frozenset[str] | None = None,
         pending: bool = False,
+        awaiting: AwaitingWeights | None = None,
     ):
         super().__init__()
         BaseTunerLayer.__init__(self)
@@ -179,13 +185,15 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         self.plate_digest: dict[str, str] = {}
         self.plate_carried: dict[str, frozenset[str]] = {}  # accepted digests of a carried (saved) B/Q
         self._pending: set[str] = set()  # carried geometry not loaded yet (placeholders)
+        self._awaiting: dict[str, AwaitingWeights] = {}  # "plate_A.<adapter>": made on a meta-device weight
         self._saved_rows: dict[str, torch.Tensor] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self._active_adapter = adapter_name
         self._inplace = type(base_layer) is nn.Linear or self.layout == "conv1d"
-        self.update_layer(adapter_name, b_idx, q, rho, digest, carried, pending)
+        self.update_layer(adapter_name, b_idx, q, rho, digest, carried, pending, awaiting)
         self.register_load_state_dict_pre_hook(_check_carried_geometry)
+        self.register_load_state_dict_pre_hook(note_loaded_a)
         self.register_load_state_dict_post_hook(_carried_geometry_loaded)
 
     def update_layer(
@@ -197,11 +205,13 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         digest: str | None = None,
         carried: frozenset[str] | None = None,
         pending: bool = False,
+        awaiting: AwaitingWeights | None = None,
     ) -> None:
         """Add (or replace) one adapter: zero A [r, k], B indices, frozen Q (validated by the shared core).
 
         ``carried``: the digests a saved B/Q may have (the adapter carries its geometry; Q is held in the model's
-        dtype); ``pending``: B/Q are placeholders that the adapter's state dict fills in.
+        dtype); ``pending``: B/Q are placeholders that the adapter's state dict fills in; ``awaiting``: the base
+        weight is on the meta device (B/Q wait on the CPU, A on meta, until ``settle``).
         """
         weight = self.get_base_layer().weight
         b_idx, q = validate_geometry(b_idx, q, self.out_features, self.in_features, where=type(self).__name__)
@@ -209,9 +219,12 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         for buffers in (self.plate_B_idx, self.plate_Q):
             (buffers.carried.add if carried is not None else buffers.carried.discard)(adapter_name)
         q_dtype = weight.dtype if carried is not None and weight.is_floating_point() else torch.float32
-        self.plate_B_idx[adapter_name] = b_idx.to(weight.device)
-        self.plate_Q[adapter_name] = q.to(weight.device, q_dtype).contiguous()
+        self.plate_B_idx[adapter_name] = b_idx.to(geometry_device(weight.device))
+        self.plate_Q[adapter_name] = q.to(geometry_device(weight.device), q_dtype).contiguous()
         self.plate_A[adapter_name] = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=weight.device))
+        self._awaiting.pop(f"plate_A.{adapter_name}", None)
+        if awaiting is not None:
+            self._awaiting[f"plate_A.{adapter_name}"] = awaiting
         self.plate_rho[adapter_name] = rho
         self.plate_digest[adapter_name] = digest or geometry_digest(b_idx, q)
         self.plate_carried.pop(adapter_name, None)
@@ -223,6 +236,8 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         self.set_adapter(self.active_adapters)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._awaiting:
+            self.settle(zero_a=False)
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
@@ -242,6 +257,19 @@ class PlateLayer(nn.Module, BaseTunerLayer):
             )
         return result
 
+    @torch.compiler.disable
+    def settle(self, zero_a: bool) -> None:
+        """Adapters made on meta-device weights, now loaded: check them, reload B/Q beside them, see to A."""
+        base = self.get_base_layer()
+        with torch.inference_mode(False):
+            for key, awaiting in list(self._awaiting.items()):
+                _, b_idx, q = settle_branch(self, base, key, awaiting, zero_a)
+                name, dev = key.removeprefix("plate_A."), base.weight.device
+                if b_idx is not None:
+                    self.plate_B_idx[name] = b_idx.to(dev)
+                    self.plate_Q[name] = q.to(dev, self.plate_Q[name].dtype).contiguous()
+                del self._awaiting[key]
+
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """Dense rho B A Q^T in the base weight's stored layout ([d_out, d_in], or [d_in, d_out] for Conv1D)."""
         b, a, q = self.plate_B_idx[adapter], self.plate_A[adapter], self.plate_Q[adapter]
@@ -250,6 +278,8 @@ class PlateLayer(nn.Module, BaseTunerLayer):
     @torch.no_grad()
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """W[B] += rho A Q^T for each active adapter; the replaced rows are kept so unmerge() is exact."""
+        if self._awaiting:
+            self.settle(zero_a=False)
         adapter_names = check_adapters_to_merge(self, adapter_names)
         w = self.get_base_layer().weight
         for name in adapter_names:
@@ -376,7 +406,8 @@ def _first_difference(recorded: dict[str, dict[str, Any]], records: dict[str, di
     return f"module '{extra[0]}' is in the bundle but not in the adapter" if extra else None
 
 
-_Geometry = tuple[torch.Tensor, torch.Tensor, str, "frozenset[str] | None", bool]  # B, Q, digest, carried, pending
+# B, Q, digest, carried digests, pending (carried B/Q to come from the state dict), awaiting (meta-device weight)
+_Geometry = tuple[torch.Tensor, torch.Tensor, str, "frozenset[str] | None", bool, "AwaitingWeights | None"]
 
 
 @dataclass(frozen=True)
@@ -486,13 +517,18 @@ class PlateModel(BaseTuner):
             ref = recorded.get(m, {}).get("sketch")
             ref = WeightSketch.from_json(ref) if ref else None
             module = _tuner_base(model.get_submodule(m), m)
+            meta = is_meta_tensor(module.weight)  # checked once loaded (AwaitingWeights)
             sketch = check_module_against_record(
-                module, m, rec, config.check_fingerprints, ref, bundle, adapter=bool(recorded)
+                module, m, rec, config.check_fingerprints and not meta, ref, bundle, adapter=bool(recorded)
             )
             b_idx, q = module_geometry(bundle, name, ks.get(name), q_dtype=None)  # as stored: the bundle's digest
             digest = geometry_digest(b_idx, q)
             carried = _carried_digests(b_idx, q) if config.carry_geometry else None
-            geometry[m] = (b_idx, q, digest, frozenset(carried.values()) if carried else None, False)
+            awaiting = None
+            if meta:
+                check = config.check_fingerprints
+                awaiting = AwaitingWeights(m, rec, check, ref, bundle, name, ks.get(name), digest, bool(recorded))
+            geometry[m] = (b_idx, q, digest, frozenset(carried.values()) if carried else None, False, awaiting)
             records[m] = {
                 "bundle_module": name,
                 "shape": list(rec.shape),
@@ -505,6 +541,8 @@ class PlateModel(BaseTuner):
             }
             if carried:
                 records[m]["carried_digests"] = carried
+            if awaiting is not None:
+                awaiting.record_entry = records[m]  # its weight sketch is filled in once the weight is checked
         digest = _bundle_digest(records)
         sig = bundle.manifest.source_signature
         if config.bundle_digest is not None and config.bundle_digest != digest:
@@ -533,6 +571,11 @@ class PlateModel(BaseTuner):
                     f"adapter module '{m}': the model has no such module; it belongs to another model"
                 ) from None
             module = _tuner_base(module, m)
+            if is_meta_tensor(module.weight):
+                raise BundleError(
+                    f"adapter module '{m}': the model's weights are on the meta device; an adapter that carries its "
+                    "B/Q loads onto loaded weights: load them first (from_pretrained, or to_empty() + load_state_dict)"
+                )
             sketch = WeightSketch.from_json(rec["sketch"]) if rec.get("sketch") else None
             check_module_against_record(
                 module,
@@ -547,7 +590,7 @@ class PlateModel(BaseTuner):
             if None in accepted:
                 raise BundleError(f"adapter module '{m}': adapter_config.json records no digest of the carried B/Q")
             q = torch.zeros(rec["shape"][1], rec["k"])
-            geometry[m] = (torch.arange(rec["r"]), q, rec["digest"], accepted, True)
+            geometry[m] = (torch.arange(rec["r"]), q, rec["digest"], accepted, True, None)
         return geometry
 
     def _create_and_replace(
@@ -563,14 +606,25 @@ class PlateModel(BaseTuner):
         geometry = self._plate[adapter_name]
         if current_key not in geometry:
             raise BundleError(f"module '{current_key}' matches target_modules but the bundle has no geometry for it")
-        b_idx, q, digest, carried, pending = geometry[current_key]
+        b_idx, q, digest, carried, pending, awaiting = geometry[current_key]
         if isinstance(target, PlateLayer):
-            target.update_layer(adapter_name, b_idx, q, peft_config.rho, digest, carried, pending)
+            target.update_layer(adapter_name, b_idx, q, peft_config.rho, digest, carried, pending, awaiting)
         else:
-            new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho, digest, carried, pending)
+            new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho, digest, carried, pending, awaiting)
             if adapter_name not in self.active_adapters:
                 new_module.requires_grad_(False)
             self._replace_module(parent, target_name, new_module, target)
+
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        """peft's, except that B/Q made beside a meta-device weight keep their real values (peft moves every adapter
+        submodule without parameters to the weight's device: meta, where the values would be lost)."""
+        real = {n: b for n, b in new_module.named_buffers() if n.startswith(self.prefix) and not b.is_meta}
+        super()._replace_module(parent, child_name, new_module, child)
+        for name, buffer in real.items():
+            owner, _, leaf = name.rpartition(".")
+            module = new_module.get_submodule(owner)
+            if module._buffers[leaf].is_meta:
+                module._buffers[leaf] = buffer
 
     def _prepare_adapter_config(self, peft_config: PlateConfig, model_config: dict) -> PlateConfig:
         return peft_config
