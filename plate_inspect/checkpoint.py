@@ -285,10 +285,18 @@ def fingerprint_parts(parts: list[bytes | bytearray]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def fingerprint_tensor(tensor: torch.Tensor) -> str:
-    """The same fingerprint, computed from an in-memory tensor (e.g. a loaded model's parameter)."""
-    t = tensor.detach().to("cpu").contiguous()
-    return fingerprint_bytes(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+def fingerprint_tensor(tensor: torch.Tensor, block_bytes: int = 64 << 20) -> str:
+    """The same fingerprint, computed from an in-memory tensor (e.g. a loaded model's parameter).
+
+    Hashed in blocks copied to the CPU: numpy never sees the tensor's own storage (that would make it non-resizable,
+    and FSDP2 frees an unsharded parameter by resizing its storage), and no copy of the whole weight is made.
+    """
+    flat = tensor.detach().contiguous().reshape(-1)
+    h = hashlib.sha256()
+    step = max(1, block_bytes // max(flat.element_size(), 1))
+    for i in range(0, flat.numel(), step):
+        h.update(flat[i : i + step].to("cpu", copy=True).view(torch.uint8).numpy())
+    return "sha256:" + h.hexdigest()
 
 
 # --------------------------------------------------------------------------- dequantization (pure functions)

@@ -1,7 +1,10 @@
 """Worker for tests/test_ddp.py: trains a PLATE adapter on a tiny Qwen2 under torchrun (gloo, CPU) or alone.
 
 python -m torch.distributed.run --nproc-per-node 2 tests/ddp_worker.py MODE MODEL BUNDLE OUT
-MODE: trainer | accelerate | fsdp2 | single. Every rank writes OUT/rank<R>.pt: A's, a digest of B/Q, losses.
+MODE: trainer | accelerate | fsdp2 | accelerate_fsdp2 | fsdp2_meta | single. Every rank writes OUT/rank<R>.pt: A's,
+a digest of B/Q, losses. accelerate_fsdp2: accelerate's FSDP2 preparation with cpu_ram_efficient_loading, rank 1's model
+made on the meta device (a rank that loads nothing); fsdp2_meta: every rank's model made on meta, sharded, to_empty(),
+the checkpoint broadcast from rank 0 (set_model_state_dict), then finish_meta_init.
 The data: 4 fixed sequences; each step uses all of them (2 per rank, or 4 in one process), so a correct gradient
 all-reduce makes every run equal to the single-process one.
 """
@@ -136,6 +139,99 @@ def run_fsdp2(model_dir: str, bundle: str) -> tuple[torch.nn.Module, list[float]
     return pm, losses
 
 
+def _train_sharded(pm: torch.nn.Module, rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    ids = data()[rank * (4 // world) : (rank + 1) * (4 // world)]
+    losses = []
+    for _ in range(STEPS):
+        loss = pm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+    return losses
+
+
+def _meta_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+
+def run_accelerate_fsdp2(model_dir: str, bundle: str) -> tuple[torch.nn.Module, list[float]]:
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from plate_inspect.train.peft import PlateConfig, PlateLayer
+
+    acc = Accelerator(cpu=True)  # on CPU accelerate prepares DDP: its FSDP2 preparation is called directly
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        cpu_ram_efficient_loading=True,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["Qwen2DecoderLayer"],
+        state_dict_type="FULL_STATE_DICT",
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = AutoModelForCausalLM.from_pretrained(model_dir) if rank == 0 else _meta_model(model_dir)
+    pm = get_peft_model(model, PlateConfig(bundle=bundle, task_type="CAUSAL_LM"))  # rank 1: checked at forward
+    torch.manual_seed(0)
+    if rank == 1:  # rotary inv_freq: non-persistent, accelerate keeps each rank's own (meta here): real ones
+        rotary = pm.base_model.model.model.rotary_emb
+        for name, buf in type(rotary)(config=model.config).named_buffers():
+            rotary.register_buffer(name, buf, persistent=False)
+    waiting = sum(len(m._awaiting) for m in pm.modules() if isinstance(m, PlateLayer))
+    assert waiting == (14 if rank == 1 else 0), waiting  # rank 1's layers wait for the weights
+    pm = fsdp2_prepare_model(acc, pm)
+    losses = _train_sharded(pm, rank, world)
+    assert not any(m._awaiting for m in pm.modules() if isinstance(m, PlateLayer))  # settled at the first forward
+    return pm, losses
+
+
+def run_fsdp2_meta(model_dir: str, bundle: str) -> tuple[torch.nn.Module, list[float]]:
+    import torch.distributed as dist
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from plate_inspect.train.layer import finish_meta_init
+    from plate_inspect.train.peft import PlateConfig
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pm = get_peft_model(_meta_model(model_dir), PlateConfig(bundle=bundle, task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    inner = pm.base_model.model
+    for layer in inner.model.layers:
+        fully_shard(layer)
+    fully_shard(pm)
+    pm.to_empty(device="cpu")
+    rotary = inner.model.rotary_emb  # non-persistent buffers: to_empty() leaves them uninitialised
+    for name, buf in type(rotary)(config=inner.config).named_buffers():
+        getattr(rotary, name).copy_(buf)
+    full = {}
+    if rank == 0:  # the checkpoint under the PEFT model's names (q_proj.weight -> q_proj.base_layer.weight)
+        keys = set(pm.state_dict())
+        for key, value in load_file(str(Path(model_dir) / "model.safetensors")).items():
+            module, _, leaf = f"base_model.model.{key}".rpartition(".")
+            wrapped = f"{module}.base_layer.{leaf}"
+            full[wrapped if wrapped in keys else f"{module}.{leaf}"] = value
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(pm, full, options=options)
+    assert finish_meta_init(pm) == 14  # weights checked (gathered), B/Q reloaded, A zeroed
+    return pm, _train_sharded(pm, rank, world)
+
+
 def main() -> None:
     mode, model_dir, bundle, out = sys.argv[1:5]
     os.environ["OUT_DIR"] = out
@@ -148,6 +244,10 @@ def main() -> None:
         model, losses = run_accelerate(model_dir, bundle)
     elif mode == "fsdp2":
         model, losses = run_fsdp2(model_dir, bundle)
+    elif mode == "accelerate_fsdp2":
+        model, losses = run_accelerate_fsdp2(model_dir, bundle)
+    elif mode == "fsdp2_meta":
+        model, losses = run_fsdp2_meta(model_dir, bundle)
     else:
         raise SystemExit(f"unknown mode {mode}")
     state = plate_state(model)

@@ -1,4 +1,4 @@
-"""Distributed training on CPU (gloo): torchrun with the transformers Trainer, accelerate and FSDP2.
+"""Distributed training on CPU (gloo): torchrun with the transformers Trainer, accelerate and FSDP2 (also from meta).
 
 Every rank must hold identical B/Q, gradients must all-reduce (A equal on every rank), and the result must match a
 single-process run on the same data. Each case starts 2 processes (tens of seconds): marked slow.
@@ -44,7 +44,7 @@ def _torchrun(mode: str, root: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.mark.parametrize("mode", ["trainer", "accelerate", "fsdp2"])
+@pytest.mark.parametrize("mode", ["trainer", "accelerate", "fsdp2", "accelerate_fsdp2", "fsdp2_meta"])
 def test_two_ranks_match_one_process(tiny, mode):
     root, single = tiny
     ranks = _torchrun(mode, root)

@@ -99,8 +99,11 @@ def test_other_or_missing_weights_are_refused_when_they_arrive(digits_setup):
         finish_meta_init(pm)
     pm.to_empty(device="cpu")
     inner = pm.base_model.model
+    with torch.no_grad():  # what to_empty() leaves is arbitrary (freed memory can even hold these very weights)
+        for m in BACKBONE:
+            getattr(inner, m).base_layer.weight.fill_(0.25)
     with pytest.raises(BundleError, match=r"module 'fc1': weight fingerprint differs.*were they loaded after"):
-        finish_meta_init(pm)  # to_empty() garbage
+        finish_meta_init(pm)
     state["fc2.weight"] = state["fc2.weight"] * 1.01
     inner.load_state_dict(_peft_keys(inner, state), strict=False)
     with pytest.raises(BundleError, match=r"module 'fc2': weight fingerprint differs"):
@@ -151,3 +154,27 @@ def _plate_linear_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {
         (f"{k.split('.')[0]}.base.{k.split('.')[1]}" if k.split(".")[0] in BACKBONE else k): v for k, v in state.items()
     }
+
+
+def test_the_weight_check_leaves_the_weights_storage_resizable(digits_setup):
+    """FSDP2 frees an unsharded parameter by resizing its storage to 0 after the forward; the check runs in that
+    forward (a rank whose layers waited for the weights): numpy must never have seen the weight's storage."""
+    from plate_inspect.train.layer import check_module_against_record
+
+    _, ckpt, bundle = digits_setup
+    model = load_digits(ckpt)
+    check_module_against_record(model.fc1, "fc1", bundle.record("fc1"))
+    model.fc1.weight.untyped_storage().resize_(0)  # RuntimeError "not resizable" before
+
+
+def test_a_compiled_model_settles_at_its_first_call(digits_setup):
+    """The settling step is left out of the graph (torch.compiler.disable); the compiled model matches eager."""
+    _, ckpt, bundle = digits_setup
+    ref = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path)))
+    randomize_adapters([p for n, p in ref.named_parameters() if "plate_A" in n], seed=6)
+    pm = get_peft_model(_meta_digits(), PlateConfig(bundle=str(bundle.path)))
+    pm.base_model.model.load_state_dict(ref.base_model.model.state_dict(), assign=True)
+    compiled = torch.compile(pm, backend="aot_eager")
+    torch.testing.assert_close(compiled(_x()), ref(_x()), rtol=0, atol=0)
+    assert not pm.base_model.model.fc1._awaiting
+    torch.testing.assert_close(compiled(_x()), ref(_x()), rtol=0, atol=0)
