@@ -24,6 +24,7 @@ _LAZY = {
     "ConfigError": "plate_inspect.errors",
     "PlateInspectError": "plate_inspect.errors",
     "apply_bundle": "plate_inspect.train.layer",
+    "finish_meta_init": "plate_inspect.train.layer",
     "audit": "plate_inspect.auditing",
     "plan_budget": "plate_inspect.plan",
     "scan": "plate_inspect.scanner",
@@ -41,6 +42,7 @@ __all__ = [
     "__version__",
     "apply_bundle",
     "audit",
+    "finish_meta_init",
     "plan_budget",
     "scan",
     "verify",
@@ -67,5 +69,5 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
     from plate_inspect.errors import BundleError, CheckpointError, ConfigError, PlateInspectError
     from plate_inspect.plan import plan_budget
     from plate_inspect.scanner import scan
-    from plate_inspect.train.layer import apply_bundle
+    from plate_inspect.train.layer import apply_bundle, finish_meta_init
     from plate_inspect.verification import verify

@@ -198,7 +198,7 @@ class AwaitingWeights:
 
 _UNSET_A = (
     "its PLATE A was made on the meta device and has had no values since (to_empty() leaves it uninitialised): "
-    "call plate_inspect.train.layer.finish_meta_init(model) once the weights are loaded (it checks them, reloads "
+    "call plate_inspect.finish_meta_init(model) once the weights are loaded (it checks them, reloads "
     "B/Q and zeroes A), or load a state dict that holds A"
 )
 
