@@ -125,18 +125,7 @@ def run_fsdp2(model_dir: str, bundle: str) -> tuple[torch.nn.Module, list[float]
             module = name.removeprefix("base_model.model.")
             assert hasattr(m.base_layer.weight, "full_tensor"), "parameters are not sharded"
             check_module_against_record(m.base_layer, module, b.record(module), True)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
-    ids = data()[rank * (4 // world) : (rank + 1) * (4 // world)]
-    losses = []
-    for _ in range(STEPS):
-        loss = pm(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(float(t) / world)
-    return pm, losses
+    return pm, _train_sharded(pm, rank, world)
 
 
 def _train_sharded(pm: torch.nn.Module, rank: int, world: int) -> list[float]:
