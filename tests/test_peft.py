@@ -513,3 +513,40 @@ def test_moe_checkpoint_whose_experts_transformers_fuses(tmp_path):
     w = dense_plate_weight(layer.base_layer.weight.detach(), bundle.b_idx(name), a, bundle.q(name), 0.5)
     x = torch.randn(6, w.shape[1], generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_adapter_integration(tiny_qwen, tmp_path):
+    """transformers' own adapter API (PeftAdapterMixin) with PLATE: add_adapter, load_adapter, and from_pretrained of
+    an adapter directory give the PeftModel's outputs; the weight check holds there too."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    root, bundle = tiny_qwen
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model"), PlateConfig(bundle=str(bundle.path)))
+    _randomize([m for m in pm.modules() if isinstance(m, PlateLayer)], seed=7)
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+    pm.save_pretrained(tmp_path / "adapter")
+
+    added = AutoModelForCausalLM.from_pretrained(root / "model")
+    added.add_adapter(PlateConfig(bundle=str(bundle.path)))
+    trainable = sum(p.numel() for p in added.parameters() if p.requires_grad)
+    assert trainable == sum(bundle.record(m).r * bundle.record(m).k for m in bundle.modules)
+    loaded = AutoModelForCausalLM.from_pretrained(root / "model")
+    loaded.load_adapter(str(tmp_path / "adapter"))
+    direct = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter")  # the adapter config names the base model
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=0)
+        torch.testing.assert_close(direct(input_ids=ids).logits, want, rtol=0, atol=0)
+
+    state = load_file(str(root / "model" / "model.safetensors"))
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.01
+    (tmp_path / "other").mkdir()
+    save_file(state, str(tmp_path / "other" / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json"):
+        if (root / "model" / name).exists():
+            (tmp_path / "other" / name).write_bytes((root / "model" / name).read_bytes())
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "other")
+    with pytest.raises(BundleError, match=r"module 'model.layers.1.mlp.down_proj'.*other base weights"):
+        other.load_adapter(str(tmp_path / "adapter"))
