@@ -550,3 +550,47 @@ def test_transformers_adapter_integration(tiny_qwen, tmp_path):
     other = AutoModelForCausalLM.from_pretrained(tmp_path / "other")
     with pytest.raises(BundleError, match=r"module 'model.layers.1.mlp.down_proj'.*other base weights"):
         other.load_adapter(str(tmp_path / "adapter"))
+
+
+def test_trainer_resumes_from_a_checkpoint_exactly(tiny_qwen, tmp_path):
+    """Nothing lost on a crash: a run stopped after its step-2 checkpoint and resumed (resume_from_checkpoint) ends
+    with the A's and losses of the uninterrupted run, bit for bit."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    root, bundle = tiny_qwen
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (ids := torch.randint(0, 64, (16,), generator=g)), "labels": ids} for _ in range(16)]
+
+    class StopAtFirstSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    def run(out, stop=False, resume=False):
+        model = AutoModelForCausalLM.from_pretrained(root / "model")
+        pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), task_type="CAUSAL_LM"))
+        args = TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            max_steps=4,
+            learning_rate=1e-2,
+            report_to=[],
+            save_strategy="steps",
+            save_steps=2,
+            use_cpu=True,
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = Trainer(model=pm, args=args, train_dataset=data, callbacks=[StopAtFirstSave()] if stop else [])
+        trainer.train(resume_from_checkpoint=resume or None)
+        a = {n: p.detach().clone() for n, p in pm.named_parameters() if "plate_A" in n}
+        return a, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    whole, whole_losses = run(tmp_path / "whole")
+    _, first = run(tmp_path / "crashed", stop=True)
+    assert len(first) == 2 and (tmp_path / "crashed" / "checkpoint-2" / "adapter_model.safetensors").exists()
+    resumed, losses = run(tmp_path / "crashed", resume=True)
+    assert losses == whole_losses
+    assert resumed.keys() == whole.keys() and len(whole) == 14
+    for n, a in whole.items():
+        assert torch.equal(resumed[n], a), n
