@@ -87,8 +87,10 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
       plate-inspect experiment continual --out runs/digits --report-only     # tables/HTML of what finished
       plate-inspect experiment continual --out /tmp/cq --report-only --methods lora,plate   # of two methods
 
-    A rerun of the same command resumes (finished runs are in OUT/runs.jsonl; more --seeds or --methods add to
-    them); other settings into the same OUT are refused, naming what differs.
+    A rerun of the same command resumes (finished runs are in OUT/runs.jsonl; more --seeds, --methods or --steps
+    values add to them: only the new runs train); other settings into the same OUT (--data, --stage1-steps, a method's
+    budgets, e.g. with or without --quick) are refused, naming what differs. The report is of the runs the command
+    names; --report-only reports every finished run.
     """
     from plate_inspect.experiments.continual import (
         ContinualSettings,
@@ -119,6 +121,21 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
         result = run_continual(out, seeds=seeds, settings=settings, progress=progress)
     console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, mean ± 95% CI over seeds"))
     err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
+    _note_unreported(out, len(result.records))
+
+
+def _note_unreported(out: Path, reported: int) -> None:
+    """Say when OUT holds finished runs this command's report leaves out (other methods, steps or seeds run before):
+    the report is of the runs the command names, and --report-only reports all."""
+    from plate_inspect.experiments.continual import records_from_dir
+
+    others = len(records_from_dir(out)[0]) - reported
+    if others > 0:
+        err_console.print(
+            f"note: {out} also holds {others} finished run{'s' if others > 1 else ''} of other --methods, --steps or "
+            f"--seeds, not in this report; `plate-inspect experiment continual --out {out} --report-only` reports all",
+            soft_wrap=True,
+        )
 
 
 def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: int, data: str):

@@ -279,13 +279,25 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path):
 
 
 def test_other_settings_in_out_are_named(tmp_path):
+    """A setting that changes every run (stage 1, a budget) is refused by name, with what to do, in one line."""
     runner = CliRunner()
     args = ["experiment", "continual", "--out", str(tmp_path), "--methods", "full_ft", "--stage1-steps", "5", "-q"]
     assert runner.invoke(cli, [*args, "--steps", "3", "--seeds", "1"]).exit_code == 0
-    again = runner.invoke(cli, [*args, "--steps", "4", "--seeds", "1"])
-    assert (
-        again.exit_code == 2 and "steps: [3] -> [4]" in again.output and "rerun with the same options" in again.output
-    )
+    quick = ["experiment", "continual", "--out", str(tmp_path / "q"), "--methods", "lora", "--stage1-steps", "5", "-q"]
+    assert runner.invoke(cli, [*quick, "--steps", "3", "--quick"]).exit_code == 0
+    before = [(tmp_path / d / "runs.jsonl").read_bytes() for d in (".", "q")]
+    for bad, named in (
+        ([*args, "--stage1-steps", "6", "--steps", "3,4"], "stage1_steps (--stage1-steps): 5 -> 6"),
+        (
+            [*quick, "--steps", "3,4", "--seeds", "1"],
+            "budgets of lora: r1 -> r1, r8, r32 (--quick runs each method's first budget only)",
+        ),
+    ):
+        again = runner.invoke(cli, bad)
+        assert again.exit_code == 2 and named in again.output and "Traceback" not in again.output, again.output
+        assert "rerun with its settings to resume or add runs" in again.output
+        assert len(again.output.strip().splitlines()) == 1
+    assert [(tmp_path / d / "runs.jsonl").read_bytes() for d in (".", "q")] == before  # nothing ran
     more = runner.invoke(cli, [*args, "--steps", "3", "--seeds", "2"])  # more seeds: same settings, it resumes
     assert more.exit_code == 0, more.output
     assert sorted({r["seed"] for r in json.loads((tmp_path / "results.json").read_text())}) == [0, 1]
@@ -492,11 +504,43 @@ def test_methods_can_be_added_to_a_finished_run(tmp_path):
         data == [r for r in json.loads(json.dumps([vars(x) for x in first.records])) if r["method"] == "lora"] + fresh
     )
     assert json.loads((out / "settings.json").read_text())["methods"] == ["full_ft", "lora", "mica"]
-    with pytest.raises(ConfigError, match="other settings \\(budgets: "):
+    with pytest.raises(ConfigError, match=r"other settings \(budgets of lora: r1 -> r2\); rerun"):
         run_continual(out, seeds=1, settings=_tiny(budgets={"lora": [Budget("r2", {"rank": 2})]}))
     result = CliRunner().invoke(cli, ["experiment", "continual", "--out", str(out), "--report-only"])
     assert result.exit_code == 0, result.output
     assert [r["method"] for r in json.loads((out / "results.json").read_text())] == ["full_ft", "lora", "mica"]
+
+
+def test_steps_can_be_added_to_a_finished_run(tmp_path):
+    """More --steps values into a finished OUT used to be refused ("steps: [3] -> [3, 4]"); each (method, steps) run
+    starts from the same stage-1 model on its own, so now only the new runs train, the finished ones are kept byte
+    for byte, and the report lists both. Oracle: the steps-4 runs of a fresh OUT."""
+    runner = CliRunner()
+
+    def run(out, steps, *extra):
+        args = ["experiment", "continual", "--out", str(out), "--methods", "full_ft,lora", "--stage1-steps", "5"]
+        result = runner.invoke(cli, [*args, "--seeds", "1", "--steps", steps, "-q", *extra])
+        assert result.exit_code == 0, result.output
+        return result.output, json.loads((out / "results.json").read_text())
+
+    _, fresh = run(tmp_path / "fresh", "4")
+    out = tmp_path / "out"
+    _, first = run(out, "3")
+    finished = (out / "runs.jsonl").read_bytes()
+    assert [r["steps"] for r in first] == [3] * 4  # full_ft + lora's three budgets
+    _, both = run(out, "3,4")
+    assert both == first + fresh
+    runs = (out / "runs.jsonl").read_bytes()
+    assert runs.startswith(finished) and runs.count(b"\n") == 8  # the finished runs untouched, 4 new ones after them
+    assert json.loads((out / "settings.json").read_text())["steps"] == [3, 4]
+    all_runs, sensitivity = (out / "summary.md").read_text().split("## Stage-2 step sensitivity")
+    rows = [line.split(" | ")[:3] for line in all_runs.splitlines() if line.startswith("| 4 |")]
+    assert rows == [["| 4", "full_ft", "all"], ["| 4", "lora", "r1"], ["| 4", "lora", "r8"], ["| 4", "lora", "r32"]]
+    output, alone = run(out, "4")  # a report of the runs the command names, with a note about the others
+    assert alone == fresh and (out / "runs.jsonl").read_bytes() == runs
+    assert "also holds 4 finished runs of other --methods, --steps or --seeds" in output
+    again = runner.invoke(cli, ["experiment", "continual", "--out", str(out), "--report-only"])
+    assert again.exit_code == 0 and json.loads((out / "results.json").read_text()) == first + fresh
 
 
 def test_one_out_holds_one_experiment(tmp_path):
