@@ -141,7 +141,6 @@ def _note_unreported(out: Path, reported: int) -> None:
 def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: int, data: str):
     """--report-only: the finished runs of OUT, restricted by --methods/--steps/--seeds where given; --data and
     --stage1-steps must be OUT's own; --quick and --data-root (they only shape training) are refused, not ignored."""
-    from plate_inspect.errors import ConfigError
     from plate_inspect.experiments.continual import (
         check_not_other_experiment,
         records_from_dir,
@@ -149,25 +148,40 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
         select_records,
     )
 
+    _refuse_training_options("--methods, --steps and --seeds")
+    check_not_other_experiment(out, "continual")
+    records, settings = records_from_dir(out)
+    _check_own_settings(out, {"data": (data, settings.data), "stage1_steps": (stage1_steps, settings.stage1_steps)})
+    chosen_steps = _int_list(steps, "--steps") if _given("steps") else None
+    chosen_seeds = seed_list(seeds) if _given("seeds") else None
+    return select_records(records, out, methods, chosen_steps, chosen_seeds), settings
+
+
+def _refuse_training_options(selecting: str) -> None:
+    """--report-only: ConfigError naming --quick/--data-root where given (they only shape training: refused, not
+    ignored); ``selecting`` names the options that do select runs to report."""
+    from plate_inspect.errors import ConfigError
+
     training_only = [f"--{name.replace('_', '-')}" for name in ("quick", "data_root") if _given(name)]
     if training_only:
         raise ConfigError(
             f"--report-only trains nothing, so {' and '.join(training_only)} cannot apply; drop "
-            f"{'it' if len(training_only) == 1 else 'them'} (--methods, --steps and --seeds select runs to report)"
+            f"{'it' if len(training_only) == 1 else 'them'} ({selecting} select runs to report)"
         )
-    check_not_other_experiment(out, "continual")
-    records, settings = records_from_dir(out)
-    for name, value in (("data", data), ("stage1_steps", stage1_steps)):
-        recorded = getattr(settings, name)
+
+
+def _check_own_settings(out: Path, values: dict[str, tuple]) -> None:
+    """--report-only: ConfigError for an option given with another value than OUT's runs were made with (name ->
+    (given, recorded)); such an option selects nothing, it must be the run's own."""
+    from plate_inspect.errors import ConfigError
+
+    for name, (value, recorded) in values.items():
         if _given(name) and value != recorded:
             flag = f"--{name.replace('_', '-')}"
             raise ConfigError(
                 f"{out}: its runs were made with {flag} {recorded}, not {value}; drop {flag} or choose the --out of "
                 "those runs"
             )
-    chosen_steps = _int_list(steps, "--steps") if _given("steps") else None
-    chosen_seeds = seed_list(seeds) if _given("seeds") else None
-    return select_records(records, out, methods, chosen_steps, chosen_seeds), settings
 
 
 @experiment_group.command("sequential")
@@ -186,9 +200,15 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
 )
 @click.option("--quick", is_flag=True, help="Smoke run: 1 seed and 60 steps per task unless --seeds/--steps given.")
 @click.option(
+    "--report-only",
+    is_flag=True,
+    help="Rewrite sequential.json and print the matrices from OUT's finished runs (trains nothing); with --methods/"
+    "--seeds, of those runs only.",
+)
+@click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
 )
-def sequential_command(out, data, methods, seeds, steps, data_root, quick, quiet):
+def sequential_command(out, data, methods, seeds, steps, data_root, quick, report_only, quiet):
     """The paper's four-task sequential protocol: 2v3 -> 4v5 -> 6v7 -> 8v9, merge (+ rescan) after each task.
 
     Task 1 trains the backbone and head 1 from scratch; tasks 2-4 train only the method's adapter and the task's
@@ -205,16 +225,28 @@ def sequential_command(out, data, methods, seeds, steps, data_root, quick, quiet
       plate-inspect experiment sequential --out runs/seq --seeds 3
       plate-inspect experiment sequential --out /tmp/sq --quick              # smoke run: 1 seed, 60 steps per task
       plate-inspect experiment sequential --out runs/seq-fm --data fashion-mnist --seeds 3 --methods plate,lora
+      plate-inspect experiment sequential --out runs/seq --report-only      # matrices of what finished
+      plate-inspect experiment sequential --out runs/seq --report-only --methods plate --seeds 2   # part of it
     """
     from plate_inspect.experiments.methods import parse_methods
     from plate_inspect.experiments.sequential_tasks import (
         QUICK_PAIR_STEPS,
         SEQUENTIAL_METHODS,
         print_matrix,
+        recorded_settings,
+        report_sequential,
         run_sequential,
     )
 
     names = parse_methods(methods, SEQUENTIAL_METHODS)
+    if report_only:
+        _refuse_training_options("--methods and --seeds")
+        own = recorded_settings(out)
+        _check_own_settings(out, {"data": (data, own.get("data")), "steps": (steps, own.get("steps"))})
+        result = report_sequential(out, names if _given("methods") else None, seeds if _given("seeds") else None)
+        print_matrix(result, console)
+        err_console.print(f"results: {result.path}")
+        return
     if quick:  # its small defaults, where the command line did not set the option itself
         seeds = seeds if _given("seeds") else 1
         steps = steps if _given("steps") else QUICK_PAIR_STEPS
