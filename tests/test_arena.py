@@ -449,4 +449,5 @@ def test_arena_benchmarks_refuse_zero_counts_up_front(script, args):
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / script
     run = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "must be >= 1, got 0" in run.stderr, run.stdout + run.stderr
+    message = f"Invalid value for '{args[0]}': 0 is not in the range x>=1"
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stdout + run.stderr
