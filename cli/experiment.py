@@ -28,6 +28,14 @@ def _given(name: str) -> bool:
     return source not in (None, click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP)
 
 
+def _out_dir(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    """--out as a Path; an empty value (an unset shell variable) is refused: as Path("") it would write into the
+    current directory."""
+    if not value.strip():
+        raise click.BadParameter("is empty; give an output directory, e.g. runs/continual (--out . for this one)")
+    return Path(value)
+
+
 def _int_list(text: str, what: str) -> tuple[int, ...]:
     from plate_inspect.errors import ConfigError
 
@@ -41,12 +49,18 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 
 @experiment_group.command("continual")
-@click.option("--out", "-o", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--out", "-o", type=click.Path(), required=True, callback=_out_dir, help="Output directory.")
 @click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
 @click.option("--methods", default=None, help="Comma-separated methods (listed above) [all].")
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True, help="Seeds 0..K-1.")
 @click.option("--steps", default="2400", show_default=True, help="Stage-2 Adam steps; a list runs each.")
-@click.option("--stage1-steps", type=click.IntRange(min=1), default=2400, show_default=True)
+@click.option(
+    "--stage1-steps",
+    type=click.IntRange(min=1),
+    default=2400,
+    show_default=True,
+    help="Stage-1 Adam steps (backbone + head 1 on task 1).",
+)
 @click.option(
     "--quick",
     is_flag=True,
@@ -100,9 +114,11 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
     from plate_inspect.experiments.continual_report import rich_table
     from plate_inspect.experiments.methods import METHODS, parse_methods
 
-    names = tuple(parse_methods(methods)) if methods else METHODS
+    names = tuple(parse_methods(methods)) if methods is not None else METHODS  # --methods "": refused, not all
     if report_only:
-        records, settings = _report_records(out, names if methods else None, steps, seeds, stage1_steps, data)
+        records, settings = _report_records(
+            out, names if methods is not None else None, steps, seeds, stage1_steps, data
+        )
         result = write_outputs(out, records, settings, console=console)
         err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
         return
@@ -185,9 +201,11 @@ def _check_own_settings(out: Path, values: dict[str, tuple]) -> None:
 
 
 @experiment_group.command("sequential")
-@click.option("--out", "-o", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--out", "-o", type=click.Path(), required=True, callback=_out_dir, help="Output directory.")
 @click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
-@click.option("--methods", default="plate,lora,osf", show_default=True, help="Any of plate, lora, osf.")
+@click.option(
+    "--methods", default="plate,lora,osf", show_default=True, help="Comma-separated: any of plate, lora, osf."
+)
 @click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True, help="Seeds 0..K-1.")
 @click.option(
     "--steps", type=click.IntRange(min=1), default=950, show_default=True, help="Adam steps per task (10 MNIST epochs)."
@@ -217,8 +235,9 @@ def sequential_command(out, data, methods, seeds, steps, data_root, quick, repor
     merge_and_unload. After every merge each earlier task is evaluated with its own head. Writes
     OUT/sequential.json and prints the accuracy matrix (mean over seeds).
 
-    A rerun of the same command resumes (each finished seed and method is kept in OUT/seed<N>/<method>/); other
-    settings into the same OUT are refused, naming what differs.
+    A rerun of the same command resumes (each finished seed and method is kept in OUT/seed<N>/<method>/; more --seeds
+    or --methods add to them); other settings into the same OUT (--data, --steps) are refused, naming what differs.
+    --report-only rewrites sequential.json from what finished.
 
     \b
     Examples:

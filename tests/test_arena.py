@@ -278,7 +278,7 @@ def test_sequential_resumes_and_never_overwrites_other_settings(tmp_path):
     assert [r for r in second.records if r.method == "lora"] == first.records
     assert second.matrix("lora") == fresh.matrix("lora") and second.matrix("osf") == fresh.matrix("osf")
     before = (out / "sequential.json").read_text()
-    with pytest.raises(ConfigError, match=r"other settings \(steps: 5 -> 6\)"):
+    with pytest.raises(ConfigError, match=r"other settings \(steps \(CLI: --steps\): 5 -> 6\)"):
         run_sequential(out, ["lora"], seeds=1, steps=6)
     assert (out / "sequential.json").read_text() == before
 
@@ -330,9 +330,9 @@ def test_sequential_resumes_an_old_sequential_json_without_a_data_setting(tmp_pa
     assert not (out / "seed0" / "osf" / "records.json").exists()  # the torn osf run is not taken as finished
     other = tmp_path / "fm"
     _old_style_sequential_json(other, data="fashion-mnist")
-    with pytest.raises(ConfigError, match=r'other settings \(data: "fashion-mnist" -> "digits"\)'):
+    with pytest.raises(ConfigError, match=r'other settings \(data \(CLI: --data\): "fashion-mnist" -> "digits"\)'):
         run_sequential(other, ["lora"], seeds=1, steps=2)
-    with pytest.raises(ConfigError, match=r"other settings \(steps: 2 -> 3\)"):
+    with pytest.raises(ConfigError, match=r"other settings \(steps \(CLI: --steps\): 2 -> 3\)"):
         run_sequential(tmp_path / "old", ["lora"], seeds=1, steps=3)
 
 

@@ -577,3 +577,21 @@ def test_sequential_quick_is_a_smoke_run_keeping_the_options_given(tmp_path):
     assert runner.invoke(cli, [*args, "--seeds", "2", "--steps", "3"]).exit_code == 0
     written = json.loads((tmp_path / "b" / "sequential.json").read_text())
     assert written["settings"]["steps"] == 3 and {r["seed"] for r in written["records"]} == {0, 1}
+
+
+def test_an_empty_out_or_methods_is_refused_not_read_as_a_default(tmp_path, monkeypatch):
+    """--out "" (an unset shell variable) used to write the runs into the current directory, and continual's
+    --methods "" ran every method (a comma alone was refused); both are one line now and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    small = ["--seeds", "1", "--steps", "1", "-q"]
+    for command, extra in (
+        ("continual", ["--methods", "lora", "--stage1-steps", "1"]),
+        ("sequential", ["--methods", "lora"]),
+    ):
+        bad = runner.invoke(cli, ["experiment", command, "--out", "", *extra, *small])
+        assert bad.exit_code == 2 and "Invalid value for '--out' / '-o': is empty" in bad.output, bad.output
+        bad = runner.invoke(cli, ["experiment", command, "--out", str(tmp_path / "out"), "--methods", "", *small])
+        assert bad.exit_code == 2 and "--methods is empty" in bad.output, bad.output
+        assert len(bad.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

@@ -210,7 +210,7 @@ def run_sequential(
     if result.path.exists():
         previous = _read_json(result.path, "the finished runs under OUT/seed<N>/ are kept")
         recorded = _with_legacy_data(previous)
-        differ = settings_diff(recorded, settings)
+        differ = settings_diff(recorded, settings, {"data": "--data", "steps": "--steps"})
         if differ:
             raise ConfigError(
                 f"{out}: holds sequential runs made with other settings ({differ}); rerun with the same options "
@@ -279,7 +279,10 @@ def recorded_settings(out: str | os.PathLike) -> dict[str, Any]:
         )
     settings = _with_legacy_data(_read_json(path, "the finished runs under OUT/seed<N>/ are kept"))
     if not isinstance(settings, dict):
-        raise ConfigError(f"{path}: records no settings; rerun `plate-inspect experiment sequential --out {out}`")
+        raise ConfigError(
+            f"{path}: records no settings; delete it and rerun the command that made these runs (the finished runs "
+            "under OUT/seed<N>/ are kept)"
+        )
     return settings
 
 
@@ -299,15 +302,18 @@ def report_sequential(
     if "data" not in (previous.get("settings") or {}):  # written before per-run files: keep its runs as a resume does
         with writing_errors(out, "nothing was changed"):
             _keep_legacy_runs(out, previous.get("records"), settings)
-    units = {}
+    units, other = {}, 0
     for unit in out.glob("seed*/*/records.json"):
         number, method = unit.parent.parent.name.removeprefix("seed"), unit.parent.name
         if method in SEQUENTIAL_METHODS and number.isdigit() and _unit_path(out, int(number), method) == unit:
-            kept = _kept_unit(out, int(number), method, settings)  # None: left by a run with other settings
-            if kept is not None:
+            kept = _kept_unit(out, int(number), method, settings)  # None: made with other settings
+            if kept is None:
+                other += 1
+            else:
                 units[(int(number), method)] = kept
     if not units:
-        raise ConfigError(f"{out}: holds no finished (seed, method) run yet; nothing to report")
+        also = f" ({other} made with other settings than {path.name} records)" if other else ""
+        raise ConfigError(f"{out}: holds no finished (seed, method) run yet{also}; nothing to report")
     records = [r for group in units.values() for r in group]
     records = select_records(records, out, methods, None, seed_list(seeds) if seeds is not None else None)
     names = list(methods) if methods else [m for m in SEQUENTIAL_METHODS if any(r.method == m for r in records)]
