@@ -108,6 +108,7 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
     """
     from plate_inspect.experiments.continual import (
         ContinualSettings,
+        records_from_dir,
         run_continual,
         write_outputs,
     )
@@ -137,19 +138,18 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
         result = run_continual(out, seeds=seeds, settings=settings, progress=progress)
     console.print(rich_table(result.summary, title=f"{data} 0-4 -> 5-9, mean ± 95% CI over seeds"))
     err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
-    _note_unreported(out, len(result.records))
+    _note_unreported(
+        out, len(records_from_dir(out)[0]) - len(result.records), "continual", "--methods, --steps or --seeds"
+    )
 
 
-def _note_unreported(out: Path, reported: int) -> None:
-    """Say when OUT holds finished runs this command's report leaves out (other methods, steps or seeds run before):
+def _note_unreported(out: Path, others: int, command: str, options: str) -> None:
+    """Say when OUT holds ``others`` finished runs this command's report leaves out (other ``options`` run before):
     the report is of the runs the command names, and --report-only reports all."""
-    from plate_inspect.experiments.continual import records_from_dir
-
-    others = len(records_from_dir(out)[0]) - reported
     if others > 0:
         err_console.print(
-            f"note: {out} also holds {others} finished run{'s' if others > 1 else ''} of other --methods, --steps or "
-            f"--seeds, not in this report; `plate-inspect experiment continual --out {out} --report-only` reports all",
+            f"note: {out} also holds {others} finished run{'s' if others > 1 else ''} of other {options}, not in "
+            f"this report; `plate-inspect experiment {command} --out {out} --report-only` reports all",
             soft_wrap=True,
         )
 
@@ -251,6 +251,7 @@ def sequential_command(out, data, methods, seeds, steps, data_root, quick, repor
     from plate_inspect.experiments.sequential_tasks import (
         QUICK_PAIR_STEPS,
         SEQUENTIAL_METHODS,
+        finished_units,
         print_matrix,
         recorded_settings,
         report_sequential,
@@ -273,3 +274,5 @@ def sequential_command(out, data, methods, seeds, steps, data_root, quick, repor
         result = run_sequential(out, names, seeds=seeds, steps=steps, data=data, data_root=data_root, progress=progress)
     print_matrix(result, console)
     err_console.print(f"results: {result.path}")
+    others = len(finished_units(out, recorded_settings(out))[0]) - len({(r.seed, r.method) for r in result.records})
+    _note_unreported(out, others, "sequential", "--methods or --seeds")

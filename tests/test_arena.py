@@ -380,6 +380,9 @@ def test_sequential_report_only_rebuilds_from_finished_runs(tmp_path):
     assert partial["records"] == [r for r in json.loads(full)["records"] if (r["method"], r["seed"]) != ("osf", 1)]
     assert all(p.read_bytes() == b for p, b in units.items() if p.exists())  # a report never touches finished runs
     assert not (out / "seed1" / "osf" / "records.json").exists()
+    run = ["experiment", "sequential", "--out", str(out), "--methods", "lora", "--seeds", "1", "--steps", "2", "-q"]
+    kept = runner.invoke(cli, run)  # a run of part of OUT (kept: nothing trains) says what its report leaves out
+    assert kept.exit_code == 0 and "also holds 2 finished runs of other --methods or --seeds" in kept.output
     bad = runner.invoke(cli, ["experiment", "sequential", "--out", str(tmp_path / "none"), "--report-only"])
     assert bad.exit_code == 2 and "no sequential.json here; run `plate-inspect experiment sequential" in bad.output
 

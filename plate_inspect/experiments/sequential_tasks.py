@@ -302,15 +302,7 @@ def report_sequential(
     if "data" not in (previous.get("settings") or {}):  # written before per-run files: keep its runs as a resume does
         with writing_errors(out, "nothing was changed"):
             _keep_legacy_runs(out, previous.get("records"), settings)
-    units, other = {}, 0
-    for unit in out.glob("seed*/*/records.json"):
-        number, method = unit.parent.parent.name.removeprefix("seed"), unit.parent.name
-        if method in SEQUENTIAL_METHODS and number.isdigit() and _unit_path(out, int(number), method) == unit:
-            kept = _kept_unit(out, int(number), method, settings)  # None: made with other settings
-            if kept is None:
-                other += 1
-            else:
-                units[(int(number), method)] = kept
+    units, other = finished_units(out, settings)
     if not units:
         also = f" ({other} made with other settings than {path.name} records)" if other else ""
         raise ConfigError(f"{out}: holds no finished (seed, method) run yet{also}; nothing to report")
@@ -322,6 +314,24 @@ def report_sequential(
     with writing_errors(out, "the finished runs under OUT/seed<N>/ are kept"):
         _write_sequential(result, names, settings)
     return result
+
+
+def finished_units(
+    out: str | os.PathLike, settings: dict[str, Any]
+) -> tuple[dict[tuple[int, str], list[SequentialRecord]], int]:
+    """The finished (seed, method) runs under OUT/seed<N>/<method>/ made with ``settings`` (their records), and how
+    many others there are (made with other settings)."""
+    out = Path(out)
+    units, other = {}, 0
+    for unit in out.glob("seed*/*/records.json"):
+        number, method = unit.parent.parent.name.removeprefix("seed"), unit.parent.name
+        if method in SEQUENTIAL_METHODS and number.isdigit() and _unit_path(out, int(number), method) == unit:
+            kept = _kept_unit(out, int(number), method, settings)  # None: made with other settings
+            if kept is None:
+                other += 1
+            else:
+                units[(int(number), method)] = kept
+    return units, other
 
 
 def _keep_legacy_runs(out: Path, records: Any, settings: dict[str, Any]) -> None:
