@@ -543,6 +543,29 @@ def test_steps_can_be_added_to_a_finished_run(tmp_path):
     assert again.exit_code == 0 and json.loads((out / "results.json").read_text()) == first + fresh
 
 
+def test_runs_are_not_added_to_an_out_whose_stage_one_does_not_reproduce(tmp_path, monkeypatch):
+    """Added runs retrain the seed's stage 1: were it another model (another torch or machine), old and new runs would
+    be compared across two models in silence. A stage 1 that differs (planted: fc1 zeroed) is refused; nothing runs."""
+    from plate_inspect.experiments import continual
+
+    continual.run_continual(tmp_path, seeds=1, settings=_tiny())
+    before = (tmp_path / "runs.jsonl").read_bytes()
+    checkpoint = (tmp_path / "seed0" / "stage1.safetensors").read_bytes()
+    train_stage1 = digits.train_stage1
+
+    def another_model(*args, **kwargs):
+        model = train_stage1(*args, **kwargs)
+        with torch.no_grad():
+            model.fc1.weight.zero_()
+        return model
+
+    monkeypatch.setattr(continual.digits, "train_stage1", another_model)
+    with pytest.raises(ConfigError, match="stage 1 of seed 0 does not reproduce"):
+        continual.run_continual(tmp_path, seeds=1, settings=_tiny(steps=(3, 4)))
+    assert (tmp_path / "runs.jsonl").read_bytes() == before
+    assert (tmp_path / "seed0" / "stage1.safetensors").read_bytes() == checkpoint  # their stage-1 model is kept
+
+
 def test_one_out_holds_one_experiment(tmp_path):
     """continual and sequential both write OUT/seed<N>/: pointed at the other's OUT they used to mix their files in
     silence; each now refuses it in one line before writing anything."""

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -240,16 +240,20 @@ def ci95(values: list[float]) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------- running
-def stage_one(out: Path, seed: int, s: ContinualSettings, task1: digits.Task) -> tuple[StageOne, float, torch.Tensor]:
-    """Train and save the seed's stage-1 model; return it with its task-1 accuracy and task-1 test logits."""
+def stage_one(
+    out: Path, seed: int, s: ContinualSettings, task1: digits.Task, finished: Iterable[RunRecord] = ()
+) -> tuple[StageOne, float, torch.Tensor]:
+    """Train and save the seed's stage-1 model; return it with its task-1 accuracy and task-1 test logits. Checked
+    against the seed's ``finished`` runs (:func:`check_same_stage_one`) before it replaces their checkpoint."""
     seed_dir = out / f"seed{seed}"
     seed_dir.mkdir(parents=True, exist_ok=True)
     n_classes = int(task1.y_train.max()) + 1
     init = digits.initial_model(task1.d_in, seed, n_classes=n_classes).state_dict()
     model = digits.train_stage1(task1, seed, steps=s.stage1_steps, lr=s.lr, batch_size=s.batch_size)
+    acc = digits.accuracy(model, task1.x_test, task1.y_test, 1)
+    check_same_stage_one(out, seed, acc, finished)
     ckpt = seed_dir / "stage1.safetensors"
     digits.save_model(model, ckpt)
-    acc = digits.accuracy(model, task1.x_test, task1.y_test, 1)
     stage1 = StageOne(seed, seed_dir, ckpt, task1, {k: v.clone() for k, v in init.items()}, s.max_rank)
     return stage1, acc, task_logits(model, task1.x_test)
 
@@ -462,7 +466,7 @@ def run_continual(
                 mine = [r for r in todo if r[0] == seed and (r[2], r[3].id, seed, r[1]) not in done]
                 if not mine:
                     continue
-                stage1, acc_before, logits_before = stage_one(out, seed, s, task1)
+                stage1, acc_before, logits_before = stage_one(out, seed, s, task1, done.values())
                 for _, steps, method, budget in mine:
                     rec = run_one(stage1, acc_before, logits_before, method, budget, steps, task2, s)
                     _append_record(jsonl, rec)
@@ -473,6 +477,18 @@ def run_continual(
     records = [done[(m, b.id, seed, st)] for seed, st, m, b in todo]
     with writing_errors(out, kept):
         return write_outputs(out, records, s, console=console)
+
+
+def check_same_stage_one(out: Path, seed: int, acc_before: float, finished: Iterable[RunRecord]) -> None:
+    """ConfigError when the seed's retrained stage-1 model is not the one its finished runs started from (its task-1
+    accuracy differs: another torch, another machine): runs added to OUT would be compared across two models."""
+    recorded = sorted({r.task1_acc_before for r in finished if r.seed == seed})
+    if recorded and recorded != [acc_before]:
+        raise ConfigError(
+            f"{out}: stage 1 of seed {seed} does not reproduce (task-1 accuracy {acc_before:.4f} now, "
+            f"{', '.join(f'{a:.4f}' for a in recorded)} in its finished runs), so new runs would start from another "
+            "model; give them another --out"
+        )
 
 
 def _shared_runs(old: Any, new: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
