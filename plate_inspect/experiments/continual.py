@@ -422,7 +422,9 @@ def run_continual(
     """Run the benchmark over ``seeds`` (a count -> 0..K-1, or a list); write results.json, summary.md, the HTML.
 
     Finished runs are appended to OUT/runs.jsonl as they complete; rerunning with the same settings skips them
-    (an interrupted run resumes). ``progress`` gets one event per run of ``plan`` (unit "runs"; runs already in
+    (an interrupted run resumes), and more seeds, methods or stage-2 step counts add only their own runs (other
+    data, stage-1 steps or budgets are a ConfigError naming them). The outputs are of the runs ``seeds`` and
+    ``settings`` name. ``progress`` gets one event per run of ``plan`` (unit "runs"; runs already in
     runs.jsonl count as done in the opening event).
     """
     s = settings or ContinualSettings()

@@ -17,7 +17,8 @@ task t is the accuracy matrix entry acc[t][j].
 
 Each finished (seed, method) is saved as ``OUT/seed<N>/<method>/records.json`` with the settings it ran with; a rerun
 with the same settings keeps those and runs only the rest (an interrupted run resumes). ``OUT/sequential.json``
-holds the records and mean matrices of the seeds and methods asked for.
+holds the records and mean matrices of the seeds and methods asked for; :func:`report_sequential` rewrites it from
+the finished runs alone (CLI: --report-only).
 """
 
 from __future__ import annotations
