@@ -14,11 +14,11 @@ Usage: .venv/bin/python benchmarks/arena_dead_units.py [--seeds 3] [--steps 2400
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from pathlib import Path
 
+import click
 import torch
 
 from plate_inspect.bundle import Bundle
@@ -63,16 +63,23 @@ def train_with_b(ckpt: Path, bundle: Bundle, b_rows: dict[str, torch.Tensor], ta
     return model
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=_positive, default=3, help="seeds 0..K-1 (stage 1: 2,400 steps each; default 3)")
-    ap.add_argument("--steps", type=_positive, default=2400, help="stage-2 steps of the intervention (default 2400)")
-    ap.add_argument("--data", choices=("digits", "fashion-mnist"), default="digits")
-    args = ap.parse_args()
+@click.command(help=__doc__.split("\n")[0])
+@click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Seeds 0..K-1 (stage 1: 2,400 steps each).",
+)
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=2400, show_default=True, help="Stage-2 steps of the intervention."
+)
+@click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
+def main(seeds: int, steps: int, data: str) -> None:
     torch.set_num_threads(1)
-    task1, task2 = digits.load_tasks(args.data)
+    task1, task2 = digits.load_tasks(data)
     rows: dict[tuple, list[tuple[float, float, float]]] = {}
-    for seed in range(args.seeds):
+    for seed in range(seeds):
         with tempfile.TemporaryDirectory() as tmp:
             model = digits.train_stage1(task1, seed, steps=2400)
             ckpt = Path(tmp) / "stage1.safetensors"
@@ -108,7 +115,7 @@ def main() -> None:
                     if b_rows is None:
                         continue
                     dead_frac = statistics.fmean(float((~live[m][b_rows[m]]).float().mean()) for m in BACKBONE)
-                    adapted = train_with_b(ckpt, plate, b_rows, task2, args.steps, seed)
+                    adapted = train_with_b(ckpt, plate, b_rows, task2, steps, seed)
                     with torch.no_grad():
                         kl = symmetric_kl(before, adapted(task1.x_test, task=1))
                     acc2 = digits.accuracy(adapted, task2.x_test, task2.y_test, 2)
@@ -127,13 +134,6 @@ def main() -> None:
             kl = statistics.fmean(v[1] for v in vals)
             acc = statistics.fmean(v[2] for v in vals)
             print(f"| {r}, {tau} | {name} | {len(vals)} | {dead:.3f} | {kl:.4f} | {100 * acc:.2f} |")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 if __name__ == "__main__":

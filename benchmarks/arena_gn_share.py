@@ -10,9 +10,9 @@ Usage: .venv/bin/python benchmarks/arena_gn_share.py [--probes 30]
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
+import click
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -38,10 +38,11 @@ def shares(q_h: np.ndarray, q_gn: np.ndarray) -> tuple[float, float, float]:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--probes", type=_positive, default=30, help="random unit probes per family (default 30)")
-    args = ap.parse_args()
+@click.command(help=__doc__.split("\n")[0])
+@click.option(
+    "--probes", type=click.IntRange(min=1), default=30, show_default=True, help="Random unit probes per family."
+)
+def main(probes: int) -> None:
     torch.set_num_threads(1)
     _, task2 = digits.load_digit_tasks()
     backbone = ["fc1", "fc2", "fc3"]
@@ -63,17 +64,10 @@ def main() -> None:
                 problem = OldTaskProblem(model, F.cross_entropy, data)
                 loss = problem.loss()
                 for fam in fams:
-                    q_h, q_gn, _ = gn_decomposition(problem, fam, n_probes=args.probes, seed=0)
+                    q_h, q_gn, _ = gn_decomposition(problem, fam, n_probes=probes, seed=0)
                     a, b, c = shares(q_h, q_gn)
                     row = f"{epochs} epochs, {label} | {fam.name} | {a:.3f} | {b:.3f} | {c:.3f} | {loss:.2e}"
                     print(row, flush=True)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import struct
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
+from plate_inspect.cli.main import cli
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
 from plate_inspect.experiments import methods as M
@@ -276,7 +278,7 @@ def test_sequential_resumes_and_never_overwrites_other_settings(tmp_path):
     assert [r for r in second.records if r.method == "lora"] == first.records
     assert second.matrix("lora") == fresh.matrix("lora") and second.matrix("osf") == fresh.matrix("osf")
     before = (out / "sequential.json").read_text()
-    with pytest.raises(ConfigError, match=r"other settings \(steps: 5 -> 6\)"):
+    with pytest.raises(ConfigError, match=r"other settings \(steps \(CLI: --steps\): 5 -> 6\)"):
         run_sequential(out, ["lora"], seeds=1, steps=6)
     assert (out / "sequential.json").read_text() == before
 
@@ -328,10 +330,75 @@ def test_sequential_resumes_an_old_sequential_json_without_a_data_setting(tmp_pa
     assert not (out / "seed0" / "osf" / "records.json").exists()  # the torn osf run is not taken as finished
     other = tmp_path / "fm"
     _old_style_sequential_json(other, data="fashion-mnist")
-    with pytest.raises(ConfigError, match=r'other settings \(data: "fashion-mnist" -> "digits"\)'):
+    with pytest.raises(ConfigError, match=r'other settings \(data \(CLI: --data\): "fashion-mnist" -> "digits"\)'):
         run_sequential(other, ["lora"], seeds=1, steps=2)
-    with pytest.raises(ConfigError, match=r"other settings \(steps: 2 -> 3\)"):
+    with pytest.raises(ConfigError, match=r"other settings \(steps \(CLI: --steps\): 2 -> 3\)"):
         run_sequential(tmp_path / "old", ["lora"], seeds=1, steps=3)
+
+
+def test_sequential_report_only_rebuilds_from_finished_runs(tmp_path):
+    """experiment sequential had no --report-only (continual has): a report of an interrupted run, or of some methods
+    or seeds, meant rerunning. Now it rewrites sequential.json from the finished (seed, method) runs without training:
+    all of them give back the run's own file byte for byte; --methods/--seeds select (oracle: the run's records
+    filtered by hand, the matrix = 100 x accuracy with one seed); what it cannot honour is one line naming it."""
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    out = tmp_path / "out"
+    run_sequential(out, ["lora", "osf"], seeds=2, steps=2)
+    full = (out / "sequential.json").read_text()
+    units = {p: p.read_bytes() for p in out.glob("seed*/*/records.json")}
+    assert len(units) == 4
+    runner = CliRunner()
+    args = ["experiment", "sequential", "--out", str(out), "--report-only"]
+
+    def reported(*extra):
+        result = runner.invoke(cli, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        return result.output, json.loads((out / "sequential.json").read_text())
+
+    assert reported("--steps", "2", "--data", "digits")[1] == json.loads(full)  # OUT's own settings: accepted
+    assert (out / "sequential.json").read_text() == full
+    output, osf = reported("--methods", "osf", "--seeds", "1")
+    records = [r for r in json.loads(full)["records"] if (r["method"], r["seed"]) == ("osf", 0)]
+    assert osf["records"] == records and list(osf["matrices"]) == ["osf"]
+    by_pair = {(r["after_task"], r["task"]): 100 * r["accuracy"] for r in records}
+    assert osf["matrices"]["osf"] == [[by_pair.get((t, j)) for j in range(1, 5)] for t in range(1, 5)]
+    assert "osf: accuracy" in output and "lora: accuracy" not in output
+    for extra, message in (
+        (["--methods", "plate"], "has no finished run of method plate (--methods); finished: lora, osf"),
+        (["--seeds", "3"], "has no finished run of seed 2 (--seeds); finished: 0, 1"),
+        (["--quick"], "--report-only trains nothing, so --quick cannot apply"),
+        (["--data-root", str(tmp_path)], "so --data-root cannot apply"),
+        (["--steps", "5"], "its runs were made with --steps 2, not 5; drop --steps"),
+        (["--data", "fashion-mnist"], "its runs were made with --data digits, not fashion-mnist"),
+    ):
+        bad = runner.invoke(cli, [*args, *extra])
+        assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, (extra, bad.output)
+        assert len(bad.output.strip().splitlines()) == 1
+    (out / "seed1" / "osf" / "records.json").unlink()  # as if interrupted before seed 1's osf finished
+    _, partial = reported()
+    assert partial["records"] == [r for r in json.loads(full)["records"] if (r["method"], r["seed"]) != ("osf", 1)]
+    assert all(p.read_bytes() == b for p, b in units.items() if p.exists())  # a report never touches finished runs
+    assert not (out / "seed1" / "osf" / "records.json").exists()
+    run = ["experiment", "sequential", "--out", str(out), "--methods", "lora", "--seeds", "1", "--steps", "2", "-q"]
+    kept = runner.invoke(cli, run)  # a run of part of OUT (kept: nothing trains) says what its report leaves out
+    assert kept.exit_code == 0 and "also holds 2 finished runs of other --methods or --seeds" in kept.output
+    bad = runner.invoke(cli, ["experiment", "sequential", "--out", str(tmp_path / "none"), "--report-only"])
+    assert bad.exit_code == 2 and "no sequential.json here; run `plate-inspect experiment sequential" in bad.output
+
+
+def test_sequential_report_only_keeps_an_old_sequential_json(tmp_path):
+    """A report of an OUT written before session 13 (every record in sequential.json) keeps its complete runs, as a
+    resume does, instead of rewriting the file without them; nothing trains."""
+    out = tmp_path / "old"
+    lora = _old_style_sequential_json(out)
+    result = CliRunner().invoke(cli, ["experiment", "sequential", "--out", str(out), "--report-only", "-q"])
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "sequential.json").read_text())
+    assert (
+        written["records"] == lora and written["settings"]["data"] == "digits" and list(written["matrices"]) == ["lora"]
+    )
+    assert not (out / "seed0" / "task1.safetensors").exists()
 
 
 def test_sequential_unwritable_output_is_a_one_line_error(tmp_path):
@@ -385,4 +452,5 @@ def test_arena_benchmarks_refuse_zero_counts_up_front(script, args):
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / script
     run = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "must be >= 1, got 0" in run.stderr, run.stdout + run.stderr
+    message = f"Invalid value for '{args[0]}': 0 is not in the range x>=1"
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stdout + run.stderr

@@ -279,13 +279,25 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path):
 
 
 def test_other_settings_in_out_are_named(tmp_path):
+    """A setting that changes every run (stage 1, a budget) is refused by name, with what to do, in one line."""
     runner = CliRunner()
     args = ["experiment", "continual", "--out", str(tmp_path), "--methods", "full_ft", "--stage1-steps", "5", "-q"]
     assert runner.invoke(cli, [*args, "--steps", "3", "--seeds", "1"]).exit_code == 0
-    again = runner.invoke(cli, [*args, "--steps", "4", "--seeds", "1"])
-    assert (
-        again.exit_code == 2 and "steps: [3] -> [4]" in again.output and "rerun with the same options" in again.output
-    )
+    quick = ["experiment", "continual", "--out", str(tmp_path / "q"), "--methods", "lora", "--stage1-steps", "5", "-q"]
+    assert runner.invoke(cli, [*quick, "--steps", "3", "--quick"]).exit_code == 0
+    before = [(tmp_path / d / "runs.jsonl").read_bytes() for d in (".", "q")]
+    for bad, named in (
+        ([*args, "--stage1-steps", "6", "--steps", "3,4"], "stage1_steps (--stage1-steps): 5 -> 6"),
+        (
+            [*quick, "--steps", "3,4", "--seeds", "1"],
+            "budgets of lora: r1 -> r1, r8, r32 (--quick runs each method's first budget only)",
+        ),
+    ):
+        again = runner.invoke(cli, bad)
+        assert again.exit_code == 2 and named in again.output and "Traceback" not in again.output, again.output
+        assert "rerun with its settings to resume or add runs" in again.output
+        assert len(again.output.strip().splitlines()) == 1
+    assert [(tmp_path / d / "runs.jsonl").read_bytes() for d in (".", "q")] == before  # nothing ran
     more = runner.invoke(cli, [*args, "--steps", "3", "--seeds", "2"])  # more seeds: same settings, it resumes
     assert more.exit_code == 0, more.output
     assert sorted({r["seed"] for r in json.loads((tmp_path / "results.json").read_text())}) == [0, 1]
@@ -492,11 +504,66 @@ def test_methods_can_be_added_to_a_finished_run(tmp_path):
         data == [r for r in json.loads(json.dumps([vars(x) for x in first.records])) if r["method"] == "lora"] + fresh
     )
     assert json.loads((out / "settings.json").read_text())["methods"] == ["full_ft", "lora", "mica"]
-    with pytest.raises(ConfigError, match="other settings \\(budgets: "):
+    with pytest.raises(ConfigError, match=r"other settings \(budgets of lora: r1 -> r2\); rerun"):
         run_continual(out, seeds=1, settings=_tiny(budgets={"lora": [Budget("r2", {"rank": 2})]}))
     result = CliRunner().invoke(cli, ["experiment", "continual", "--out", str(out), "--report-only"])
     assert result.exit_code == 0, result.output
     assert [r["method"] for r in json.loads((out / "results.json").read_text())] == ["full_ft", "lora", "mica"]
+
+
+def test_steps_can_be_added_to_a_finished_run(tmp_path):
+    """More --steps values into a finished OUT used to be refused ("steps: [3] -> [3, 4]"); each (method, steps) run
+    starts from the same stage-1 model on its own, so now only the new runs train, the finished ones are kept byte
+    for byte, and the report lists both. Oracle: the steps-4 runs of a fresh OUT."""
+    runner = CliRunner()
+
+    def run(out, steps, *extra):
+        args = ["experiment", "continual", "--out", str(out), "--methods", "full_ft,lora", "--stage1-steps", "5"]
+        result = runner.invoke(cli, [*args, "--seeds", "1", "--steps", steps, "-q", *extra])
+        assert result.exit_code == 0, result.output
+        return result.output, json.loads((out / "results.json").read_text())
+
+    _, fresh = run(tmp_path / "fresh", "4")
+    out = tmp_path / "out"
+    _, first = run(out, "3")
+    finished = (out / "runs.jsonl").read_bytes()
+    assert [r["steps"] for r in first] == [3] * 4  # full_ft + lora's three budgets
+    _, both = run(out, "3,4")
+    assert both == first + fresh
+    runs = (out / "runs.jsonl").read_bytes()
+    assert runs.startswith(finished) and runs.count(b"\n") == 8  # the finished runs untouched, 4 new ones after them
+    assert json.loads((out / "settings.json").read_text())["steps"] == [3, 4]
+    all_runs, sensitivity = (out / "summary.md").read_text().split("## Stage-2 step sensitivity")
+    rows = [line.split(" | ")[:3] for line in all_runs.splitlines() if line.startswith("| 4 |")]
+    assert rows == [["| 4", "full_ft", "all"], ["| 4", "lora", "r1"], ["| 4", "lora", "r8"], ["| 4", "lora", "r32"]]
+    output, alone = run(out, "4")  # a report of the runs the command names, with a note about the others
+    assert alone == fresh and (out / "runs.jsonl").read_bytes() == runs
+    assert "also holds 4 finished runs of other --methods, --steps or --seeds" in output
+    again = runner.invoke(cli, ["experiment", "continual", "--out", str(out), "--report-only"])
+    assert again.exit_code == 0 and json.loads((out / "results.json").read_text()) == first + fresh
+
+
+def test_runs_are_not_added_to_an_out_whose_stage_one_does_not_reproduce(tmp_path, monkeypatch):
+    """Added runs retrain the seed's stage 1: were it another model (another torch or machine), old and new runs would
+    be compared across two models in silence. A stage 1 that differs (planted: fc1 zeroed) is refused; nothing runs."""
+    from plate_inspect.experiments import continual
+
+    continual.run_continual(tmp_path, seeds=1, settings=_tiny())
+    before = (tmp_path / "runs.jsonl").read_bytes()
+    checkpoint = (tmp_path / "seed0" / "stage1.safetensors").read_bytes()
+    train_stage1 = digits.train_stage1
+
+    def another_model(*args, **kwargs):
+        model = train_stage1(*args, **kwargs)
+        with torch.no_grad():
+            model.fc1.weight.zero_()
+        return model
+
+    monkeypatch.setattr(continual.digits, "train_stage1", another_model)
+    with pytest.raises(ConfigError, match="stage 1 of seed 0 does not reproduce"):
+        continual.run_continual(tmp_path, seeds=1, settings=_tiny(steps=(3, 4)))
+    assert (tmp_path / "runs.jsonl").read_bytes() == before
+    assert (tmp_path / "seed0" / "stage1.safetensors").read_bytes() == checkpoint  # their stage-1 model is kept
 
 
 def test_one_out_holds_one_experiment(tmp_path):
@@ -533,3 +600,21 @@ def test_sequential_quick_is_a_smoke_run_keeping_the_options_given(tmp_path):
     assert runner.invoke(cli, [*args, "--seeds", "2", "--steps", "3"]).exit_code == 0
     written = json.loads((tmp_path / "b" / "sequential.json").read_text())
     assert written["settings"]["steps"] == 3 and {r["seed"] for r in written["records"]} == {0, 1}
+
+
+def test_an_empty_out_or_methods_is_refused_not_read_as_a_default(tmp_path, monkeypatch):
+    """--out "" (an unset shell variable) used to write the runs into the current directory, and continual's
+    --methods "" ran every method (a comma alone was refused); both are one line now and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    small = ["--seeds", "1", "--steps", "1", "-q"]
+    for command, extra in (
+        ("continual", ["--methods", "lora", "--stage1-steps", "1"]),
+        ("sequential", ["--methods", "lora"]),
+    ):
+        bad = runner.invoke(cli, ["experiment", command, "--out", "", *extra, *small])
+        assert bad.exit_code == 2 and "Invalid value for '--out' / '-o': is empty" in bad.output, bad.output
+        bad = runner.invoke(cli, ["experiment", command, "--out", str(tmp_path / "out"), "--methods", "", *small])
+        assert bad.exit_code == 2 and "--methods is empty" in bad.output, bad.output
+        assert len(bad.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

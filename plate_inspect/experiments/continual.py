@@ -19,7 +19,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -240,16 +240,20 @@ def ci95(values: list[float]) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------- running
-def stage_one(out: Path, seed: int, s: ContinualSettings, task1: digits.Task) -> tuple[StageOne, float, torch.Tensor]:
-    """Train and save the seed's stage-1 model; return it with its task-1 accuracy and task-1 test logits."""
+def stage_one(
+    out: Path, seed: int, s: ContinualSettings, task1: digits.Task, finished: Iterable[RunRecord] = ()
+) -> tuple[StageOne, float, torch.Tensor]:
+    """Train and save the seed's stage-1 model; return it with its task-1 accuracy and task-1 test logits. Checked
+    against the seed's ``finished`` runs (:func:`check_same_stage_one`) before it replaces their checkpoint."""
     seed_dir = out / f"seed{seed}"
     seed_dir.mkdir(parents=True, exist_ok=True)
     n_classes = int(task1.y_train.max()) + 1
     init = digits.initial_model(task1.d_in, seed, n_classes=n_classes).state_dict()
     model = digits.train_stage1(task1, seed, steps=s.stage1_steps, lr=s.lr, batch_size=s.batch_size)
+    acc = digits.accuracy(model, task1.x_test, task1.y_test, 1)
+    check_same_stage_one(out, seed, acc, finished)
     ckpt = seed_dir / "stage1.safetensors"
     digits.save_model(model, ckpt)
-    acc = digits.accuracy(model, task1.x_test, task1.y_test, 1)
     stage1 = StageOne(seed, seed_dir, ckpt, task1, {k: v.clone() for k, v in init.items()}, s.max_rank)
     return stage1, acc, task_logits(model, task1.x_test)
 
@@ -355,17 +359,51 @@ def writing_errors(out: Path, kept: str) -> Iterator[None]:
         raise ConfigError(f"{where}: cannot write ({reason}); {kept}; {todo}") from None
 
 
-def settings_diff(old: Any, new: dict[str, Any]) -> str:
-    """How the settings ``old`` (as read back from JSON) differ from ``new``: "a: x -> y; ..." ("" when they agree)."""
+def settings_diff(old: Any, new: dict[str, Any], flags: dict[str, str] | None = None) -> str:
+    """How the settings ``old`` (as read back from JSON) differ from ``new``: "a: x -> y; ..." ("" when they agree);
+    a key in ``flags`` is named with its CLI flag ("stage1_steps (CLI: --stage1-steps): 5 -> 6"), and budgets by
+    method and budget id ("budgets of lora: r1, r8 -> r1")."""
     if not isinstance(old, dict):
         return f"no readable settings recorded ({_brief(old)})"
     new = json.loads(json.dumps(new))  # as JSON reads it back: tuples -> lists
     keys = [k for k in sorted(set(old) | set(new)) if k not in _NOT_IDENTITY and old.get(k) != new.get(k)]
     if "methods" in keys and "budgets" in keys:  # other methods have other budgets: that says nothing more
         keys.remove("budgets")
-    return "; ".join(f"{k}: {_brief(old.get(k))} -> {_brief(new.get(k))}" for k in keys)
+    flags = flags or {}
+    parts = []
+    for k in keys:
+        if k == "budgets" and isinstance(old.get(k), dict) and isinstance(new.get(k), dict):
+            parts.extend(_budgets_diff(old[k], new[k]))
+        else:
+            name = f"{k} (CLI: {flags[k]})" if k in flags else k
+            parts.append(f"{name}: {_brief(old.get(k))} -> {_brief(new.get(k))}")
+    return "; ".join(parts)
 
 
+def _budgets_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Per method whose budgets differ: "budgets of lora: r1, r8 -> r1" (their ids; their configs where ids agree),
+    noting --quick where one side is the other's first budget alone (a --quick run beside a full one)."""
+
+    def ids(budgets: Any) -> list[str]:
+        try:
+            return [str(b["id"]) for b in budgets]
+        except (TypeError, KeyError):
+            return [_brief(budgets)]
+
+    parts = []
+    for m in sorted(set(old) | set(new)):
+        if old.get(m) != new.get(m):
+            was, now = ids(old.get(m)), ids(new.get(m))
+            shorter, longer = sorted((was, now), key=len)
+            quick = len(shorter) == 1 and len(longer) > 1 and longer[0] == shorter[0]
+            if was == now:
+                was, now = [_brief(old.get(m))], [_brief(new.get(m))]
+            note = " (--quick runs each method's first budget only)" if quick else ""
+            parts.append(f"budgets of {m}: {', '.join(was)} -> {', '.join(now)}{note}")
+    return parts
+
+
+_FLAGS = {"data": "--data", "stage1_steps": "--stage1-steps"}  # the CLI options behind continual's settings
 _NOT_IDENTITY = ("data_root",)  # where the data files are read from does not change a run
 
 
@@ -384,7 +422,9 @@ def run_continual(
     """Run the benchmark over ``seeds`` (a count -> 0..K-1, or a list); write results.json, summary.md, the HTML.
 
     Finished runs are appended to OUT/runs.jsonl as they complete; rerunning with the same settings skips them
-    (an interrupted run resumes). ``progress`` gets one event per run of ``plan`` (unit "runs"; runs already in
+    (an interrupted run resumes), and more seeds, methods or stage-2 step counts add only their own runs (other
+    data, stage-1 steps or budgets are a ConfigError naming them). The outputs are of the runs ``seeds`` and
+    ``settings`` name. ``progress`` gets one event per run of ``plan`` (unit "runs"; runs already in
     runs.jsonl count as done in the opening event).
     """
     s = settings or ContinualSettings()
@@ -402,14 +442,14 @@ def run_continual(
             recorded = json.loads(settings_path.read_text())
         except (OSError, ValueError):
             recorded = None
-        differ = settings_diff(*_shared_methods(recorded, settings)) if recorded is not None else ""
+        differ = settings_diff(*_shared_runs(recorded, settings), _FLAGS) if recorded is not None else ""
         if recorded is None or differ:
             differ = differ or "settings.json is missing or unreadable"
             raise ConfigError(
-                f"{out}: holds runs made with other settings ({differ}); rerun with the same options to resume, "
-                "or choose another --out"
+                f"{out}: holds runs made with other settings ({differ}); rerun with its settings to resume "
+                "or add runs (more --methods, --steps or --seeds), or choose another --out"
             )
-        settings = _all_methods(recorded, settings)  # methods added to a run: settings.json lists every one run
+        settings = _all_runs(recorded, settings)  # methods/steps added to a run: settings.json lists every one run
         settings_json = json.dumps(settings, indent=2, sort_keys=True) + "\n"
     kept = f"the runs that finished are kept in {jsonl}: rerun the same command to resume"
     with writing_errors(out, kept):
@@ -428,7 +468,7 @@ def run_continual(
                 mine = [r for r in todo if r[0] == seed and (r[2], r[3].id, seed, r[1]) not in done]
                 if not mine:
                     continue
-                stage1, acc_before, logits_before = stage_one(out, seed, s, task1)
+                stage1, acc_before, logits_before = stage_one(out, seed, s, task1, done.values())
                 for _, steps, method, budget in mine:
                     rec = run_one(stage1, acc_before, logits_before, method, budget, steps, task2, s)
                     _append_record(jsonl, rec)
@@ -441,24 +481,44 @@ def run_continual(
         return write_outputs(out, records, s, console=console)
 
 
-def _shared_methods(old: Any, new: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``old`` and ``new`` settings without the method list and with the budgets of the methods both name: methods
-    are independent runs from the same stage-1 model, so adding (or leaving out) one changes no other run."""
+def check_same_stage_one(out: Path, seed: int, acc_before: float, finished: Iterable[RunRecord]) -> None:
+    """ConfigError when the seed's retrained stage-1 model is not the one its finished runs started from (its task-1
+    accuracy differs: another torch, another machine): runs added to OUT would be compared across two models."""
+    recorded = sorted({r.task1_acc_before for r in finished if r.seed == seed})
+    if recorded and recorded != [acc_before]:
+        raise ConfigError(
+            f"{out}: stage 1 of seed {seed} does not reproduce (task-1 accuracy {acc_before:.4f} now, "
+            f"{', '.join(f'{a:.4f}' for a in recorded)} in its finished runs), so new runs would start from another "
+            "model; give them another --out"
+        )
+
+
+def _shared_runs(old: Any, new: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``old`` and ``new`` settings without the method and stage-2 step lists, and with the budgets of the methods both
+    name: each (method, steps) run starts from the same stage-1 model on its own, so adding (or leaving out) a method
+    or a step count changes no other run; the rest (data, stage-1 steps, optimiser, shared budgets) must agree."""
     if not (isinstance(old, dict) and isinstance(old.get("methods"), list) and isinstance(old.get("budgets"), dict)):
         return old, new
     both = set(old["methods"]) & set(new["methods"])
 
     def shared(d: dict[str, Any]) -> dict[str, Any]:
-        kept = {k: v for k, v in d.items() if k != "methods"}
+        kept = {k: v for k, v in d.items() if k not in ("methods", "steps")}
         return {**kept, "budgets": {m: b for m, b in d["budgets"].items() if m in both}}
 
     return shared(old), shared(new)
 
 
-def _all_methods(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """``new`` listing every method of ``old`` too (in METHODS order), with each one's budgets."""
+def _all_runs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` listing every method of ``old`` too (in METHODS order, each with its budgets) and every stage-2 step
+    count of either (ascending)."""
     methods = [m for m in METHODS if m in old["methods"] or m in new["methods"]]
-    return {**new, "methods": methods, "budgets": {**old["budgets"], **new["budgets"]}}
+    steps = sorted({*_int_values(old.get("steps")), *new["steps"]})
+    return {**new, "methods": methods, "steps": steps, "budgets": {**old["budgets"], **new["budgets"]}}
+
+
+def _int_values(value: Any) -> list[int]:
+    """The integers of a settings.json list (an older or hand-edited file may hold anything)."""
+    return [v for v in value if _is_int(v)] if isinstance(value, list) else []
 
 
 def _settings_dict(s: ContinualSettings) -> dict[str, Any]:

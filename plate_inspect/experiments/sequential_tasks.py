@@ -17,7 +17,8 @@ task t is the accuracy matrix entry acc[t][j].
 
 Each finished (seed, method) is saved as ``OUT/seed<N>/<method>/records.json`` with the settings it ran with; a rerun
 with the same settings keeps those and runs only the rest (an interrupted run resumes). ``OUT/sequential.json``
-holds the records and mean matrices of the seeds and methods asked for.
+holds the records and mean matrices of the seeds and methods asked for; :func:`report_sequential` rewrites it from
+the finished runs alone (CLI: --report-only).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ def run_sequential(
     if result.path.exists():
         previous = _read_json(result.path, "the finished runs under OUT/seed<N>/ are kept")
         recorded = _with_legacy_data(previous)
-        differ = settings_diff(recorded, settings)
+        differ = settings_diff(recorded, settings, {"data": "--data", "steps": "--steps"})
         if differ:
             raise ConfigError(
                 f"{out}: holds sequential runs made with other settings ({differ}); rerun with the same options "
@@ -267,6 +268,71 @@ def _with_legacy_data(payload: dict[str, Any]) -> Any:
     records = payload.get("records")
     named = {r.get("data") for r in records if isinstance(r, dict)} if isinstance(records, list) else set()
     return {**recorded, "data": named.pop() if len(named) == 1 else "digits"}
+
+
+def recorded_settings(out: str | os.PathLike) -> dict[str, Any]:
+    """The settings OUT's sequential runs were made with (read only); ConfigError for an OUT without them."""
+    check_not_other_experiment(out, "sequential")
+    path = Path(out) / "sequential.json"
+    if not path.exists():
+        raise ConfigError(
+            f"{out}: no sequential.json here; run `plate-inspect experiment sequential --out {out}` first"
+        )
+    settings = _with_legacy_data(_read_json(path, "the finished runs under OUT/seed<N>/ are kept"))
+    if not isinstance(settings, dict):
+        raise ConfigError(
+            f"{path}: records no settings; delete it and rerun the command that made these runs (the finished runs "
+            "under OUT/seed<N>/ are kept)"
+        )
+    return settings
+
+
+def report_sequential(
+    out: str | os.PathLike, methods: list[str] | tuple[str, ...] | None = None, seeds: int | list[int] | None = None
+) -> SequentialResult:
+    """Rewrite OUT/sequential.json from the finished (seed, method) runs of OUT (trains nothing): those of ``methods``
+    and ``seeds`` (a count -> 0..K-1; None: all), for a report of a finished or interrupted run. Records in seed
+    order, then method order; ConfigError for an OUT with nothing finished or a method or seed that has no finished
+    run (naming what finished)."""
+    from plate_inspect.experiments.continual import select_records
+
+    settings = recorded_settings(out)
+    out = Path(out)
+    path = out / "sequential.json"
+    previous = _read_json(path)
+    if "data" not in (previous.get("settings") or {}):  # written before per-run files: keep its runs as a resume does
+        with writing_errors(out, "nothing was changed"):
+            _keep_legacy_runs(out, previous.get("records"), settings)
+    units, other = finished_units(out, settings)
+    if not units:
+        also = f" ({other} made with other settings than {path.name} records)" if other else ""
+        raise ConfigError(f"{out}: holds no finished (seed, method) run yet{also}; nothing to report")
+    records = [r for group in units.values() for r in group]
+    records = select_records(records, out, methods, None, seed_list(seeds) if seeds is not None else None)
+    names = list(methods) if methods else [m for m in SEQUENTIAL_METHODS if any(r.method == m for r in records)]
+    records.sort(key=lambda r: (r.seed, names.index(r.method)))  # stable: each run's records keep their order
+    result = SequentialResult(path, records)
+    with writing_errors(out, "the finished runs under OUT/seed<N>/ are kept"):
+        _write_sequential(result, names, settings)
+    return result
+
+
+def finished_units(
+    out: str | os.PathLike, settings: dict[str, Any]
+) -> tuple[dict[tuple[int, str], list[SequentialRecord]], int]:
+    """The finished (seed, method) runs under OUT/seed<N>/<method>/ made with ``settings`` (their records), and how
+    many others there are (made with other settings)."""
+    out = Path(out)
+    units, other = {}, 0
+    for unit in out.glob("seed*/*/records.json"):
+        number, method = unit.parent.parent.name.removeprefix("seed"), unit.parent.name
+        if method in SEQUENTIAL_METHODS and number.isdigit() and _unit_path(out, int(number), method) == unit:
+            kept = _kept_unit(out, int(number), method, settings)  # None: made with other settings
+            if kept is None:
+                other += 1
+            else:
+                units[(int(number), method)] = kept
+    return units, other
 
 
 def _keep_legacy_runs(out: Path, records: Any, settings: dict[str, Any]) -> None:
