@@ -178,7 +178,8 @@ def print_alignment_table(records, per_layer: bool = False) -> None:
     "--families",
     default="full_backbone,lora,plate,random_b,random_q,high_energy_q",
     show_default=True,
-    help="Comma-separated subset of the families.",
+    help="Comma-separated families: full_backbone, lora, plate and its matched-capacity ablations random_b, "
+    "random_q, high_energy_q, least_redundant_b, random_bq.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
@@ -218,6 +219,8 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     for name, value in (*counts, ("--probes", probes)):  # --probes 0: medians over no probes are NaN
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value}")
+    if seed < 0:  # before the stage-1 training: the Lanczos start vectors and the probes need seeds >= 0
+        raise ConfigError(f"--seed must be a non-negative integer, got {seed}")
     _check_digits_ranks(r, lora_rank)
     validate_settings(r=r, tau=tau, max_rank=max_rank)  # before the minute of stage-1 training
 

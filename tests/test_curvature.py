@@ -429,3 +429,112 @@ def test_json_record_is_strict_json_when_a_value_is_undefined(tiny):
     assert data["gn_share_median"] is None and data["residual_ratio_median"] is None
     assert data["lambda"] == rec.lam and data["eps"] == rec.eps and data["bound_ratio"] == rec.bound_ratio
     assert data["forgetting_curve"] == [[r, f] for r, f in rec.forgetting_curve]
+
+
+# --------------------------------------------------------------------------- QA session 14
+def test_negative_seed_is_refused_before_stage1_training(monkeypatch, tiny):
+    """QA: `curvature --seed -5` trained the digits MLP, then died in numpy's default_rng (a ValueError traceback:
+    "expected non-negative integer"). Refused up front, in the CLI and in the API."""
+    from plate_inspect.cli.main import cli
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.experiments import digits
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("stage 1 trained before the seed was checked")
+
+    monkeypatch.setattr(digits, "train_stage1", must_not_train)
+    res = CliRunner().invoke(cli, ["curvature", "--seed", "-5", "--families", "plate"])
+    assert res.exit_code == 2 and "--seed must be a non-negative integer, got -5" in res.output, res.output
+    assert "Traceback" not in res.output
+    model, *_, problem = tiny
+    with pytest.raises(ConfigError, match="seed must be a non-negative integer"):
+        analyze_family(problem, tiny_families(model)[1], n_probes=2, rhos=(0.0,), seed=-1)
+
+
+@pytest.fixture(scope="module")
+def digits_bundle(tmp_path_factory):
+    """A DigitsMLP (random init, seed 0), its checkpoint and a bundle of fc2/fc3."""
+    from safetensors.torch import save_file
+
+    import plate_inspect
+    from plate_inspect.experiments.digits import DigitsMLP
+
+    tmp = tmp_path_factory.mktemp("digits_bundle")
+    torch.manual_seed(0)
+    model = DigitsMLP()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "m.safetensors"))
+    bundle = plate_inspect.scan(tmp / "m.safetensors", tmp / "b", r=4, tau=0.9, max_rank=16, target_modules=["fc2"])
+    return model, bundle
+
+
+def test_plate_family_refuses_a_bundle_made_for_other_weights(digits_bundle):
+    """QA: plate_family checked shapes only, so a bundle scanned from another model of the same architecture gave
+    a PLATE family built on the wrong B and Q, silently. The weights are checked as apply_bundle checks them."""
+    import copy
+
+    from plate_inspect.errors import BundleError
+    from plate_inspect.experiments.digits import DigitsMLP
+
+    model, bundle = digits_bundle
+    assert plate_family(model, bundle).dim == bundle.record("fc2").r * bundle.record("fc2").k
+    torch.manual_seed(1)
+    other = DigitsMLP()  # same shapes, other weights
+    with pytest.raises(BundleError, match="fc2.*fingerprint differs from the bundle's"):
+        plate_family(other, bundle)
+    assert plate_family(other, bundle, check_weights=False).dim == plate_family(model, bundle).dim  # opt out
+    # an exact float64 upcast of the bundle's weights is the same model (the curvature tests run in float64)
+    assert plate_family(copy.deepcopy(model).double(), bundle).dim == plate_family(model, bundle).dim
+
+
+def test_least_redundant_b_and_random_bq_families(digits_bundle):
+    """The paper's other matched-capacity ablations (Least-red.-B, Random-(B+Q)), from the same variant_geometry
+    as the training ablations: same dimension as PLATE; rows = the r smallest redundancy scores; random_bq moves
+    neither PLATE's rows nor inside span(Q)."""
+    model, bundle = digits_bundle
+    plate = plate_family(model, bundle)
+    least = plate_family(model, bundle, variant="least_redundant_b")
+    both = plate_family(model, bundle, variant="random_bq", seed=3)
+    assert least.dim == both.dim == plate.dim
+    c = torch.randn(plate.dim, dtype=torch.float64)
+    r = bundle.record("fc2").r
+    rows = lambda fam: torch.nonzero(fam.embed(c)["fc2.weight"].abs().sum(1)).flatten()  # noqa: E731
+    red = bundle.redundancy("fc2").double()
+    assert set(rows(least).tolist()) == set(torch.argsort(red)[:r].tolist())
+    assert not torch.equal(rows(both), bundle.b_idx("fc2"))
+    q = bundle.q("fc2", dtype=torch.float64)
+    d = least.embed(c)["fc2.weight"][rows(least)]
+    np.testing.assert_allclose((d - d @ q @ q.T).numpy(), 0, atol=1e-6)  # least_redundant_b keeps Q
+    d = both.embed(c)["fc2.weight"][rows(both)]
+    assert float((d - d @ q @ q.T).norm()) > 0.1 * float(d.norm())  # random_bq does not
+
+
+def test_plate_family_on_conv1d_moves_b_rows_of_the_oriented_weight(tmp_path):
+    """QA: GPT-2's Conv1D stores W as [d_in, d_out]; plate_family indexed B rows of the stored tensor, so on a
+    square Conv1D (attn.c_proj) it moved columns of W (input coordinates) instead of output rows, without error.
+    The oriented delta (stored.T) must have nonzero rows exactly at B, each inside span(Q); isometric."""
+    transformers = pytest.importorskip("transformers")
+    import plate_inspect
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=8)
+    model = transformers.GPT2Model(config)
+    model.save_pretrained(tmp_path / "gpt2")
+    bundle = plate_inspect.scan(
+        tmp_path / "gpt2", tmp_path / "b", r=3, tau=0.9, max_rank=8, target_modules=["attn.c_proj", "mlp.c_fc"]
+    )
+    assert bundle.record("h.0.attn.c_proj").layout == "conv1d"
+    fam = plate_family(model, bundle)
+    c = torch.randn(fam.dim, dtype=torch.float64)
+    deltas = fam.embed(c)
+    assert float(torch.cat([d.reshape(-1) for d in deltas.values()]).norm()) == pytest.approx(float(c.norm()))
+    for name in ("h.0.attn.c_proj", "h.0.mlp.c_fc"):
+        stored = dict(model.named_parameters())[f"{name}.weight"]
+        assert deltas[f"{name}.weight"].shape == stored.shape  # [d_in, d_out], as stored
+        oriented = deltas[f"{name}.weight"].T  # [d_out, d_in]
+        b_idx, q = bundle.b_idx(name), bundle.q(name, dtype=torch.float64)
+        assert torch.equal(torch.nonzero(oriented.abs().sum(1)).flatten(), b_idx.sort().values)
+        d = oriented[b_idx]
+        np.testing.assert_allclose((d - d @ q @ q.T).numpy(), 0, atol=1e-6)
+    # the adjoint: <project(g), c> = <g, embed(c)> for a stored-layout gradient g
+    g = {n: torch.randn_like(d) for n, d in deltas.items()}
+    assert float((fam.project(g) * c).sum()) == pytest.approx(sum(float((g[n] * deltas[n]).sum()) for n in g))

@@ -53,8 +53,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DEFAULT_RHOS: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 #: Families with at most this many coordinates are eigendecomposed densely (exact) instead of by Lanczos.
 DENSE_MAX_DIM = 64
-#: Names of the PLATE-family variants accepted by :func:`plate_family`.
-PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q")
+#: Names of the PLATE-family variants accepted by :func:`plate_family` (the paper's matched-capacity ablations).
+PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q", "least_redundant_b", "random_bq")
 
 
 # --------------------------------------------------------------------------- update families
@@ -194,14 +194,25 @@ def lora_family(
 
 
 def plate_family(
-    model: nn.Module, bundle: Bundle, variant: str = "plate", seed: int = 0, modules: Sequence[str] | None = None
+    model: nn.Module,
+    bundle: Bundle,
+    variant: str = "plate",
+    seed: int = 0,
+    modules: Sequence[str] | None = None,
+    check_weights: bool = True,
 ) -> UpdateFamily:
     """The PLATE subspace {B A Q^T} of every bundle module (or a matched-capacity ablation of it).
 
     ``variant``: ``plate`` (the bundle's B and Q), ``random_b`` (r uniformly random rows, same Q), ``random_q``
-    (a Haar-random orthonormal k-frame, same B) or ``high_energy_q`` (the top-k eigenvectors of the frozen rows'
-    W_f^T W_f, same B). Module names are the bundle's, parameters ``<module>.weight`` of ``model``.
+    (a Haar-random orthonormal k-frame, same B), ``high_energy_q`` (the top-k eigenvectors of the frozen rows'
+    W_f^T W_f, same B), ``least_redundant_b`` (the r least redundant rows, same Q) or ``random_bq`` (both random).
+    Module names are the bundle's; a module is an ``nn.Linear`` or a transformers ``Conv1D`` (whose stored
+    [d_in, d_out] weight moves by the transposed delta). ``check_weights``: refuse (BundleError) a module whose
+    weights are not the ones the bundle was made for (the fingerprint check of ``apply_bundle``): a bundle of
+    another model with the same shapes would otherwise give a silently meaningless family.
     """
+    from plate_inspect.train.layer import check_module_against_record, layout_of
+
     if variant not in PLATE_VARIANTS:
         raise ConfigError(f"unknown PLATE variant '{variant}'; choose one of {', '.join(PLATE_VARIANTS)}")
     named = dict(model.named_parameters())
@@ -209,17 +220,26 @@ def plate_family(
     for m in modules if modules is not None else bundle.modules:
         pname = f"{m}.weight"
         _check_params(named, [pname])
+        module, record = model.get_submodule(m), bundle.record(m)
+        if check_weights:
+            check_module_against_record(module, m, record, bundle=bundle)
+        layout = layout_of(module)
         w = named[pname].detach().to("cpu", torch.float64)
-        b_idx, q = bundle.b_idx(m), bundle.q(m, dtype=torch.float64)
-        if tuple(w.shape) != tuple(bundle.record(m).shape):
-            raise CurvatureError(
-                f"{m}: bundle made for shape {bundle.record(m).shape}, the model's weight is {list(w.shape)}"
-            )
+        w = w.T if layout == "conv1d" else w
+        if tuple(w.shape) != tuple(record.shape):
+            raise CurvatureError(f"{m}: bundle made for shape {record.shape}, the model's weight is {list(w.shape)}")
         d_out, d_in = w.shape
+        b_idx, q = bundle.b_idx(m), bundle.q(m, dtype=torch.float64)
         if variant != "plate":
             b_idx, q = variant_geometry(variant, w, b_idx, q, bundle.redundancy(m), module_seed(seed, m))
-        blocks.append(selector_basis_block(pname, (d_out, d_in), b_idx, q))
+        block = selector_basis_block(pname, (d_out, d_in), b_idx, q)
+        blocks.append(_transposed(block) if layout == "conv1d" else block)
     return UpdateFamily(variant, blocks, {"variant": variant})
+
+
+def _transposed(block: Block) -> Block:
+    """The same subspace for a parameter stored transposed (Conv1D's [d_in, d_out]): still isometric."""
+    return Block(block.param, block.dim, lambda c: block.embed(c).T, lambda d: block.project(d.T))
 
 
 # --------------------------------------------------------------------------- old-task loss and its derivatives
@@ -523,6 +543,8 @@ def analyze_family(
     """
     if family.dim < 1:
         raise CurvatureError(f"family {family.name} is empty")
+    if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
+        raise ConfigError(f"seed must be a non-negative integer, got {seed}")
     beta = problem.output_hessian_bound() if beta is None else float(beta)
     lam, c_star = top_eigenpair(restricted_operator(problem, family, "hessian"), seed=seed, tol=tol)
     lam_gn, _ = top_eigenpair(restricted_operator(problem, family, "ggn"), seed=seed + 1, tol=tol)
