@@ -538,3 +538,25 @@ def test_plate_family_on_conv1d_moves_b_rows_of_the_oriented_weight(tmp_path):
     # the adjoint: <project(g), c> = <g, embed(c)> for a stored-layout gradient g
     g = {n: torch.randn_like(d) for n, d in deltas.items()}
     assert float((fam.project(g) * c).sum()) == pytest.approx(sum(float((g[n] * deltas[n]).sum()) for n in g))
+
+
+def test_lora_family_on_conv1d_restricts_the_input_side_with_zero_b():
+    """QA: lora_family built the tangent block on Conv1D's stored [d_in, d_out] tensor, so with zero_b (PEFT's
+    B0 = 0) the update's *output* side was confined to an r-dim subspace instead of its input side (row(A0)).
+    Oriented deltas of any coordinates must share one r-dim row space in R^{d_in}; the basis is isometric."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    d_in, d_out, r = 6, 9, 2
+    model = nn.Sequential(Conv1D(d_out, d_in)).double()  # weight stored [d_in, d_out]
+    assert tuple(model[0].weight.shape) == (d_in, d_out)
+    fam = lora_family(model, ["0"], rank=r, zero_b=True)
+    assert fam.dim == d_out * r
+    m = dense_basis(fam, model)
+    np.testing.assert_allclose((m.T @ m).numpy(), np.eye(fam.dim), atol=1e-12)
+    g = torch.Generator().manual_seed(0)
+    oriented = [fam.embed(torch.randn(fam.dim, generator=g, dtype=torch.float64))["0.weight"].T for _ in range(3)]
+    assert all(d.shape == (d_out, d_in) for d in oriented)
+    assert int(torch.linalg.matrix_rank(torch.cat(oriented, dim=0))) == r  # one shared input subspace
+    full = lora_family(model, ["0"], rank=r)
+    assert full.dim == r * (d_in + d_out) - r * r

@@ -182,14 +182,21 @@ def lora_tangent_block(param: str, shape: tuple[int, int], rank: int, seed: int,
 def lora_family(
     model: nn.Module, modules: Sequence[str], rank: int, seed: int = 0, zero_b: bool = False
 ) -> UpdateFamily:
-    """LoRA rank-r tangent subspace on the weights of ``modules`` (module names, e.g. ['fc1', 'fc2'])."""
+    """LoRA rank-r tangent subspace on the weights of ``modules`` (module names, e.g. ['fc1', 'fc2']).
+
+    B0 / A0 are [d_out, r] / [r, d_in] of the oriented weight, also for a transformers ``Conv1D`` (stored
+    [d_in, d_out]): with ``zero_b`` the update's input side stays in row(A0), as in PEFT's LoRA."""
+    from plate_inspect.train.layer import layout_of
+
     named = dict(model.named_parameters())
     blocks = []
     for m in modules:
         pname = f"{m}.weight"
         _check_params(named, [pname])
-        w = named[pname]
-        blocks.append(lora_tangent_block(pname, tuple(w.shape), rank, module_seed(seed, m), zero_b=zero_b))
+        conv1d = layout_of(model.get_submodule(m)) == "conv1d"
+        shape = tuple(named[pname].shape)
+        block = lora_tangent_block(pname, shape[::-1] if conv1d else shape, rank, module_seed(seed, m), zero_b=zero_b)
+        blocks.append(_transposed(block) if conv1d else block)
     return UpdateFamily(f"lora_r{rank}", blocks, {"rank": rank, "zero_b": zero_b})
 
 
