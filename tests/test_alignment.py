@@ -270,3 +270,30 @@ def test_align_cli_says_when_seq_len_is_capped(minilm_dir, tmp_path):
     assert json.loads(res.stdout)[0]["module"] == "encoder.layer.0.attention.self.query"  # stdout stays JSON
     res = CliRunner().invoke(cli, [*args, "--seq-len", "128"])
     assert res.exit_code == 0 and "note:" not in res.stderr
+
+
+def test_conv1d_weights_are_read_as_d_out_by_d_in():
+    """GPT-2's Conv1D stores W transposed ([d_in, d_out]); VE/AL use its right singular vectors in input space.
+    A square Conv1D is the case a missing transpose would not catch by shape: compare with the numpy definitions
+    on W = stored.T and on the explicit activations."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(12, 12), nn.Tanh(), Conv1D(7, 12))  # Conv1D(nf=d_out, nx=d_in)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(200, 12, generator=g) @ torch.randn(12, 12, generator=g)
+    recs = weight_activation_alignment(model, [x], ks=(2, 5), n_random=1)
+    with torch.no_grad():
+        acts = {"0": x, "2": torch.tanh(model[0](x))}
+    for rec in recs:
+        w = model[int(rec.module)].weight.detach().double().numpy().T  # [d_out, d_in]
+        ve_w, ve_o, al = numpy_oracle(w, acts[rec.module].double().numpy(), rec.k)
+        assert rec.d_in == 12
+        assert rec.ve_weight == pytest.approx(ve_w, rel=1e-6)
+        assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-6)
+        assert rec.al_weight == pytest.approx(al, rel=1e-5, abs=1e-7)
+    # the stored (untransposed) square weight's right singular vectors are different: the test can tell them apart
+    w0 = model[0].weight.detach().double().numpy()
+    ve_wrong, _, _ = numpy_oracle(w0, x.double().numpy(), 2)
+    assert abs(ve_wrong - next(r.ve_weight for r in recs if r.module == "0" and r.k == 2)) > 1e-3
