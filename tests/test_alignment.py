@@ -297,3 +297,27 @@ def test_conv1d_weights_are_read_as_d_out_by_d_in():
     w0 = model[0].weight.detach().double().numpy()
     ve_wrong, _, _ = numpy_oracle(w0, x.double().numpy(), 2)
     assert abs(ve_wrong - next(r.ve_weight for r in recs if r.module == "0" and r.k == 2)) > 1e-3
+
+
+def test_align_json_out_writes_the_records_atomically(minilm_dir, tmp_path, monkeypatch):
+    """--json-out: the records of --json, written atomically to a file; a directory is refused before the model
+    loads (one line, no traceback)."""
+    from plate_inspect.analysis import alignment
+    from plate_inspect.cli.main import cli
+
+    text = tmp_path / "t.txt"
+    text.write_text(sklearn_descr_text()[:2000], encoding="utf-8")
+    args = ["align", str(minilm_dir), "--text", str(text), "--k", "8", "--max-tokens", "100", "--random-draws", "1"]
+    args += ["--target-modules", "encoder.layer.0.attention.self.query"]
+    out = tmp_path / "sub" / "align.json"
+    res = CliRunner().invoke(cli, [*args, "--json", "--json-out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text()) == json.loads(res.stdout)
+    assert json.loads(out.read_text())[0]["module"] == "encoder.layer.0.attention.self.query"
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the model ran before --json-out was checked")
+
+    monkeypatch.setattr(alignment, "hf_text_alignment", must_not_run)
+    res = CliRunner().invoke(cli, [*args, "--json-out", str(tmp_path)])
+    assert res.exit_code == 2 and "is a directory" in res.output and "Traceback" not in res.output, res.output

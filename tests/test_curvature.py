@@ -349,12 +349,13 @@ def test_bad_family_inputs_raise_one_line_errors():
 def test_curvature_cli_json_records(tmp_path):
     from plate_inspect.cli.main import cli
 
-    res = CliRunner().invoke(
-        cli,
-        ["curvature", "--json", "--epochs", "2", "--probes", "3", "--families", "plate,random_q,plate", "--rho", "0,1"],
-    )
+    out = tmp_path / "deep" / "curv.json"
+    args = ["curvature", "--json", "--epochs", "2", "--probes", "3", "--families", "plate,random_q,plate"]
+    args += ["--rho", "0,1", "--r", "1", "--max-rank", "2"]  # dim(S) <= 6: few products (each ~0.3 s)
+    res = CliRunner().invoke(cli, [*args, "--json-out", str(out)])
     assert res.exit_code == 0, res.output
-    recs = json.loads(res.output)
+    recs = json.loads(res.stdout)
+    assert json.loads(out.read_text()) == recs  # --json-out: the same records, in a file
     assert [r["family"] for r in recs] == ["plate", "random_q"]  # QA: a family named twice was analysed twice
     for r in recs:
         keys = {"family", "dim", "lambda", "eps", "gn_share_median", "residual_ratio_median", "forgetting_curve"}
@@ -560,3 +561,36 @@ def test_lora_family_on_conv1d_restricts_the_input_side_with_zero_b():
     assert int(torch.linalg.matrix_rank(torch.cat(oriented, dim=0))) == r  # one shared input subspace
     full = lora_family(model, ["0"], rank=r)
     assert full.dim == r * (d_in + d_out) - r * r
+
+
+def test_curvature_json_out_is_checked_first_and_left_alone_by_a_failed_run(monkeypatch, tmp_path):
+    """QA: the only way to keep the records was `--json > file`, which the shell truncates before a minute-long
+    run (a failed run left an empty file). --json-out (written atomically after the run: see
+    test_curvature_cli_json_records) is checked before the training: a directory or a FIFO is one line; a failed
+    run leaves an existing file untouched."""
+    import os
+
+    from plate_inspect.analysis import curvature as curvature_mod
+    from plate_inspect.cli.main import cli
+    from plate_inspect.errors import CurvatureError
+
+    args = ["curvature", "--epochs", "1", "--families", "plate", "--probes", "2", "-q"]
+
+    def must_not_train(*a, **k):
+        raise AssertionError("trained before --json-out was checked")
+
+    monkeypatch.setattr(curvature_mod, "digits_stage1", must_not_train)
+    os.mkfifo(tmp_path / "fifo")
+    for bad, what in ((tmp_path, "is a directory"), (tmp_path / "fifo", "not a regular file")):
+        res = CliRunner().invoke(cli, [*args, "--json-out", str(bad)])
+        assert res.exit_code == 2 and what in res.output and "Traceback" not in res.output, res.output
+
+    def fail(*a, **k):
+        raise CurvatureError("simulated failure")
+
+    monkeypatch.setattr(curvature_mod, "digits_stage1", fail)
+    target = tmp_path / "curv.json"
+    target.write_text("previous records\n")
+    res = CliRunner().invoke(cli, [*args, "--json-out", str(target)])
+    assert res.exit_code != 0 and "simulated failure" in res.output
+    assert target.read_text() == "previous records\n"
