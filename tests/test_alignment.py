@@ -321,3 +321,42 @@ def test_align_json_out_writes_the_records_atomically(minilm_dir, tmp_path, monk
     monkeypatch.setattr(alignment, "hf_text_alignment", must_not_run)
     res = CliRunner().invoke(cli, [*args, "--json-out", str(tmp_path)])
     assert res.exit_code == 2 and "is a directory" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_tiny_transformer_against_explicit_activations():
+    """A float32 torch TransformerEncoderLayer (post-norm, eval): linear1 sees norm1(x + attn(x)), linear2 sees
+    relu(linear1(.)); the records equal the numpy definitions on those activations, recomputed by hand from the
+    layer's parts (and checked to reproduce the model's output). The attention's out_proj is applied functionally
+    by nn.MultiheadAttention, never through its forward: by default it is named in a one-line error with the
+    remedy, instead of being reported on no data."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1, enable_nested_tensor=False
+    )
+    model.eval()
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(3, 10, 16, generator=g) * torch.linspace(0.2, 3, 16) for _ in range(2)]
+    names = ["layers.0.linear1", "layers.0.linear2"]
+    recs = weight_activation_alignment(model, batches, ks=(2, 6), n_random=1, target_modules=names)
+    acts1, acts2 = [], []
+    with torch.no_grad():
+        for x in batches:
+            h = layer.norm1(x + layer.self_attn(x, x, x, need_weights=False)[0])
+            a2 = torch.relu(layer.linear1(h))
+            torch.testing.assert_close(
+                layer.norm2(h + layer.linear2(a2)), model(x)
+            )  # the hand recomputation is the model
+            acts1.append(h.reshape(-1, 16))
+            acts2.append(a2.reshape(-1, 32))
+    acts = {names[0]: torch.cat(acts1), names[1]: torch.cat(acts2)}
+    assert len(recs) == 4
+    for rec in recs:
+        w = dict(model.named_modules())[rec.module].weight.detach().double().numpy()
+        ve_w, ve_o, al = numpy_oracle(w, acts[rec.module].double().numpy(), rec.k)
+        assert rec.n_samples == 60
+        assert rec.ve_weight == pytest.approx(ve_w, rel=1e-5)
+        assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-5)
+        assert rec.al_weight == pytest.approx(al, rel=1e-4, abs=1e-6)
+    with pytest.raises(PlateInspectError, match=r"self_attn\.out_proj.*leave them out with target_modules"):
+        weight_activation_alignment(model, batches, ks=(2,), n_random=1)

@@ -245,7 +245,11 @@ def collect_input_moments(
         model.train(was_training)
     missing = [n for n in modules if n not in moments]
     if missing:
-        raise AlignmentError(f"these layers saw no input (empty input iterable, or not on the forward path): {missing}")
+        raise AlignmentError(
+            f"these layers saw no input: {missing[:5]}{' ...' if len(missing) > 5 else ''} (the inputs were empty, or "
+            "their forward never runs: e.g. torch's nn.MultiheadAttention applies out_proj's weight directly); "
+            "leave them out with target_modules (CLI: --target-modules)"
+        )
     return {n: moments[n] for n in modules}
 
 
