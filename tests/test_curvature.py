@@ -16,6 +16,7 @@ from torch.func import functional_call
 from plate_inspect.analysis.curvature import (
     OldTaskProblem,
     UpdateFamily,
+    analyze_families,
     analyze_family,
     full_family,
     lora_family,
@@ -594,3 +595,20 @@ def test_curvature_json_out_is_checked_first_and_left_alone_by_a_failed_run(monk
     res = CliRunner().invoke(cli, [*args, "--json-out", str(target)])
     assert res.exit_code != 0 and "simulated failure" in res.output
     assert target.read_text() == "previous records\n"
+
+
+def test_analyze_families_leaves_the_models_training_mode_as_it_was():
+    """QA: analyze_families switched a model in training mode to eval for good (OldTaskProblem calls eval(): dropout
+    off for a deterministic L0), so a user training on afterwards silently trained without dropout. The records are
+    those of the eval-mode model (dropout off), and the mode is restored."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 3)).double()
+    x, y = tiny_data()
+    fam = full_family(model, ["3.weight"])
+    model.train()
+    (rec,) = analyze_families(model, F.cross_entropy, [(x, y)], [fam], n_probes=2, rhos=(0.0,))
+    assert model.training and model[2].training
+    model.eval()
+    (want,) = analyze_families(model, F.cross_entropy, [(x, y)], [fam], n_probes=2, rhos=(0.0,))
+    assert not model.training
+    assert rec.lam == pytest.approx(want.lam, rel=1e-12) and rec.eps == pytest.approx(want.eps, rel=1e-12)

@@ -255,7 +255,8 @@ class OldTaskProblem:
 
     ``data`` is a re-iterable of (x, y) batches (a list or a DataLoader); ``loss_fn(outputs, targets)`` must
     average over the batch (like ``F.cross_entropy``), so batch b enters with weight n_b / N.
-    ``forward(model, x)`` overrides ``model(x)``.
+    ``forward(model, x)`` overrides ``model(x)``. The model is put in eval mode (no dropout: L0 is deterministic);
+    :func:`analyze_families` restores the mode it found.
     """
 
     def __init__(
@@ -596,12 +597,16 @@ def analyze_families(
     ``progress`` gets one event per analysed family (unit "families")."""
     counter = ProgressCounter(progress, len(families), "families")
     counter.start()
-    problem = OldTaskProblem(model, loss_fn, data, forward=forward)
-    beta = problem.output_hessian_bound()
-    out = []
-    for fam in families:
-        out.append(analyze_family(problem, fam, n_probes=n_probes, rhos=rhos, seed=seed, beta=beta))
-        counter.step(fam.name)
+    was_training = model.training
+    try:
+        problem = OldTaskProblem(model, loss_fn, data, forward=forward)
+        beta = problem.output_hessian_bound()
+        out = []
+        for fam in families:
+            out.append(analyze_family(problem, fam, n_probes=n_probes, rhos=rhos, seed=seed, beta=beta))
+            counter.step(fam.name)
+    finally:
+        model.train(was_training)
     return out
 
 
