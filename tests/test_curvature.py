@@ -612,3 +612,54 @@ def test_analyze_families_leaves_the_models_training_mode_as_it_was():
     (want,) = analyze_families(model, F.cross_entropy, [(x, y)], [fam], n_probes=2, rhos=(0.0,))
     assert not model.training
     assert rec.lam == pytest.approx(want.lam, rel=1e-12) and rec.eps == pytest.approx(want.eps, rel=1e-12)
+
+
+class TinyTransformer(nn.Module):
+    """One post-norm encoder layer (attention, LayerNorm, ReLU FFN), mean-pooled, a linear head: 3 classes."""
+
+    def __init__(self, d: int = 4, ff: int = 6, classes: int = 3):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(d, 1, ff, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x).mean(dim=1))
+
+
+def test_operators_on_a_tiny_transformer_match_dense_oracles():
+    """Attention (MultiheadAttention's functional in/out projections), LayerNorm and a ReLU FFN: the restricted
+    Hessian, GGN and drift Gram on PLATE-like blocks of the attention's in_proj (q, k and v rows) and of linear2
+    equal M^T C M of the dense float64 matrices; lambda and eps follow. QA: products through attention raised
+    "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented" (the fused
+    kernel has no double backward); OldTaskProblem now evaluates the model with the math attention kernel."""
+    torch.manual_seed(0)
+    model = TinyTransformer().double().eval()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 5, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,), generator=g)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # the oracle's double backward: CPU flash attention has none
+        hess, ggn, gram, _ = dense_oracles(model, x, y)
+    problem = OldTaskProblem(model, F.cross_entropy, [(x, y)])  # default attention kernels outside
+    q_in, q = (
+        random_orthonormal(4, 2, seed=2, dtype=torch.float64),
+        random_orthonormal(6, 2, seed=1, dtype=torch.float64),
+    )
+    fams = [  # small families: each product through attention costs ~0.1-0.5 s of torch.func overhead
+        UpdateFamily(
+            "in_proj", [selector_basis_block("enc.self_attn.in_proj_weight", (12, 4), torch.tensor([0, 5, 9]), q_in)]
+        ),
+        UpdateFamily("plate_like", [selector_basis_block("enc.linear2.weight", (4, 6), torch.tensor([1, 3]), q)]),
+    ]
+    for fam in fams:
+        m = dense_basis(fam, model)
+        for kind, dense in (("hessian", hess), ("ggn", ggn), ("drift", gram)):
+            want = (m.T @ dense @ m).numpy()
+            got = _op_dense(restricted_operator(problem, fam, kind))
+            np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10 * np.abs(want).max(), err_msg=fam.name)
+        rec = analyze_family(problem, fam, n_probes=2, rhos=(0.0,))
+        assert rec.lam == pytest.approx(float(torch.linalg.eigvalsh(m.T @ hess @ m).max()), rel=1e-8)
+        assert rec.eps == pytest.approx(float(torch.linalg.eigvalsh(m.T @ gram @ m).max()) ** 0.5, rel=1e-8)
+        assert rec.lam_gn <= rec.beta * rec.eps**2 * (1 + 1e-9)
+    assert abs(float((hess - ggn).abs().max())) > 1e-3  # a real residual term: attention and LayerNorm are curved

@@ -35,6 +35,7 @@ import torch
 from scipy.sparse.linalg import LinearOperator, eigsh
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plate_inspect.atomic import make_dirs
 from plate_inspect.errors import ConfigError, CurvatureError
@@ -281,9 +282,12 @@ class OldTaskProblem:
     # ----------------------------------------------------------------- plumbing
     def _f(self, sub: Params, x: Any) -> torch.Tensor:
         state = {**self.theta0, **self.buffers, **sub}
-        if self.forward is None:
-            return functional_call(self.model, state, (x,))
-        return self.forward(_Bound(self.model, state), x)
+        # scaled_dot_product_attention's fused kernels (flash, memory-efficient) have no double backward and no
+        # forward-mode derivative: Hessian-vector products through attention need the plain math kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            if self.forward is None:
+                return functional_call(self.model, state, (x,))
+            return self.forward(_Bound(self.model, state), x)
 
     def _primals(self, names: Iterable[str]) -> Params:
         return {n: self.theta0[n] for n in names}
