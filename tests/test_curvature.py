@@ -663,3 +663,19 @@ def test_operators_on_a_tiny_transformer_match_dense_oracles():
         assert rec.eps == pytest.approx(float(torch.linalg.eigvalsh(m.T @ gram @ m).max()) ** 0.5, rel=1e-8)
         assert rec.lam_gn <= rec.beta * rec.eps**2 * (1 + 1e-9)
     assert abs(float((hess - ggn).abs().max())) > 1e-3  # a real residual term: attention and LayerNorm are curved
+
+
+def test_lanczos_without_convergence_is_a_one_line_error():
+    """QA: eigsh's ArpackNoConvergence escaped as a scipy traceback. It is a CurvatureError saying what to change;
+    with room to converge the same operator gives the dense top eigenvalue."""
+    from scipy.sparse.linalg import aslinearoperator
+
+    from plate_inspect.errors import CurvatureError
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((200, 200))
+    sym = aslinearoperator(a + a.T)
+    with pytest.raises(CurvatureError, match=r"200-dimensional .* within 1 iterations at tol=1e-14"):
+        top_eigenpair(sym, tol=1e-14, dense_max_dim=0, maxiter=1)
+    val, _ = top_eigenpair(sym, dense_max_dim=0, tol=1e-10)
+    assert val == pytest.approx(float(np.linalg.eigvalsh(a + a.T)[-1]), rel=1e-8)

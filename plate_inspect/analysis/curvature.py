@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from scipy.sparse.linalg import LinearOperator, eigsh
+from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -431,15 +431,31 @@ def restricted_operator(problem: OldTaskProblem, family: UpdateFamily, kind: str
     return LinearOperator((family.dim, family.dim), matvec=matvec, rmatvec=matvec, dtype=np.float64)
 
 
-def top_eigenpair(op: LinearOperator, seed: int = 0, tol: float = 1e-6, dense_max_dim: int = DENSE_MAX_DIM):
-    """(largest algebraic eigenvalue, unit eigenvector) of a symmetric operator: Lanczos, or dense when tiny."""
+def top_eigenpair(
+    op: LinearOperator,
+    seed: int = 0,
+    tol: float = 1e-6,
+    dense_max_dim: int = DENSE_MAX_DIM,
+    maxiter: int | None = None,
+):
+    """(largest algebraic eigenvalue, unit eigenvector) of a symmetric operator: Lanczos, or dense when tiny.
+
+    Lanczos that does not converge within ``maxiter`` restarts (default max(1000, 20 min(dim, 500))) is a
+    CurvatureError, never an unconverged value."""
     m = op.shape[0]
     if m <= dense_max_dim:
         dense = np.column_stack([op.matvec(e) for e in np.eye(m)])
         evals, evecs = np.linalg.eigh(0.5 * (dense + dense.T))
         return float(evals[-1]), evecs[:, -1]
     v0 = np.random.default_rng(seed).standard_normal(m)
-    evals, evecs = eigsh(op, k=1, which="LA", v0=v0, tol=tol, maxiter=max(1000, 20 * min(m, 500)))
+    maxiter = max(1000, 20 * min(m, 500)) if maxiter is None else int(maxiter)
+    try:
+        evals, evecs = eigsh(op, k=1, which="LA", v0=v0, tol=tol, maxiter=maxiter)
+    except ArpackNoConvergence:
+        raise CurvatureError(
+            f"Lanczos (eigsh) found no top eigenvalue of the {m}-dimensional restricted operator within {maxiter} "
+            f"iterations at tol={tol:g}; loosen tol (analyze_family(..., tol=)) or give maxiter"
+        ) from None
     return float(evals[0]), evecs[:, 0]
 
 
