@@ -679,3 +679,19 @@ def test_lanczos_without_convergence_is_a_one_line_error():
         top_eigenpair(sym, tol=1e-14, dense_max_dim=0, maxiter=1)
     val, _ = top_eigenpair(sym, dense_max_dim=0, tol=1e-10)
     assert val == pytest.approx(float(np.linalg.eigvalsh(a + a.T)[-1]), rel=1e-8)
+
+
+def test_half_precision_models_are_refused_with_the_remedy(tiny):
+    """QA: a bfloat16 model ran: its products (and the coordinates, cast to bfloat16) keep ~2-3 significant digits,
+    fewer for q_R = q_H - q_GN, silently. Refused, naming the cast that works; the float32 copy runs
+    and agrees with float64 (see test_analysis_float32)."""
+    import copy
+
+    from plate_inspect.errors import ConfigError
+
+    model, x, y, *_ = tiny
+    for dtype in (torch.bfloat16, torch.float16):
+        low = copy.deepcopy(model).to(dtype)
+        with pytest.raises(ConfigError, match=rf"{str(dtype)[6:]} parameters.*copy\.deepcopy\(model\)\.float\(\)"):
+            OldTaskProblem(low, F.cross_entropy, [(x.to(dtype), y)])
+    OldTaskProblem(copy.deepcopy(model).float(), F.cross_entropy, [(x.float(), y)])

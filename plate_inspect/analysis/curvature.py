@@ -251,6 +251,10 @@ def _transposed(block: Block) -> Block:
 
 
 # --------------------------------------------------------------------------- old-task loss and its derivatives
+#: Parameter dtypes too coarse for second-order products (8 and 11 significant bits).
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 class OldTaskProblem:
     """L0(theta) = mean over P0 of loss(f_theta(x), y), with matrix-free derivatives at theta0.
 
@@ -267,6 +271,13 @@ class OldTaskProblem:
         data: Iterable[tuple[Any, torch.Tensor]],
         forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     ):
+        low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dtype in _LOW_PRECISION})
+        if low:
+            raise ConfigError(
+                f"the model holds {'/'.join(low)} parameters: curvature products in them keep ~2-3 significant "
+                "digits (and q_R = q_H - q_GN, a difference of near-equal numbers, fewer); analyse a float32 or "
+                "float64 copy (copy.deepcopy(model).float())"
+            )
         self.model = model
         self.loss_fn = loss_fn
         self.batches = list(data)
