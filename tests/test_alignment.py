@@ -360,3 +360,20 @@ def test_tiny_transformer_against_explicit_activations():
         assert rec.al_weight == pytest.approx(al, rel=1e-4, abs=1e-6)
     with pytest.raises(PlateInspectError, match=r"self_attn\.out_proj.*leave them out with target_modules"):
         weight_activation_alignment(model, batches, ks=(2,), n_random=1)
+
+
+def test_align_on_a_bundle_directory_says_it_is_a_bundle(tmp_path):
+    """QA: `plate-inspect align BUNDLE` (a bundle where the model goes) said only "no config.json". It now says the
+    directory is a PLATE bundle and that align wants the model it was made from; one line, exit 2."""
+    from safetensors.torch import save_file
+
+    import plate_inspect
+    from plate_inspect.cli.main import cli
+
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 10)
+    save_file({"fc.weight": layer.weight.detach().contiguous()}, str(tmp_path / "m.safetensors"))
+    plate_inspect.scan(tmp_path / "m.safetensors", tmp_path / "bundle", r=2, tau=0.9, max_rank=4)
+    res = CliRunner().invoke(cli, ["align", str(tmp_path / "bundle"), "--k", "2"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "is a PLATE bundle (plate-inspect scan output), not a model" in res.output
