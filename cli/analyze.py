@@ -36,6 +36,41 @@ def _float_list(value: str, what: str) -> list[float]:
     return out
 
 
+def _check_json_out(path: Path | None) -> None:
+    """Refuse an unusable --json-out before the long work (a directory, a device, a parent that cannot be made)."""
+    from plate_inspect.atomic import make_dirs, os_error_reason, refuse_special_file
+
+    if path is None:
+        return
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; give a file name, e.g. --json-out {path / 'records.json'}")
+    try:
+        refuse_special_file(path)
+    except OSError as e:
+        raise ConfigError(
+            f"{path}: not a regular file ({os_error_reason(path, e)}); choose another --json-out"
+        ) from None
+    make_dirs(path.parent, "the directory of --json-out", "--json-out")
+
+
+def _write_json_out(path: Path | None, records: list) -> None:
+    """The records' JSON written atomically (a run that fails or is interrupted leaves no partial file)."""
+    from plate_inspect.atomic import atomic_write, os_error_reason
+
+    if path is None:
+        return
+    try:
+        atomic_write(path, json.dumps(records, indent=2) + "\n")
+    except OSError as e:
+        raise ConfigError(
+            f"{path}: cannot write the records ({os_error_reason(path, e)}); choose another --json-out"
+        ) from None
+    err_console.print(f"wrote {path}", soft_wrap=True, markup=False)
+
+
+JSON_OUT_HELP = "Also write the records as JSON to this file, atomically (after the run; checked before it)."
+
+
 def _family(name: str, model, bundle, lora_rank: int, seed: int):
     """The update family ``name`` (full_backbone, lora or a PLATE variant) on the digits MLP's backbone."""
     from plate_inspect.analysis.curvature import full_family, lora_family, plate_family
@@ -72,9 +107,10 @@ def _family(name: str, model, bundle, lora_rank: int, seed: int):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--per-layer", is_flag=True, help="One table row per layer (default: averaged per module type).")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
+@click.option("--json-out", type=click.Path(path_type=Path), default=None, help=JSON_OUT_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def align_command(
-    model, text_file, ks, max_tokens, seq_len, target_modules, random_draws, seed, per_layer, as_json, quiet
+    model, text_file, ks, max_tokens, seq_len, target_modules, random_draws, seed, per_layer, as_json, json_out, quiet
 ):
     """Weight geometry vs. activation geometry of every target linear layer of MODEL.
 
@@ -88,7 +124,7 @@ def align_command(
     Examples:
       plate-inspect align                                   # embedded MiniLM on scikit-learn's docs text
       plate-inspect align ./my-bert --text corpus.txt --k 8,32 --max-tokens 50000
-      plate-inspect align ./my-bert --text corpus.txt --json > alignment.json
+      plate-inspect align ./my-bert --text corpus.txt --json-out alignment.json
     """
     from plate_inspect.analysis.alignment import SKLEARN_TEXT_SOURCE, hf_text_alignment, read_text, sklearn_descr_text
     from plate_inspect.targets import check_target_patterns
@@ -102,6 +138,7 @@ def align_command(
         raise ConfigError(f"--random-draws must be positive, got {random_draws}")
     targets = split_names(target_modules)
     check_target_patterns(targets)
+    _check_json_out(json_out)
     if model is None:
         from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 
@@ -125,6 +162,7 @@ def align_command(
             progress=progress,
             notes=lambda text: err_console.print(f"note: {cli_text(text)}", soft_wrap=True, markup=False),
         )
+    _write_json_out(json_out, [r.to_json() for r in records])
     if as_json:
         click.echo(json.dumps([r.to_json() for r in records], indent=2))
         return
@@ -178,12 +216,20 @@ def print_alignment_table(records, per_layer: bool = False) -> None:
     "--families",
     default="full_backbone,lora,plate,random_b,random_q,high_energy_q",
     show_default=True,
-    help="Comma-separated subset of the families.",
+    help="Comma-separated families: full_backbone, lora, plate and its matched-capacity ablations random_b, "
+    "random_q, high_energy_q, least_redundant_b, random_bq.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the training, the random families and probes (>= 0).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
+@click.option("--json-out", type=click.Path(path_type=Path), default=None, help=JSON_OUT_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, families, seed, as_json, quiet):
+def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, families, seed, as_json, json_out, quiet):
     """Restricted curvature, drift radius and Gauss-Newton share per update family on the digits MLP.
 
     Trains the digits MLP on task 1 (digits 0-4 = P0), saves it as safetensors, scans fc1/fc2/fc3 into a
@@ -196,7 +242,7 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     Examples:
       plate-inspect curvature
       plate-inspect curvature --r 32 --tau 0.8 --lora-rank 16 --probes 300
-      plate-inspect curvature --families plate,random_q --json > curvature.json
+      plate-inspect curvature --families plate,random_q --json-out curvature.json
     """
     import torch.nn.functional as F
 
@@ -218,8 +264,11 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     for name, value in (*counts, ("--probes", probes)):  # --probes 0: medians over no probes are NaN
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value}")
+    if seed < 0:  # before the stage-1 training: the Lanczos start vectors and the probes need seeds >= 0
+        raise ConfigError(f"--seed must be a non-negative integer, got {seed}")
     _check_digits_ranks(r, lora_rank)
     validate_settings(r=r, tau=tau, max_rank=max_rank)  # before the minute of stage-1 training
+    _check_json_out(json_out)
 
     tmp = None
     if out is None:
@@ -245,6 +294,7 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     finally:
         if tmp is not None:
             tmp.cleanup()
+    _write_json_out(json_out, [rec.to_json() for rec in records])
     if as_json:
         click.echo(json.dumps([rec.to_json() for rec in records], indent=2))
         return

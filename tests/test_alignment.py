@@ -270,3 +270,110 @@ def test_align_cli_says_when_seq_len_is_capped(minilm_dir, tmp_path):
     assert json.loads(res.stdout)[0]["module"] == "encoder.layer.0.attention.self.query"  # stdout stays JSON
     res = CliRunner().invoke(cli, [*args, "--seq-len", "128"])
     assert res.exit_code == 0 and "note:" not in res.stderr
+
+
+def test_conv1d_weights_are_read_as_d_out_by_d_in():
+    """GPT-2's Conv1D stores W transposed ([d_in, d_out]); VE/AL use its right singular vectors in input space.
+    A square Conv1D is the case a missing transpose would not catch by shape: compare with the numpy definitions
+    on W = stored.T and on the explicit activations."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(12, 12), nn.Tanh(), Conv1D(7, 12))  # Conv1D(nf=d_out, nx=d_in)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(200, 12, generator=g) @ torch.randn(12, 12, generator=g)
+    recs = weight_activation_alignment(model, [x], ks=(2, 5), n_random=1)
+    with torch.no_grad():
+        acts = {"0": x, "2": torch.tanh(model[0](x))}
+    for rec in recs:
+        w = model[int(rec.module)].weight.detach().double().numpy().T  # [d_out, d_in]
+        ve_w, ve_o, al = numpy_oracle(w, acts[rec.module].double().numpy(), rec.k)
+        assert rec.d_in == 12
+        assert rec.ve_weight == pytest.approx(ve_w, rel=1e-6)
+        assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-6)
+        assert rec.al_weight == pytest.approx(al, rel=1e-5, abs=1e-7)
+    # the stored (untransposed) square weight's right singular vectors are different: the test can tell them apart
+    w0 = model[0].weight.detach().double().numpy()
+    ve_wrong, _, _ = numpy_oracle(w0, x.double().numpy(), 2)
+    assert abs(ve_wrong - next(r.ve_weight for r in recs if r.module == "0" and r.k == 2)) > 1e-3
+
+
+def test_align_json_out_writes_the_records_atomically(minilm_dir, tmp_path, monkeypatch):
+    """--json-out: the records of --json, written atomically to a file; a directory is refused before the model
+    loads (one line, no traceback)."""
+    from plate_inspect.analysis import alignment
+    from plate_inspect.cli.main import cli
+
+    text = tmp_path / "t.txt"
+    text.write_text(sklearn_descr_text()[:2000], encoding="utf-8")
+    args = ["align", str(minilm_dir), "--text", str(text), "--k", "8", "--max-tokens", "100", "--random-draws", "1"]
+    args += ["--target-modules", "encoder.layer.0.attention.self.query"]
+    out = tmp_path / "sub" / "align.json"
+    res = CliRunner().invoke(cli, [*args, "--json", "--json-out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text()) == json.loads(res.stdout)
+    assert json.loads(out.read_text())[0]["module"] == "encoder.layer.0.attention.self.query"
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the model ran before --json-out was checked")
+
+    monkeypatch.setattr(alignment, "hf_text_alignment", must_not_run)
+    res = CliRunner().invoke(cli, [*args, "--json-out", str(tmp_path)])
+    assert res.exit_code == 2 and "is a directory" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_tiny_transformer_against_explicit_activations():
+    """A float32 torch TransformerEncoderLayer (post-norm, eval): linear1 sees norm1(x + attn(x)), linear2 sees
+    relu(linear1(.)); the records equal the numpy definitions on those activations, recomputed by hand from the
+    layer's parts (and checked to reproduce the model's output). The attention's out_proj is applied functionally
+    by nn.MultiheadAttention, never through its forward: by default it is named in a one-line error with the
+    remedy, instead of being reported on no data."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1, enable_nested_tensor=False
+    )
+    model.eval()
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(3, 10, 16, generator=g) * torch.linspace(0.2, 3, 16) for _ in range(2)]
+    names = ["layers.0.linear1", "layers.0.linear2"]
+    recs = weight_activation_alignment(model, batches, ks=(2, 6), n_random=1, target_modules=names)
+    acts1, acts2 = [], []
+    with torch.no_grad():
+        for x in batches:
+            h = layer.norm1(x + layer.self_attn(x, x, x, need_weights=False)[0])
+            a2 = torch.relu(layer.linear1(h))
+            torch.testing.assert_close(
+                layer.norm2(h + layer.linear2(a2)), model(x)
+            )  # the hand recomputation is the model
+            acts1.append(h.reshape(-1, 16))
+            acts2.append(a2.reshape(-1, 32))
+    acts = {names[0]: torch.cat(acts1), names[1]: torch.cat(acts2)}
+    assert len(recs) == 4
+    for rec in recs:
+        w = dict(model.named_modules())[rec.module].weight.detach().double().numpy()
+        ve_w, ve_o, al = numpy_oracle(w, acts[rec.module].double().numpy(), rec.k)
+        assert rec.n_samples == 60
+        assert rec.ve_weight == pytest.approx(ve_w, rel=1e-5)
+        assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-5)
+        assert rec.al_weight == pytest.approx(al, rel=1e-4, abs=1e-6)
+    with pytest.raises(PlateInspectError, match=r"self_attn\.out_proj.*leave them out with target_modules"):
+        weight_activation_alignment(model, batches, ks=(2,), n_random=1)
+
+
+def test_align_on_a_bundle_directory_says_it_is_a_bundle(tmp_path):
+    """QA: `plate-inspect align BUNDLE` (a bundle where the model goes) said only "no config.json". It now says the
+    directory is a PLATE bundle and that align wants the model it was made from; one line, exit 2."""
+    from safetensors.torch import save_file
+
+    import plate_inspect
+    from plate_inspect.cli.main import cli
+
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 10)
+    save_file({"fc.weight": layer.weight.detach().contiguous()}, str(tmp_path / "m.safetensors"))
+    plate_inspect.scan(tmp_path / "m.safetensors", tmp_path / "bundle", r=2, tau=0.9, max_rank=4)
+    res = CliRunner().invoke(cli, ["align", str(tmp_path / "bundle"), "--k", "2"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "is a PLATE bundle (plate-inspect scan output), not a model" in res.output

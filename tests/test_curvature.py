@@ -16,6 +16,7 @@ from torch.func import functional_call
 from plate_inspect.analysis.curvature import (
     OldTaskProblem,
     UpdateFamily,
+    analyze_families,
     analyze_family,
     full_family,
     lora_family,
@@ -349,12 +350,13 @@ def test_bad_family_inputs_raise_one_line_errors():
 def test_curvature_cli_json_records(tmp_path):
     from plate_inspect.cli.main import cli
 
-    res = CliRunner().invoke(
-        cli,
-        ["curvature", "--json", "--epochs", "2", "--probes", "3", "--families", "plate,random_q,plate", "--rho", "0,1"],
-    )
+    out = tmp_path / "deep" / "curv.json"
+    args = ["curvature", "--json", "--epochs", "2", "--probes", "3", "--families", "plate,random_q,plate"]
+    args += ["--rho", "0,1", "--r", "1", "--max-rank", "2"]  # dim(S) <= 6: few products (each ~0.3 s)
+    res = CliRunner().invoke(cli, [*args, "--json-out", str(out)])
     assert res.exit_code == 0, res.output
-    recs = json.loads(res.output)
+    recs = json.loads(res.stdout)
+    assert json.loads(out.read_text()) == recs  # --json-out: the same records, in a file
     assert [r["family"] for r in recs] == ["plate", "random_q"]  # QA: a family named twice was analysed twice
     for r in recs:
         keys = {"family", "dim", "lambda", "eps", "gn_share_median", "residual_ratio_median", "forgetting_curve"}
@@ -429,3 +431,267 @@ def test_json_record_is_strict_json_when_a_value_is_undefined(tiny):
     assert data["gn_share_median"] is None and data["residual_ratio_median"] is None
     assert data["lambda"] == rec.lam and data["eps"] == rec.eps and data["bound_ratio"] == rec.bound_ratio
     assert data["forgetting_curve"] == [[r, f] for r, f in rec.forgetting_curve]
+
+
+# --------------------------------------------------------------------------- QA session 14
+def test_negative_seed_is_refused_before_stage1_training(monkeypatch, tiny):
+    """QA: `curvature --seed -5` trained the digits MLP, then died in numpy's default_rng (a ValueError traceback:
+    "expected non-negative integer"). Refused up front, in the CLI and in the API."""
+    from plate_inspect.cli.main import cli
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.experiments import digits
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("stage 1 trained before the seed was checked")
+
+    monkeypatch.setattr(digits, "train_stage1", must_not_train)
+    res = CliRunner().invoke(cli, ["curvature", "--seed", "-5", "--families", "plate"])
+    assert res.exit_code == 2 and "--seed must be a non-negative integer, got -5" in res.output, res.output
+    assert "Traceback" not in res.output
+    model, *_, problem = tiny
+    with pytest.raises(ConfigError, match="seed must be a non-negative integer"):
+        analyze_family(problem, tiny_families(model)[1], n_probes=2, rhos=(0.0,), seed=-1)
+
+
+@pytest.fixture(scope="module")
+def digits_bundle(tmp_path_factory):
+    """A DigitsMLP (random init, seed 0), its checkpoint and a bundle of fc2/fc3."""
+    from safetensors.torch import save_file
+
+    import plate_inspect
+    from plate_inspect.experiments.digits import DigitsMLP
+
+    tmp = tmp_path_factory.mktemp("digits_bundle")
+    torch.manual_seed(0)
+    model = DigitsMLP()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "m.safetensors"))
+    bundle = plate_inspect.scan(tmp / "m.safetensors", tmp / "b", r=4, tau=0.9, max_rank=16, target_modules=["fc2"])
+    return model, bundle
+
+
+def test_plate_family_refuses_a_bundle_made_for_other_weights(digits_bundle):
+    """QA: plate_family checked shapes only, so a bundle scanned from another model of the same architecture gave
+    a PLATE family built on the wrong B and Q, silently. The weights are checked as apply_bundle checks them."""
+    import copy
+
+    from plate_inspect.errors import BundleError
+    from plate_inspect.experiments.digits import DigitsMLP
+
+    model, bundle = digits_bundle
+    assert plate_family(model, bundle).dim == bundle.record("fc2").r * bundle.record("fc2").k
+    torch.manual_seed(1)
+    other = DigitsMLP()  # same shapes, other weights
+    with pytest.raises(BundleError, match="fc2.*fingerprint differs from the bundle's"):
+        plate_family(other, bundle)
+    assert plate_family(other, bundle, check_weights=False).dim == plate_family(model, bundle).dim  # opt out
+    # an exact float64 upcast of the bundle's weights is the same model (the curvature tests run in float64)
+    assert plate_family(copy.deepcopy(model).double(), bundle).dim == plate_family(model, bundle).dim
+
+
+def test_least_redundant_b_and_random_bq_families(digits_bundle):
+    """The paper's other matched-capacity ablations (Least-red.-B, Random-(B+Q)), from the same variant_geometry
+    as the training ablations: same dimension as PLATE; rows = the r smallest redundancy scores; random_bq moves
+    neither PLATE's rows nor inside span(Q)."""
+    model, bundle = digits_bundle
+    plate = plate_family(model, bundle)
+    least = plate_family(model, bundle, variant="least_redundant_b")
+    both = plate_family(model, bundle, variant="random_bq", seed=3)
+    assert least.dim == both.dim == plate.dim
+    c = torch.randn(plate.dim, dtype=torch.float64)
+    r = bundle.record("fc2").r
+    rows = lambda fam: torch.nonzero(fam.embed(c)["fc2.weight"].abs().sum(1)).flatten()  # noqa: E731
+    red = bundle.redundancy("fc2").double()
+    assert set(rows(least).tolist()) == set(torch.argsort(red)[:r].tolist())
+    assert not torch.equal(rows(both), bundle.b_idx("fc2"))
+    q = bundle.q("fc2", dtype=torch.float64)
+    d = least.embed(c)["fc2.weight"][rows(least)]
+    np.testing.assert_allclose((d - d @ q @ q.T).numpy(), 0, atol=1e-6)  # least_redundant_b keeps Q
+    d = both.embed(c)["fc2.weight"][rows(both)]
+    assert float((d - d @ q @ q.T).norm()) > 0.1 * float(d.norm())  # random_bq does not
+
+
+def test_plate_family_on_conv1d_moves_b_rows_of_the_oriented_weight(tmp_path):
+    """QA: GPT-2's Conv1D stores W as [d_in, d_out]; plate_family indexed B rows of the stored tensor, so on a
+    square Conv1D (attn.c_proj) it moved columns of W (input coordinates) instead of output rows, without error.
+    The oriented delta (stored.T) must have nonzero rows exactly at B, each inside span(Q); isometric."""
+    transformers = pytest.importorskip("transformers")
+    import plate_inspect
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=8)
+    model = transformers.GPT2Model(config)
+    model.save_pretrained(tmp_path / "gpt2")
+    bundle = plate_inspect.scan(
+        tmp_path / "gpt2", tmp_path / "b", r=3, tau=0.9, max_rank=8, target_modules=["attn.c_proj", "mlp.c_fc"]
+    )
+    assert bundle.record("h.0.attn.c_proj").layout == "conv1d"
+    fam = plate_family(model, bundle)
+    c = torch.randn(fam.dim, dtype=torch.float64)
+    deltas = fam.embed(c)
+    assert float(torch.cat([d.reshape(-1) for d in deltas.values()]).norm()) == pytest.approx(float(c.norm()))
+    for name in ("h.0.attn.c_proj", "h.0.mlp.c_fc"):
+        stored = dict(model.named_parameters())[f"{name}.weight"]
+        assert deltas[f"{name}.weight"].shape == stored.shape  # [d_in, d_out], as stored
+        oriented = deltas[f"{name}.weight"].T  # [d_out, d_in]
+        b_idx, q = bundle.b_idx(name), bundle.q(name, dtype=torch.float64)
+        assert torch.equal(torch.nonzero(oriented.abs().sum(1)).flatten(), b_idx.sort().values)
+        d = oriented[b_idx]
+        np.testing.assert_allclose((d - d @ q @ q.T).numpy(), 0, atol=1e-6)
+    # the adjoint: <project(g), c> = <g, embed(c)> for a stored-layout gradient g
+    g = {n: torch.randn_like(d) for n, d in deltas.items()}
+    assert float((fam.project(g) * c).sum()) == pytest.approx(sum(float((g[n] * deltas[n]).sum()) for n in g))
+
+
+def test_lora_family_on_conv1d_restricts_the_input_side_with_zero_b():
+    """QA: lora_family built the tangent block on Conv1D's stored [d_in, d_out] tensor, so with zero_b (PEFT's
+    B0 = 0) the update's *output* side was confined to an r-dim subspace instead of its input side (row(A0)).
+    Oriented deltas of any coordinates must share one r-dim row space in R^{d_in}; the basis is isometric."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    d_in, d_out, r = 6, 9, 2
+    model = nn.Sequential(Conv1D(d_out, d_in)).double()  # weight stored [d_in, d_out]
+    assert tuple(model[0].weight.shape) == (d_in, d_out)
+    fam = lora_family(model, ["0"], rank=r, zero_b=True)
+    assert fam.dim == d_out * r
+    m = dense_basis(fam, model)
+    np.testing.assert_allclose((m.T @ m).numpy(), np.eye(fam.dim), atol=1e-12)
+    g = torch.Generator().manual_seed(0)
+    oriented = [fam.embed(torch.randn(fam.dim, generator=g, dtype=torch.float64))["0.weight"].T for _ in range(3)]
+    assert all(d.shape == (d_out, d_in) for d in oriented)
+    assert int(torch.linalg.matrix_rank(torch.cat(oriented, dim=0))) == r  # one shared input subspace
+    full = lora_family(model, ["0"], rank=r)
+    assert full.dim == r * (d_in + d_out) - r * r
+
+
+def test_curvature_json_out_is_checked_first_and_left_alone_by_a_failed_run(monkeypatch, tmp_path):
+    """QA: the only way to keep the records was `--json > file`, which the shell truncates before a minute-long
+    run (a failed run left an empty file). --json-out (written atomically after the run: see
+    test_curvature_cli_json_records) is checked before the training: a directory or a FIFO is one line; a failed
+    run leaves an existing file untouched."""
+    import os
+
+    from plate_inspect.analysis import curvature as curvature_mod
+    from plate_inspect.cli.main import cli
+    from plate_inspect.errors import CurvatureError
+
+    args = ["curvature", "--epochs", "1", "--families", "plate", "--probes", "2", "-q"]
+
+    def must_not_train(*a, **k):
+        raise AssertionError("trained before --json-out was checked")
+
+    monkeypatch.setattr(curvature_mod, "digits_stage1", must_not_train)
+    os.mkfifo(tmp_path / "fifo")
+    for bad, what in ((tmp_path, "is a directory"), (tmp_path / "fifo", "not a regular file")):
+        res = CliRunner().invoke(cli, [*args, "--json-out", str(bad)])
+        assert res.exit_code == 2 and what in res.output and "Traceback" not in res.output, res.output
+
+    def fail(*a, **k):
+        raise CurvatureError("simulated failure")
+
+    monkeypatch.setattr(curvature_mod, "digits_stage1", fail)
+    target = tmp_path / "curv.json"
+    target.write_text("previous records\n")
+    res = CliRunner().invoke(cli, [*args, "--json-out", str(target)])
+    assert res.exit_code != 0 and "simulated failure" in res.output
+    assert target.read_text() == "previous records\n"
+
+
+def test_analyze_families_leaves_the_models_training_mode_as_it_was():
+    """QA: analyze_families switched a model in training mode to eval for good (OldTaskProblem calls eval(): dropout
+    off for a deterministic L0), so a user training on afterwards silently trained without dropout. The records are
+    those of the eval-mode model (dropout off), and the mode is restored."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 3)).double()
+    x, y = tiny_data()
+    fam = full_family(model, ["3.weight"])
+    model.train()
+    (rec,) = analyze_families(model, F.cross_entropy, [(x, y)], [fam], n_probes=2, rhos=(0.0,))
+    assert model.training and model[2].training
+    model.eval()
+    (want,) = analyze_families(model, F.cross_entropy, [(x, y)], [fam], n_probes=2, rhos=(0.0,))
+    assert not model.training
+    assert rec.lam == pytest.approx(want.lam, rel=1e-12) and rec.eps == pytest.approx(want.eps, rel=1e-12)
+
+
+class TinyTransformer(nn.Module):
+    """One post-norm encoder layer (attention, LayerNorm, ReLU FFN), mean-pooled, a linear head: 3 classes."""
+
+    def __init__(self, d: int = 4, ff: int = 6, classes: int = 3):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(d, 1, ff, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x).mean(dim=1))
+
+
+def test_operators_on_a_tiny_transformer_match_dense_oracles():
+    """Attention (MultiheadAttention's functional in/out projections), LayerNorm and a ReLU FFN: the restricted
+    Hessian, GGN and drift Gram on PLATE-like blocks of the attention's in_proj (q, k and v rows) and of linear2
+    equal M^T C M of the dense float64 matrices; lambda and eps follow. QA: products through attention raised
+    "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented" (the fused
+    kernel has no double backward); OldTaskProblem now evaluates the model with the math attention kernel."""
+    torch.manual_seed(0)
+    model = TinyTransformer().double().eval()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 5, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,), generator=g)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # the oracle's double backward: CPU flash attention has none
+        hess, ggn, gram, _ = dense_oracles(model, x, y)
+    problem = OldTaskProblem(model, F.cross_entropy, [(x, y)])  # default attention kernels outside
+    q_in, q = (
+        random_orthonormal(4, 2, seed=2, dtype=torch.float64),
+        random_orthonormal(6, 2, seed=1, dtype=torch.float64),
+    )
+    fams = [  # small families: each product through attention costs ~0.1-0.5 s of torch.func overhead
+        UpdateFamily(
+            "in_proj", [selector_basis_block("enc.self_attn.in_proj_weight", (12, 4), torch.tensor([0, 5, 9]), q_in)]
+        ),
+        UpdateFamily("plate_like", [selector_basis_block("enc.linear2.weight", (4, 6), torch.tensor([1, 3]), q)]),
+    ]
+    for fam in fams:
+        m = dense_basis(fam, model)
+        for kind, dense in (("hessian", hess), ("ggn", ggn), ("drift", gram)):
+            want = (m.T @ dense @ m).numpy()
+            got = _op_dense(restricted_operator(problem, fam, kind))
+            np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10 * np.abs(want).max(), err_msg=fam.name)
+        rec = analyze_family(problem, fam, n_probes=2, rhos=(0.0,))
+        assert rec.lam == pytest.approx(float(torch.linalg.eigvalsh(m.T @ hess @ m).max()), rel=1e-8)
+        assert rec.eps == pytest.approx(float(torch.linalg.eigvalsh(m.T @ gram @ m).max()) ** 0.5, rel=1e-8)
+        assert rec.lam_gn <= rec.beta * rec.eps**2 * (1 + 1e-9)
+    assert abs(float((hess - ggn).abs().max())) > 1e-3  # a real residual term: attention and LayerNorm are curved
+
+
+def test_lanczos_without_convergence_is_a_one_line_error():
+    """QA: eigsh's ArpackNoConvergence escaped as a scipy traceback. It is a CurvatureError saying what to change;
+    with room to converge the same operator gives the dense top eigenvalue."""
+    from scipy.sparse.linalg import aslinearoperator
+
+    from plate_inspect.errors import CurvatureError
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((200, 200))
+    sym = aslinearoperator(a + a.T)
+    with pytest.raises(CurvatureError, match=r"200-dimensional .* within 1 iterations at tol=1e-14"):
+        top_eigenpair(sym, tol=1e-14, dense_max_dim=0, maxiter=1)
+    val, _ = top_eigenpair(sym, dense_max_dim=0, tol=1e-10)
+    assert val == pytest.approx(float(np.linalg.eigvalsh(a + a.T)[-1]), rel=1e-8)
+
+
+def test_half_precision_models_are_refused_with_the_remedy(tiny):
+    """QA: a bfloat16 model ran: its products (and the coordinates, cast to bfloat16) keep ~2-3 significant digits,
+    fewer for q_R = q_H - q_GN, silently. Refused, naming the cast that works; the float32 copy runs
+    and agrees with float64 (see test_analysis_float32)."""
+    import copy
+
+    from plate_inspect.errors import ConfigError
+
+    model, x, y, *_ = tiny
+    for dtype in (torch.bfloat16, torch.float16):
+        low = copy.deepcopy(model).to(dtype)
+        with pytest.raises(ConfigError, match=rf"{str(dtype)[6:]} parameters.*copy\.deepcopy\(model\)\.float\(\)"):
+            OldTaskProblem(low, F.cross_entropy, [(x.to(dtype), y)])
+    OldTaskProblem(copy.deepcopy(model).float(), F.cross_entropy, [(x.float(), y)])

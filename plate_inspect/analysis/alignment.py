@@ -245,7 +245,11 @@ def collect_input_moments(
         model.train(was_training)
     missing = [n for n in modules if n not in moments]
     if missing:
-        raise AlignmentError(f"these layers saw no input (empty input iterable, or not on the forward path): {missing}")
+        raise AlignmentError(
+            f"these layers saw no input: {missing[:5]}{' ...' if len(missing) > 5 else ''} (the inputs were empty, or "
+            "their forward never runs: e.g. torch's nn.MultiheadAttention applies out_proj's weight directly); "
+            "leave them out with target_modules (CLI: --target-modules)"
+        )
     return {n: moments[n] for n in modules}
 
 
@@ -355,6 +359,13 @@ def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, PreTrainedTokenizer
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; align needs a local Hugging Face model dir with a tokenizer")
     if not (path / "config.json").exists():
+        from plate_inspect.bundle import MANIFEST
+
+        if (path / MANIFEST).is_file():
+            raise CheckpointError(
+                f"{path}: is a PLATE bundle (plate-inspect scan output), not a model; align reads the model itself: "
+                "give the Hugging Face model directory (with its tokenizer) the bundle was made from"
+            )
         raise CheckpointError(f"{path}: no config.json; align needs a local Hugging Face model dir")
     if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
         # without them AutoTokenizer may build an empty vocabulary (every word [UNK]): meaningless activations

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from scipy.sparse.linalg import LinearOperator, eigsh
+from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plate_inspect.atomic import make_dirs
 from plate_inspect.errors import ConfigError, CurvatureError
@@ -53,8 +54,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DEFAULT_RHOS: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 #: Families with at most this many coordinates are eigendecomposed densely (exact) instead of by Lanczos.
 DENSE_MAX_DIM = 64
-#: Names of the PLATE-family variants accepted by :func:`plate_family`.
-PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q")
+#: Names of the PLATE-family variants accepted by :func:`plate_family` (the paper's matched-capacity ablations).
+PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q", "least_redundant_b", "random_bq")
 
 
 # --------------------------------------------------------------------------- update families
@@ -182,26 +183,44 @@ def lora_tangent_block(param: str, shape: tuple[int, int], rank: int, seed: int,
 def lora_family(
     model: nn.Module, modules: Sequence[str], rank: int, seed: int = 0, zero_b: bool = False
 ) -> UpdateFamily:
-    """LoRA rank-r tangent subspace on the weights of ``modules`` (module names, e.g. ['fc1', 'fc2'])."""
+    """LoRA rank-r tangent subspace on the weights of ``modules`` (module names, e.g. ['fc1', 'fc2']).
+
+    B0 / A0 are [d_out, r] / [r, d_in] of the oriented weight, also for a transformers ``Conv1D`` (stored
+    [d_in, d_out]): with ``zero_b`` the update's input side stays in row(A0), as in PEFT's LoRA."""
+    from plate_inspect.train.layer import layout_of
+
     named = dict(model.named_parameters())
     blocks = []
     for m in modules:
         pname = f"{m}.weight"
         _check_params(named, [pname])
-        w = named[pname]
-        blocks.append(lora_tangent_block(pname, tuple(w.shape), rank, module_seed(seed, m), zero_b=zero_b))
+        conv1d = layout_of(model.get_submodule(m)) == "conv1d"
+        shape = tuple(named[pname].shape)
+        block = lora_tangent_block(pname, shape[::-1] if conv1d else shape, rank, module_seed(seed, m), zero_b=zero_b)
+        blocks.append(_transposed(block) if conv1d else block)
     return UpdateFamily(f"lora_r{rank}", blocks, {"rank": rank, "zero_b": zero_b})
 
 
 def plate_family(
-    model: nn.Module, bundle: Bundle, variant: str = "plate", seed: int = 0, modules: Sequence[str] | None = None
+    model: nn.Module,
+    bundle: Bundle,
+    variant: str = "plate",
+    seed: int = 0,
+    modules: Sequence[str] | None = None,
+    check_weights: bool = True,
 ) -> UpdateFamily:
     """The PLATE subspace {B A Q^T} of every bundle module (or a matched-capacity ablation of it).
 
     ``variant``: ``plate`` (the bundle's B and Q), ``random_b`` (r uniformly random rows, same Q), ``random_q``
-    (a Haar-random orthonormal k-frame, same B) or ``high_energy_q`` (the top-k eigenvectors of the frozen rows'
-    W_f^T W_f, same B). Module names are the bundle's, parameters ``<module>.weight`` of ``model``.
+    (a Haar-random orthonormal k-frame, same B), ``high_energy_q`` (the top-k eigenvectors of the frozen rows'
+    W_f^T W_f, same B), ``least_redundant_b`` (the r least redundant rows, same Q) or ``random_bq`` (both random).
+    Module names are the bundle's; a module is an ``nn.Linear`` or a transformers ``Conv1D`` (whose stored
+    [d_in, d_out] weight moves by the transposed delta). ``check_weights``: refuse (BundleError) a module whose
+    weights are not the ones the bundle was made for (the fingerprint check of ``apply_bundle``): a bundle of
+    another model with the same shapes would otherwise give a silently meaningless family.
     """
+    from plate_inspect.train.layer import check_module_against_record, layout_of
+
     if variant not in PLATE_VARIANTS:
         raise ConfigError(f"unknown PLATE variant '{variant}'; choose one of {', '.join(PLATE_VARIANTS)}")
     named = dict(model.named_parameters())
@@ -209,26 +228,40 @@ def plate_family(
     for m in modules if modules is not None else bundle.modules:
         pname = f"{m}.weight"
         _check_params(named, [pname])
+        module, record = model.get_submodule(m), bundle.record(m)
+        if check_weights:
+            check_module_against_record(module, m, record, bundle=bundle)
+        layout = layout_of(module)
         w = named[pname].detach().to("cpu", torch.float64)
-        b_idx, q = bundle.b_idx(m), bundle.q(m, dtype=torch.float64)
-        if tuple(w.shape) != tuple(bundle.record(m).shape):
-            raise CurvatureError(
-                f"{m}: bundle made for shape {bundle.record(m).shape}, the model's weight is {list(w.shape)}"
-            )
+        w = w.T if layout == "conv1d" else w
+        if tuple(w.shape) != tuple(record.shape):
+            raise CurvatureError(f"{m}: bundle made for shape {record.shape}, the model's weight is {list(w.shape)}")
         d_out, d_in = w.shape
+        b_idx, q = bundle.b_idx(m), bundle.q(m, dtype=torch.float64)
         if variant != "plate":
             b_idx, q = variant_geometry(variant, w, b_idx, q, bundle.redundancy(m), module_seed(seed, m))
-        blocks.append(selector_basis_block(pname, (d_out, d_in), b_idx, q))
+        block = selector_basis_block(pname, (d_out, d_in), b_idx, q)
+        blocks.append(_transposed(block) if layout == "conv1d" else block)
     return UpdateFamily(variant, blocks, {"variant": variant})
 
 
+def _transposed(block: Block) -> Block:
+    """The same subspace for a parameter stored transposed (Conv1D's [d_in, d_out]): still isometric."""
+    return Block(block.param, block.dim, lambda c: block.embed(c).T, lambda d: block.project(d.T))
+
+
 # --------------------------------------------------------------------------- old-task loss and its derivatives
+#: Parameter dtypes too coarse for second-order products (8 and 11 significant bits).
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 class OldTaskProblem:
     """L0(theta) = mean over P0 of loss(f_theta(x), y), with matrix-free derivatives at theta0.
 
     ``data`` is a re-iterable of (x, y) batches (a list or a DataLoader); ``loss_fn(outputs, targets)`` must
     average over the batch (like ``F.cross_entropy``), so batch b enters with weight n_b / N.
-    ``forward(model, x)`` overrides ``model(x)``.
+    ``forward(model, x)`` overrides ``model(x)``. The model is put in eval mode (no dropout: L0 is deterministic);
+    :func:`analyze_families` restores the mode it found.
     """
 
     def __init__(
@@ -238,6 +271,13 @@ class OldTaskProblem:
         data: Iterable[tuple[Any, torch.Tensor]],
         forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     ):
+        low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dtype in _LOW_PRECISION})
+        if low:
+            raise ConfigError(
+                f"the model holds {'/'.join(low)} parameters: curvature products in them keep ~2-3 significant "
+                "digits (and q_R = q_H - q_GN, a difference of near-equal numbers, fewer); analyse a float32 or "
+                "float64 copy (copy.deepcopy(model).float())"
+            )
         self.model = model
         self.loss_fn = loss_fn
         self.batches = list(data)
@@ -253,9 +293,12 @@ class OldTaskProblem:
     # ----------------------------------------------------------------- plumbing
     def _f(self, sub: Params, x: Any) -> torch.Tensor:
         state = {**self.theta0, **self.buffers, **sub}
-        if self.forward is None:
-            return functional_call(self.model, state, (x,))
-        return self.forward(_Bound(self.model, state), x)
+        # scaled_dot_product_attention's fused kernels (flash, memory-efficient) have no double backward and no
+        # forward-mode derivative: Hessian-vector products through attention need the plain math kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            if self.forward is None:
+                return functional_call(self.model, state, (x,))
+            return self.forward(_Bound(self.model, state), x)
 
     def _primals(self, names: Iterable[str]) -> Params:
         return {n: self.theta0[n] for n in names}
@@ -399,15 +442,31 @@ def restricted_operator(problem: OldTaskProblem, family: UpdateFamily, kind: str
     return LinearOperator((family.dim, family.dim), matvec=matvec, rmatvec=matvec, dtype=np.float64)
 
 
-def top_eigenpair(op: LinearOperator, seed: int = 0, tol: float = 1e-6, dense_max_dim: int = DENSE_MAX_DIM):
-    """(largest algebraic eigenvalue, unit eigenvector) of a symmetric operator: Lanczos, or dense when tiny."""
+def top_eigenpair(
+    op: LinearOperator,
+    seed: int = 0,
+    tol: float = 1e-6,
+    dense_max_dim: int = DENSE_MAX_DIM,
+    maxiter: int | None = None,
+):
+    """(largest algebraic eigenvalue, unit eigenvector) of a symmetric operator: Lanczos, or dense when tiny.
+
+    Lanczos that does not converge within ``maxiter`` restarts (default max(1000, 20 min(dim, 500))) is a
+    CurvatureError, never an unconverged value."""
     m = op.shape[0]
     if m <= dense_max_dim:
         dense = np.column_stack([op.matvec(e) for e in np.eye(m)])
         evals, evecs = np.linalg.eigh(0.5 * (dense + dense.T))
         return float(evals[-1]), evecs[:, -1]
     v0 = np.random.default_rng(seed).standard_normal(m)
-    evals, evecs = eigsh(op, k=1, which="LA", v0=v0, tol=tol, maxiter=max(1000, 20 * min(m, 500)))
+    maxiter = max(1000, 20 * min(m, 500)) if maxiter is None else int(maxiter)
+    try:
+        evals, evecs = eigsh(op, k=1, which="LA", v0=v0, tol=tol, maxiter=maxiter)
+    except ArpackNoConvergence:
+        raise CurvatureError(
+            f"Lanczos (eigsh) found no top eigenvalue of the {m}-dimensional restricted operator within {maxiter} "
+            f"iterations at tol={tol:g}; loosen tol (analyze_family(..., tol=)) or give maxiter"
+        ) from None
     return float(evals[0]), evecs[:, 0]
 
 
@@ -523,6 +582,8 @@ def analyze_family(
     """
     if family.dim < 1:
         raise CurvatureError(f"family {family.name} is empty")
+    if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
+        raise ConfigError(f"seed must be a non-negative integer, got {seed}")
     beta = problem.output_hessian_bound() if beta is None else float(beta)
     lam, c_star = top_eigenpair(restricted_operator(problem, family, "hessian"), seed=seed, tol=tol)
     lam_gn, _ = top_eigenpair(restricted_operator(problem, family, "ggn"), seed=seed + 1, tol=tol)
@@ -567,12 +628,16 @@ def analyze_families(
     ``progress`` gets one event per analysed family (unit "families")."""
     counter = ProgressCounter(progress, len(families), "families")
     counter.start()
-    problem = OldTaskProblem(model, loss_fn, data, forward=forward)
-    beta = problem.output_hessian_bound()
-    out = []
-    for fam in families:
-        out.append(analyze_family(problem, fam, n_probes=n_probes, rhos=rhos, seed=seed, beta=beta))
-        counter.step(fam.name)
+    was_training = model.training
+    try:
+        problem = OldTaskProblem(model, loss_fn, data, forward=forward)
+        beta = problem.output_hessian_bound()
+        out = []
+        for fam in families:
+            out.append(analyze_family(problem, fam, n_probes=n_probes, rhos=rhos, seed=seed, beta=beta))
+            counter.step(fam.name)
+    finally:
+        model.train(was_training)
     return out
 
 
