@@ -18,7 +18,7 @@ from pathlib import Path
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
 from plate_inspect.bundle import Bundle
 from plate_inspect.errors import ConfigError, ReportError
-from plate_inspect.progress import ProgressCallback
+from plate_inspect.progress import ProgressCallback, as_callback
 from plate_inspect.reports.data import (
     DEFAULT_BINS,
     DEFAULT_MAX_POINTS,
@@ -55,6 +55,7 @@ def render_report(
     """The report's HTML text for ``bundles`` (raises BundleError for incomplete or incompatible bundles)."""
     from plate_inspect.reports.html import render_page
 
+    progress = as_callback(progress, "render_report")  # a deprecation warning names the function called
     if max_points < 16:
         raise ConfigError(f"--max-points (max_points) must be at least 16, got {max_points}")
     if bins < 2:
@@ -76,6 +77,7 @@ def write_report(
 
     Incomplete bundles and bundles of different architectures raise :class:`plate_inspect.errors.BundleError`.
     """
+    progress = as_callback(progress, "write_report")  # before render_report, so a deprecation names this function
     path = check_report_path(path)
     refuse_bundle_file(path, bundles)
     text = render_report(bundles, labels=labels, max_points=max_points, bins=bins, progress=progress)
