@@ -189,6 +189,19 @@ class Heatmap:
     z: list[list[float | None]]
     names: list[list[str | None]]
     hover: list[list[str]]
+    #: the range the metric can take in these modules (see :func:`metric_scale`): the colour range of a map whose
+    #: cells do not span one (a single module), so its colour says where the value lies, not nothing
+    scale: tuple[float, float] = (0.0, 1.0)
+
+
+def metric_scale(metric: str, records: list[ModuleRecord], max_rank: int | None = None) -> tuple[float, float]:
+    """The range ``metric`` can take in ``records``: [0, 1] for the fractions (mean |cos| redundancy scores, the
+    captured energy share, B overlap), [0, the most columns Q can have] for k (min(d_in, max_rank), or the largest
+    k where an older bundle exceeds that)."""
+    if metric != "k" or not records:
+        return (0.0, 1.0)
+    cap = max(max(min(r.d_in, max_rank or r.d_in), r.k) for r in records)
+    return (0.0, float(cap))
 
 
 def module_hover(rec: ModuleRecord) -> str:
@@ -205,11 +218,16 @@ def group_id(layer: int | None, module_type: str) -> str:
     return f"experts:{layer_label(layer)}:{module_type}"
 
 
-def heatmap(records: list[ModuleRecord], metric: str, axes: tuple[list[str], list[str]] | None = None) -> Heatmap:
+def heatmap(
+    records: list[ModuleRecord],
+    metric: str,
+    axes: tuple[list[str], list[str]] | None = None,
+    max_rank: int | None = None,
+) -> Heatmap:
     """Layer x module-type grid of one record metric (mean_redundancy | k | captured_energy).
 
     A cell holding several modules (the experts of one layer) shows their mean, the hover their spread, and
-    its name is the expert group's id (see :func:`group_id`).
+    its name is the expert group's id (see :func:`group_id`). ``max_rank``: the bundle's cap on k (its scale).
     """
     if metric not in HEATMAP_METRICS:
         raise ValueError(f"unknown heatmap metric {metric!r}; one of {sorted(HEATMAP_METRICS)}")
@@ -230,7 +248,8 @@ def heatmap(records: list[ModuleRecord], metric: str, axes: tuple[list[str], lis
         experts = all(expert_of(rec.name) is not None for rec in recs)
         names[i][j] = group_id(recs[0].layer, recs[0].module_type) if experts else recs[0].name
         hover[i][j] = group_hover(recs, metric, values)
-    return Heatmap(metric, HEATMAP_METRICS[metric][0], rows, cols, z, names, hover)
+    scale = metric_scale(metric, records, max_rank)
+    return Heatmap(metric, HEATMAP_METRICS[metric][0], rows, cols, z, names, hover, scale)
 
 
 def group_hover(recs: list[ModuleRecord], metric: str, values: list[float]) -> str:
@@ -262,7 +281,8 @@ def heatmap_difference(a: Heatmap, b: Heatmap) -> Heatmap:
         ]
         for na, ra, rb, zr in zip(a.names, a.z, b.z, z, strict=True)
     ]
-    return Heatmap(a.metric, f"change in {a.title}", a.rows, a.cols, z, a.names, hover)
+    scale = (min(a.scale[0], b.scale[0]), max(a.scale[1], b.scale[1]))
+    return Heatmap(a.metric, f"change in {a.title}", a.rows, a.cols, z, a.names, hover, scale)
 
 
 # --------------------------------------------------------------------------- k(tau)
@@ -688,7 +708,10 @@ def report_data(
     summaries = [bundle_summary(b, lab) for b, lab in zip(bundles, labels, strict=True)]
     per_bundle_records = [[b.record(n) for n in modules] for b in bundles]
     axes = grid_axes(per_bundle_records[0])
-    heatmaps = [{m: heatmap(recs, m, axes) for m in HEATMAP_METRICS} for recs in per_bundle_records]
+    heatmaps = [
+        {m: heatmap(recs, m, axes, b.manifest.settings.max_rank) for m in HEATMAP_METRICS}
+        for b, recs in zip(bundles, per_bundle_records, strict=True)
+    ]
     groups = list(zip(*(expert_groups(recs) for recs in per_bundle_records), strict=True))
     in_groups = {n for g in groups for n in g[0].names}
     dense = [n for n in modules if n not in in_groups]
@@ -755,4 +778,4 @@ def overlap_heatmap(base: Heatmap, overlaps: dict[str, float], title: str) -> He
         ["" if n is None else f"<b>{n}</b><br>{title} = {overlaps.get(n, float('nan')):.4f}" for n in row]
         for row in base.names
     ]
-    return Heatmap("b_overlap", title, base.rows, base.cols, z, base.names, hover)
+    return Heatmap("b_overlap", title, base.rows, base.cols, z, base.names, hover, (0.0, 1.0))
