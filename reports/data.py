@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from plate_inspect import __version__
-from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord, unfinished_note
+from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord, scores_digest, unfinished_note
 from plate_inspect.errors import BundleError
 from plate_inspect.formatting import counted
 from plate_inspect.geometry import energy_rank
@@ -614,7 +614,12 @@ def read_tensors(bundle: Bundle, names: list[str], kind: str) -> dict[str, np.nd
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in members:
-                    out[name] = f.get_tensor(f"{name}.{kind}").double().numpy()
+                    tensor = f.get_tensor(f"{name}.{kind}")
+                    if kind == "spectrum":  # drawn: checked with the scores against the scan's digest
+                        check_scores(bundle, name, f.get_tensor(f"{name}.redundancy"), tensor)
+                    out[name] = tensor.double().numpy()
+        except BundleError:
+            raise
         except FileNotFoundError:
             raise BundleError(f"{path}: part file missing (module '{members[0]}')") from None
         except Exception as e:  # safetensors raises its own error types for corrupt files / missing keys
@@ -663,13 +668,28 @@ class ModuleData:
     b_idx: list[np.ndarray]
 
 
+def check_scores(bundle: Bundle, name: str, redundancy: torch.Tensor, spectrum: torch.Tensor) -> None:
+    """BundleError when a module's stored redundancy scores or spectrum (as stored) differ from the digest its scan
+    recorded: a damaged part file would otherwise be drawn as if it were the model's geometry."""
+    rec = bundle.record(name)
+    if rec.scores_digest and scores_digest(redundancy, spectrum) != rec.scores_digest:
+        raise BundleError(
+            f"{Path(bundle.path) / rec.file}: module '{name}': its stored redundancy scores or spectrum do not match "
+            "the digest the scan recorded (the part file is damaged); rerun the command that wrote the bundle to "
+            "repair it (a rescan recomputes damaged modules; plate-inspect verify lists them all)"
+        )
+
+
 def read_module(bundles: list[Bundle], name: str) -> ModuleData:
-    """Read one module's spectrum, redundancy scores and B indices from every bundle."""
-    return ModuleData(
-        spectra=[b.spectrum(name).double().numpy() for b in bundles],
-        scores=[b.redundancy(name).double().numpy() for b in bundles],
-        b_idx=[b.b_idx(name).numpy() for b in bundles],
-    )
+    """Read one module's spectrum, redundancy scores and B indices from every bundle (scores and spectrum checked
+    against the scan's digest)."""
+    spectra, scores = [], []
+    for b in bundles:
+        redundancy, spectrum = b.redundancy(name), b.spectrum(name)
+        check_scores(b, name, redundancy, spectrum)
+        spectra.append(spectrum.double().numpy())
+        scores.append(redundancy.double().numpy())
+    return ModuleData(spectra=spectra, scores=scores, b_idx=[b.b_idx(name).numpy() for b in bundles])
 
 
 @dataclass
