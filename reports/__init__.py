@@ -89,6 +89,14 @@ def check_report_path(path: str | os.PathLike, option: str = "-o", example: str 
     """Refuse, before any work, a report path that cannot be written: a directory, a parent that cannot be created
     or one without write permission (``option``: the CLI flag the message names). Creates the parent directories."""
     path = Path(path)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a file where a directory should be: is_dir() would raise these
+        raise ReportError(
+            f"{path}: cannot write the report ({os_error_reason(path, e)}); choose another {option}"
+        ) from None
     if path.is_dir():
         raise ReportError(f"{path}: is a directory; give a file name, e.g. {option} {path / example}")
     if path.exists() and not path.is_file():

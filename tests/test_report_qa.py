@@ -54,3 +54,18 @@ def test_a_damaged_expert_spectrum_is_refused(tmp_path):
     flip_bit(part_of(out, name), f"{name}.spectrum", 0, mask=0x01)  # the lowest bit of the top eigenvalue
     with pytest.raises(BundleError, match=rf"module '{name}': its stored redundancy scores or spectrum"):
         report_data([plate_inspect.Bundle.load(out)])
+
+
+@pytest.mark.parametrize("command", ["report", "audit"])
+def test_an_output_name_too_long_is_one_line(qwen_ckpt, tmp_path, command):
+    """QA: ``-o <300 characters>.html`` ended in an OSError traceback from Path.is_dir (ENAMETOOLONG)."""
+    out = tmp_path / "b"
+    plate_inspect.scan(qwen_ckpt.path, out, r=8, layers=[0])
+    long = tmp_path / ("a" * 300 + ".html")
+    args = ["report", str(out), "-o", str(long)] if command == "report" else ["audit", *[str(qwen_ckpt.path)] * 2]
+    res = CliRunner().invoke(cli, [*args, "--report", str(long)] if command == "audit" else args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    (line,) = res.output.strip().splitlines()
+    assert line == f"error: {long}: cannot write the report (File name too long); choose another " + (
+        "-o" if command == "report" else "--report"
+    )
