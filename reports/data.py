@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from plate_inspect import __version__
+from plate_inspect.auditing import checked_b_idx, damaged_part, stored_b_problem
 from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord, scores_digest, unfinished_note
 from plate_inspect.errors import BundleError
 from plate_inspect.formatting import counted
@@ -617,6 +618,10 @@ def read_tensors(bundle: Bundle, names: list[str], kind: str) -> dict[str, np.nd
                     tensor = f.get_tensor(f"{name}.{kind}")
                     if kind == "spectrum":  # drawn: checked with the scores against the scan's digest
                         check_scores(bundle, name, f.get_tensor(f"{name}.redundancy"), tensor)
+                    elif kind == "plate_B_idx":
+                        problem = stored_b_problem(bundle.record(name), tensor)
+                        if problem:
+                            raise damaged_part(path, name, problem)
                     out[name] = tensor.double().numpy()
         except BundleError:
             raise
@@ -673,11 +678,8 @@ def check_scores(bundle: Bundle, name: str, redundancy: torch.Tensor, spectrum: 
     recorded: a damaged part file would otherwise be drawn as if it were the model's geometry."""
     rec = bundle.record(name)
     if rec.scores_digest and scores_digest(redundancy, spectrum) != rec.scores_digest:
-        raise BundleError(
-            f"{Path(bundle.path) / rec.file}: module '{name}': its stored redundancy scores or spectrum do not match "
-            "the digest the scan recorded (the part file is damaged); rerun the command that wrote the bundle to "
-            "repair it (a rescan recomputes damaged modules; plate-inspect verify lists them all)"
-        )
+        problem = "its stored redundancy scores or spectrum do not match the digest the scan recorded"
+        raise damaged_part(Path(bundle.path) / rec.file, name, problem)
 
 
 def read_module(bundles: list[Bundle], name: str) -> ModuleData:
@@ -689,7 +691,8 @@ def read_module(bundles: list[Bundle], name: str) -> ModuleData:
         check_scores(b, name, redundancy, spectrum)
         spectra.append(spectrum.double().numpy())
         scores.append(redundancy.double().numpy())
-    return ModuleData(spectra=spectra, scores=scores, b_idx=[b.b_idx(name).numpy() for b in bundles])
+    b_idx = [checked_b_idx(b, b.record(name)).numpy() for b in bundles]  # drawn as the cut-off and B overlap
+    return ModuleData(spectra=spectra, scores=scores, b_idx=b_idx)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""QA of ``plate-inspect report`` as a user meets it: damaged bundles are refused with one line, not drawn."""
+"""QA of ``plate-inspect report`` and ``audit`` as a user meets them: damaged bundles are one error line, not drawn
+or used (or a traceback)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import plate_inspect
+from plate_inspect.auditing import audit
 from plate_inspect.cli.main import cli
 from plate_inspect.errors import BundleError
 from plate_inspect.reports import report_data, write_report
@@ -69,3 +71,54 @@ def test_an_output_name_too_long_is_one_line(qwen_ckpt, tmp_path, command):
     assert line == f"error: {long}: cannot write the report (File name too long); choose another " + (
         "-o" if command == "report" else "--report"
     )
+
+
+def shift_first_b_index(part: Path, name: str, d_out: int) -> None:
+    """Move one B index to a row outside B, keeping B sorted and in range (damage no structure check sees)."""
+    raw = bytearray(part.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    start, end = json.loads(raw[8 : 8 + n])[f"{name}.plate_B_idx"]["data_offsets"]
+    b = list(struct.unpack(f"<{(end - start) // 8}q", raw[8 + n + start : 8 + n + end]))
+    if b[0] > 0:
+        b[0] -= 1
+    else:
+        assert b[-1] + 1 < d_out
+        b[-1] += 1
+    raw[8 + n + start : 8 + n + end] = struct.pack(f"<{len(b)}q", *b)
+    part.write_bytes(bytes(raw))
+
+
+def test_damaged_b_indices_are_one_line_in_report_and_audit(qwen_ckpt, tmp_path):
+    """QA: a flipped high bit in a stored B index crashed report and audit --bundle with an IndexError traceback;
+    a B moved to another valid row was used silently by audit (it now checks B and Q against the scan's digest)."""
+    out = tmp_path / "b"
+    plate_inspect.scan(qwen_ckpt.path, out, r=8, layers=[0])
+    name = "model.layers.0.self_attn.q_proj"
+    part = part_of(out, name)
+    pristine = part.read_bytes()
+    flip_bit(part, f"{name}.plate_B_idx", 5, mask=0x01)  # index + 2^40
+    report = ["report", str(out), "-o", str(tmp_path / "r.html")]
+    for args in (report, ["audit", str(qwen_ckpt.path), str(qwen_ckpt.path), "--bundle", str(out)]):
+        res = CliRunner().invoke(cli, [*args, "-q"])
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        (line,) = res.output.strip().splitlines()
+        assert line == (
+            f"error: {part}: module '{name}': B indices out of range [0, {qwen_ckpt.config['hidden_size']}) (the part "
+            "file is damaged); rerun the command that wrote the bundle to repair it (a rescan recomputes damaged "
+            "modules; plate-inspect verify lists them all)"
+        )
+    part.write_bytes(pristine)
+    shift_first_b_index(part, name, qwen_ckpt.config["hidden_size"])
+    with pytest.raises(BundleError, match=rf"module '{name}': its B or Q do not match the digest the scan recorded"):
+        audit(qwen_ckpt.path, qwen_ckpt.path, out)
+
+
+def test_damaged_expert_b_indices_are_refused_in_a_comparison(tmp_path):
+    ckpt = write_family(tmp_path / "mixtral", "mixtral")
+    a, b = tmp_path / "a", tmp_path / "b"
+    plate_inspect.scan(ckpt.path, a, r=4, max_rank=16)
+    plate_inspect.scan(ckpt.path, b, r=4, max_rank=16, tau=0.5)
+    name = next(n for n in json.loads((b / "manifest.json").read_text())["modules"] if ".experts.1." in n)
+    flip_bit(part_of(b, name), f"{name}.plate_B_idx", 7, mask=0x80)  # a negative index
+    with pytest.raises(BundleError, match=rf"module '{name}': B indices out of range"):
+        report_data([plate_inspect.Bundle.load(a), plate_inspect.Bundle.load(b)])
