@@ -287,13 +287,14 @@ def damaged_part(part: Path, name: str, problem: str) -> BundleError:
 
 def table_cells(rec: AuditRecord) -> tuple[str, ...]:
     """One record's cells of the ranked audit table, formatted, in :data:`TABLE_COLUMNS` order."""
+    changed = rec.delta_norm > 0  # an unchanged module has no share ('-'), not 0 (which reads as PLATE's form)
     return (
         rec.module,
         f"{rec.shape[0]}x{rec.shape[1]}",
         str(rec.r),
-        f"{rec.protected_input_share:.4f}",
+        f"{rec.protected_input_share:.4f}" if changed else "-",
         f"{rec.chance_share:.4f}",
-        f"{rec.frozen_row_share:.4f}",
+        f"{rec.frozen_row_share:.4f}" if changed else "-",
         f"{rec.delta_norm:.3e}",
         f"{rec.relative_delta:.3e}",
         f"{rec.risk:.3e}",
