@@ -78,8 +78,8 @@ def write_report(
     Incomplete bundles and bundles of different architectures raise :class:`plate_inspect.errors.BundleError`.
     """
     progress = as_callback(progress, "write_report")  # before render_report, so a deprecation names this function
+    refuse_bundle_file(Path(path), bundles)  # first: its message names the bundle and a path that works there
     path = check_report_path(path)
-    refuse_bundle_file(path, bundles)
     text = render_report(bundles, labels=labels, max_points=max_points, bins=bins, progress=progress)
     write_report_text(path, text)
     return path
@@ -104,12 +104,30 @@ def check_report_path(path: str | os.PathLike, option: str = "-o", example: str 
             f"{path}: is not a regular file (a device, FIFO or socket; writing would replace it); "
             f"give a file name, e.g. {option} {example}"
         )
+    if path.is_file() and not is_html_page(path):
+        raise ReportError(
+            f"{path}: exists and is not an HTML page (the report would replace it: a bundle's manifest, a model's "
+            f"weights, your data); choose another {option}, e.g. {option} {example}"
+        )
     make_dirs(path.parent, "the report's directory", option)
     if not os.access(path.parent, os.W_OK):
         raise ReportError(
             f"{path}: cannot write the report (no write permission in {path.parent}); choose another {option}"
         )
     return path
+
+
+def is_html_page(path: Path) -> bool:
+    """Whether an existing file is an HTML page, by name (.html, .htm) or content (an earlier report written to a
+    name without that suffix): the one kind of file a report may replace."""
+    if path.suffix.lower() in (".html", ".htm"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip().lower()
+    except OSError:
+        return False
+    return head.startswith((b"<!doctype html", b"<html"))
 
 
 def refuse_bundle_file(path: Path, bundles: list[Bundle]) -> None:

@@ -122,3 +122,32 @@ def test_damaged_expert_b_indices_are_refused_in_a_comparison(tmp_path):
     flip_bit(part_of(b, name), f"{name}.plate_B_idx", 7, mask=0x80)  # a negative index
     with pytest.raises(BundleError, match=rf"module '{name}': B indices out of range"):
         report_data([plate_inspect.Bundle.load(a), plate_inspect.Bundle.load(b)])
+
+
+def test_a_report_never_replaces_a_file_that_is_not_an_html_page(qwen_ckpt, tmp_path):
+    """QA: ``audit --bundle B --report B/manifest.json`` replaced the bundle's manifest with the page, and
+    ``--report MODEL/model.safetensors`` would replace the weights: an existing file that is not an HTML page (by
+    name or content) is refused, before the audit runs; an earlier report is replaced as before."""
+    out = tmp_path / "b"
+    plate_inspect.scan(qwen_ckpt.path, out, r=8, layers=[0])
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    weights = next(qwen_ckpt.path.glob("*.safetensors"))
+    audit_cmd = ["audit", str(qwen_ckpt.path), str(qwen_ckpt.path), "--bundle", str(out), "-q", "--report"]
+    for args, victim, option in (
+        ([*audit_cmd, str(out / "manifest.json")], out / "manifest.json", "--report"),
+        ([*audit_cmd, str(weights)], weights, "--report"),
+        (["report", str(out), "-q", "-o", str(notes)], notes, "-o"),
+    ):
+        before = victim.read_bytes()
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        (line,) = res.output.strip().splitlines()
+        assert line.startswith(f"error: {victim}: exists and is not an HTML page")
+        assert f"choose another {option}" in line
+        assert victim.read_bytes() == before
+    page = tmp_path / "page"  # no suffix: replaced again, since it holds a report
+    for _ in range(2):
+        res = CliRunner().invoke(cli, ["report", str(out), "-q", "-o", str(page)])
+        assert res.exit_code == 0, res.output
+    assert page.read_text().startswith("<!DOCTYPE html>")
