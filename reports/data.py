@@ -121,7 +121,7 @@ class BundleSummary:
     q_dtype: str
     q_bytes: int
     scan_seconds: float | None
-    scan_stats: dict[str, Any] = field(default_factory=dict)
+    scan_stats: dict[str, Any] = field(default_factory=dict)  # the fields the header shows (see shown_stats)
 
     @property
     def plate_over_lora(self) -> float:
@@ -134,12 +134,36 @@ def q_bytes(record: ModuleRecord, q_dtype: str) -> int:
     return record.d_in * record.k * itemsize
 
 
+#: The scan_stats.json fields the header shows, with the types a scan writes them in.
+SHOWN_STATS: dict[str, tuple[type, ...]] = {
+    "wall_seconds": (int, float),
+    "device": (str,),
+    "bytes_read": (int,),
+    "peak_rss_bytes": (int,),
+    "modules_resumed": (int,),
+}
+
+
+def shown_stats(stats: object) -> dict[str, Any]:
+    """The header's fields of a bundle's scan statistics, each of the type a scan writes (non-negative numbers); a
+    hand-edited or foreign scan_stats.json's other values read as not recorded, not as a traceback."""
+    if not isinstance(stats, dict):
+        return {}
+
+    def ok(v: object, types: tuple[type, ...]) -> bool:
+        if isinstance(v, bool) or not isinstance(v, types):
+            return False
+        return isinstance(v, str) or (math.isfinite(v) and v >= 0)  # type: ignore[arg-type]
+
+    return {k: v for k, v in stats.items() if k in SHOWN_STATS and ok(v, SHOWN_STATS[k])}
+
+
 def bundle_summary(bundle: Bundle, label: str | None = None) -> BundleSummary:
     """Header numbers for one bundle: PLATE r*k vs LoRA r*(d_in+d_out) parameters, Q memory, scan time."""
     m = bundle.manifest
     s = m.settings
     records = list(bundle)
-    stats = bundle.stats()
+    stats = shown_stats(bundle.stats())
     wall = stats.get("wall_seconds")
     src = m.source or {}
     model = str(src.get("id", "?")) + (f"@{src['revision']}" if src.get("revision") else "")

@@ -151,3 +151,17 @@ def test_a_report_never_replaces_a_file_that_is_not_an_html_page(qwen_ckpt, tmp_
         res = CliRunner().invoke(cli, ["report", str(out), "-q", "-o", str(page)])
         assert res.exit_code == 0, res.output
     assert page.read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.parametrize(
+    "stats", ["[1, 2]", '{"wall_seconds": "x", "bytes_read": -5, "device": 3, "peak_rss_bytes": true}', '"text"']
+)
+def test_a_foreign_scan_stats_file_reads_as_not_recorded(qwen_ckpt, tmp_path, stats):
+    """QA: a scan_stats.json holding a list (or wrongly typed fields) ended the report in an AttributeError or
+    ValueError traceback; the header now says the scan time is not recorded."""
+    out = tmp_path / "b"
+    plate_inspect.scan(qwen_ckpt.path, out, r=8, layers=[0])
+    (out / "scan_stats.json").write_text(stats)
+    res = CliRunner().invoke(cli, ["report", str(out), "-q", "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 0, res.output
+    assert "scan time</th><td><span class='dim'>not recorded</span>" in (tmp_path / "r.html").read_text()
