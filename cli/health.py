@@ -23,6 +23,22 @@ def _fmt(value) -> str:
     return str(value) if isinstance(value, int) else f"{value:.4g}"
 
 
+def checked_health(b: Bundle, name: str, health: object) -> dict:
+    """A module's health record from the manifest, refused (one line naming the module and field) when it is not
+    what a scan writes: an object whose metrics are numbers or null."""
+    bad = None if isinstance(health, dict) else ("health", health)
+    for key in (*COLUMNS, "xmin", "ks_distance", "log_spectral_norm", "num_pl_spikes", "sigma_mp"):
+        value = health.get(key) if isinstance(health, dict) else None
+        if bad is None and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            bad = (key, value)
+    if bad is not None:
+        raise BundleError(
+            f"{b.path / 'manifest.json'}: module '{name}': health field '{bad[0]}' is {bad[1]!r}, not a number (the "
+            "manifest was edited or is corrupt); rescan the model into it with --overwrite to rewrite it"
+        )
+    return health  # type: ignore[return-value]
+
+
 @click.command("health")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print {module: health record} as JSON.")
@@ -37,9 +53,10 @@ def health_command(bundle, as_json):
       plate-inspect health bundles/qwen7b --json > health.json
     """
     b = Bundle.load(bundle)
-    records = {rec.name: rec.health for rec in b if rec.health}
+    records = {rec.name: checked_health(b, rec.name, rec.health) for rec in b if rec.health is not None}
     if not records:
         raise BundleError(f"{b.path}: no health records (a bundle from an older scan); rescan to add them")
+    lacking = len(b.modules) - len(records)
     if as_json:
         click.echo(json.dumps(records, indent=2))
         return
@@ -50,6 +67,11 @@ def health_command(bundle, as_json):
     for name, h in records.items():
         table.add_row(name, *(_fmt(h.get(c)) for c in COLUMNS))
     console.print(table)
+    if lacking:
+        console.print(
+            f"{counted(lacking, 'module')} of {len(b.modules)} without a health record (not shown; scanned by an older "
+            "version): rescan to add them"
+        )
     alphas = [h["alpha"] for h in records.values() if h.get("alpha") is not None]
     unfitted = len(records) - len(alphas)
     without = f"; {counted(unfitted, 'module')} without a fit (too few eigenvalues for a tail)" if unfitted else ""
