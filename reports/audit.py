@@ -25,8 +25,10 @@ def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
 
 
 def _risk_bars(records: list[AuditRecord]) -> dict[str, Any]:
-    """The highest-risk modules as bars."""
-    ranked = rank_by_risk(records)[:_MAX_BARS]
+    """The highest-risk modules as bars (modules the fine-tune left unchanged are left out: they have no risk)."""
+    unchanged = sum(1 for r in records if r.delta_norm == 0)
+    ranked = rank_by_risk([r for r in records if r.delta_norm > 0])[:_MAX_BARS]
+    left_out = f" ({unchanged} unchanged modules left out)" if unchanged else ""
     return {
         "data": [
             {
@@ -38,7 +40,7 @@ def _risk_bars(records: list[AuditRecord]) -> dict[str, Any]:
             }
         ],
         "layout": {
-            "title": {"text": f"Risk ||dW P||_F / ||W||_F, highest {len(ranked)} modules"},
+            "title": {"text": f"Risk ||dW P||_F / ||W||_F, highest {len(ranked)} modules{left_out}"},
             "yaxis": {"title": {"text": "risk"}},
             "xaxis": {"automargin": True, "tickangle": -45},
             "height": 460,
@@ -86,6 +88,7 @@ def _share_scatter(records: list[AuditRecord]) -> dict[str, Any]:
             "title": {"text": f"Protected input share vs a random update's (m/d_in); PLATE's form sits at 0{left_out}"},
             "xaxis": {"title": {"text": "chance share m(tau)/d_in"}, "range": [0, 1]},
             "yaxis": {"title": {"text": "||dW P||^2 / ||dW||^2"}, "range": [-0.02, 1.02]},
+            "legend": {"orientation": "h", "y": -0.2},  # beside the colour bar, the two overlapped
             "height": 460,
         },
     }

@@ -53,6 +53,11 @@ def test_expert_cells_hold_their_energy_weighted_share_and_unchanged_modules_hav
     scatter = figs["scatter"]["data"][0]
     assert sorted(scatter["text"]) == sorted(changed)  # unchanged modules are not drawn at protected share 0
     assert f"({len(records) - 2} unchanged modules left out)" in figs["scatter"]["layout"]["title"]["text"]
+    bars = figs["bars"]["data"][0]
+    assert bars["x"] == sorted(changed, key=lambda n: -by_name[n].risk)
+    assert bars["y"] == [by_name[n].risk for n in bars["x"]]
+    title = figs["bars"]["layout"]["title"]["text"]
+    assert f"highest 2 modules ({len(records) - 2} unchanged modules left out)" in title
     unchanged = next(r for r in records if r.delta_norm == 0)
     cells = table_cells(unchanged)
     assert cells[3] == "-" and cells[5] == "-" and cells[4] == f"{unchanged.chance_share:.4f}"
