@@ -31,7 +31,7 @@ from plate_inspect.targets import check_target_patterns, parse_layers
 @click.option("--offline", is_flag=True, help="Never contact the hub.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of records instead of the table.")
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write a self-contained HTML audit.")
-@click.option("--top", type=int, default=30, show_default=True, help="Rows of the table (0: all).")
+@click.option("--top", type=click.IntRange(min=0), default=30, show_default=True, help="Rows of the table (0: all).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json, report, top, quiet, **settings):
     """Audit TUNED against BASE from the weights alone: for every module with update dW,
@@ -91,11 +91,16 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
         table.add_row(*table_cells(rec))
     console.print(table)
     s = summarize(records)
-    console.print(
+    line = (
         f"model: {s.touched}/{s.modules} modules changed; protected share {s.protected_input_share:.4f}, "
         f"frozen-row share {s.frozen_row_share:.4f} (energy-weighted); ||dW||/||W|| {s.relative_delta:.3e}; "
-        f"risk sqrt(sum ||dW P||^2 / sum ||W||^2) = {s.risk:.3e}",
-        soft_wrap=True,  # one line, as scripts grep it, whatever the terminal width
+        f"risk sqrt(sum ||dW P||^2 / sum ||W||^2) = {s.risk:.3e}"
     )
+    if s.touched == 0:  # shares of no update are not 0 (PLATE's form): say what happened
+        line = (
+            f"model: 0/{s.modules} modules changed: TUNED's weights equal BASE's in every audited module (no update "
+            "to score; check that TUNED is the fine-tuned model)"
+        )
+    console.print(line, soft_wrap=True)  # one line, as scripts grep it, whatever the terminal width
     if report is not None:
         console.print(f"report: {report}")

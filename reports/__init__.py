@@ -18,7 +18,7 @@ from pathlib import Path
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
 from plate_inspect.bundle import Bundle
 from plate_inspect.errors import ConfigError, ReportError
-from plate_inspect.progress import ProgressCallback
+from plate_inspect.progress import ProgressCallback, as_callback
 from plate_inspect.reports.data import (
     DEFAULT_BINS,
     DEFAULT_MAX_POINTS,
@@ -55,6 +55,7 @@ def render_report(
     """The report's HTML text for ``bundles`` (raises BundleError for incomplete or incompatible bundles)."""
     from plate_inspect.reports.html import render_page
 
+    progress = as_callback(progress, "render_report")  # a deprecation warning names the function called
     if max_points < 16:
         raise ConfigError(f"--max-points (max_points) must be at least 16, got {max_points}")
     if bins < 2:
@@ -76,8 +77,9 @@ def write_report(
 
     Incomplete bundles and bundles of different architectures raise :class:`plate_inspect.errors.BundleError`.
     """
+    progress = as_callback(progress, "write_report")  # before render_report, so a deprecation names this function
+    refuse_bundle_file(Path(path), bundles)  # first: its message names the bundle and a path that works there
     path = check_report_path(path)
-    refuse_bundle_file(path, bundles)
     text = render_report(bundles, labels=labels, max_points=max_points, bins=bins, progress=progress)
     write_report_text(path, text)
     return path
@@ -87,6 +89,14 @@ def check_report_path(path: str | os.PathLike, option: str = "-o", example: str 
     """Refuse, before any work, a report path that cannot be written: a directory, a parent that cannot be created
     or one without write permission (``option``: the CLI flag the message names). Creates the parent directories."""
     path = Path(path)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a file where a directory should be: is_dir() would raise these
+        raise ReportError(
+            f"{path}: cannot write the report ({os_error_reason(path, e)}); choose another {option}"
+        ) from None
     if path.is_dir():
         raise ReportError(f"{path}: is a directory; give a file name, e.g. {option} {path / example}")
     if path.exists() and not path.is_file():
@@ -94,12 +104,30 @@ def check_report_path(path: str | os.PathLike, option: str = "-o", example: str 
             f"{path}: is not a regular file (a device, FIFO or socket; writing would replace it); "
             f"give a file name, e.g. {option} {example}"
         )
+    if path.is_file() and not is_html_page(path):
+        raise ReportError(
+            f"{path}: exists and is not an HTML page (the report would replace it: a bundle's manifest, a model's "
+            f"weights, your data); choose another {option}, e.g. {option} {example}"
+        )
     make_dirs(path.parent, "the report's directory", option)
     if not os.access(path.parent, os.W_OK):
         raise ReportError(
             f"{path}: cannot write the report (no write permission in {path.parent}); choose another {option}"
         )
     return path
+
+
+def is_html_page(path: Path) -> bool:
+    """Whether an existing file is an HTML page, by name (.html, .htm) or content (an earlier report written to a
+    name without that suffix): the one kind of file a report may replace."""
+    if path.suffix.lower() in (".html", ".htm"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip().lower()
+    except OSError:
+        return False
+    return head.startswith((b"<!doctype html", b"<html"))
 
 
 def refuse_bundle_file(path: Path, bundles: list[Bundle]) -> None:

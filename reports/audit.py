@@ -25,8 +25,10 @@ def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
 
 
 def _risk_bars(records: list[AuditRecord]) -> dict[str, Any]:
-    """The highest-risk modules as bars."""
-    ranked = rank_by_risk(records)[:_MAX_BARS]
+    """The highest-risk modules as bars (modules the fine-tune left unchanged are left out: they have no risk)."""
+    unchanged = sum(1 for r in records if r.delta_norm == 0)
+    ranked = rank_by_risk([r for r in records if r.delta_norm > 0])[:_MAX_BARS]
+    left_out = f" ({unchanged} unchanged modules left out)" if unchanged else ""
     return {
         "data": [
             {
@@ -38,7 +40,7 @@ def _risk_bars(records: list[AuditRecord]) -> dict[str, Any]:
             }
         ],
         "layout": {
-            "title": {"text": f"Risk ||dW P||_F / ||W||_F, highest {len(ranked)} modules"},
+            "title": {"text": f"Risk ||dW P||_F / ||W||_F, highest {len(ranked)} modules{left_out}"},
             "yaxis": {"title": {"text": "risk"}},
             "xaxis": {"automargin": True, "tickangle": -45},
             "height": 460,
@@ -47,8 +49,12 @@ def _risk_bars(records: list[AuditRecord]) -> dict[str, Any]:
 
 
 def _share_scatter(records: list[AuditRecord]) -> dict[str, Any]:
-    """Protected input share against a dense random update's (the diagonal), coloured by frozen-row share."""
+    """Protected input share against a dense random update's (the diagonal), coloured by frozen-row share; modules
+    the fine-tune left unchanged have no share and are left out (at 0 they would look like PLATE's form)."""
+    unchanged = sum(1 for r in records if r.delta_norm == 0)
+    records = [r for r in records if r.delta_norm > 0]
     xs = [r.chance_share for r in records]
+    left_out = f" ({unchanged} unchanged modules left out)" if unchanged else ""
     return {
         "data": [
             {
@@ -79,33 +85,48 @@ def _share_scatter(records: list[AuditRecord]) -> dict[str, Any]:
             },
         ],
         "layout": {
-            "title": {"text": "Protected input share vs a random update's (m/d_in); PLATE's form sits at 0"},
+            "title": {"text": f"Protected input share vs a random update's (m/d_in); PLATE's form sits at 0{left_out}"},
             "xaxis": {"title": {"text": "chance share m(tau)/d_in"}, "range": [0, 1]},
             "yaxis": {"title": {"text": "||dW P||^2 / ||dW||^2"}, "range": [-0.02, 1.02]},
+            "legend": {"orientation": "h", "y": -0.2},  # beside the colour bar, the two overlapped
             "height": 460,
         },
     }
 
 
+def _share_cell(members: list[AuditRecord]) -> tuple[float | None, str]:
+    """One heatmap cell: the energy-weighted protected share of its modules (None: none changed) and its hover."""
+    if not members:
+        return None, ""
+    s = summarize(members)
+    what = members[0].module if len(members) == 1 else f"{len(members)} modules, {s.touched} changed"
+    return (s.protected_input_share, what) if s.touched else (None, f"{what}: unchanged")
+
+
 def _share_heatmap(records: list[AuditRecord]) -> dict[str, Any] | None:
-    """Protected input share per layer and module type (None when no module sits in a numbered layer)."""
+    """Protected input share per layer and module type (None when no module sits in a numbered layer). A cell of
+    several modules (the experts of a layer) holds their energy-weighted share, sum ||dW P||^2 / sum ||dW||^2, as
+    the model line does; a cell whose modules the fine-tune left unchanged is empty (it has no share)."""
     layers = sorted({layer_of(r.module) for r in records if layer_of(r.module) is not None})
     types = sorted({module_type_of(r.module) for r in records})
-    cell = {(layer_of(r.module), module_type_of(r.module)): r for r in records}
     if not layers:
         return None
-    z = [[cell[(lay, t)].protected_input_share if (lay, t) in cell else None for t in types] for lay in layers]
+    cells: dict[tuple[int | None, str], list[AuditRecord]] = {}
+    for r in records:
+        cells.setdefault((layer_of(r.module), module_type_of(r.module)), []).append(r)
+    shown = [[_share_cell(cells.get((lay, t), [])) for t in types] for lay in layers]
     return {
         "data": [
             {
                 "type": "heatmap",
                 "x": types,
                 "y": [str(lay) for lay in layers],
-                "z": z,
+                "z": [[value for value, _ in row] for row in shown],
+                "text": [[what for _, what in row] for row in shown],
                 "zmin": 0,
                 "zmax": 1,
                 "colorscale": "Reds",
-                "hovertemplate": "layer %{y} %{x}<br>protected share %{z:.4f}<extra></extra>",
+                "hovertemplate": "layer %{y} %{x}<br>%{text}<br>protected share %{z:.4f}<extra></extra>",
             }
         ],
         "layout": {
@@ -136,10 +157,15 @@ def audit_section(records: list[AuditRecord], title: str = "Audit") -> str:
         "for (const [k, f] of Object.entries(figs)) {"
         "Plotly.newPlot('audit-' + k, f.data, f.layout, {responsive: true, displaylogo: false});}})();</script>"
     )
+    model = (
+        f"Energy-weighted protected input share <b>{s.protected_input_share:.4f}</b>, frozen-row share "
+        f"<b>{s.frozen_row_share:.4f}</b>; ||dW||/||W|| = {s.relative_delta:.3e}; model risk "
+        f"sqrt(Σ||dW P||²/Σ||W||²) = <b>{s.risk:.3e}</b>."
+        if s.touched
+        else "The tuned weights equal the base's in every audited module: there is no update to score."
+    )
     summary = (
-        f"<p>{s.touched} of {s.modules} modules changed. Energy-weighted protected input share "
-        f"<b>{s.protected_input_share:.4f}</b>, frozen-row share <b>{s.frozen_row_share:.4f}</b>; "
-        f"||dW||/||W|| = {s.relative_delta:.3e}; model risk sqrt(Σ||dW P||²/Σ||W||²) = <b>{s.risk:.3e}</b>.</p>"
+        f"<p>{s.touched} of {s.modules} modules changed. {model}</p>"
         "<p>protected input share = ||dW P||²/||dW||², P = projector onto the top-m(tau) eigenvectors of "
         "W_frozenᵀW_frozen; a PLATE update scores 0, a dense random update m/d_in (the 'chance' column).</p>"
     )

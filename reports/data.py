@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from plate_inspect import __version__
-from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord, unfinished_note
+from plate_inspect.auditing import checked_b_idx, damaged_part, stored_b_problem
+from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord, scores_digest, unfinished_note
 from plate_inspect.errors import BundleError
 from plate_inspect.formatting import counted
 from plate_inspect.geometry import energy_rank
@@ -120,7 +121,7 @@ class BundleSummary:
     q_dtype: str
     q_bytes: int
     scan_seconds: float | None
-    scan_stats: dict[str, Any] = field(default_factory=dict)
+    scan_stats: dict[str, Any] = field(default_factory=dict)  # the fields the header shows (see shown_stats)
 
     @property
     def plate_over_lora(self) -> float:
@@ -133,12 +134,36 @@ def q_bytes(record: ModuleRecord, q_dtype: str) -> int:
     return record.d_in * record.k * itemsize
 
 
+#: The scan_stats.json fields the header shows, with the types a scan writes them in.
+SHOWN_STATS: dict[str, tuple[type, ...]] = {
+    "wall_seconds": (int, float),
+    "device": (str,),
+    "bytes_read": (int,),
+    "peak_rss_bytes": (int,),
+    "modules_resumed": (int,),
+}
+
+
+def shown_stats(stats: object) -> dict[str, Any]:
+    """The header's fields of a bundle's scan statistics, each of the type a scan writes (non-negative numbers); a
+    hand-edited or foreign scan_stats.json's other values read as not recorded, not as a traceback."""
+    if not isinstance(stats, dict):
+        return {}
+
+    def ok(v: object, types: tuple[type, ...]) -> bool:
+        if isinstance(v, bool) or not isinstance(v, types):
+            return False
+        return isinstance(v, str) or (math.isfinite(v) and v >= 0)  # type: ignore[arg-type]
+
+    return {k: v for k, v in stats.items() if k in SHOWN_STATS and ok(v, SHOWN_STATS[k])}
+
+
 def bundle_summary(bundle: Bundle, label: str | None = None) -> BundleSummary:
     """Header numbers for one bundle: PLATE r*k vs LoRA r*(d_in+d_out) parameters, Q memory, scan time."""
     m = bundle.manifest
     s = m.settings
     records = list(bundle)
-    stats = bundle.stats()
+    stats = shown_stats(bundle.stats())
     wall = stats.get("wall_seconds")
     src = m.source or {}
     model = str(src.get("id", "?")) + (f"@{src['revision']}" if src.get("revision") else "")
@@ -189,6 +214,19 @@ class Heatmap:
     z: list[list[float | None]]
     names: list[list[str | None]]
     hover: list[list[str]]
+    #: the range the metric can take in these modules (see :func:`metric_scale`): the colour range of a map whose
+    #: cells do not span one (a single module), so its colour says where the value lies, not nothing
+    scale: tuple[float, float] = (0.0, 1.0)
+
+
+def metric_scale(metric: str, records: list[ModuleRecord], max_rank: int | None = None) -> tuple[float, float]:
+    """The range ``metric`` can take in ``records``: [0, 1] for the fractions (mean |cos| redundancy scores, the
+    captured energy share, B overlap), [0, the most columns Q can have] for k (min(d_in, max_rank), or the largest
+    k where an older bundle exceeds that)."""
+    if metric != "k" or not records:
+        return (0.0, 1.0)
+    cap = max(max(min(r.d_in, max_rank or r.d_in), r.k) for r in records)
+    return (0.0, float(cap))
 
 
 def module_hover(rec: ModuleRecord) -> str:
@@ -205,11 +243,16 @@ def group_id(layer: int | None, module_type: str) -> str:
     return f"experts:{layer_label(layer)}:{module_type}"
 
 
-def heatmap(records: list[ModuleRecord], metric: str, axes: tuple[list[str], list[str]] | None = None) -> Heatmap:
+def heatmap(
+    records: list[ModuleRecord],
+    metric: str,
+    axes: tuple[list[str], list[str]] | None = None,
+    max_rank: int | None = None,
+) -> Heatmap:
     """Layer x module-type grid of one record metric (mean_redundancy | k | captured_energy).
 
     A cell holding several modules (the experts of one layer) shows their mean, the hover their spread, and
-    its name is the expert group's id (see :func:`group_id`).
+    its name is the expert group's id (see :func:`group_id`). ``max_rank``: the bundle's cap on k (its scale).
     """
     if metric not in HEATMAP_METRICS:
         raise ValueError(f"unknown heatmap metric {metric!r}; one of {sorted(HEATMAP_METRICS)}")
@@ -230,7 +273,8 @@ def heatmap(records: list[ModuleRecord], metric: str, axes: tuple[list[str], lis
         experts = all(expert_of(rec.name) is not None for rec in recs)
         names[i][j] = group_id(recs[0].layer, recs[0].module_type) if experts else recs[0].name
         hover[i][j] = group_hover(recs, metric, values)
-    return Heatmap(metric, HEATMAP_METRICS[metric][0], rows, cols, z, names, hover)
+    scale = metric_scale(metric, records, max_rank)
+    return Heatmap(metric, HEATMAP_METRICS[metric][0], rows, cols, z, names, hover, scale)
 
 
 def group_hover(recs: list[ModuleRecord], metric: str, values: list[float]) -> str:
@@ -262,7 +306,8 @@ def heatmap_difference(a: Heatmap, b: Heatmap) -> Heatmap:
         ]
         for na, ra, rb, zr in zip(a.names, a.z, b.z, z, strict=True)
     ]
-    return Heatmap(a.metric, f"change in {a.title}", a.rows, a.cols, z, a.names, hover)
+    scale = (min(a.scale[0], b.scale[0]), max(a.scale[1], b.scale[1]))
+    return Heatmap(a.metric, f"change in {a.title}", a.rows, a.cols, z, a.names, hover, scale)
 
 
 # --------------------------------------------------------------------------- k(tau)
@@ -594,7 +639,16 @@ def read_tensors(bundle: Bundle, names: list[str], kind: str) -> dict[str, np.nd
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in members:
-                    out[name] = f.get_tensor(f"{name}.{kind}").double().numpy()
+                    tensor = f.get_tensor(f"{name}.{kind}")
+                    if kind == "spectrum":  # drawn: checked with the scores against the scan's digest
+                        check_scores(bundle, name, f.get_tensor(f"{name}.redundancy"), tensor)
+                    elif kind == "plate_B_idx":
+                        problem = stored_b_problem(bundle.record(name), tensor)
+                        if problem:
+                            raise damaged_part(path, name, problem)
+                    out[name] = tensor.double().numpy()
+        except BundleError:
+            raise
         except FileNotFoundError:
             raise BundleError(f"{path}: part file missing (module '{members[0]}')") from None
         except Exception as e:  # safetensors raises its own error types for corrupt files / missing keys
@@ -643,13 +697,26 @@ class ModuleData:
     b_idx: list[np.ndarray]
 
 
+def check_scores(bundle: Bundle, name: str, redundancy: torch.Tensor, spectrum: torch.Tensor) -> None:
+    """BundleError when a module's stored redundancy scores or spectrum (as stored) differ from the digest its scan
+    recorded: a damaged part file would otherwise be drawn as if it were the model's geometry."""
+    rec = bundle.record(name)
+    if rec.scores_digest and scores_digest(redundancy, spectrum) != rec.scores_digest:
+        problem = "its stored redundancy scores or spectrum do not match the digest the scan recorded"
+        raise damaged_part(Path(bundle.path) / rec.file, name, problem)
+
+
 def read_module(bundles: list[Bundle], name: str) -> ModuleData:
-    """Read one module's spectrum, redundancy scores and B indices from every bundle."""
-    return ModuleData(
-        spectra=[b.spectrum(name).double().numpy() for b in bundles],
-        scores=[b.redundancy(name).double().numpy() for b in bundles],
-        b_idx=[b.b_idx(name).numpy() for b in bundles],
-    )
+    """Read one module's spectrum, redundancy scores and B indices from every bundle (scores and spectrum checked
+    against the scan's digest)."""
+    spectra, scores = [], []
+    for b in bundles:
+        redundancy, spectrum = b.redundancy(name), b.spectrum(name)
+        check_scores(b, name, redundancy, spectrum)
+        spectra.append(spectrum.double().numpy())
+        scores.append(redundancy.double().numpy())
+    b_idx = [checked_b_idx(b, b.record(name)).numpy() for b in bundles]  # drawn as the cut-off and B overlap
+    return ModuleData(spectra=spectra, scores=scores, b_idx=b_idx)
 
 
 @dataclass
@@ -688,7 +755,10 @@ def report_data(
     summaries = [bundle_summary(b, lab) for b, lab in zip(bundles, labels, strict=True)]
     per_bundle_records = [[b.record(n) for n in modules] for b in bundles]
     axes = grid_axes(per_bundle_records[0])
-    heatmaps = [{m: heatmap(recs, m, axes) for m in HEATMAP_METRICS} for recs in per_bundle_records]
+    heatmaps = [
+        {m: heatmap(recs, m, axes, b.manifest.settings.max_rank) for m in HEATMAP_METRICS}
+        for b, recs in zip(bundles, per_bundle_records, strict=True)
+    ]
     groups = list(zip(*(expert_groups(recs) for recs in per_bundle_records), strict=True))
     in_groups = {n for g in groups for n in g[0].names}
     dense = [n for n in modules if n not in in_groups]
@@ -755,4 +825,4 @@ def overlap_heatmap(base: Heatmap, overlaps: dict[str, float], title: str) -> He
         ["" if n is None else f"<b>{n}</b><br>{title} = {overlaps.get(n, float('nan')):.4f}" for n in row]
         for row in base.names
     ]
-    return Heatmap("b_overlap", title, base.rows, base.cols, z, base.names, hover)
+    return Heatmap("b_overlap", title, base.rows, base.cols, z, base.names, hover, (0.0, 1.0))

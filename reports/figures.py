@@ -101,19 +101,43 @@ def heatmap_figure(hm: Heatmap, subtitle: str = "", difference: bool = False) ->
         "colorbar": {"thickness": 12, "len": 0.9},
     }
     if difference:
-        trace.update(colorscale="RdBu", zmid=0, reversescale=True)
+        trace.update(colorscale="RdBu", reversescale=True)
     else:
         trace["colorscale"] = "Viridis"
     if hm.metric == "captured_energy" and not difference:
         # energies span many decades (Q in an exact null space captures ~1e-13): colour by log10
         trace["z"] = [[None if v is None else math.log10(max(v, ENERGY_FLOOR)) for v in row] for row in hm.z]
         trace["colorbar"]["title"] = {"text": "log10", "side": "right"}
+    trace["zmin"], trace["zmax"] = color_range(hm, difference)
     title = hm.title + (f"<br><span style='font-size:11px;color:#666'>{subtitle}</span>" if subtitle else "")
     layout = _base_layout(title, height=max(300, 90 + 16 * len(hm.rows)))
     layout["margin"] = {"l": 60, "r": 10, "t": 92 if subtitle else 74, "b": 110}
     layout["xaxis"] = {"type": "category", "tickangle": -35, "automargin": True}
     layout["yaxis"] = {"type": "category", "autorange": "reversed", "title": {"text": "layer"}, "automargin": True}
     return {"data": [trace], "layout": layout}
+
+
+def color_range(hm: Heatmap, difference: bool = False) -> tuple[float, float]:
+    """The explicit colour range of a heatmap (plotly's autoscale colours a single cell, or equal cells, on
+    value +- 0.5, so the colour says nothing).
+
+    - k: [0, the most columns Q can have]; captured energy: log10 [1e-16, 1] (the share Q captures, absolute);
+      B overlap: [0, 1]; mean redundancy: [0, the largest cell] (scores of real weights lie far below 1, so [0, 1]
+      would paint every cell alike), or [0, 1] when the cells do not differ (one module).
+    - changes: symmetric about 0, to the largest change; a single cell, or no change anywhere, on +- the metric's
+      whole range (a lone change is not drawn as the largest there could be).
+    """
+    lo, hi = hm.scale
+    values = [v for row in hm.z for v in row if v is not None]
+    if difference:
+        largest = max((abs(v) for v in values), default=0.0)
+        half = largest if len(values) > 1 and largest > 0 else hi - lo
+        return (-half, half)
+    if hm.metric == "captured_energy":
+        return (math.log10(max(lo, ENERGY_FLOOR)), math.log10(hi))
+    if hm.metric == "mean_redundancy" and len(set(values)) > 1 and max(values) > lo:
+        return (lo, max(values))
+    return (lo, hi)
 
 
 # --------------------------------------------------------------------------- k(tau)

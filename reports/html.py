@@ -80,8 +80,7 @@ def page_model(rd: ReportData) -> dict[str, Any]:
             note = "1 = the same redundant rows chosen"
             if r0 != rb and r0 and rb:  # nested choices then show min/max, not 1
                 note += f"; r differs ({rb} vs {r0}): B nested in B' shows {min(r0, rb) / max(r0, rb):.2g}"
-            fig = F.heatmap_figure(hm, subtitle=note)
-            fig["data"][0].update(zmin=0, zmax=1)
+            fig = F.heatmap_figure(hm, subtitle=note)  # coloured on [0, 1], the overlap's scale
             heatmaps.append({"id": f"heatmap-overlap-{b}", "figure": fig, "names": hm.names})
     return {
         "title": page_title(rd),

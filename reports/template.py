@@ -173,7 +173,10 @@ SCRIPT = r"""
     expertSelect.replaceChildren(frag);
     // one bar series per bundle (side by side); a single bundle's bars are coloured by mean redundancy
     var traces = g.bundles.map(function (b, j) {
-      var marker = many ? { color: D.bundleColors[j], showscale: false } : { color: b.score };
+      // colour range [0, the largest score] ([0, 1] when the experts' scores do not differ), as the heatmap's
+      var top = Math.max.apply(null, b.score), differ = b.score.some(function (v) { return v !== b.score[0]; });
+      var marker = many ? { color: D.bundleColors[j], showscale: false }
+                        : { color: b.score, cmin: 0, cmax: differ && top > 0 ? top : 1 };
       return merge(bars.data[0], { x: g.experts, y: b.k, name: many ? D.labels[j] : "k", marker: marker,
         customdata: b.energy.map(function (v, i) { return [v, b.score[i]]; }) });
     });

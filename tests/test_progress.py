@@ -142,6 +142,22 @@ def test_old_three_argument_report_callback_still_works(qwen_ckpt, qwen_targets,
     assert seen == [(i, n) for i in range(1, n + 1)]
 
 
+@pytest.mark.parametrize("function", ["write_report", "render_report", "report_data"])
+def test_old_style_report_callback_warning_names_the_function_called(qwen_ckpt, tmp_path, function):
+    import plate_inspect.reports as reports
+
+    bundle = plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, layers=[0])
+    call = getattr(reports, function)
+    args = ([bundle], tmp_path / "r.html") if function == "write_report" else ([bundle],)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(*args, progress=lambda done, total, name: None)
+    deprecations = [w for w in caught if w.category is DeprecationWarning]
+    assert len(deprecations) == 1, [str(w.message) for w in caught]
+    assert str(deprecations[0].message).startswith(f"{function}: progress(done, total, name) is deprecated")
+    assert deprecations[0].filename == __file__  # the warning points at the caller's line, not the library's
+
+
 def test_activation_moments_count_batches():
     from plate_inspect.analysis.alignment import collect_input_moments
 

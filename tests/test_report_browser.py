@@ -162,6 +162,8 @@ EXPERT_INTERACT = """
   await wait(400);
   out.group = gs.value;
   out.bars = document.querySelectorAll("#expert-bars-plot .point").length;
+  const marker = document.getElementById("expert-bars-plot").data[0].marker;
+  out.barColors = [marker.cmin, marker.cmax, marker.color];
   document.getElementById("expert-bars-plot").emit("plotly_click", { points: [{ pointIndex: 5 }] });
   await wait(400);
   out.expert = es.value;
@@ -190,6 +192,10 @@ def test_moe_report_drill_down(chromium, tmp_path, artifacts):
     assert_clean(check, STATIC_PLOTS | EXPERT_PLOTS | {f"heatmap-{m}-0" for m in METRICS})
     got = check.details["script"]
     assert got["groups"] == 6 and got["group"] == "experts:2:mlp.experts.down_proj" and got["bars"] == 8
+    # bars coloured by mean redundancy on [0, the group's largest score] (was plotly's autoscale)
+    scores = [bundle.record(f"model.layers.2.mlp.experts.{e}.down_proj").mean_redundancy for e in range(8)]
+    assert got["barColors"][2] == pytest.approx(scores, rel=5e-3)  # the page keeps 3 significant digits
+    assert got["barColors"][:2] == [0, max(got["barColors"][2])] and max(scores) > 0
     assert got["expert"] == "5"
     assert got["spectrumTitle"].startswith("Expert spectrum: model.layers.2.mlp.experts.5.down_proj")
     assert f"k = {bundle.record('model.layers.2.mlp.experts.5.down_proj').k}," in got["spectrumTitle"]
