@@ -149,6 +149,7 @@ def scan(
         tau_grid=tuple(tau_grid),
         include_mtp=include_mtp,
     )
+    progress = as_callback(progress, "scan")  # here, so that a deprecation warning names the function called
     plan = plan_scan(source, settings, revision=revision, offline=offline)
     return run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
 

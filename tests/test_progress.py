@@ -158,6 +158,25 @@ def test_old_style_report_callback_warning_names_the_function_called(qwen_ckpt, 
     assert deprecations[0].filename == __file__  # the warning points at the caller's line, not the library's
 
 
+@pytest.mark.parametrize("function", ["scan", "run_scan"])
+def test_old_style_scan_callback_warning_names_the_function_called(qwen_ckpt, tmp_path, function):
+    from plate_inspect.bundle import ScanSettings
+    from plate_inspect.scanner import plan_scan, run_scan
+
+    seen: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if function == "scan":
+            plate_inspect.scan(qwen_ckpt.path, tmp_path / "b", r=8, layers=[0], progress=lambda d, t, n: seen.append(d))
+        else:
+            plan = plan_scan(qwen_ckpt.path, ScanSettings(r=8, layers=(0,)))
+            run_scan(plan, tmp_path / "b", progress=lambda d, t, n: seen.append(d))
+    deprecations = [w for w in caught if w.category is DeprecationWarning]
+    assert [str(w.message).split(":")[0] for w in deprecations] == [function]
+    assert deprecations[0].filename == __file__
+    assert seen and seen == list(range(1, len(seen) + 1))
+
+
 def test_activation_moments_count_batches():
     from plate_inspect.analysis.alignment import collect_input_moments
 
