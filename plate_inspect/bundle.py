@@ -83,6 +83,8 @@ def not_a_bundle(path: Path) -> str:
         )
     if not path.exists():
         return f"{path}: does not exist; create a bundle with: {command}"
+    if (path.parent / MANIFEST).is_file():
+        return f"{path}: is a part file of the bundle {path.parent}; give the bundle directory: {path.parent}"
     if path.suffix == ".safetensors":
         return (
             f"{path}: is a file, not a bundle directory; to make a bundle of a model checkpoint in it: "
@@ -394,7 +396,10 @@ class Bundle:
         try:
             data = json.loads(mpath.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise BundleError(f"{mpath}: unreadable manifest ({e})") from None
+            raise BundleError(
+                f"{mpath}: unreadable manifest ({e}); the bundle's record is damaged: rescan the model into it with "
+                f"overwrite=True (CLI: --overwrite), or into another directory"
+            ) from None
         manifest = Manifest.from_json(data, mpath)
         if not manifest.complete:  # the finished modules of an unfinished scan are recorded in the part headers
             manifest.modules = finished_modules(path, manifest)
@@ -435,9 +440,17 @@ class Bundle:
             with safe_open(str(part), framework="pt") as f:
                 return f.get_tensor(key)
         except FileNotFoundError:
-            raise BundleError(f"{part}: part file missing (module '{name}')") from None
+            raise BundleError(f"{part}: part file missing (module '{name}'); {self.repair_hint()}") from None
         except Exception as e:  # safetensors raises its own error types for corrupt files / missing keys
-            raise BundleError(f"{part}: cannot read '{key}': {e}") from None
+            raise BundleError(f"{part}: cannot read '{key}' ({e}); {self.repair_hint()}") from None
+
+    def repair_hint(self) -> str:
+        """How to mend missing or damaged part files: the scan that made the bundle, rerun into it, recomputes them."""
+        return (
+            f"rerun the scan that made this bundle (same model and settings) into {self.path}: missing or damaged "
+            f"part files are recomputed, the others kept (plate-inspect verify {shlex.quote(str(self.path))} lists "
+            "the damage)"
+        )
 
     def b_idx(self, name: str) -> torch.Tensor:
         return self.tensor(name, "plate_B_idx")

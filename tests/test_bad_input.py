@@ -284,6 +284,30 @@ def test_missing_and_incomplete_bundle(tmp_path, model):
     assert_user_error(["info", tmp_path / "empty"], "empty: not a bundle (no manifest.json)")
 
 
+def test_damaged_bundle_says_how_to_mend_it_and_the_mend_works(tmp_path, model):
+    """A missing or truncated part file, a damaged manifest, a part file given for the bundle: each one line with
+    what to do, and doing it (rerunning the scan into the bundle) repairs the bundle."""
+    code, _ = run_cli(*scan_args(model, tmp_path))
+    assert code == 0
+    out = tmp_path / "out"
+    parts = sorted(out.glob("layer-*.safetensors"))
+    assert len(parts) == 2
+    assert_user_error(["info", parts[0]], f"is a part file of the bundle {out}; give the bundle directory")
+    parts[1].write_bytes(parts[1].read_bytes()[: parts[1].stat().st_size // 2])
+    for damaged in ("truncated", "missing"):
+        needles = ("rerun the scan that made this bundle (same model and settings) into", "recomputed")
+        assert_user_error(["report", out, "-o", tmp_path / "r.html"], parts[1].name, *needles)
+        code, _ = run_cli(*scan_args(model, tmp_path))  # the mend the message names
+        assert code == 0
+        assert run_cli("verify", out)[0] == 0, damaged
+        if damaged == "truncated":
+            parts[1].unlink()
+    (out / MANIFEST).write_text('{"format": "plate-bun')
+    assert_user_error(["report", out, "-o", tmp_path / "r.html"], "unreadable manifest", "--overwrite")
+    code, _ = run_cli(*scan_args(model, tmp_path, "--overwrite"))
+    assert code == 0 and run_cli("verify", out)[0] == 0
+
+
 def test_real_console_script_prints_no_traceback(tmp_path):
     exe = shutil.which("plate-inspect", path=str(Path(sys.executable).parent))
     proc = subprocess.run(
