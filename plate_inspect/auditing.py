@@ -30,7 +30,7 @@ from typing import Any, Union
 
 import torch
 
-from plate_inspect.bundle import Bundle, ModuleRecord, geometry_digest
+from plate_inspect.bundle import Bundle
 from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import (
@@ -250,39 +250,6 @@ TABLE_COLUMNS = (
     "||dW||/||W||",
     "risk",
 )
-
-
-def stored_b_problem(rec: ModuleRecord, b_idx: torch.Tensor) -> str:
-    """'' when a bundle's stored B indices are what a scan writes (r of them, in [0, d_out), strictly ascending),
-    else what is wrong: a damaged part file, whose indices would otherwise be used (or crash an index)."""
-    if b_idx.ndim != 1 or b_idx.numel() != rec.r:
-        return f"B holds {b_idx.numel()} indices, the manifest says r={rec.r}"
-    if b_idx.numel() and (int(b_idx.min()) < 0 or int(b_idx.max()) >= rec.d_out):
-        return f"B indices out of range [0, {rec.d_out})"
-    if b_idx.numel() > 1 and not bool((b_idx[1:] > b_idx[:-1]).all()):
-        return "B indices not strictly ascending"
-    return ""
-
-
-def checked_b_idx(bundle: Bundle, rec: ModuleRecord, with_digest: bool = False) -> torch.Tensor:
-    """A module's stored B indices, refused (BundleError naming the part file, the module and the repair) when they
-    are damaged: out of shape or range, or (``with_digest``: Q is read too) not the B and Q the scan recorded."""
-    b_idx = bundle.b_idx(rec.name)
-    problem = stored_b_problem(rec, b_idx)
-    digest = with_digest and not problem and rec.geometry_digest
-    if digest and geometry_digest(b_idx, bundle.q(rec.name, dtype=None)) != rec.geometry_digest:
-        problem = "its B or Q do not match the digest the scan recorded"
-    if problem:
-        raise damaged_part(Path(bundle.path) / rec.file, rec.name, problem)
-    return b_idx
-
-
-def damaged_part(part: Path, name: str, problem: str) -> BundleError:
-    """The one-line error for a module whose stored tensors a bundle reader found damaged."""
-    return BundleError(
-        f"{part}: module '{name}': {problem} (the part file is damaged); rerun the command that wrote the bundle to "
-        "repair it (a rescan recomputes damaged modules; plate-inspect verify lists them all)"
-    )
 
 
 def table_cells(rec: AuditRecord) -> tuple[str, ...]:
@@ -795,7 +762,7 @@ def audit(
                     f"(weight fingerprint differs; the bundle was scanned from {bundle_origin(geometry)}); pass the "
                     "bundle of the base model, not of a fine-tune or another revision"
                 )
-            b_idx = checked_b_idx(geometry, rec, with_digest=True)
+            b_idx = geometry.checked_b_idx(rec.name, with_digest=True)
         else:
             scores = redundancy_scores(
                 weight, n_anchors=anchors, sketch_dim=sketch_dim, seed=module_seed(seed, target.name)

@@ -380,6 +380,25 @@ class ModulePlate:
     q: torch.Tensor  # [d_in, k]
 
 
+def read_problem(error: Exception, what: str) -> str:
+    """What reading ``what`` from a part file met: the file is missing, or safetensors could not read it."""
+    if isinstance(error, FileNotFoundError):
+        return "part file missing"
+    return f"cannot read '{what}' (the part file is damaged: {error})"
+
+
+def stored_b_problem(rec: ModuleRecord, b_idx: torch.Tensor) -> str:
+    """'' when stored B indices are what a scan writes (r of them, in [0, d_out), strictly ascending), else what is
+    wrong: a damaged part file, whose indices would otherwise be used (or crash an index)."""
+    if b_idx.ndim != 1 or b_idx.numel() != rec.r:
+        return f"B holds {b_idx.numel()} indices, the manifest says r={rec.r}"
+    if b_idx.numel() and (int(b_idx.min()) < 0 or int(b_idx.max()) >= rec.d_out):
+        return f"B indices out of range [0, {rec.d_out})"
+    if b_idx.numel() > 1 and not bool((b_idx[1:] > b_idx[:-1]).all()):
+        return "B indices not strictly ascending"
+    return ""
+
+
 class Bundle:
     """A PLATE init bundle on disk: the manifest in memory, tensors read on demand."""
 
@@ -439,18 +458,30 @@ class Bundle:
         try:
             with safe_open(str(part), framework="pt") as f:
                 return f.get_tensor(key)
-        except FileNotFoundError:
-            raise BundleError(f"{part}: part file missing (module '{name}'); {self.repair_hint()}") from None
         except Exception as e:  # safetensors raises its own error types for corrupt files / missing keys
-            raise BundleError(f"{part}: cannot read '{key}' ({e}); {self.repair_hint()}") from None
+            raise self.damaged(name, read_problem(e, key)) from None
 
-    def repair_hint(self) -> str:
-        """How to mend missing or damaged part files: the scan that made the bundle, rerun into it, recomputes them."""
-        return (
-            f"rerun the scan that made this bundle (same model and settings) into {self.path}: missing or damaged "
-            f"part files are recomputed, the others kept (plate-inspect verify {shlex.quote(str(self.path))} lists "
-            "the damage)"
+    def damaged(self, name: str, problem: str) -> BundleError:
+        """The one-line error for a module whose part file is missing, unreadable or holds damaged tensors: the file,
+        the module, what is wrong, and the mend (the scan that made the bundle, rerun into it, recomputes it)."""
+        return BundleError(
+            f"{self.path / self.record(name).file}: module '{name}': {problem}; rerun the scan that made this bundle "
+            f"(same model and settings) into {self.path}: missing or damaged part files are recomputed, the others "
+            f"kept (plate-inspect verify {shlex.quote(str(self.path))} lists the damage)"
         )
+
+    def checked_b_idx(self, name: str, with_digest: bool = False) -> torch.Tensor:
+        """A module's stored B indices, refused (``damaged``) when they are not what a scan writes, or (``with_digest``:
+        Q is read too) not the B and Q the scan recorded."""
+        rec = self.record(name)
+        b_idx = self.b_idx(name)
+        problem = stored_b_problem(rec, b_idx)
+        recorded = with_digest and not problem and rec.geometry_digest
+        if recorded and geometry_digest(b_idx, self.q(name, dtype=None)) != rec.geometry_digest:
+            problem = "its B or Q do not match the digest the scan recorded"
+        if problem:
+            raise self.damaged(name, problem)
+        return b_idx
 
     def b_idx(self, name: str) -> torch.Tensor:
         return self.tensor(name, "plate_B_idx")

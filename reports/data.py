@@ -17,8 +17,15 @@ import numpy as np
 import torch
 
 from plate_inspect import __version__
-from plate_inspect.auditing import checked_b_idx, damaged_part, stored_b_problem
-from plate_inspect.bundle import Q_DTYPES, Bundle, ModuleRecord, scores_digest, unfinished_note
+from plate_inspect.bundle import (
+    Q_DTYPES,
+    Bundle,
+    ModuleRecord,
+    read_problem,
+    scores_digest,
+    stored_b_problem,
+    unfinished_note,
+)
 from plate_inspect.errors import BundleError
 from plate_inspect.formatting import counted
 from plate_inspect.geometry import energy_rank
@@ -645,14 +652,12 @@ def read_tensors(bundle: Bundle, names: list[str], kind: str) -> dict[str, np.nd
                     elif kind == "plate_B_idx":
                         problem = stored_b_problem(bundle.record(name), tensor)
                         if problem:
-                            raise damaged_part(path, name, problem)
+                            raise bundle.damaged(name, problem)
                     out[name] = tensor.double().numpy()
         except BundleError:
             raise
-        except FileNotFoundError:
-            raise BundleError(f"{path}: part file missing (module '{members[0]}')") from None
         except Exception as e:  # safetensors raises its own error types for corrupt files / missing keys
-            raise BundleError(f"{path}: cannot read '{kind}' tensors: {e}") from None
+            raise bundle.damaged(members[0], read_problem(e, f"{kind} tensors")) from None
     return out
 
 
@@ -703,7 +708,7 @@ def check_scores(bundle: Bundle, name: str, redundancy: torch.Tensor, spectrum: 
     rec = bundle.record(name)
     if rec.scores_digest and scores_digest(redundancy, spectrum) != rec.scores_digest:
         problem = "its stored redundancy scores or spectrum do not match the digest the scan recorded"
-        raise damaged_part(Path(bundle.path) / rec.file, name, problem)
+        raise bundle.damaged(name, problem)
 
 
 def read_module(bundles: list[Bundle], name: str) -> ModuleData:
@@ -715,7 +720,7 @@ def read_module(bundles: list[Bundle], name: str) -> ModuleData:
         check_scores(b, name, redundancy, spectrum)
         spectra.append(spectrum.double().numpy())
         scores.append(redundancy.double().numpy())
-    b_idx = [checked_b_idx(b, b.record(name)).numpy() for b in bundles]  # drawn as the cut-off and B overlap
+    b_idx = [b.checked_b_idx(name).numpy() for b in bundles]  # drawn as the cut-off and B overlap
     return ModuleData(spectra=spectra, scores=scores, b_idx=b_idx)
 
 

@@ -103,9 +103,9 @@ def test_damaged_b_indices_are_one_line_in_report_and_audit(qwen_ckpt, tmp_path)
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
         (line,) = res.output.strip().splitlines()
         assert line == (
-            f"error: {part}: module '{name}': B indices out of range [0, {qwen_ckpt.config['hidden_size']}) (the part "
-            "file is damaged); rerun the command that wrote the bundle to repair it (a rescan recomputes damaged "
-            "modules; plate-inspect verify lists them all)"
+            f"error: {part}: module '{name}': B indices out of range [0, {qwen_ckpt.config['hidden_size']}); rerun "
+            f"the scan that made this bundle (same model and settings) into {out}: missing or damaged part files are "
+            f"recomputed, the others kept (plate-inspect verify {out} lists the damage)"
         )
     part.write_bytes(pristine)
     shift_first_b_index(part, name, qwen_ckpt.config["hidden_size"])
