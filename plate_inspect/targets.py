@@ -61,7 +61,7 @@ _BERT = (
     "output.dense",
 )
 #: BERT's layer layout (encoder.layer.<i>.attention.self.query, ...), under the same module names.
-_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "electra")
+_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra")
 #: T5 / mT5 blocks (encoder.block.<i>, decoder.block.<i>: both count as layer i): self-attention in layer.0; the
 #: decoder's cross-attention in layer.1; the feed-forward in layer.1 (encoder) or layer.2 (decoder), ``wi`` (ReLU)
 #: or gated ``wi_0`` / ``wi_1`` (T5 v1.1, mT5). Never the relative_attention_bias (an embedding table).
@@ -70,6 +70,18 @@ _T5 = (
     *(f"layer.1.EncDecAttention.{p}" for p in "qkvo"),
     *(f"layer.{i}.DenseReluDense.{p}" for i in (1, 2) for p in ("wi", "wi_0", "wi_1", "wo")),
 )
+
+#: T5-style encoder-decoders (T5 v1.0/v1.1, mT5, umT5: umT5 has a relative_attention_bias in every block).
+_T5_TYPES = ("t5", "mt5", "umt5")
+#: BART-style encoder-decoders (encoder.layers.<i>, decoder.layers.<i>: both count as layer i); encoder_attn is the
+#: decoder's cross-attention.
+_BART = (
+    *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")),
+    *(f"encoder_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")),
+    "fc1",
+    "fc2",
+)
+_BART_TYPES = ("bart", "mbart")
 
 #: Default target module types (the module name after its layer index, expert index removed) by model_type.
 FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
@@ -110,8 +122,8 @@ FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
         *_BERT[3:],
     ),
     "modernbert": ("attn.Wqkv", "attn.Wo", "mlp.Wi", "mlp.Wo"),
-    "t5": _T5,
-    "mt5": _T5,
+    **{t: _T5 for t in _T5_TYPES},
+    **{t: _BART for t in _BART_TYPES},
 }
 #: Families whose 2-D weights are stored as [d_in, d_out] (GPT-2's Conv1D).
 CONV1D_FAMILIES = frozenset({"gpt2"})
@@ -557,7 +569,15 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
     if model_type == "modernbert":
         h, i = _ints(c, "hidden_size", "intermediate_size")
         return {"attn.Wqkv": (3 * h, h), "attn.Wo": (h, h), "mlp.Wi": (2 * i, h), "mlp.Wo": (h, i)}
-    if model_type in ("t5", "mt5"):
+    if model_type in _BART_TYPES:
+        d = int(c["d_model"])
+        shapes: dict[str, tuple[int, int] | None] = {m: (d, d) for m in _BART[:-2]}
+        ffn = {int(c[k]) for k in ("encoder_ffn_dim", "decoder_ffn_dim")}
+        if len(ffn) == 1:  # fc1 / fc2 of encoder and decoder layers share a module type: checked when their dims agree
+            (f,) = ffn
+            shapes.update({"fc1": (f, d), "fc2": (d, f)})
+        return shapes
+    if model_type in _T5_TYPES:
         d, inner, ff = int(c["d_model"]), int(c["num_heads"]) * int(c["d_kv"]), int(c["d_ff"])
         attention = {f"layer.{i}.{a}.{p}": (inner, d) for i, a in ((0, "SelfAttention"), (1, "EncDecAttention"))
                      for p in "qkv"}  # fmt: skip

@@ -644,7 +644,7 @@ _HF_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_pro
 HF_FAMILIES = ("llama", "mistral", "qwen3", "olmo2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
                "deepseek_v3", "gpt_oss", "gpt2", "bert", "llama_tied", "llama4", "llama4_text", "gemma3",
                "gemma3_text", "distilbert", "roberta", "xlm-roberta", "electra", "deberta-v2", "deberta-v3",
-               "modernbert", "t5", "mt5")  # fmt: skip
+               "modernbert", "t5", "mt5", "umt5", "camembert", "xlm-roberta-xl", "bart", "mbart")  # fmt: skip
 #: Small encoder dims (transformers' own config keys), shared by the encoder families' configs.
 _ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=64,
                 max_position_embeddings=64)  # fmt: skip
@@ -702,6 +702,20 @@ def _hf_config_and_class(family: str):
     if family == "mt5":  # gated-GELU feed-forward (wi_0, wi_1), untied head
         config = t.MT5Config(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, vocab_size=64)
         return config, t.MT5ForConditionalGeneration
+    if family == "umt5":  # a relative_attention_bias in every block, not only the first
+        config = t.UMT5Config(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, vocab_size=64)
+        return config, t.UMT5ForConditionalGeneration
+    if family == "camembert":
+        return t.CamembertConfig(**_ENCODER), t.CamembertForMaskedLM
+    if family == "xlm-roberta-xl":
+        return t.XLMRobertaXLConfig(**_ENCODER), t.XLMRobertaXLForMaskedLM
+    if family in ("bart", "mbart"):
+        heads = dict(encoder_attention_heads=4, decoder_attention_heads=4)
+        dims = dict(d_model=32, encoder_layers=2, decoder_layers=3, vocab_size=64, max_position_embeddings=64, **heads)
+        if family == "bart":
+            return t.BartConfig(**dims, encoder_ffn_dim=48, decoder_ffn_dim=48), t.BartForConditionalGeneration
+        # encoder and decoder feed-forwards of other widths: fc1 / fc2 shapes cannot be checked by module type
+        return t.MBartConfig(**dims, encoder_ffn_dim=48, decoder_ffn_dim=40), t.MBartForConditionalGeneration
     from plate_inspect.testing.synthetic import family_config
 
     base = "llama" if family == "llama_tied" else family
@@ -809,6 +823,7 @@ def test_targets_match_what_transformers_builds_and_saves(family, tmp_path):
         ("modernbert", {"intermediate_size": 40}, "mlp.Wi.weight"),
         ("t5", {"d_kv": 4}, "decoder.block.0.layer.0.SelfAttention.k.weight"),
         ("mt5", {"d_ff": 40}, "DenseReluDense.wi_0.weight"),
+        ("bart", {"encoder_ffn_dim": 40, "decoder_ffn_dim": 40}, "decoder.layers.0.fc1.weight"),
     ],
 )
 def test_encoder_shapes_checked_against_the_config(tmp_path, family, override, tensor):
