@@ -560,11 +560,11 @@ class Checkpoint:
             raise CorruptCheckpointError(
                 f"{scale_info.file.name}: tensor '{scale_info.name}' (scale of '{info.name}'"
                 + (f", expert {expert}" if expert is not None else "")
-                + f") holds {bad[0]} (first at {at} = {bad[2]}): FP8 scales are positive finite magnitudes (a "
-                "quantizer stores amax / FP8 max), so the file is damaged; re-download it"
+                + f") holds {bad[0]} ({f'first at {at} = ' if at else ''}{bad[2]}): FP8 scales are positive finite "
+                "magnitudes (a quantizer stores amax / FP8 max), so the file is damaged; re-download it"
             )
-        # F64 scales: multiply in float64 and round once (an FP8 value times an F32/BF16/F16 scale is exact in float32
-        # arithmetic's single rounding already)
+        # an F64 scale is applied in float64 and rounded once; an FP8 value times an F32/BF16/F16 scale is rounded once
+        # in float32 already (float32 products are correctly rounded: the same value as float64, then rounding)
         work = torch.float64 if scale.dtype == torch.float64 else torch.float32
         values = (values.to(work) * _broadcast_scale(scale.to(work), shape, weight.block)).to(torch.float32)
         return values, fingerprint_parts([raw, scale_raw])

@@ -172,7 +172,7 @@ def test_fp8_corrupt_scales_per_tensor_per_row_and_per_expert(tmp_path):
     }
     ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config((8, 16))))
     with pytest.raises(CorruptCheckpointError, match=r"'scalar.weight_scale_inv' \(scale of 'scalar.weight'\) holds "
-                       r"1 negative of 1 scale \(first at \[\] = -0.5\)"):  # fmt: skip
+                       r"1 negative of 1 scale \(-0.5\): FP8 scales are positive"):  # fmt: skip
         ckpt.read_weight("scalar.weight")
     with pytest.raises(CorruptCheckpointError, match=r"holds 1 NaN of 8 scales \(first at \[7, 0\] = nan\)"):
         ckpt.read_weight("row.weight")
