@@ -316,6 +316,44 @@ def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[i
     return scale.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
 
 
+#: Stored dtypes of FP8 weight scales: IEEE floats, or unsigned power-of-two exponents (UE8M0, as transformers'
+#: fine-grained FP8 accepts for ``weight_scale_inv``).
+FP8_SCALE_DTYPES = (*FLOAT_DTYPES, "F8_E8M0")
+
+
+def decode_fp8_scale(raw: bytearray, dtype: str) -> torch.Tensor:
+    """A flat FP8 scale tensor's bytes -> its values: floats as stored (F64 kept), F8_E8M0 codes as 2^(code - 127)."""
+    if dtype == "F8_E8M0":
+        return decode_e8m0(_view(raw, torch.uint8, (len(raw),)))
+    return _view(raw, FLOAT_DTYPES[dtype], (len(raw) * 8 // DTYPES[dtype].bits,))
+
+
+def fp8_scale_problem(scale: torch.Tensor) -> tuple[str, int, float] | None:
+    """Why a (flat) FP8 scale tensor cannot be a quantizer's output, or None: every scale must be finite and > 0.
+
+    Quantizers store scale = amax / FP8 max (transformers' fine-grained FP8 stores 1.0 for an all-zero block,
+    llm-compressor and fbgemm clamp to a tiny positive minimum), and the unsigned UE8M0 scale format has no sign:
+    NaN, infinity, zero and negative scales are damage (a negative one decodes to a weight with a block's sign
+    flipped, a model nobody trained). Returns (counts by kind, flat index of the first bad scale, its value).
+    """
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if not bool(bad.any()):
+        return None
+    kinds = {
+        "NaN": torch.isnan(scale),
+        "infinite": torch.isinf(scale),
+        "zero": scale == 0,
+        "negative": torch.isfinite(scale) & (scale < 0),
+    }
+    counts = [f"{int(m.sum())} {kind}" for kind, m in kinds.items() if bool(m.any())]
+    total = scale.numel()
+    what = ", ".join(counts) + f" of {total} scale{'s' if total != 1 else ''}"
+    if bool((scale == 0).all()):
+        what += " (all zero: the weight would dequantize to zeros)"
+    first = int(bad.flatten().nonzero()[0])
+    return what, first, float(scale.flatten()[first])
+
+
 def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
     """E8M0 scale codes (uint8) -> float32 2^(code - 127); code 255 is NaN (OCP MX v1.0, section 5.4)."""
     exponent = codes.to(torch.int32) - 127
@@ -521,15 +559,22 @@ class Checkpoint:
         if len(weight.parts) == 1:  # a plain cast: the values are the weight
             return values, fingerprint_bytes(raw)
         scale_info = self.tensors[weight.parts[1]]
-        scale_raw = self._read_slice(scale_info, _part_expert(weight, scale_info.name, expert))
-        scale = _view(scale_raw, FLOAT_DTYPES[scale_info.dtype], (len(scale_raw) * 8 // DTYPES[scale_info.dtype].bits,))
-        if scale.numel() and not bool(scale.any()):
+        scale_expert = _part_expert(weight, scale_info.name, expert)
+        scale_raw = self._read_slice(scale_info, scale_expert)
+        scale = decode_fp8_scale(scale_raw, scale_info.dtype)
+        bad = fp8_scale_problem(scale)
+        if bad:
+            at = _unravel(bad[1], _sliced(scale_info.shape, scale_expert), scale_expert)
             raise CorruptCheckpointError(
                 f"{scale_info.file.name}: tensor '{scale_info.name}' (scale of '{info.name}'"
                 + (f", expert {expert}" if expert is not None else "")
-                + ") is all zero: the weight would dequantize to zeros; the file is damaged, re-download it"
+                + f") holds {bad[0]} ({f'first at {at} = ' if at else ''}{bad[2]}): FP8 scales are positive finite "
+                "magnitudes (a quantizer stores amax / FP8 max), so the file is damaged; re-download it"
             )
-        values = values * _broadcast_scale(scale.to(torch.float32), shape, weight.block)
+        # an F64 scale is applied in float64 and rounded once; an FP8 value times an F32/BF16/F16 scale is rounded once
+        # in float32 already (float32 products are correctly rounded: the same value as float64, then rounding)
+        work = torch.float64 if scale.dtype == torch.float64 else torch.float32
+        values = (values.to(work) * _broadcast_scale(scale.to(work), shape, weight.block)).to(torch.float32)
         return values, fingerprint_parts([raw, scale_raw])
 
     def _read_mxfp4(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, str]:
@@ -562,6 +607,15 @@ def _view(raw: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.T
 
 def _sliced(shape: tuple[int, ...], expert: int | None) -> tuple[int, ...]:
     return shape if expert is None else shape[1:]
+
+
+def _unravel(flat: int, shape: tuple[int, ...], expert: int | None) -> list[int]:
+    """A flat index into a tensor (or into expert ``expert``'s slice of it) -> its index in the stored tensor."""
+    index = []
+    for d in reversed(shape):
+        index.append(flat % d if d else 0)
+        flat = flat // d if d else 0
+    return ([] if expert is None else [expert]) + index[::-1]
 
 
 def _require_decodable(weight: LogicalWeight) -> None:
@@ -693,8 +747,11 @@ def _logical_weights(
 def _fp8_weight(info: TensorInfo, scale: TensorInfo, block: tuple[int, int] | None) -> LogicalWeight:
     """An FP8 weight with its scale: per tensor ([] / [1]), per expert ([E]), per row ([.., rows, 1]) or block grid."""
     where = f"{scale.file.name}: tensor '{scale.name}' (scale of '{info.name}')"
-    if scale.dtype not in FLOAT_DTYPES:
-        raise UnsupportedWeightError(f"{where} is stored as {scale.dtype}; FP8 scales must be F32/BF16/F16")
+    if scale.dtype not in FP8_SCALE_DTYPES:
+        raise UnsupportedWeightError(
+            f"{where} is stored as {scale.dtype}; FP8 scales are F32/BF16/F16/F64 or F8_E8M0, so this is not a scale "
+            "plate-inspect can apply: re-download the file, or " + _DEQUANTIZE_HINT
+        )
     shape, s_shape = info.shape, scale.shape
     if len(shape) < 2:
         raise CorruptCheckpointError(f"{where}: the FP8 weight has shape {list(shape)}, scales need 2+ dims")

@@ -52,6 +52,37 @@ _LLAMA4 = (
     "feed_forward.experts.down_proj",
 )
 
+_BERT = (
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "attention.output.dense",
+    "intermediate.dense",
+    "output.dense",
+)
+#: BERT's layer layout (encoder.layer.<i>.attention.self.query, ...), under the same module names.
+_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra")
+#: T5 / mT5 blocks (encoder.block.<i>, decoder.block.<i>: both count as layer i): self-attention in layer.0; the
+#: decoder's cross-attention in layer.1; the feed-forward in layer.1 (encoder) or layer.2 (decoder), ``wi`` (ReLU)
+#: or gated ``wi_0`` / ``wi_1`` (T5 v1.1, mT5). Never the relative_attention_bias (an embedding table).
+_T5 = (
+    *(f"layer.0.SelfAttention.{p}" for p in "qkvo"),
+    *(f"layer.1.EncDecAttention.{p}" for p in "qkvo"),
+    *(f"layer.{i}.DenseReluDense.{p}" for i in (1, 2) for p in ("wi", "wi_0", "wi_1", "wo")),
+)
+
+#: T5-style encoder-decoders (T5 v1.0/v1.1, mT5, umT5: umT5 has a relative_attention_bias in every block).
+_T5_TYPES = ("t5", "mt5", "umt5")
+#: BART-style encoder-decoders (encoder.layers.<i>, decoder.layers.<i>: both count as layer i); encoder_attn is the
+#: decoder's cross-attention.
+_BART = (
+    *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")),
+    *(f"encoder_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")),
+    "fc1",
+    "fc2",
+)
+_BART_TYPES = ("bart", "mbart")
+
 #: Default target module types (the module name after its layer index, expert index removed) by model_type.
 FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
     **{
@@ -75,14 +106,24 @@ FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
     "llama4_text": _LLAMA4,
     "gpt_oss": (*_ATTENTION, "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
-    "bert": (
-        "attention.self.query",
-        "attention.self.key",
-        "attention.self.value",
-        "attention.output.dense",
-        "intermediate.dense",
-        "output.dense",
+    **{t: _BERT for t in _BERT_TYPES},
+    "distilbert": (
+        "attention.q_lin",
+        "attention.k_lin",
+        "attention.v_lin",
+        "attention.out_lin",
+        "ffn.lin1",
+        "ffn.lin2",
     ),
+    # DeBERTa-v2/v3: pos_key_proj / pos_query_proj exist (per layer) only with relative attention and share_att_key
+    # false; the relative-position embeddings (encoder.rel_embeddings) are not a layer's module
+    "deberta-v2": (
+        *(f"attention.self.{p}" for p in ("query_proj", "key_proj", "value_proj", "pos_key_proj", "pos_query_proj")),
+        *_BERT[3:],
+    ),
+    "modernbert": ("attn.Wqkv", "attn.Wo", "mlp.Wi", "mlp.Wo"),
+    **{t: _T5 for t in _T5_TYPES},
+    **{t: _BART for t in _BART_TYPES},
 }
 #: Families whose 2-D weights are stored as [d_in, d_out] (GPT-2's Conv1D).
 CONV1D_FAMILIES = frozenset({"gpt2"})
@@ -511,16 +552,38 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
         e = int(c["n_embd"])
         inner = int(c.get("n_inner") or 4 * e)
         return {"attn.c_attn": (3 * e, e), "attn.c_proj": (e, e), "mlp.c_fc": (inner, e), "mlp.c_proj": (e, inner)}
-    if model_type == "bert":
-        h, i = _ints(c, "hidden_size", "intermediate_size")
+    if model_type in _BERT_TYPES or model_type == "deberta-v2":
+        h, i, heads = _ints(c, "hidden_size", "intermediate_size", "num_attention_heads")
+        inner = heads * int(c.get("attention_head_size") or h // heads) if model_type == "deberta-v2" else h
+        attention = FAMILY_TARGETS[model_type][:-3]  # the projections of h to the heads, then the output's three
         return {
-            "attention.self.query": (h, h),
-            "attention.self.key": (h, h),
-            "attention.self.value": (h, h),
-            "attention.output.dense": (h, h),
+            **{a: (inner, h) for a in attention},
+            "attention.output.dense": (h, inner),
             "intermediate.dense": (i, h),
             "output.dense": (h, i),
         }
+    if model_type == "distilbert":
+        h, i = _ints(c, "dim", "hidden_dim")
+        attention = {f"attention.{p}": (h, h) for p in ("q_lin", "k_lin", "v_lin", "out_lin")}
+        return {**attention, "ffn.lin1": (i, h), "ffn.lin2": (h, i)}
+    if model_type == "modernbert":
+        h, i = _ints(c, "hidden_size", "intermediate_size")
+        return {"attn.Wqkv": (3 * h, h), "attn.Wo": (h, h), "mlp.Wi": (2 * i, h), "mlp.Wo": (h, i)}
+    if model_type in _BART_TYPES:
+        d = int(c["d_model"])
+        shapes: dict[str, tuple[int, int] | None] = {m: (d, d) for m in _BART[:-2]}
+        ffn = {int(c[k]) for k in ("encoder_ffn_dim", "decoder_ffn_dim")}
+        if len(ffn) == 1:  # fc1 / fc2 of encoder and decoder layers share a module type: checked when their dims agree
+            (f,) = ffn
+            shapes.update({"fc1": (f, d), "fc2": (d, f)})
+        return shapes
+    if model_type in _T5_TYPES:
+        d, inner, ff = int(c["d_model"]), int(c["num_heads"]) * int(c["d_kv"]), int(c["d_ff"])
+        attention = {f"layer.{i}.{a}.{p}": (inner, d) for i, a in ((0, "SelfAttention"), (1, "EncDecAttention"))
+                     for p in "qkv"}  # fmt: skip
+        attention.update({"layer.0.SelfAttention.o": (d, inner), "layer.1.EncDecAttention.o": (d, inner)})
+        ffn = {f"layer.{i}.DenseReluDense.{p}": (ff, d) for i in (1, 2) for p in ("wi", "wi_0", "wi_1")}
+        return {**attention, **ffn, "layer.1.DenseReluDense.wo": (d, ff), "layer.2.DenseReluDense.wo": (d, ff)}
     h = int(c["hidden_size"])
     if model_type in ("deepseek_v2", "deepseek_v3"):
         moe = int(c["moe_intermediate_size"])

@@ -642,30 +642,92 @@ def test_every_part_name_is_recognised_as_a_bundle_part(ckpts):
 #: transformers' names of an expert's projections in its per-expert checkpoint format -> part of its fused parameter
 _HF_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 HF_FAMILIES = ("llama", "mistral", "qwen3", "olmo2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
-               "deepseek_v3", "gpt_oss", "gpt2", "bert", "llama_tied")  # fmt: skip
+               "deepseek_v3", "gpt_oss", "gpt2", "bert", "llama_tied", "llama4", "llama4_text", "gemma3",
+               "gemma3_text", "distilbert", "roberta", "xlm-roberta", "electra", "deberta-v2", "deberta-v3",
+               "modernbert", "t5", "mt5", "umt5", "camembert", "xlm-roberta-xl", "bart", "mbart")  # fmt: skip
+#: Small encoder dims (transformers' own config keys), shared by the encoder families' configs.
+_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=64,
+                max_position_embeddings=64)  # fmt: skip
+
+
+def _hf_config_and_class(family: str):
+    """transformers' config and model class of a tiny ``family`` model (the class its hub checkpoints are saved as:
+    the masked-LM or conditional-generation head included, so heads must be left out by name)."""
+    t = pytest.importorskip("transformers")
+    if family == "gpt2":
+        return t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32), t.GPT2LMHeadModel
+    if family == "bert":
+        return t.BertConfig(**_ENCODER), t.BertModel
+    if family in ("llama4", "llama4_text"):  # layer 1 MoE (interleave_moe_layer_step 2), layer 0 dense
+        text = {**FAMILY_DEFAULTS["llama4"], "num_hidden_layers": 2, "vocab_size": 64}
+        if family == "llama4_text":
+            return t.Llama4TextConfig(**text), t.Llama4ForCausalLM
+        vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                      patch_size=8, projector_input_dim=16, projector_output_dim=32, vision_output_dim=16)  # fmt: skip
+        return t.Llama4Config(text_config=text, vision_config=vision), t.Llama4ForConditionalGeneration
+    if family in ("gemma3", "gemma3_text"):
+        text = {**FAMILY_DEFAULTS["gemma3"], "num_hidden_layers": 2, "vocab_size": 300}
+        if family == "gemma3_text":
+            return t.Gemma3TextConfig(**text), t.Gemma3ForCausalLM
+        vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                      patch_size=4)  # fmt: skip
+        config = t.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+        return config, t.Gemma3ForConditionalGeneration
+    if family == "distilbert":
+        config = t.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=48, vocab_size=64,
+                                    max_position_embeddings=64)  # fmt: skip
+        return config, t.DistilBertForMaskedLM
+    if family == "roberta":
+        return t.RobertaConfig(**_ENCODER), t.RobertaForMaskedLM
+    if family == "xlm-roberta":
+        return t.XLMRobertaConfig(**_ENCODER), t.XLMRobertaForSequenceClassification
+    if family == "electra":
+        return t.ElectraConfig(embedding_size=16, **_ENCODER), t.ElectraForMaskedLM
+    if family == "deberta-v2":  # relative attention with its own position projections (share_att_key false)
+        config = t.DebertaV2Config(**_ENCODER, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                   share_att_key=False, position_buckets=8, max_relative_positions=16)  # fmt: skip
+        return config, t.DebertaV2ForMaskedLM
+    if family == "deberta-v3":  # DeBERTa-v3's layout: shared position keys, layer-normed relative embeddings
+        config = t.DebertaV2Config(**_ENCODER, relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=True,
+                                   position_buckets=8, norm_rel_ebd="layer_norm")  # fmt: skip
+        return config, t.DebertaV2ForMaskedLM
+    if family == "modernbert":  # layer 0 global attention, layer 1 local, layer 2 global
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+        config = t.ModernBertConfig(**{**_ENCODER, "num_hidden_layers": 3}, **ids, global_attn_every_n_layers=2)
+        return config, t.ModernBertForMaskedLM
+    if family == "t5":  # ReLU feed-forward (wi), a deeper decoder than encoder
+        config = t.T5Config(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
+                            vocab_size=64)  # fmt: skip
+        return config, t.T5ForConditionalGeneration
+    if family == "mt5":  # gated-GELU feed-forward (wi_0, wi_1), untied head
+        config = t.MT5Config(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, vocab_size=64)
+        return config, t.MT5ForConditionalGeneration
+    if family == "umt5":  # a relative_attention_bias in every block, not only the first
+        config = t.UMT5Config(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, vocab_size=64)
+        return config, t.UMT5ForConditionalGeneration
+    if family == "camembert":
+        return t.CamembertConfig(**_ENCODER), t.CamembertForMaskedLM
+    if family == "xlm-roberta-xl":
+        return t.XLMRobertaXLConfig(**_ENCODER), t.XLMRobertaXLForMaskedLM
+    if family in ("bart", "mbart"):
+        heads = dict(encoder_attention_heads=4, decoder_attention_heads=4)
+        dims = dict(d_model=32, encoder_layers=2, decoder_layers=3, vocab_size=64, max_position_embeddings=64, **heads)
+        if family == "bart":
+            return t.BartConfig(**dims, encoder_ffn_dim=48, decoder_ffn_dim=48), t.BartForConditionalGeneration
+        # encoder and decoder feed-forwards of other widths: fc1 / fc2 shapes cannot be checked by module type
+        return t.MBartConfig(**dims, encoder_ffn_dim=48, decoder_ffn_dim=40), t.MBartForConditionalGeneration
+    from plate_inspect.testing.synthetic import family_config
+
+    base = "llama" if family == "llama_tied" else family
+    config = family_config(base, 2, 64, torch.bfloat16, tie_word_embeddings=family == "llama_tied", pad_token_id=0)
+    config.pop("num_nextn_predict_layers", None)  # transformers builds no MTP layer
+    return t.AutoConfig.for_model(config.pop("model_type"), **config), t.AutoModelForCausalLM.from_config
 
 
 def _hf_model(family: str) -> torch.nn.Module:
     """A tiny model of ``family`` built by transformers from its config, random bf16 weights."""
-    transformers = pytest.importorskip("transformers")
-    from plate_inspect.testing.synthetic import family_config
-
-    if family == "gpt2":
-        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
-        model = transformers.GPT2LMHeadModel(config)
-    elif family == "bert":
-        config = transformers.BertConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=64,
-            max_position_embeddings=32,
-        )  # fmt: skip
-        model = transformers.BertModel(config)
-    else:
-        base = "llama" if family == "llama_tied" else family
-        config = family_config(base, 2, 64, torch.bfloat16, tie_word_embeddings=family == "llama_tied", pad_token_id=0)
-        config.pop("num_nextn_predict_layers", None)  # transformers builds no MTP layer
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(config.pop("model_type"), **config)
-        )
+    config, build = _hf_config_and_class(family)
+    model = build(config)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -673,23 +735,39 @@ def _hf_model(family: str) -> torch.nn.Module:
     return model.to(torch.bfloat16)
 
 
-def _transformers_weights(model: torch.nn.Module, saved: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Oracle: every module PLATE should adapt, as transformers computes with it ([d_out, d_in]): its nn.Linear
-    (routers and lm_head left out) and GPT-2 Conv1D modules, and each expert of its fused expert parameters, named as
-    transformers' save_pretrained wrote them (``saved``: name -> shape): one tensor per expert (gate and up are the
-    halves of the fused ``gate_up_proj``, in that order, as its forward chunks them), or 3-D stacks [E, d_in, d_out]."""
+def _transformers_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Oracle: every module PLATE should adapt, as transformers computes with it ([d_out, d_in]): the nn.Linear and
+    GPT-2 Conv1D modules inside its stacks of layers (an nn.ModuleList: heads, poolers, classifiers and embedding
+    projections outside them left out; a multimodal model's language model only), routers aside, and each expert of
+    its fused expert parameters. Named as transformers' save_pretrained wrote them (``saved``): a module whose name
+    it renamed on saving (Gemma-3's model.language_model. -> language_model.model.) by the one saved tensor with its
+    weight's values; experts as one tensor per expert (gate and up are the halves of the fused ``gate_up_proj``, in
+    that order, as its forward chunks them), or 3-D stacks [E, d_in, d_out]."""
     import re
 
     from transformers.pytorch_utils import Conv1D
 
     modules = dict(model.named_modules())
+    stacks = [n for n, m in modules.items() if isinstance(m, torch.nn.ModuleList)]
+    text_only = getattr(model.config, "text_config", None) is not None
     want: dict[str, torch.Tensor] = {}
     for name, module in modules.items():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head" and not re.search(r"(gate|router)$", name):
+        in_layers = any(re.match(rf"{re.escape(s)}\.\d+\.", name) for s in stacks)
+        if not in_layers or re.search(r"(gate|router)$", name) or (text_only and "language_model." not in name):
+            continue
+        if isinstance(module, torch.nn.Linear):
             want[name] = module.weight
         elif isinstance(module, Conv1D):
             want[name] = module.weight.T
-    for key, shape in saved.items():
+    renamed = {}
+    for name, weight in want.items():
+        if name + ".weight" in saved:
+            continue
+        same = [k for k, t in saved.items() if t.shape == weight.shape and torch.equal(t, weight.detach())]
+        assert len(same) == 1 and same[0].endswith(".weight"), (name, same)
+        renamed[name] = same[0].removesuffix(".weight")
+    want = {renamed.get(n, n): w for n, w in want.items()}
+    for key, tensor in saved.items():
         per_expert = re.match(r"(.*)\.experts\.(\d+)\.(\w+)\.weight$", key)
         if per_expert:
             base, e, proj = per_expert.group(1), int(per_expert.group(2)), _HF_PROJ[per_expert.group(3)]
@@ -697,36 +775,65 @@ def _transformers_weights(model: torch.nn.Module, saved: dict[str, tuple[int, ..
             fused = experts.down_proj[e] if proj == "down" else experts.gate_up_proj[e]
             half = fused.shape[0] // 2
             want[key.removesuffix(".weight")] = {"down": fused, "gate": fused[:half], "up": fused[half:]}[proj]
-        elif len(shape) == 3 and re.search(r"experts\.(gate_up_proj|down_proj)$", key):
+        elif tensor.dim() == 3 and re.search(r"experts\.(gate_up_proj|down_proj)$", key):
             stack = getattr(modules[key.rsplit(".", 1)[0]], key.rsplit(".", 1)[1])
-            want.update({f"{key}.{e}": stack[e].T for e in range(shape[0])})
+            want.update({f"{key}.{e}": stack[e].T for e in range(tensor.shape[0])})
     return want
+
+
+def _saved_by_transformers(family: str, path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The tiny model and what its save_pretrained wrote to ``path`` (every tensor, by name)."""
+    from safetensors.torch import load_file
+
+    model = _hf_model(family)
+    model.save_pretrained(path)
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        saved.update(load_file(f))
+    return model, saved
 
 
 @pytest.mark.parametrize("family", HF_FAMILIES)
 def test_targets_match_what_transformers_builds_and_saves(family, tmp_path):
     """The default targets of a checkpoint written by transformers' own save_pretrained are exactly the modules
-    its model computes with (names), and each weight read is the one that model uses (values, orientation: Conv1D
-    transposed, fused experts split as transformers' forward splits them). BERT's pooler is left out on purpose."""
-    from safetensors import safe_open
-
-    model = _hf_model(family)
-    model.save_pretrained(tmp_path)
-    saved: dict[str, tuple[int, ...]] = {}
-    for f in tmp_path.glob("*.safetensors"):
-        with safe_open(f, "pt") as g:
-            saved.update({k: tuple(g.get_slice(k).get_shape()) for k in g.keys()})  # noqa: SIM118
+    its model computes with in its layers (names), and each weight read is the one that model uses (values,
+    orientation: Conv1D transposed, fused experts split as transformers' forward splits them, Llama-4's stacks
+    [E, d_in, d_out] transposed). Heads, poolers and classifiers (BERT's pooler, RoBERTa's lm_head, DistilBERT's
+    vocab_transform, ELECTRA's embeddings_project), T5's relative_attention_bias and multimodal vision towers and
+    projectors are left out on purpose; the selection note names the family (no fallback)."""
+    model, saved = _saved_by_transformers(family, tmp_path)
     want = _transformers_weights(model, saved)
-    if family == "bert":
-        want.pop("pooler.dense")
     if family == "llama_tied":
         assert "lm_head.weight" not in saved  # tied: the head is the embedding, saved once
     ckpt = Checkpoint.open(tmp_path)
-    targets, _ = select_targets(ckpt)
+    targets, note = select_targets(ckpt)
+    assert note.startswith(f"defaults for model_type '{ckpt.config['model_type']}'"), note
     assert {t.name for t in targets} == set(want)
     for t in targets:
         w, _ = load_target(ckpt, t)
         assert w.dtype == torch.bfloat16 and torch.equal(w, want[t.name].detach()), t.name
+
+
+@pytest.mark.parametrize(
+    ("family", "override", "tensor"),
+    [
+        ("distilbert", {"hidden_dim": 40}, "ffn.lin1.weight"),
+        ("roberta", {"intermediate_size": 40}, "intermediate.dense.weight"),
+        ("deberta-v2", {"attention_head_size": 4}, "layer.0.attention.output.dense.weight"),
+        ("modernbert", {"intermediate_size": 40}, "mlp.Wi.weight"),
+        ("t5", {"d_kv": 4}, "decoder.block.0.layer.0.SelfAttention.k.weight"),
+        ("mt5", {"d_ff": 40}, "DenseReluDense.wi_0.weight"),
+        ("bart", {"encoder_ffn_dim": 40, "decoder_ffn_dim": 40}, "decoder.layers.0.fc1.weight"),
+    ],
+)
+def test_encoder_shapes_checked_against_the_config(tmp_path, family, override, tensor):
+    """A transformers-saved encoder checkpoint whose config.json then says other dims: refused, naming the tensor."""
+    _saved_by_transformers(family, tmp_path)
+    select_targets(Checkpoint.open(tmp_path))  # as saved: fits
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **override}))
+    with pytest.raises(CheckpointError, match=f"tensor '[^']*{tensor}' has .*config.json implies"):
+        select_targets(Checkpoint.open(tmp_path))
 
 
 @pytest.mark.parametrize("as_released", [True, False])

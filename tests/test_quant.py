@@ -8,6 +8,7 @@ significand fit in 53 bits) and round once to float32: what an exact float32 deq
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 import plate_inspect
 from plate_inspect.checkpoint import Checkpoint
-from plate_inspect.errors import CheckpointError, CorruptCheckpointError
+from plate_inspect.errors import CheckpointError, CorruptCheckpointError, UnsupportedWeightError
 from plate_inspect.testing.quantized import (
     fp8_config,
     fp8_tensors,
@@ -120,12 +121,143 @@ def test_fp8_weight_missing_its_scale_in_a_scaled_checkpoint_is_refused(tmp_path
         assert got.abs().max() < 10
 
 
-def test_fp8_all_zero_scale_is_refused(tmp_path):
-    tensors = fp8_tensors({"m.weight": torch.randn(32, 32)}, block=(16, 16))
-    tensors["m.weight_scale_inv"] = torch.zeros_like(tensors["m.weight_scale_inv"])
+#: Corrupt scales: (where, value) planted into an otherwise sound 2 x 2 block grid, and what the message counts.
+BAD_SCALES = {
+    "one zero block": ([(0, 1)], 0.0, r"1 zero of 4 scales \(first at \[0, 1\] = 0\.0\)"),
+    "all zero": ([(0, 0), (0, 1), (1, 0), (1, 1)], 0.0, r"4 zero of 4 scales \(all zero: .*\) \(first at \[0, 0\]"),
+    "negative zero": ([(1, 1)], -0.0, r"1 zero of 4 scales \(first at \[1, 1\] = -0\.0\)"),
+    "negative": ([(1, 0)], -0.004, r"1 negative of 4 scales \(first at \[1, 0\] = -0\.004"),
+    "NaN": ([(1, 1)], float("nan"), r"1 NaN of 4 scales \(first at \[1, 1\] = nan\)"),
+    "+inf and NaN": ([(0, 1), (1, 1)], float("inf"), r"1 infinite of 4 scales \(first at \[0, 1\] = inf\)"),
+    "-inf": ([(1, 0)], float("-inf"), r"1 infinite of 4 scales \(first at \[1, 0\] = -inf\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SCALES))
+def test_fp8_corrupt_block_scales_are_refused_naming_file_tensor_and_block(tmp_path, case):
+    """A scale is amax / FP8 max: finite and > 0 (transformers' FP8 quantizer writes 1.0 for an all-zero block,
+    llm-compressor and fbgemm clamp to a positive minimum, UE8M0 has no sign bit). NaN, infinite, zero and negative
+    scales are damage: refused on read with one line naming the file, the scale tensor, the weight, the first bad
+    block and what to do (QA: a negative scale decoded silently to a block with its sign flipped)."""
+    where, value, counted = BAD_SCALES[case]
+    tensors = fp8_tensors({"m.weight": torch.randn(32, 32, generator=torch.Generator().manual_seed(0))}, block=(16, 16))
+    for i, j in where:
+        tensors["m.weight_scale_inv"][i, j] = value
+    if case == "+inf and NaN":
+        tensors["m.weight_scale_inv"][1, 1] = float("nan")
+        counted = r"1 NaN, 1 infinite of 4 scales \(first at \[0, 1\] = inf\)"
     ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config((16, 16))))
-    with pytest.raises(CorruptCheckpointError, match="m.weight_scale_inv.*all zero"):
+    with pytest.raises(CorruptCheckpointError) as err:
         ckpt.read_weight("m.weight")
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("model.safetensors: tensor 'm.weight_scale_inv' (scale of 'm.weight') holds ")
+    assert re.search(counted, message), message
+    assert message.endswith("the file is damaged; re-download it")
+
+
+def test_fp8_corrupt_scales_per_tensor_per_row_and_per_expert(tmp_path):
+    """The same check for every scale layout; an expert read checks its own scales only (a sound expert still reads,
+    to the hand-computed decode), and the message names the expert and the scale's index in the stored tensor."""
+    codes = torch.randint(0, 120, (3, 8, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    grid = torch.rand(3, 1, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float32) + 0.5
+    grid[2, 0, 1] = -grid[2, 0, 1]
+    tensors = {
+        "scalar.weight": codes[0].clone().view(torch.float8_e4m3fn),
+        "scalar.weight_scale_inv": torch.tensor(-0.5),
+        "row.weight": codes[1].clone().view(torch.float8_e4m3fn),
+        "row.weight_scale_inv": torch.tensor([[1.0]] * 7 + [[float("nan")]]),
+        "experts.w": codes.view(torch.float8_e4m3fn),
+        "experts.w_scale_inv": grid,
+    }
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config((8, 16))))
+    with pytest.raises(CorruptCheckpointError, match=r"'scalar.weight_scale_inv' \(scale of 'scalar.weight'\) holds "
+                       r"1 negative of 1 scale \(-0.5\): FP8 scales are positive"):  # fmt: skip
+        ckpt.read_weight("scalar.weight")
+    with pytest.raises(CorruptCheckpointError, match=r"holds 1 NaN of 8 scales \(first at \[7, 0\] = nan\)"):
+        ckpt.read_weight("row.weight")
+    with pytest.raises(CorruptCheckpointError, match=r"\(scale of 'experts.w', expert 2\) holds 1 negative of 2 "
+                       r"scales \(first at \[2, 0, 1\] = -"):  # fmt: skip
+        ckpt.read_weight("experts.w", expert=2)
+    with pytest.raises(CorruptCheckpointError, match=r"holds 1 negative of 6 scales \(first at \[2, 0, 1\]"):
+        ckpt.read_weight("experts.w")
+    got, _ = ckpt.read_weight("experts.w", expert=1)
+    assert_same(got, block_oracle(decode_e4m3(codes[1].numpy()), grid[1].double().numpy(), (8, 16)))
+
+
+def test_fp8_ue8m0_and_f64_scales_against_the_float64_decode(tmp_path):
+    """transformers' fine-grained FP8 accepts UE8M0 (F8_E8M0: 2^(code - 127), unsigned) scale grids; an F64 scale is
+    applied in float64 and rounded once (rounded to float32 first, products differ in the last bit). Code 255 is
+    UE8M0's NaN: refused like any NaN scale."""
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 256, (24, 40), generator=gen, dtype=torch.uint8)
+    codes[codes == 0x7F] = 0x7E  # E4M3's NaN codes aside: the scale is under test
+    codes[codes == 0xFF] = 0xFE
+    e8m0 = torch.randint(110, 140, (2, 3), generator=gen, dtype=torch.uint8)
+    f64 = torch.rand(2, 3, generator=gen, dtype=torch.float64) * 1e-3 + 1e-4
+    tensors = {
+        "a.weight": codes.view(torch.float8_e4m3fn),
+        "a.weight_scale_inv": e8m0.view(torch.float8_e8m0fnu),
+        "b.weight": codes.clone().view(torch.float8_e4m3fn),
+        "b.weight_scale_inv": f64,
+    }
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config((16, 16))))
+    values = decode_e4m3(codes.numpy())
+    got, _ = ckpt.read_weight("a.weight")
+    assert_same(got, block_oracle(values, decode_e8m0(e8m0.numpy()), (16, 16)))
+    got, _ = ckpt.read_weight("b.weight")
+    assert_same(got, block_oracle(values, f64.numpy(), (16, 16)))
+    e8m0[1, 2] = 255
+    tensors["a.weight_scale_inv"] = e8m0.view(torch.float8_e8m0fnu)
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config((16, 16))))
+    with pytest.raises(
+        CorruptCheckpointError, match=r"'a.weight_scale_inv' .* holds 1 NaN of 6 scales \(first at \[1, 2\]"
+    ):
+        ckpt.read_weight("a.weight")
+
+
+@pytest.mark.parametrize(
+    ("scale", "error", "match"),
+    [
+        (torch.ones(2, 2, dtype=torch.int32), UnsupportedWeightError,
+         r"is stored as I32; FP8 scales are F32/BF16/F16/F64 or F8_E8M0.*re-download the file, or scan the"),
+        (torch.ones(2, 3), CorruptCheckpointError,
+         r"scale grid \[2, 3\] does not match weight \[32, 32\] .*expected \[2, 2\]"),
+        (torch.ones(33, 1), CorruptCheckpointError,
+         r"scale grid \[33, 1\] does not match weight \[32, 32\] .*expected \[2, 2\]"),
+        (torch.ones(31), CorruptCheckpointError, r"scale shape \[31\] does not fit weight \[32, 32\]; re-download"),
+    ],
+)  # fmt: skip
+def test_fp8_scales_of_the_wrong_dtype_or_shape_are_refused(tmp_path, scale, error, match):
+    tensors = fp8_tensors({"m.weight": torch.randn(32, 32)}, block=(16, 16))
+    tensors["m.weight_scale_inv"] = scale
+    ckpt = Checkpoint.open(write_safetensors(tmp_path, tensors, fp8_config((16, 16))))
+    with pytest.raises(
+        error, match=r"model.safetensors: tensor 'm.weight_scale_inv' \(scale of 'm.weight'\).*" + match
+    ):
+        ckpt.logical_weights()
+
+
+def test_fp8_corrupt_scale_is_one_line_from_the_cli(tmp_path):
+    """scan of a DeepSeek-V3-layout FP8 release with one negative block scale: exit code non-zero, one line naming the
+    shard, the scale tensor and what to do, no traceback."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file, save_file
+
+    from plate_inspect.cli.main import cli
+    from plate_inspect.testing.synthetic import write_family
+
+    path = write_family(tmp_path / "fp8", "deepseek_v3", fp8=True).path
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"
+    tensors[name] = -tensors[name]
+    save_file(tensors, path / "model.safetensors")
+    res = CliRunner().invoke(cli, ["scan", str(path), "-o", str(tmp_path / "b"), "--r", "4", "--max-rank", "8", "-q"])
+    assert res.exit_code != 0
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in res.output, res.output
+    assert f"error: model.safetensors: tensor '{name}'" in errors[0] and "1 negative" in errors[0], errors[0]
+    assert errors[0].endswith("re-download it")
 
 
 @pytest.mark.parametrize("shape, block", [((300, 200), (128, 128)), ((64, 48), (16, 32)), ((7, 130), (4, 128))])

@@ -91,6 +91,8 @@ def test_unknown_model_type_keeps_to_the_numbered_layers(tmp_path):
         if isinstance(module, torch.nn.Linear) and name.startswith("distilbert.transformer.layer.")
     }
     assert len(want) == 12 and "vocab_transform" in dict(model.named_modules())
+    config_path = tmp_path / "distilbert" / "config.json"  # distilbert has defaults of its own: as an unknown family
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "model_type": "my-distilbert"}))
     chosen, note = select_targets(Checkpoint.open(tmp_path / "distilbert"))
     assert {t.name for t in chosen} == want and "in the numbered layers" in note
     flat = write(tmp_path, {"fc1.weight": torch.zeros(8, 4), "fc2.weight": torch.zeros(4, 8)}, {"model_type": "x"})
