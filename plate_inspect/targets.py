@@ -254,6 +254,45 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def layer_rows(names: Iterable[str]) -> tuple[list[str], dict[str, str | None]]:
+    """Heatmap rows of modules: (the row labels in order, each module's label; None outside numbered layers).
+
+    A row is a layer index; where the names lie in several layer stacks (T5's or BART's encoder and decoder, both
+    counting from 0), the stack's distinguishing part comes first ('encoder 0', ..., 'decoder 2'), encoders first,
+    else in first-seen order, so two stacks' layer i are two rows, not one cell holding both.
+    """
+    stacks: list[str] = []
+    where: dict[str, tuple[str, int] | None] = {}
+    for name in names:
+        m = _LAYER_INDEX.search(name + ".")
+        where[name] = None if m is None else (name[: m.start()], int(m.group(1)))
+        if m is not None and where[name][0] not in stacks:
+            stacks.append(where[name][0])
+    stacks.sort(key=lambda stack: "encoder" not in stack)  # stable: first-seen order otherwise
+    short = _stack_labels(stacks)
+
+    def label(w: tuple[str, int]) -> str:
+        return f"{short[w[0]]} {w[1]}" if short[w[0]] else str(w[1])
+
+    ordered = sorted({w for w in where.values() if w is not None}, key=lambda w: (stacks.index(w[0]), w[1]))
+    return [label(w) for w in ordered], {n: None if w is None else label(w) for n, w in where.items()}
+
+
+def _stack_labels(stacks: list[str]) -> dict[str, str]:
+    """What tells layer stacks apart: '' for a single stack, else each one's path without the components every
+    stack shares at its start and end ('model.encoder.layers', 'model.decoder.layers' -> 'encoder', 'decoder')."""
+    if len(stacks) < 2:
+        return dict.fromkeys(stacks, "")
+    parts = [s.split(".") for s in stacks]
+    head = 0
+    while all(len(p) > head + 1 for p in parts) and len({p[head] for p in parts}) == 1:
+        head += 1
+    tail = 0
+    while all(len(p) > head + tail + 1 for p in parts) and len({p[-1 - tail] for p in parts}) == 1:
+        tail += 1
+    return {s: ".".join(p[head : len(p) - tail]) or s for s, p in zip(stacks, parts, strict=True)}
+
+
 def _matches(module: str, pattern: str) -> bool:
     if _REGEX_CHARS.search(pattern):
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from plate_inspect.auditing import TABLE_COLUMNS, AuditRecord, rank_by_risk, summarize, table_cells
-from plate_inspect.targets import layer_of, module_type_of
+from plate_inspect.targets import layer_rows, module_type_of
 
 _MAX_BARS = 40
 
@@ -107,20 +107,20 @@ def _share_heatmap(records: list[AuditRecord]) -> dict[str, Any] | None:
     """Protected input share per layer and module type (None when no module sits in a numbered layer). A cell of
     several modules (the experts of a layer) holds their energy-weighted share, sum ||dW P||^2 / sum ||dW||^2, as
     the model line does; a cell whose modules the fine-tune left unchanged is empty (it has no share)."""
-    layers = sorted({layer_of(r.module) for r in records if layer_of(r.module) is not None})
+    layers, row_of = layer_rows(r.module for r in records)  # per layer stack where there are several (T5, BART)
     types = sorted({module_type_of(r.module) for r in records})
     if not layers:
         return None
-    cells: dict[tuple[int | None, str], list[AuditRecord]] = {}
+    cells: dict[tuple[str | None, str], list[AuditRecord]] = {}
     for r in records:
-        cells.setdefault((layer_of(r.module), module_type_of(r.module)), []).append(r)
+        cells.setdefault((row_of[r.module], module_type_of(r.module)), []).append(r)
     shown = [[_share_cell(cells.get((lay, t), [])) for t in types] for lay in layers]
     return {
         "data": [
             {
                 "type": "heatmap",
                 "x": types,
-                "y": [str(lay) for lay in layers],
+                "y": layers,
                 "z": [[value for value, _ in row] for row in shown],
                 "text": [[what for _, what in row] for row in shown],
                 "zmin": 0,

@@ -30,7 +30,7 @@ from plate_inspect.errors import BundleError
 from plate_inspect.formatting import counted
 from plate_inspect.geometry import energy_rank
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
-from plate_inspect.targets import expert_of
+from plate_inspect.targets import expert_of, layer_rows
 
 #: Metrics drawn as layer x module-type heatmaps: record attribute -> (title, number format for hover).
 HEATMAP_METRICS: dict[str, tuple[str, str]] = {
@@ -195,14 +195,17 @@ def bundle_summary(bundle: Bundle, label: str | None = None) -> BundleSummary:
 
 
 # --------------------------------------------------------------------------- heatmaps
-def layer_label(layer: int | None) -> str:
-    return OTHER_LAYER if layer is None else str(layer)
+def row_labels(records: list[ModuleRecord]) -> tuple[list[str], dict[str, str]]:
+    """Heatmap rows (layers in numeric order, per layer stack where there are several: ``layer_rows``; modules
+    outside numbered layers last, as 'other') and each module's row."""
+    rows, of = layer_rows(r.name for r in records)
+    labels = {n: OTHER_LAYER if label is None else label for n, label in of.items()}
+    return rows + ([OTHER_LAYER] if OTHER_LAYER in labels.values() else []), labels
 
 
 def grid_axes(records: list[ModuleRecord]) -> tuple[list[str], list[str]]:
-    """Heatmap axes: layer labels (numeric order, modules outside numbered layers last) and module types."""
-    layers = sorted({r.layer for r in records if r.layer is not None})
-    rows = [str(x) for x in layers] + ([OTHER_LAYER] if any(r.layer is None for r in records) else [])
+    """Heatmap axes: layer rows (see ``row_labels``) and module types."""
+    rows = row_labels(records)[0]
     types: list[str] = []
     for r in records:
         if r.module_type not in types:
@@ -245,9 +248,9 @@ def module_hover(rec: ModuleRecord) -> str:
     )
 
 
-def group_id(layer: int | None, module_type: str) -> str:
-    """The id of a (layer, module type) expert group, as heatmap cells and table rows refer to it."""
-    return f"experts:{layer_label(layer)}:{module_type}"
+def group_id(row: str, module_type: str) -> str:
+    """The id of a (layer row, module type) expert group, as heatmap cells and table rows refer to it."""
+    return f"experts:{row}:{module_type}"
 
 
 def heatmap(
@@ -264,9 +267,10 @@ def heatmap(
     if metric not in HEATMAP_METRICS:
         raise ValueError(f"unknown heatmap metric {metric!r}; one of {sorted(HEATMAP_METRICS)}")
     rows, cols = axes or grid_axes(records)
+    row_of = row_labels(records)[1]
     cells: dict[tuple[int, int], list[ModuleRecord]] = defaultdict(list)
     for rec in records:
-        cells[rows.index(layer_label(rec.layer)), cols.index(rec.module_type)].append(rec)
+        cells[rows.index(row_of[rec.name]), cols.index(rec.module_type)].append(rec)
     z: list[list[float | None]] = [[None] * len(cols) for _ in rows]
     names: list[list[str | None]] = [[None] * len(cols) for _ in rows]
     hover = [[""] * len(cols) for _ in rows]
@@ -278,18 +282,19 @@ def heatmap(
             continue
         z[i][j] = float(np.mean(values))
         experts = all(expert_of(rec.name) is not None for rec in recs)
-        names[i][j] = group_id(recs[0].layer, recs[0].module_type) if experts else recs[0].name
-        hover[i][j] = group_hover(recs, metric, values)
+        names[i][j] = group_id(rows[i], recs[0].module_type) if experts else recs[0].name
+        hover[i][j] = group_hover(recs, metric, values, rows[i])
     scale = metric_scale(metric, records, max_rank)
     return Heatmap(metric, HEATMAP_METRICS[metric][0], rows, cols, z, names, hover, scale)
 
 
-def group_hover(recs: list[ModuleRecord], metric: str, values: list[float]) -> str:
-    """Hover text of a cell holding several modules (experts): their number and the metric's spread."""
+def group_hover(recs: list[ModuleRecord], metric: str, values: list[float], row: str) -> str:
+    """Hover text of a cell (layer ``row``) holding several modules (experts): their number and the metric's
+    spread."""
     fmt = HEATMAP_METRICS[metric][1]
     q = np.quantile(values, [0, 0.5, 1])
     what = "experts" if all(expert_of(rec.name) is not None for rec in recs) else "modules"
-    head = f"<b>layer {layer_label(recs[0].layer)} · {recs[0].module_type}</b>: {len(recs)} {what}"
+    head = f"<b>layer {row} · {recs[0].module_type}</b>: {len(recs)} {what}"
     return (
         f"{head}<br>[d_out, d_in] = [{recs[0].d_out}, {recs[0].d_in}]<br>{HEATMAP_METRICS[metric][0]}: "
         f"mean {np.mean(values):{fmt if fmt != 'd' else '.1f'}}, min {q[0]:{fmt if fmt != 'd' else '.0f'}}, "
@@ -592,20 +597,21 @@ def group_label(name: str, expert: int) -> str:
 
 
 def expert_groups(records: list[ModuleRecord]) -> list[ExpertGroup]:
-    """Records with an expert index, grouped by (layer, module type) in first-seen order, experts sorted."""
-    groups: dict[tuple[int | None, str], list[tuple[int, ModuleRecord]]] = {}
+    """Records with an expert index, grouped by (layer row, module type) in first-seen order, experts sorted."""
+    row_of = row_labels(records)[1]
+    groups: dict[tuple[str, str], list[tuple[int, ModuleRecord]]] = {}
     for rec in records:
         e = expert_of(rec.name)
         if e is not None:
-            groups.setdefault((rec.layer, rec.module_type), []).append((e, rec))
+            groups.setdefault((row_of[rec.name], rec.module_type), []).append((e, rec))
     out = []
-    for (layer, mtype), members in groups.items():
+    for (row, mtype), members in groups.items():
         members.sort(key=lambda m: m[0])
         first_e, first = members[0]
         out.append(
             ExpertGroup(
-                id=group_id(layer, mtype),
-                layer=layer,
+                id=group_id(row, mtype),
+                layer=first.layer,
                 module_type=mtype,
                 label=group_label(first.name, first_e),
                 shape=list(first.shape),

@@ -226,6 +226,46 @@ def test_header_html_shows_numbers(small_bundle):
 
 
 # --------------------------------------------------------------------------- heatmaps
+def test_layer_rows_split_layer_stacks_by_hand():
+    from plate_inspect.targets import layer_rows
+
+    attention = "layer.0.SelfAttention.q"
+    names = [f"decoder.block.0.{attention}", f"decoder.block.1.{attention}", f"encoder.block.1.{attention}",
+             f"encoder.block.0.{attention}", "lm_head"]  # fmt: skip
+    rows, of = layer_rows(names)
+    assert rows == ["encoder 0", "encoder 1", "decoder 0", "decoder 1"]
+    assert of == dict(zip(names, ["decoder 0", "decoder 1", "encoder 1", "encoder 0", None], strict=True))
+    bart = ["model.decoder.layers.2.fc1", "model.encoder.layers.10.fc1"]
+    assert layer_rows(bart) == (["encoder 10", "decoder 2"], {bart[0]: "decoder 2", bart[1]: "encoder 10"})
+    one = ["model.layers.10.mlp.up_proj", "model.layers.2.mlp.up_proj"]  # one stack: plain indices, numeric order
+    assert layer_rows(one) == (["2", "10"], {one[0]: "10", one[1]: "2"})
+
+
+def test_encoder_decoder_heatmaps_keep_the_stacks_apart(tmp_path):
+    """T5's encoder and decoder both count layers from 0: each module gets its own cell (one was the mean of an
+    encoder and a decoder module), in rows 'encoder i' / 'decoder i'; the audit's heatmap likewise."""
+    import transformers
+
+    from plate_inspect.reports.audit import audit_figures
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
+                                   vocab_size=64)  # fmt: skip
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    bundle = plate_inspect.scan(tmp_path / "t5", tmp_path / "b", r=4, max_rank=16)
+    hm = D.heatmap(list(bundle), "k")
+    assert hm.rows == ["encoder 0", "encoder 1", "decoder 0", "decoder 1", "decoder 2"]
+    cells = {hm.names[i][j] for i in range(len(hm.rows)) for j in range(len(hm.cols)) if hm.names[i][j]}
+    assert cells == set(bundle.modules)  # one module a cell, none shared
+    for rec in bundle:
+        i = hm.rows.index(f"{rec.name.split('.')[0]} {rec.layer}")
+        assert (
+            hm.names[i][hm.cols.index(rec.module_type)] == rec.name and hm.z[i][hm.cols.index(rec.module_type)] == rec.k
+        )
+    records = plate_inspect.audit(tmp_path / "t5", tmp_path / "t5", bundle)
+    assert audit_figures(records)["heatmap"]["data"][0]["y"] == hm.rows
+
+
 @pytest.mark.parametrize("metric", ["mean_redundancy", "k", "captured_energy"])
 def test_heatmap_cells_match_records(small_bundle, metric):
     man = manifest_json(small_bundle)
