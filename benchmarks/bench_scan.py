@@ -41,6 +41,8 @@ SHAPES = {
     "qwen2.5-7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4),
     "qwen2.5-1.5b": dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2),
     "qwen2.5-0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2),
+    # not a real model: the dry run of scripts/device_checks.sh (SMALL=1) runs the benchmarks' code paths on it
+    "tiny": dict(hidden=256, intermediate=704, layers=2, heads=4, kv_heads=2, vocab=1024),
 }
 
 _SCAN = """
@@ -150,7 +152,7 @@ def main() -> None:
 
     from plate_inspect.testing.synthetic import write_llama_like
 
-    shape = SHAPES[args.shape] | ({"layers": args.gen_layers} if args.gen_layers else {})
+    shape = {"vocab": 152064} | SHAPES[args.shape] | ({"layers": args.gen_layers} if args.gen_layers else {})
     ckpt_dir = args.workdir / f"{args.shape}-{shape['layers']}l-a{args.alpha:g}"
     if not (ckpt_dir / "model.safetensors.index.json").exists():
         t = time.perf_counter()
@@ -158,7 +160,6 @@ def main() -> None:
         write_llama_like(
             ckpt_dir,
             model_type="qwen2",
-            vocab=152064,
             max_shard_bytes=4 * 10**9,
             spectrum_alpha=args.alpha,
             **shape,
