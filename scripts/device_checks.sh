@@ -3,7 +3,7 @@
 # folder the device tool brings back), else ./device-logs, written as each step goes (a step stopped by its time limit
 # still leaves its log).
 #
-#   bash scripts/device_checks.sh tests   # pytest -m cuda: CUDA scan vs CPU + oracle, exactness grid (+TF32), PLATE layer
+#   bash scripts/device_checks.sh tests   # pytest -m cuda: CUDA scan vs CPU + oracle, exactness grid (+TF32), layer
 #   bash scripts/device_checks.sh train   # PLATE vs LoRA training step, bf16 autocast, peak memory
 #   bash scripts/device_checks.sh steps   # per-module step times of the CUDA geometry, 7B and 1.5B shapes (~1 min)
 #   bash scripts/device_checks.sh scan    # Qwen2.5-7B-shaped scan on CUDA (generates the 15 GB checkpoint first)
@@ -38,9 +38,18 @@ mkdir -p "$logs"
 logs="$(cd "$logs" && pwd)"
 export PYTHONUNBUFFERED=1
 
-run_step() {  # one step's commands; the caller has installed the project and chosen the working directory
+step_log() {  # the log file of step $1, e.g. bench_train_cuda.log (bench_train_cpu_small.log in the dry run)
     local tag=$device
     [ "$small" = 1 ] && tag="${device}_small"
+    case "$1" in
+        tests) echo "$logs/pytest_$tag.log" ;;
+        train | steps | scan | scan2) echo "$logs/bench_${1}_$tag.log" ;;
+    esac
+}
+
+run_step() {  # one step's commands; the caller has installed the project and chosen the working directory
+    local log
+    log=$(step_log "$1")
     case "$1" in
         tests)
             # only the files that hold CUDA tests: collecting the whole suite imports every test module (optional
@@ -49,25 +58,25 @@ run_step() {  # one step's commands; the caller has installed the project and ch
             local files
             mapfile -t files < <(grep -l "pytest.mark.cuda" "$repo"/tests/test_*.py)
             "$py" -m pytest -m cuda -q -rs -p no:cacheprovider --durations=10 --rootdir "$repo" "${files[@]}" 2>&1 \
-                | tee -i "$logs/pytest_$tag.log" ;;
+                | tee -i "$log" ;;
         train)
             local size=()
-            [ "$small" = 1 ] && size=(--hidden 64 --intermediate 128 --layers 1 --vocab 256 --batch 2 --seq 16
-                                      --ranks 4 --max-rank 32 --reps 2 --warmup 1 --workdir "$DEVICE_CHECKS_SCRATCH/train")
-            "$py" "$repo/benchmarks/bench_train.py" --device "$device" --dtype bfloat16 --reps 20 --memory "${size[@]}" \
-                2>&1 | tee -i "$logs/bench_train_$tag.log" ;;
+            [ "$small" = 1 ] && size=(--hidden 64 --intermediate 128 --layers 1 --vocab 256 --batch 2 --seq 16 --ranks 4
+                                      --max-rank 32 --reps 2 --warmup 1 --workdir "$DEVICE_CHECKS_SCRATCH/train")
+            "$py" "$repo/benchmarks/bench_train.py" --device "$device" --dtype bfloat16 --reps 20 --memory \
+                "${size[@]}" 2>&1 | tee -i "$log" ;;
         steps)
             local shapes=(qwen2.5-7b qwen2.5-1.5b) repeat=2
             [ "$small" = 1 ] && shapes=(tiny) repeat=1
             for shape in "${shapes[@]}"; do
                 "$py" "$repo/benchmarks/bench_geometry_steps.py" --shape "$shape" --device "$device" --repeat "$repeat"
-            done 2>&1 | tee -i "$logs/bench_steps_$tag.log" ;;
+            done 2>&1 | tee -i "$log" ;;
         scan | scan2)
             local shape=qwen2.5-7b layers=() work=/tmp/plate-bench
             [ "$1" = scan2 ] && layers=(--gen-layers 2)
             [ "$small" = 1 ] && shape=tiny work=$DEVICE_CHECKS_SCRATCH/scan
-            "$py" "$repo/benchmarks/bench_scan.py" --shape "$shape" "${layers[@]}" --device "$device" --workdir "$work" \
-                2>&1 | tee -i "$logs/bench_${1}_$tag.log" ;;
+            "$py" "$repo/benchmarks/bench_scan.py" --shape "$shape" "${layers[@]}" --device "$device" \
+                --workdir "$work" 2>&1 | tee -i "$log" ;;
         *) echo "unknown step '$1': use tests, train, steps, scan, scan2 or quick" >&2; return 2 ;;
     esac
 }
@@ -81,8 +90,12 @@ fi
 case "$step" in tests | train | steps | scan | scan2 | quick) ;; *) echo "$usage" >&2; exit 2 ;; esac
 
 # Install: skipped when this checkout's plate_inspect (with its cli) already imports; else pip, else a source tree.
-imports_here() { (cd / && "$py" -c 'import os, sys, plate_inspect.cli.main as m
-sys.exit(0 if os.path.realpath(m.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep) else 1)' "$repo") 2>/dev/null; }
+imports_here() {
+    (cd / && "$py" -c 'import os, sys, plate_inspect, plate_inspect.cli.main as m
+repo = os.path.realpath(sys.argv[1]) + os.sep
+sys.exit(0 if all(os.path.realpath(f).startswith(repo) for f in (plate_inspect.__file__, m.__file__)) else 1)' \
+        "$repo") 2>/dev/null
+}
 workdir=$repo
 scratch=$(mktemp -d)  # the small runs' models and bundles, the source tree of the fallback below; removed at the end
 trap 'rm -rf "$scratch"' EXIT
@@ -150,6 +163,10 @@ if [ "$step" = quick ]; then  # each step logs on its own; one failing does not 
         timed_step "$part" "${caps[$part]}" "$logs/quick.log" || rc=$?
     done
     echo "=== quick took $SECONDS s in all (exit $rc)" | tee -a "$logs/quick.log"
+    for part in tests train steps scan2; do  # the results' last lines, in the device tool's output_tail too
+        log=$(step_log "$part")
+        if [ -f "$log" ]; then echo "--- $(basename "$log"), last lines:"; tail -n 12 "$log"; fi
+    done
     exit "$rc"
 fi
 timed_step "$step" "$budget"
