@@ -69,9 +69,13 @@ run_step() {  # one step's commands; the caller has installed the project and ch
         steps)
             local shapes=(qwen2.5-7b qwen2.5-1.5b) repeat=2
             [ "$small" = 1 ] && shapes=(tiny) repeat=1
-            for shape in "${shapes[@]}"; do
-                "$py" "$repo/benchmarks/bench_geometry_steps.py" --shape "$shape" --device "$device" --repeat "$repeat"
-            done 2>&1 | tee -i "$log" ;;
+            (   rc=0  # one shape failing does not hide the next one's figures, nor its own failure
+                for shape in "${shapes[@]}"; do
+                    "$py" "$repo/benchmarks/bench_geometry_steps.py" --shape "$shape" --device "$device" \
+                        --repeat "$repeat" || rc=$?
+                done
+                exit $rc
+            ) 2>&1 | tee -i "$log" ;;
         scan | scan2)
             local shape=qwen2.5-7b layers=() work=/tmp/plate-bench
             [ "$1" = scan2 ] && layers=(--gen-layers 2)

@@ -87,7 +87,7 @@ def _assert_returnable(out: Path) -> list[str]:
 
 def test_gpu_quick_passes_arguments_the_benchmarks_accept_and_collects_the_cuda_tests(tmp_path):
     out = tmp_path / "out"
-    env = _fake_python(tmp_path)
+    env = {**_fake_python(tmp_path), "FAKE_REPORT": "torch stand-in"}  # the real report: the dry run below
     result = _run(out, "quick", env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     log = (out / "quick.log").read_text()
