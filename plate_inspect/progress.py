@@ -1,12 +1,13 @@
 """The one way a long-running function reports progress: a ``progress`` callback that receives ProgressEvents.
 
 Every long-running public function (``scan``/``run_scan``, ``audit``, ``write_report``/``report_data``,
-``collect_input_moments``/``hf_text_alignment``, ``analyze_families``, ``run_continual``, ``run_sequential``)
-takes ``progress: ProgressCallback | None`` (keyword ``progress``). It is called once with ``done=0`` before
-the first unit of work, then once after every finished unit (a module, a batch, a family, a run): ``done``
-never decreases and the last event has ``done == total`` when the total is known. The CLI draws these events
-with one rich bar (``plate_inspect.cli.common.progress_bar``); anything else (a log line, a GUI, a test) is a
-plain function of one argument.
+``collect_input_moments``/``hf_text_alignment``, ``analyze_families``/``analyze_family``,
+``digits.train``/``train_stage1``, ``run_continual``, ``run_sequential``) takes ``progress: ProgressCallback | None``
+(keyword ``progress``). It is called once with ``done=0`` before the first unit of work, then once after every
+finished unit (a module, a batch, an Adam step, a curvature solve or probe, a run): ``done`` never decreases and the
+last event has ``done == total`` when the total is known. The CLI draws these events with one rich bar
+(``plate_inspect.cli.common.progress_bar``); anything else (a log line, a GUI, a test) is a plain function of one
+argument.
 """
 
 from __future__ import annotations
