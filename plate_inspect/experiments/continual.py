@@ -38,6 +38,7 @@ from plate_inspect.experiments.methods import (
     check_budget,
     default_budgets,
     prepare,
+    repeated_values,
 )
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 
@@ -99,6 +100,9 @@ class ContinualSettings:
         steps = (*self.steps, self.stage1_steps)
         if not self.steps or not all(_is_int(v) and v >= 1 for v in steps):
             raise ConfigError(f"steps must be integers >= 1 (got stage 2 {self.steps}, stage 1 {self.stage1_steps})")
+        for v in self.steps:
+            check_steps(v, "steps (CLI: --steps)")
+        check_steps(self.stage1_steps, "stage1_steps (CLI: --stage1-steps)")
         for what, values in (("methods (CLI: --methods)", self.methods), ("steps (CLI: --steps)", self.steps)):
             if len(set(values)) != len(values):
                 raise ConfigError(f"{what} lists {', '.join(map(str, repeated_values(values)))} twice; give each once")
@@ -139,19 +143,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def repeated_values(values: Any) -> list[str]:
-    """The values that occur more than once, in order of their second occurrence."""
-    seen: set[Any] = set()
-    twice: list[str] = []
-    for v in values:
-        if v in seen and str(v) not in twice:
-            twice.append(str(v))
-        seen.add(v)
-    return twice
-
-
+MAX_STEPS = 1_000_000  # ~400x the paper's 2,400 Adam steps per task (~33 h a run at 0.12 s/step); more is a typo
 MAX_SEEDS = 10_000  # far beyond any useful confidence interval (the paper: 10); a larger count is a typo
 MAX_SEED = 2**63 - 1  # torch.manual_seed's largest
+
+
+def check_steps(value: int, what: str) -> None:
+    """ConfigError for a step count above MAX_STEPS (e.g. --steps 10^23: it would train for ever, with no bar under
+    -q); ``what`` names the setting and its flag."""
+    if value > MAX_STEPS:
+        raise ConfigError(
+            f"{what} {value:,} is more than {MAX_STEPS:,} Adam steps (~{MAX_STEPS // PAPER_STEPS}x the paper's "
+            f"{PAPER_STEPS:,} per task); give a step count such as {PAPER_STEPS}"
+        )
 
 
 def seed_list(seeds: int | list[int]) -> list[int]:
@@ -430,6 +434,11 @@ def run_continual(
     s = settings or ContinualSettings()
     s.validate()
     seeds_run = seed_list(seeds)
+    if only_results_json(out_dir):
+        raise ConfigError(
+            f"{out_dir}: holds results.json but no runs.jsonl, so its runs cannot be resumed or added to (a run would "
+            "overwrite results.json); choose another --out, or add --report-only to rebuild its summary and figure"
+        )
     task1, task2 = digits.load_tasks(s.data, s.data_root)  # a missing data set is refused before OUT is touched
     check_not_other_experiment(out_dir, "continual")
     out = make_dirs(out_dir, "the output directory")
@@ -547,10 +556,13 @@ def write_outputs(
 
 
 def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], ContinualSettings]:
-    """The finished runs of an output directory (runs.jsonl) and its settings (for reports of partial runs)."""
+    """The finished runs of an output directory and its settings (for reports of partial runs): from runs.jsonl, or
+    from results.json where runs.jsonl is absent (a published directory such as docs/arena/steps keeps only that)."""
     out = Path(out)
-    if not (out / "runs.jsonl").exists():
-        raise ConfigError(f"{out}: no runs.jsonl here; run `plate-inspect experiment continual --out {out}` first")
+    if not (out / "runs.jsonl").exists() and not (out / "results.json").exists():
+        raise ConfigError(
+            f"{out}: no runs.jsonl or results.json here; run `plate-inspect experiment continual --out {out}` first"
+        )
     try:
         raw = json.loads((out / "settings.json").read_text())
         raw["budgets"] = {m: [Budget(**b) for b in bs] for m, bs in raw["budgets"].items()}
@@ -562,10 +574,28 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
             f"{out / 'settings.json'}: missing or unreadable ({type(e).__name__}: {e}); it is written by "
             f"`plate-inspect experiment continual --out {out}`: rerun that command with the run's options"
         ) from None
+    if not (out / "runs.jsonl").exists():
+        return _read_results(out / "results.json"), settings
     records = _read_jsonl(out / "runs.jsonl")
     if not records:
         raise ConfigError(f"{out / 'runs.jsonl'}: holds no finished run yet; nothing to report")
     return records, settings
+
+
+def _read_results(path: Path) -> list[RunRecord]:
+    """The run records of a results.json (validated: ConfigError naming the file and what is wrong)."""
+    try:
+        data = json.loads(path.read_text())
+        validate_records(data)
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError
+        raise ConfigError(f"{path}: not a results.json of run records ({e})") from None
+    return [RunRecord(**rec) for rec in data]
+
+
+def only_results_json(out: str | os.PathLike) -> bool:
+    """Whether ``out`` keeps its runs in results.json alone (no runs.jsonl): they cannot be resumed or added to,
+    and a report of part of them would overwrite the only copy of the others."""
+    return (Path(out) / "results.json").is_file() and not (Path(out) / "runs.jsonl").exists()
 
 
 def select_records(
