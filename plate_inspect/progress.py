@@ -25,7 +25,7 @@ class ProgressEvent:
 
     done: int
     total: int | None  # None when the number of units is not known up front (an iterator of batches)
-    unit: str  # what is counted: "modules", "batches", "families", "runs"
+    unit: str  # what is counted: "modules", "batches", "steps", "parts", "runs"
     label: str = ""  # what just finished ("" for the opening event)
     bytes_done: int | None = None  # bytes read so far, where units differ in size (the scan)
     bytes_total: int | None = None
@@ -74,6 +74,20 @@ class ProgressCounter:
         if self.bytes_done is not None:
             self.bytes_done += nbytes
         self._send(label)
+
+    def inner(self, label: str) -> ProgressCallback | None:
+        """The ``progress`` callback of a sub-task counted in the same units (a trainer's Adam steps inside a run):
+        each unit it finishes steps this counter, labelled ``label``; its own opening event is dropped."""
+        if self.progress is None:
+            return None
+        last = [0]
+
+        def send(event: ProgressEvent) -> None:
+            if event.done > last[0]:
+                self.step(label, event.done - last[0])
+                last[0] = event.done
+
+        return send
 
     def _send(self, label: str) -> None:
         if self.progress is not None:

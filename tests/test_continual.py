@@ -263,9 +263,9 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path):
     run_continual(tmp_path / "ref", seeds=2, settings=_tiny())
     events = []
 
-    def stop_after_three(event):
+    def stop_after_three(event):  # Adam steps: seed 0's stage 1 (5) + 2 runs (3 each), seed 1's stage 1 + 1 run
         events.append(event)
-        if event.done == 3:
+        if event.done == 5 + 3 + 3 + 5 + 3 + 1:  # the first step of the fourth run
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -273,7 +273,9 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path):
     assert len((tmp_path / "cut" / "runs.jsonl").read_text().splitlines()) == 3
     resumed = []
     run_continual(tmp_path / "cut", seeds=2, settings=_tiny(), progress=resumed.append)
-    assert resumed[0].done == 3 and resumed[-1].done == 4  # only the missing run ran
+    # only the missing run ran (after seed 1's stage 1): 3 runs' steps done at the start, 5 + 3 more
+    assert (resumed[0].done, resumed[-1].done, resumed[-1].total) == (9, 17, 17)
+    assert {e.label for e in resumed[1:]} == {"seed 1: stage 1", "seed 1 steps 3: lora r1"}
     for name in ("results.json", "summary.md"):
         assert (tmp_path / "cut" / name).read_text() == (tmp_path / "ref" / name).read_text()
 
@@ -498,7 +500,8 @@ def test_methods_can_be_added_to_a_finished_run(tmp_path):
     events = []
     more = _tiny(methods=("lora", "mica"), budgets={**_tiny().budgets, **mica})
     run_continual(out, seeds=1, settings=more, progress=events.append)
-    assert events[0].done == 1 and events[-1].done == 2  # lora kept, only mica ran
+    assert (events[0].done, events[-1].done) == (3, 3 + 5 + 3)  # lora's 3 steps kept; stage 1 and mica ran
+    assert {e.label for e in events[1:]} == {"seed 0: stage 1", "seed 0 steps 3: mica r1"}
     data = json.loads((out / "results.json").read_text())
     assert (
         data == [r for r in json.loads(json.dumps([vars(x) for x in first.records])) if r["method"] == "lora"] + fresh

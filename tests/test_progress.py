@@ -274,18 +274,23 @@ def test_curvature_cli_draws_a_bar_for_stage_one_and_for_the_analysis(monkeypatc
     assert [e.label for e in analysis.events[1:]] == _curvature_parts("plate", 1)
 
 
-def test_continual_counts_runs_and_resumes(tmp_path):
+def test_continual_counts_adam_steps_and_resumes(tmp_path):
+    """One event per Adam step of every stage 1 and run (was one per run: a sweep of 60 to 2,400 steps got a wrong
+    ETA, and the seed's stage 1 was silent). Oracle: the runs written to runs.jsonl and their recorded steps."""
     from plate_inspect.experiments.continual import ContinualSettings, run_continual
 
-    settings = ContinualSettings(methods=("full_ft", "lora"), steps=(3,), stage1_steps=3)
+    settings = ContinualSettings(methods=("full_ft", "lora"), steps=(3, 4), stage1_steps=5)
     rec = Recorder()
     run_continual(tmp_path, seeds=1, settings=settings, progress=rec)
-    runs = len((tmp_path / "runs.jsonl").read_text().splitlines())  # what actually ran
-    assert runs >= 2
-    rec.check(runs, "runs")
-    again = Recorder()  # everything is done: one opening event at total
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]  # what actually ran
+    assert len(runs) >= 4
+    total = sum(r["steps"] for r in runs) + 5  # one seed's stage 1
+    rec.check(total, "steps")
+    labels = [e.label for e in rec.events[1:]]
+    assert labels[:5] == ["seed 0: stage 1"] * 5 and labels[5:8] == ["seed 0 steps 3: full_ft all"] * 3
+    again = Recorder()  # everything is done: one opening event at total, with no stage 1 to train
     run_continual(tmp_path, seeds=1, settings=settings, progress=again)
-    assert [(e.done, e.total) for e in again.events] == [(runs, runs)]
+    assert [(e.done, e.total) for e in again.events] == [(total - 5, total - 5)]
 
 
 def test_sequential_counts_seed_method_runs(tmp_path):

@@ -245,15 +245,21 @@ def ci95(values: list[float]) -> tuple[float, float]:
 
 # --------------------------------------------------------------------------- running
 def stage_one(
-    out: Path, seed: int, s: ContinualSettings, task1: digits.Task, finished: Iterable[RunRecord] = ()
+    out: Path,
+    seed: int,
+    s: ContinualSettings,
+    task1: digits.Task,
+    finished: Iterable[RunRecord] = (),
+    progress: ProgressCallback | None = None,
 ) -> tuple[StageOne, float, torch.Tensor]:
     """Train and save the seed's stage-1 model; return it with its task-1 accuracy and task-1 test logits. Checked
-    against the seed's ``finished`` runs (:func:`check_same_stage_one`) before it replaces their checkpoint."""
+    against the seed's ``finished`` runs (:func:`check_same_stage_one`) before it replaces their checkpoint.
+    ``progress``: one event per Adam step."""
     seed_dir = out / f"seed{seed}"
     seed_dir.mkdir(parents=True, exist_ok=True)
     n_classes = int(task1.y_train.max()) + 1
     init = digits.initial_model(task1.d_in, seed, n_classes=n_classes).state_dict()
-    model = digits.train_stage1(task1, seed, steps=s.stage1_steps, lr=s.lr, batch_size=s.batch_size)
+    model = digits.train_stage1(task1, seed, steps=s.stage1_steps, lr=s.lr, batch_size=s.batch_size, progress=progress)
     acc = digits.accuracy(model, task1.x_test, task1.y_test, 1)
     check_same_stage_one(out, seed, acc, finished)
     ckpt = seed_dir / "stage1.safetensors"
@@ -276,8 +282,9 @@ def run_one(
     steps: int,
     task2: digits.Task,
     s: ContinualSettings,
+    progress: ProgressCallback | None = None,
 ) -> RunRecord:
-    """One stage-2 run of ``method`` at ``budget`` for ``steps`` steps, measured."""
+    """One stage-2 run of ``method`` at ``budget`` for ``steps`` steps, measured (``progress``: per Adam step)."""
     torch.manual_seed(stage1.seed)
     prep = prepare(method, budget.config, stage1)
     digits.train(
@@ -290,6 +297,7 @@ def run_one(
         batch_size=s.batch_size,
         seed=stage1.seed,
         penalty=prep.penalty,
+        progress=progress,
     )
     task1 = stage1.task1
     n_backbone = backbone_params(digits.load_model(stage1.checkpoint))
@@ -428,8 +436,9 @@ def run_continual(
     Finished runs are appended to OUT/runs.jsonl as they complete; rerunning with the same settings skips them
     (an interrupted run resumes), and more seeds, methods or stage-2 step counts add only their own runs (other
     data, stage-1 steps or budgets are a ConfigError naming them). The outputs are of the runs ``seeds`` and
-    ``settings`` name. ``progress`` gets one event per run of ``plan`` (unit "runs"; runs already in
-    runs.jsonl count as done in the opening event).
+    ``settings`` name. ``progress`` gets one event per Adam step (unit "steps": each seed's stage 1 and every
+    run of ``plan``, so a sweep of 60 to 2,400 steps gets a true ETA; the steps of runs already in runs.jsonl count
+    as done in the opening event).
     """
     s = settings or ContinualSettings()
     s.validate()
@@ -468,8 +477,10 @@ def run_continual(
     todo = plan(s, seeds_run)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 3-layer MLP: threads only add overhead (and contend on a shared machine)
-    finished = sum(1 for seed, st, m, b in todo if (m, b.id, seed, st) in done)
-    counter = ProgressCounter(progress, len(todo), "runs", done=finished)
+    left = {seed for seed, st, m, b in todo if (m, b.id, seed, st) not in done}  # seeds whose stage 1 trains
+    total = sum(st for _, st, _, _ in todo) + s.stage1_steps * len(left)
+    finished = sum(st for seed, st, m, b in todo if (m, b.id, seed, st) in done)
+    counter = ProgressCounter(progress, total, "steps", done=finished)
     counter.start()
     try:
         with writing_errors(out, kept):
@@ -477,12 +488,13 @@ def run_continual(
                 mine = [r for r in todo if r[0] == seed and (r[2], r[3].id, seed, r[1]) not in done]
                 if not mine:
                     continue
-                stage1, acc_before, logits_before = stage_one(out, seed, s, task1, done.values())
+                stage1_progress = counter.inner(f"seed {seed}: stage 1")
+                stage1, acc_before, logits_before = stage_one(out, seed, s, task1, done.values(), stage1_progress)
                 for _, steps, method, budget in mine:
-                    rec = run_one(stage1, acc_before, logits_before, method, budget, steps, task2, s)
+                    run_progress = counter.inner(f"seed {seed} steps {steps}: {method} {budget.id}")
+                    rec = run_one(stage1, acc_before, logits_before, method, budget, steps, task2, s, run_progress)
                     _append_record(jsonl, rec)
                     done[rec.key] = rec
-                    counter.step(f"seed {seed} steps {steps}: {method} {budget.id}")
     finally:
         torch.set_num_threads(torch_threads)
     records = [done[(m, b.id, seed, st)] for seed, st, m, b in todo]
