@@ -275,9 +275,8 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
         tmp = tempfile.TemporaryDirectory(prefix="plate-curvature-")
         out = Path(tmp.name)
     try:
-        if not (quiet or as_json):
-            err_console.print("stage 1: train the digits MLP on task 1, scan it")
-        setup = digits_stage1(out, epochs=epochs, seed=seed, r=r, tau=tau, max_rank=max_rank)
+        with progress_bar("stage 1: train on task 1", quiet=quiet or as_json) as progress:
+            setup = digits_stage1(out, epochs=epochs, seed=seed, r=r, tau=tau, max_rank=max_rank, progress=progress)
         model, bundle = setup.model, setup.bundle
         fams = [_family(name, model, bundle, lora_rank, seed) for name in wanted]
         with progress_bar("curvature", quiet=quiet or as_json) as progress:

@@ -75,8 +75,8 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 @click.option(
     "--report-only",
     is_flag=True,
-    help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl (trains nothing); with --methods/--steps/--seeds, "
-    "of those runs only.",
+    help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl, or OUT/results.json where runs.jsonl is absent "
+    "(trains nothing); with --methods/--steps/--seeds, of those runs only (runs.jsonl only).",
 )
 @click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
@@ -157,8 +157,10 @@ def _note_unreported(out: Path, others: int, command: str, options: str) -> None
 def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: int, data: str):
     """--report-only: the finished runs of OUT, restricted by --methods/--steps/--seeds where given; --data and
     --stage1-steps must be OUT's own; --quick and --data-root (they only shape training) are refused, not ignored."""
+    from plate_inspect.errors import ConfigError
     from plate_inspect.experiments.continual import (
         check_not_other_experiment,
+        only_results_json,
         records_from_dir,
         seed_list,
         select_records,
@@ -166,6 +168,12 @@ def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: in
 
     _refuse_training_options("--methods, --steps and --seeds")
     check_not_other_experiment(out, "continual")
+    selecting = [f"--{name}" for name in ("methods", "steps", "seeds") if _given(name)]
+    if selecting and only_results_json(out):
+        raise ConfigError(
+            f"{out}: has no runs.jsonl, so results.json is its only record of the runs and a report of part of them "
+            f"would overwrite it; drop {', '.join(selecting)} (or report part of a copy of the directory)"
+        )
     records, settings = records_from_dir(out)
     _check_own_settings(out, {"data": (data, settings.data), "stage1_steps": (stage1_steps, settings.stage1_steps)})
     chosen_steps = _int_list(steps, "--steps") if _given("steps") else None

@@ -1,12 +1,13 @@
 """The one way a long-running function reports progress: a ``progress`` callback that receives ProgressEvents.
 
 Every long-running public function (``scan``/``run_scan``, ``audit``, ``write_report``/``report_data``,
-``collect_input_moments``/``hf_text_alignment``, ``analyze_families``, ``run_continual``, ``run_sequential``)
-takes ``progress: ProgressCallback | None`` (keyword ``progress``). It is called once with ``done=0`` before
-the first unit of work, then once after every finished unit (a module, a batch, a family, a run): ``done``
-never decreases and the last event has ``done == total`` when the total is known. The CLI draws these events
-with one rich bar (``plate_inspect.cli.common.progress_bar``); anything else (a log line, a GUI, a test) is a
-plain function of one argument.
+``collect_input_moments``/``hf_text_alignment``, ``analyze_families``/``analyze_family``,
+``digits.train``/``train_stage1``, ``run_continual``, ``run_sequential``) takes ``progress: ProgressCallback | None``
+(keyword ``progress``). It is called once with ``done=0`` before the first unit of work, then once after every
+finished unit (a module, a batch, an Adam step, a curvature solve or probe, a run): ``done`` never decreases and the
+last event has ``done == total`` when the total is known. The CLI draws these events with one rich bar
+(``plate_inspect.cli.common.progress_bar``); anything else (a log line, a GUI, a test) is a plain function of one
+argument.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class ProgressEvent:
 
     done: int
     total: int | None  # None when the number of units is not known up front (an iterator of batches)
-    unit: str  # what is counted: "modules", "batches", "families", "runs"
+    unit: str  # what is counted: "modules", "batches", "steps", "parts", "runs"
     label: str = ""  # what just finished ("" for the opening event)
     bytes_done: int | None = None  # bytes read so far, where units differ in size (the scan)
     bytes_total: int | None = None
@@ -73,6 +74,20 @@ class ProgressCounter:
         if self.bytes_done is not None:
             self.bytes_done += nbytes
         self._send(label)
+
+    def inner(self, label: str) -> ProgressCallback | None:
+        """The ``progress`` callback of a sub-task counted in the same units (a trainer's Adam steps inside a run):
+        each unit it finishes steps this counter, labelled ``label``; its own opening event is dropped."""
+        if self.progress is None:
+            return None
+        last = [0]
+
+        def send(event: ProgressEvent) -> None:
+            if event.done > last[0]:
+                self.step(label, event.done - last[0])
+                last[0] = event.done
+
+        return send
 
     def _send(self, label: str) -> None:
         if self.progress is not None:

@@ -173,7 +173,9 @@ def test_l2_init_penalty_is_wired_to_the_pre_task2_weights(stage1):
 
 
 def test_parse_methods_refuses_unknown():
-    assert M.parse_methods("lora, plate,lora") == ["lora", "plate"]
+    assert M.parse_methods(" lora, plate") == ["lora", "plate"]
+    with pytest.raises(ConfigError, match="--methods lists lora twice"):
+        M.parse_methods("lora, plate,lora")
     with pytest.raises(ConfigError, match="unknown method 'adapter'"):
         M.parse_methods("lora,adapter")
 

@@ -263,9 +263,9 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path):
     run_continual(tmp_path / "ref", seeds=2, settings=_tiny())
     events = []
 
-    def stop_after_three(event):
+    def stop_after_three(event):  # Adam steps: seed 0's stage 1 (5) + 2 runs (3 each), seed 1's stage 1 + 1 run
         events.append(event)
-        if event.done == 3:
+        if event.done == 5 + 3 + 3 + 5 + 3 + 1:  # the first step of the fourth run
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -273,7 +273,9 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path):
     assert len((tmp_path / "cut" / "runs.jsonl").read_text().splitlines()) == 3
     resumed = []
     run_continual(tmp_path / "cut", seeds=2, settings=_tiny(), progress=resumed.append)
-    assert resumed[0].done == 3 and resumed[-1].done == 4  # only the missing run ran
+    # only the missing run ran (after seed 1's stage 1): 3 runs' steps done at the start, 5 + 3 more
+    assert (resumed[0].done, resumed[-1].done, resumed[-1].total) == (9, 17, 17)
+    assert {e.label for e in resumed[1:]} == {"seed 1: stage 1", "seed 1 steps 3: lora r1"}
     for name in ("results.json", "summary.md"):
         assert (tmp_path / "cut" / name).read_text() == (tmp_path / "ref" / name).read_text()
 
@@ -498,7 +500,8 @@ def test_methods_can_be_added_to_a_finished_run(tmp_path):
     events = []
     more = _tiny(methods=("lora", "mica"), budgets={**_tiny().budgets, **mica})
     run_continual(out, seeds=1, settings=more, progress=events.append)
-    assert events[0].done == 1 and events[-1].done == 2  # lora kept, only mica ran
+    assert (events[0].done, events[-1].done) == (3, 3 + 5 + 3)  # lora's 3 steps kept; stage 1 and mica ran
+    assert {e.label for e in events[1:]} == {"seed 0: stage 1", "seed 0 steps 3: mica r1"}
     data = json.loads((out / "results.json").read_text())
     assert (
         data == [r for r in json.loads(json.dumps([vars(x) for x in first.records])) if r["method"] == "lora"] + fresh
@@ -618,3 +621,59 @@ def test_an_empty_out_or_methods_is_refused_not_read_as_a_default(tmp_path, monk
         assert bad.exit_code == 2 and "--methods is empty" in bad.output, bad.output
         assert len(bad.output.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_absurd_step_counts_and_repeated_methods_are_refused_in_one_line(tmp_path):
+    """--steps 10^23 used to train for ever (no cap, no bar under -q); --methods lora,lora was silently run once
+    while --steps 3,3 was refused. One rule now: a value listed twice is refused, for --methods as for --steps and
+    seeds; a step count above 1,000,000 (~400x the paper's 2,400 per task) is refused before anything runs."""
+    from plate_inspect.experiments.continual import MAX_STEPS, ContinualSettings
+
+    assert MAX_STEPS == 1_000_000
+    runner = CliRunner()
+    out = tmp_path / "out"
+    small = ["--out", str(out), "--seeds", "1", "-q"]
+    for command, extra, message in (
+        ("continual", ["--methods", "lora", "--steps", "9" * 23], "(--steps) 99,999,999,999,999,999,999,999 is more"),
+        ("continual", ["--methods", "lora", "--steps", "3", "--stage1-steps", "1000001"], "(--stage1-steps) 1,000,001"),
+        ("sequential", ["--methods", "lora", "--steps", "1000001"], "(--steps) 1,000,001 is more than 1,000,000"),
+        ("continual", ["--methods", "lora,full_ft,lora", "--steps", "3"], "--methods lists lora twice"),
+        ("sequential", ["--methods", "lora,lora", "--steps", "3"], "--methods lists lora twice"),
+    ):
+        bad = runner.invoke(cli, ["experiment", command, *small, *extra])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+        assert len(bad.output.strip().splitlines()) == 1 and "Traceback" not in bad.output
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="1,000,001 is more than 1,000,000"):
+        ContinualSettings(steps=(3, MAX_STEPS + 1)).validate()
+    ContinualSettings(steps=(MAX_STEPS,), stage1_steps=MAX_STEPS).validate()  # the cap itself is allowed
+
+
+def test_report_only_rebuilds_a_directory_that_keeps_only_results_json(tmp_path):
+    """docs/arena/steps keeps results.json and settings.json, no runs.jsonl: --report-only used to refuse it. It
+    now rebuilds the report from results.json. Oracle: the published summary.md, written by the original run from
+    its runs.jsonl; results.json must come back byte for byte. What would overwrite results.json, the only copy of
+    the runs (a report of part of them, a run into that OUT), is refused in one line."""
+    import shutil
+    from pathlib import Path
+
+    published = Path(__file__).resolve().parents[1] / "docs" / "arena" / "steps"
+    out = tmp_path / "steps"
+    out.mkdir()
+    for name in ("results.json", "settings.json"):
+        shutil.copyfile(published / name, out / name)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["experiment", "continual", "--out", str(out), "--report-only"])
+    assert result.exit_code == 0, result.output
+    assert (out / "results.json").read_bytes() == (published / "results.json").read_bytes()
+    assert (out / "summary.md").read_text() == (published / "summary.md").read_text()
+    assert (out / "continual.html").stat().st_size > 1_000_000 and not (out / "runs.jsonl").exists()
+    for extra, message in (
+        (["--report-only", "--methods", "lora"], "results.json is its only record of the runs"),
+        (["--methods", "lora", "--steps", "3", "--stage1-steps", "2", "--seeds", "1", "-q"], "no runs.jsonl, so"),
+    ):
+        bad = runner.invoke(cli, ["experiment", "continual", "--out", str(out), *extra])
+        assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, bad.output
+        assert (out / "results.json").read_bytes() == (published / "results.json").read_bytes()
+        kept = ["continual.html", "results.json", "settings.json", "summary.md"]
+        assert sorted(p.name for p in out.iterdir()) == kept  # no runs.jsonl, stage 1 or seed directory

@@ -190,8 +190,23 @@ def test_activation_moments_count_batches():
     streamed.check(None, "batches", units=len(batches))
 
 
-def test_curvature_counts_families():
-    from plate_inspect.analysis.curvature import analyze_families, full_family, lora_family
+def _curvature_parts(name: str, n_probes: int) -> list[str]:
+    """The labels one family's analysis must send, in order: three solves, each probe, the forgetting curve."""
+    solves = ["top Hessian eigenvalue", "top GGN eigenvalue", "drift radius"]
+    probes = [f"probe {i}/{n_probes}" for i in range(1, n_probes + 1)]
+    return [f"{name}: {part}" for part in (*solves, *probes, "forgetting curve")]
+
+
+def test_curvature_counts_solves_probes_and_curves():
+    """Finer than one event per family (QA: the bar sat still through full_backbone's minutes): one per
+    top-eigenvalue solve, per GN probe and per forgetting curve, for analyze_families and analyze_family alike."""
+    from plate_inspect.analysis.curvature import (
+        OldTaskProblem,
+        analyze_families,
+        analyze_family,
+        full_family,
+        lora_family,
+    )
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).double()
@@ -199,22 +214,83 @@ def test_curvature_counts_families():
     families = [full_family(model), lora_family(model, ["2"], rank=1, seed=0)]
     rec = Recorder()
     records = analyze_families(model, F.cross_entropy, [(x, y)], families, n_probes=2, rhos=(0.1,), progress=rec)
-    rec.check(len(families), "families")
-    assert [e.label for e in rec.events[1:]] == [r.family for r in records] == [f.name for f in families]
+    want = [label for f in families for label in _curvature_parts(f.name, 2)]
+    rec.check(len(want), "parts")
+    assert [e.label for e in rec.events[1:]] == want
+    assert [r.family for r in records] == [f.name for f in families]
+    one = Recorder()
+    problem = OldTaskProblem(model, F.cross_entropy, [(x, y)])
+    analyze_family(problem, families[1], n_probes=3, rhos=(0.1,), progress=one)
+    one.check(7, "parts")
+    assert [e.label for e in one.events[1:]] == _curvature_parts(families[1].name, 3)
 
 
-def test_continual_counts_runs_and_resumes(tmp_path):
+def test_stage_one_training_counts_adam_steps():
+    """The stage-1 trainer reports every Adam step (QA: curvature's stage 1 was ~10 s with no bar); the total is
+    epochs x ceil(n_train / batch), computed here from the task's own size."""
+    from plate_inspect.experiments import digits
+
+    task1, _ = digits.load_digit_tasks()
+    rec = Recorder()
+    digits.train_stage1(task1, seed=0, epochs=2, progress=rec)
+    per_epoch = -(-task1.x_train.shape[0] // 128)
+    rec.check(2 * per_epoch, "steps")
+    labels = [e.label for e in rec.events[1:]]
+    assert labels[per_epoch - 1] == "task 1, epoch 1" and labels[per_epoch] == labels[-1] == "task 1, epoch 2"
+    steps = Recorder()
+    model = digits.initial_model(task1.d_in, seed=0)
+    assert digits.train(model, list(model.parameters()), task1, 1, steps=5, progress=steps) == 5
+    steps.check(5, "steps")
+
+
+def test_curvature_cli_draws_a_bar_for_stage_one_and_for_the_analysis(monkeypatch):
+    """`plate-inspect curvature`: one bar through the stage-1 training, one through the analysis (both counted)."""
+    from contextlib import contextmanager
+
+    from click.testing import CliRunner
+
+    from plate_inspect.analysis import curvature
+    from plate_inspect.cli import analyze
+    from plate_inspect.cli.main import cli
+    from plate_inspect.experiments import digits
+
+    bars: dict[str, Recorder] = {}
+
+    @contextmanager
+    def recording_bar(label: str, quiet: bool = False, transient: bool = False):
+        bars[label] = Recorder()
+        yield None if quiet else bars[label]
+
+    monkeypatch.setattr(analyze, "progress_bar", recording_bar)
+    monkeypatch.setattr(curvature, "batches", lambda x, y: [(x[:16], y[:16])])  # P0 cut to 16 images: fast
+    args = ["curvature", "--epochs", "1", "--probes", "1", "--families", "plate", "--rho", "0.1"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    stage1, analysis = bars.pop("stage 1: train on task 1"), bars.pop("curvature")
+    assert not bars
+    task1, _ = digits.load_digit_tasks()
+    stage1.check(-(-task1.x_train.shape[0] // 128), "steps")
+    analysis.check(5, "parts")
+    assert [e.label for e in analysis.events[1:]] == _curvature_parts("plate", 1)
+
+
+def test_continual_counts_adam_steps_and_resumes(tmp_path):
+    """One event per Adam step of every stage 1 and run (was one per run: a sweep of 60 to 2,400 steps got a wrong
+    ETA, and the seed's stage 1 was silent). Oracle: the runs written to runs.jsonl and their recorded steps."""
     from plate_inspect.experiments.continual import ContinualSettings, run_continual
 
-    settings = ContinualSettings(methods=("full_ft", "lora"), steps=(3,), stage1_steps=3)
+    settings = ContinualSettings(methods=("full_ft", "lora"), steps=(3, 4), stage1_steps=5)
     rec = Recorder()
     run_continual(tmp_path, seeds=1, settings=settings, progress=rec)
-    runs = len((tmp_path / "runs.jsonl").read_text().splitlines())  # what actually ran
-    assert runs >= 2
-    rec.check(runs, "runs")
-    again = Recorder()  # everything is done: one opening event at total
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]  # what actually ran
+    assert len(runs) >= 4
+    total = sum(r["steps"] for r in runs) + 5  # one seed's stage 1
+    rec.check(total, "steps")
+    labels = [e.label for e in rec.events[1:]]
+    assert labels[:5] == ["seed 0: stage 1"] * 5 and labels[5:8] == ["seed 0 steps 3: full_ft all"] * 3
+    again = Recorder()  # everything is done: one opening event at total, with no stage 1 to train
     run_continual(tmp_path, seeds=1, settings=settings, progress=again)
-    assert [(e.done, e.total) for e in again.events] == [(runs, runs)]
+    assert [(e.done, e.total) for e in again.events] == [(total - 5, total - 5)]
 
 
 def test_sequential_counts_seed_method_runs(tmp_path):

@@ -54,6 +54,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DEFAULT_RHOS: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 #: Families with at most this many coordinates are eigendecomposed densely (exact) instead of by Lanczos.
 DENSE_MAX_DIM = 64
+#: eigsh's relative tolerance for the top eigenvalues (analyze_family(tol=) overrides it).
+LANCZOS_TOL = 1e-6
 #: Names of the PLATE-family variants accepted by :func:`plate_family` (the paper's matched-capacity ablations).
 PLATE_VARIANTS = ("plate", "random_b", "random_q", "high_energy_q", "least_redundant_b", "random_bq")
 
@@ -445,7 +447,7 @@ def restricted_operator(problem: OldTaskProblem, family: UpdateFamily, kind: str
 def top_eigenpair(
     op: LinearOperator,
     seed: int = 0,
-    tol: float = 1e-6,
+    tol: float = LANCZOS_TOL,
     dense_max_dim: int = DENSE_MAX_DIM,
     maxiter: int | None = None,
 ):
@@ -538,18 +540,24 @@ def random_unit_probes(dim: int, n: int, seed: int) -> np.ndarray:
 
 
 def gn_decomposition(
-    problem: OldTaskProblem, family: UpdateFamily, n_probes: int = 100, seed: int = 0
+    problem: OldTaskProblem,
+    family: UpdateFamily,
+    n_probes: int = 100,
+    seed: int = 0,
+    counter: ProgressCounter | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q_H, q_GN, drift^2) for n random unit directions of the family."""
+    """(q_H, q_GN, drift^2) for n random unit directions of the family; ``counter`` steps once per probe."""
     dtype = next(iter(problem.theta0.values())).dtype
     q_h, q_gn, drift = [], [], []
-    for c in random_unit_probes(family.dim, n_probes, seed):
+    for i, c in enumerate(random_unit_probes(family.dim, n_probes, seed)):
         with torch.no_grad():
             v = family.embed(torch.from_numpy(c).to(dtype))
         a, b, d = problem.quadratic_forms(v)
         q_h.append(a)
         q_gn.append(b)
         drift.append(d)
+        if counter is not None:
+            counter.step(f"{family.name}: probe {i + 1}/{n_probes}")
     return np.array(q_h), np.array(q_gn), np.array(drift)
 
 
@@ -567,6 +575,15 @@ def forgetting_curve(
     return [(float(r), problem.loss({n: r * d for n, d in direction.items()}) - base) for r in rhos]
 
 
+_SOLVES = (("hessian", "top Hessian eigenvalue"), ("ggn", "top GGN eigenvalue"), ("drift", "drift radius"))
+
+
+def family_parts(n_probes: int) -> int:
+    """The progress units of one family: three top-eigenvalue solves (Hessian, GGN, drift), one per GN probe and
+    one for the forgetting curve (Lanczos takes an unknown number of products, so a solve is one unit)."""
+    return len(_SOLVES) + n_probes + 1
+
+
 def analyze_family(
     problem: OldTaskProblem,
     family: UpdateFamily,
@@ -574,28 +591,48 @@ def analyze_family(
     rhos: Sequence[float] = DEFAULT_RHOS,
     seed: int = 0,
     beta: float | None = None,
-    tol: float = 1e-6,
+    tol: float = LANCZOS_TOL,
+    progress: ProgressCallback | None = None,
 ) -> CurvatureRecord:
     """lambda(S), eps(S), the restricted GGN's top eigenvalue, GN-share medians and F(rho) for one family.
 
     The top-curvature direction v* is signed so that g0 . v* >= 0 (the worse of +-v*, as g0 is rarely exactly 0).
-    """
+    ``progress`` gets :func:`family_parts` events (unit "parts": a solve, a probe, the curve)."""
+    counter = ProgressCounter(progress, family_parts(n_probes), "parts")
+    counter.start()
+    return _analyze_family(problem, family, n_probes, rhos, seed, beta, tol, counter)
+
+
+def _analyze_family(
+    problem: OldTaskProblem,
+    family: UpdateFamily,
+    n_probes: int,
+    rhos: Sequence[float],
+    seed: int,
+    beta: float | None,
+    tol: float,
+    counter: ProgressCounter,
+) -> CurvatureRecord:
+    """:func:`analyze_family`, stepping ``counter`` after each of its :func:`family_parts` parts."""
     if family.dim < 1:
         raise CurvatureError(f"family {family.name} is empty")
     if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
         raise ConfigError(f"seed must be a non-negative integer, got {seed}")
     beta = problem.output_hessian_bound() if beta is None else float(beta)
-    lam, c_star = top_eigenpair(restricted_operator(problem, family, "hessian"), seed=seed, tol=tol)
-    lam_gn, _ = top_eigenpair(restricted_operator(problem, family, "ggn"), seed=seed + 1, tol=tol)
-    eps_sq, _ = top_eigenpair(restricted_operator(problem, family, "drift"), seed=seed + 2, tol=tol)
+    top = {}
+    for i, (kind, what) in enumerate(_SOLVES):
+        top[kind] = top_eigenpair(restricted_operator(problem, family, kind), seed=seed + i, tol=tol)
+        counter.step(f"{family.name}: {what}")
+    (lam, c_star), (lam_gn, _), (eps_sq, _) = top["hessian"], top["ggn"], top["drift"]
     dtype = next(iter(problem.theta0.values())).dtype
     with torch.no_grad():
         v_star = family.embed(torch.from_numpy(np.ascontiguousarray(c_star)).to(dtype))
     g0 = problem.gradient(v_star)
     if sum(float((g0[n] * v_star[n]).sum()) for n in v_star) < 0:
         v_star = {n: -d for n, d in v_star.items()}
-    q_h, q_gn, _ = gn_decomposition(problem, family, n_probes=n_probes, seed=seed + 3) if n_probes else ([], [], [])
-    q_h, q_gn = np.asarray(q_h), np.asarray(q_gn)
+    q_h, q_gn, _ = gn_decomposition(problem, family, n_probes=n_probes, seed=seed + 3, counter=counter)
+    curve = forgetting_curve(problem, v_star, rhos)
+    counter.step(f"{family.name}: forgetting curve")
     return CurvatureRecord(
         family=family.name,
         dim=family.dim,
@@ -603,7 +640,7 @@ def analyze_family(
         eps=math.sqrt(max(eps_sq, 0.0)),
         gn_share_median=_median_ratio(q_gn, q_h),
         residual_ratio_median=_median_ratio(q_h - q_gn, q_gn),
-        forgetting_curve=forgetting_curve(problem, v_star, rhos),
+        forgetting_curve=curve,
         lam_gn=lam_gn,
         beta=beta,
         n_probes=int(n_probes),
@@ -625,8 +662,9 @@ def analyze_families(
 ) -> list[CurvatureRecord]:
     """The Python API: one :class:`CurvatureRecord` per family for any model, loss and old-task data loader.
 
-    ``progress`` gets one event per analysed family (unit "families")."""
-    counter = ProgressCounter(progress, len(families), "families")
+    ``progress`` gets :func:`family_parts` events per family (unit "parts": each top-eigenvalue solve, GN probe and
+    forgetting curve), so the bar moves within a large family too."""
+    counter = ProgressCounter(progress, len(families) * family_parts(n_probes), "parts")
     counter.start()
     was_training = model.training
     try:
@@ -634,8 +672,7 @@ def analyze_families(
         beta = problem.output_hessian_bound()
         out = []
         for fam in families:
-            out.append(analyze_family(problem, fam, n_probes=n_probes, rhos=rhos, seed=seed, beta=beta))
-            counter.step(fam.name)
+            out.append(_analyze_family(problem, fam, n_probes, rhos, seed, beta, LANCZOS_TOL, counter))
     finally:
         model.train(was_training)
     return out
@@ -654,11 +691,18 @@ class DigitsSetup:
 
 
 def digits_stage1(
-    out_dir: str | os.PathLike, epochs: int = 30, seed: int = 0, r: int = 8, tau: float = 0.98, max_rank: int = 256
+    out_dir: str | os.PathLike,
+    epochs: int = 30,
+    seed: int = 0,
+    r: int = 8,
+    tau: float = 0.98,
+    max_rank: int = 256,
+    progress: ProgressCallback | None = None,
 ) -> DigitsSetup:
     """Train the digits MLP on task 1, save it as safetensors, scan fc1/fc2/fc3 into a PLATE bundle.
 
-    The scan settings are checked first: a bad ``tau`` is refused before the training, not after it."""
+    The scan settings are checked first: a bad ``tau`` is refused before the training, not after it. ``progress``
+    gets one event per Adam step of the training (unit "steps"; the scan of three modules is instant)."""
     from plate_inspect.experiments import digits
     from plate_inspect.geometry import validate_settings
     from plate_inspect.scanner import scan
@@ -667,7 +711,7 @@ def digits_stage1(
 
     out_dir = make_dirs(out_dir, "the output directory")
     task1, _ = digits.load_digit_tasks()
-    model = digits.train_stage1(task1, seed=seed, epochs=epochs)
+    model = digits.train_stage1(task1, seed=seed, epochs=epochs, progress=progress)
     ckpt = out_dir / "digits_task1.safetensors"
     digits.save_model(model, ckpt)
     bundle = scan(

@@ -38,6 +38,7 @@ from plate_inspect.experiments.methods import (
     check_budget,
     default_budgets,
     prepare,
+    repeated_values,
 )
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 
@@ -99,6 +100,9 @@ class ContinualSettings:
         steps = (*self.steps, self.stage1_steps)
         if not self.steps or not all(_is_int(v) and v >= 1 for v in steps):
             raise ConfigError(f"steps must be integers >= 1 (got stage 2 {self.steps}, stage 1 {self.stage1_steps})")
+        for v in self.steps:
+            check_steps(v, "steps (CLI: --steps)")
+        check_steps(self.stage1_steps, "stage1_steps (CLI: --stage1-steps)")
         for what, values in (("methods (CLI: --methods)", self.methods), ("steps (CLI: --steps)", self.steps)):
             if len(set(values)) != len(values):
                 raise ConfigError(f"{what} lists {', '.join(map(str, repeated_values(values)))} twice; give each once")
@@ -139,19 +143,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def repeated_values(values: Any) -> list[str]:
-    """The values that occur more than once, in order of their second occurrence."""
-    seen: set[Any] = set()
-    twice: list[str] = []
-    for v in values:
-        if v in seen and str(v) not in twice:
-            twice.append(str(v))
-        seen.add(v)
-    return twice
-
-
+MAX_STEPS = 1_000_000  # ~400x the paper's 2,400 Adam steps per task (~33 h a run at 0.12 s/step); more is a typo
 MAX_SEEDS = 10_000  # far beyond any useful confidence interval (the paper: 10); a larger count is a typo
 MAX_SEED = 2**63 - 1  # torch.manual_seed's largest
+
+
+def check_steps(value: int, what: str) -> None:
+    """ConfigError for a step count above MAX_STEPS (e.g. --steps 10^23: it would train for ever, with no bar under
+    -q); ``what`` names the setting and its flag."""
+    if value > MAX_STEPS:
+        raise ConfigError(
+            f"{what} {value:,} is more than {MAX_STEPS:,} Adam steps (~{MAX_STEPS // PAPER_STEPS}x the paper's "
+            f"{PAPER_STEPS:,} per task); give a step count such as {PAPER_STEPS}"
+        )
 
 
 def seed_list(seeds: int | list[int]) -> list[int]:
@@ -241,15 +245,21 @@ def ci95(values: list[float]) -> tuple[float, float]:
 
 # --------------------------------------------------------------------------- running
 def stage_one(
-    out: Path, seed: int, s: ContinualSettings, task1: digits.Task, finished: Iterable[RunRecord] = ()
+    out: Path,
+    seed: int,
+    s: ContinualSettings,
+    task1: digits.Task,
+    finished: Iterable[RunRecord] = (),
+    progress: ProgressCallback | None = None,
 ) -> tuple[StageOne, float, torch.Tensor]:
     """Train and save the seed's stage-1 model; return it with its task-1 accuracy and task-1 test logits. Checked
-    against the seed's ``finished`` runs (:func:`check_same_stage_one`) before it replaces their checkpoint."""
+    against the seed's ``finished`` runs (:func:`check_same_stage_one`) before it replaces their checkpoint.
+    ``progress``: one event per Adam step."""
     seed_dir = out / f"seed{seed}"
     seed_dir.mkdir(parents=True, exist_ok=True)
     n_classes = int(task1.y_train.max()) + 1
     init = digits.initial_model(task1.d_in, seed, n_classes=n_classes).state_dict()
-    model = digits.train_stage1(task1, seed, steps=s.stage1_steps, lr=s.lr, batch_size=s.batch_size)
+    model = digits.train_stage1(task1, seed, steps=s.stage1_steps, lr=s.lr, batch_size=s.batch_size, progress=progress)
     acc = digits.accuracy(model, task1.x_test, task1.y_test, 1)
     check_same_stage_one(out, seed, acc, finished)
     ckpt = seed_dir / "stage1.safetensors"
@@ -272,8 +282,9 @@ def run_one(
     steps: int,
     task2: digits.Task,
     s: ContinualSettings,
+    progress: ProgressCallback | None = None,
 ) -> RunRecord:
-    """One stage-2 run of ``method`` at ``budget`` for ``steps`` steps, measured."""
+    """One stage-2 run of ``method`` at ``budget`` for ``steps`` steps, measured (``progress``: per Adam step)."""
     torch.manual_seed(stage1.seed)
     prep = prepare(method, budget.config, stage1)
     digits.train(
@@ -286,6 +297,7 @@ def run_one(
         batch_size=s.batch_size,
         seed=stage1.seed,
         penalty=prep.penalty,
+        progress=progress,
     )
     task1 = stage1.task1
     n_backbone = backbone_params(digits.load_model(stage1.checkpoint))
@@ -424,12 +436,18 @@ def run_continual(
     Finished runs are appended to OUT/runs.jsonl as they complete; rerunning with the same settings skips them
     (an interrupted run resumes), and more seeds, methods or stage-2 step counts add only their own runs (other
     data, stage-1 steps or budgets are a ConfigError naming them). The outputs are of the runs ``seeds`` and
-    ``settings`` name. ``progress`` gets one event per run of ``plan`` (unit "runs"; runs already in
-    runs.jsonl count as done in the opening event).
+    ``settings`` name. ``progress`` gets one event per Adam step (unit "steps": each seed's stage 1 and every
+    run of ``plan``, so a sweep of 60 to 2,400 steps gets a true ETA; the steps of runs already in runs.jsonl count
+    as done in the opening event).
     """
     s = settings or ContinualSettings()
     s.validate()
     seeds_run = seed_list(seeds)
+    if only_results_json(out_dir):
+        raise ConfigError(
+            f"{out_dir}: holds results.json but no runs.jsonl, so its runs cannot be resumed or added to (a run would "
+            "overwrite results.json); choose another --out, or add --report-only to rebuild its summary and figure"
+        )
     task1, task2 = digits.load_tasks(s.data, s.data_root)  # a missing data set is refused before OUT is touched
     check_not_other_experiment(out_dir, "continual")
     out = make_dirs(out_dir, "the output directory")
@@ -459,8 +477,10 @@ def run_continual(
     todo = plan(s, seeds_run)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 3-layer MLP: threads only add overhead (and contend on a shared machine)
-    finished = sum(1 for seed, st, m, b in todo if (m, b.id, seed, st) in done)
-    counter = ProgressCounter(progress, len(todo), "runs", done=finished)
+    left = {seed for seed, st, m, b in todo if (m, b.id, seed, st) not in done}  # seeds whose stage 1 trains
+    total = sum(st for _, st, _, _ in todo) + s.stage1_steps * len(left)
+    finished = sum(st for seed, st, m, b in todo if (m, b.id, seed, st) in done)
+    counter = ProgressCounter(progress, total, "steps", done=finished)
     counter.start()
     try:
         with writing_errors(out, kept):
@@ -468,12 +488,13 @@ def run_continual(
                 mine = [r for r in todo if r[0] == seed and (r[2], r[3].id, seed, r[1]) not in done]
                 if not mine:
                     continue
-                stage1, acc_before, logits_before = stage_one(out, seed, s, task1, done.values())
+                stage1_progress = counter.inner(f"seed {seed}: stage 1")
+                stage1, acc_before, logits_before = stage_one(out, seed, s, task1, done.values(), stage1_progress)
                 for _, steps, method, budget in mine:
-                    rec = run_one(stage1, acc_before, logits_before, method, budget, steps, task2, s)
+                    run_progress = counter.inner(f"seed {seed} steps {steps}: {method} {budget.id}")
+                    rec = run_one(stage1, acc_before, logits_before, method, budget, steps, task2, s, run_progress)
                     _append_record(jsonl, rec)
                     done[rec.key] = rec
-                    counter.step(f"seed {seed} steps {steps}: {method} {budget.id}")
     finally:
         torch.set_num_threads(torch_threads)
     records = [done[(m, b.id, seed, st)] for seed, st, m, b in todo]
@@ -547,10 +568,13 @@ def write_outputs(
 
 
 def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], ContinualSettings]:
-    """The finished runs of an output directory (runs.jsonl) and its settings (for reports of partial runs)."""
+    """The finished runs of an output directory and its settings (for reports of partial runs): from runs.jsonl, or
+    from results.json where runs.jsonl is absent (a published directory such as docs/arena/steps keeps only that)."""
     out = Path(out)
-    if not (out / "runs.jsonl").exists():
-        raise ConfigError(f"{out}: no runs.jsonl here; run `plate-inspect experiment continual --out {out}` first")
+    if not (out / "runs.jsonl").exists() and not (out / "results.json").exists():
+        raise ConfigError(
+            f"{out}: no runs.jsonl or results.json here; run `plate-inspect experiment continual --out {out}` first"
+        )
     try:
         raw = json.loads((out / "settings.json").read_text())
         raw["budgets"] = {m: [Budget(**b) for b in bs] for m, bs in raw["budgets"].items()}
@@ -562,10 +586,28 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
             f"{out / 'settings.json'}: missing or unreadable ({type(e).__name__}: {e}); it is written by "
             f"`plate-inspect experiment continual --out {out}`: rerun that command with the run's options"
         ) from None
+    if not (out / "runs.jsonl").exists():
+        return _read_results(out / "results.json"), settings
     records = _read_jsonl(out / "runs.jsonl")
     if not records:
         raise ConfigError(f"{out / 'runs.jsonl'}: holds no finished run yet; nothing to report")
     return records, settings
+
+
+def _read_results(path: Path) -> list[RunRecord]:
+    """The run records of a results.json (validated: ConfigError naming the file and what is wrong)."""
+    try:
+        data = json.loads(path.read_text())
+        validate_records(data)
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError
+        raise ConfigError(f"{path}: not a results.json of run records ({e})") from None
+    return [RunRecord(**rec) for rec in data]
+
+
+def only_results_json(out: str | os.PathLike) -> bool:
+    """Whether ``out`` keeps its runs in results.json alone (no runs.jsonl): they cannot be resumed or added to,
+    and a report of part of them would overwrite the only copy of the others."""
+    return (Path(out) / "results.json").is_file() and not (Path(out) / "runs.jsonl").exists()
 
 
 def select_records(

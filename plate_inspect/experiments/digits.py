@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from plate_inspect.errors import ConfigError
+from plate_inspect.progress import ProgressCallback, ProgressCounter
 
 DATA_SETS = ("digits", "fashion-mnist")
 BACKBONE = ("fc1", "fc2", "fc3")
@@ -118,11 +119,13 @@ def train(
     seed: int = 0,
     steps: int | None = None,
     penalty: Callable[[], torch.Tensor] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> int:
     """Adam on cross-entropy (+ ``penalty()``) over ``params`` for ``steps`` minibatches or ``epochs`` epochs.
 
     The minibatch order is a fresh seeded permutation per epoch; ``epochs=E`` equals ``steps=E*steps_per_epoch``.
-    Returns the number of steps taken.
+    ``progress`` gets one event per Adam step (unit "steps", labelled with the epoch). Returns the number of steps
+    taken.
     """
     if (epochs is None) == (steps is None):
         raise ConfigError("train: give exactly one of epochs and steps")
@@ -132,6 +135,8 @@ def train(
     opt = torch.optim.Adam(params, lr=lr)
     g = torch.Generator().manual_seed(seed)
     n = task.x_train.shape[0]
+    counter = ProgressCounter(progress, total, "steps")
+    counter.start()
     model.train()
     done = 0
     while done < total:
@@ -147,6 +152,7 @@ def train(
             loss.backward()
             opt.step()
             done += 1
+            counter.step(f"task {task_id}, epoch {(done - 1) // task.steps_per_epoch(batch_size) + 1}")
     model.eval()
     return done
 
@@ -159,12 +165,15 @@ def train_stage1(
     lr: float = 1e-3,
     batch_size: int = 128,
     n_tasks: int = 2,
+    progress: ProgressCallback | None = None,
 ) -> DigitsMLP:
-    """Stage 1: a fresh seeded MLP with backbone + head 1 trained on task 1 (the one stage-1 trainer)."""
+    """Stage 1: a fresh seeded MLP with backbone + head 1 trained on task 1 (the one stage-1 trainer); ``progress``:
+    one event per Adam step."""
     torch.manual_seed(seed)
     model = DigitsMLP(d_in=task1.d_in, n_classes=int(task1.y_train.max()) + 1, n_tasks=n_tasks)
     params = [p for n, p in model.named_parameters() if n.split(".")[0] in (*BACKBONE, "head1")]
-    train(model, params, task1, 1, epochs=epochs, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    kwargs = {"lr": lr, "batch_size": batch_size, "seed": seed, "progress": progress}
+    train(model, params, task1, 1, epochs=epochs, steps=steps, **kwargs)
     return model
 
 

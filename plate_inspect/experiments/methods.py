@@ -102,15 +102,29 @@ def plate_budget(r: int, tau: float) -> Budget:
     return Budget(f"r{r}_tau{tau:g}", {"r": r, "tau": tau})
 
 
+def repeated_values(values: Any) -> list[str]:
+    """The values that occur more than once, in order of their second occurrence."""
+    seen: set[Any] = set()
+    twice: list[str] = []
+    for v in values:
+        if v in seen and str(v) not in twice:
+            twice.append(str(v))
+        seen.add(v)
+    return twice
+
+
 def parse_methods(text: str, allowed: Sequence[str] = METHODS) -> list[str]:
-    """'a,b,...' -> validated method names (ConfigError naming the unknown one and listing ``allowed``)."""
+    """'a,b,...' -> validated method names: ConfigError naming an unknown one (listing ``allowed``) or one listed
+    twice (refused, as a repeated --steps value or seed is: one rule for every list option)."""
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise ConfigError(f"--methods is empty; give a comma-separated list, e.g. {','.join(allowed[:3])}")
     for m in names:
         if m not in allowed:
             raise ConfigError(f"unknown method '{m}' in --methods; choose from {', '.join(allowed)}")
-    return list(dict.fromkeys(names))
+    if repeated_values(names):
+        raise ConfigError(f"--methods lists {', '.join(repeated_values(names))} twice; give each once")
+    return names
 
 
 @dataclass

@@ -38,12 +38,18 @@ from plate_inspect.experiments import digits
 from plate_inspect.experiments.continual import (
     check_data_root,
     check_not_other_experiment,
-    repeated_values,
+    check_steps,
     seed_list,
     settings_diff,
     writing_errors,
 )
-from plate_inspect.experiments.methods import BACKBONE, LORA_ALPHA_PER_RANK, PLATE_RHO, backbone_shapes
+from plate_inspect.experiments.methods import (
+    BACKBONE,
+    LORA_ALPHA_PER_RANK,
+    PLATE_RHO,
+    backbone_shapes,
+    repeated_values,
+)
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 
 if TYPE_CHECKING:
@@ -194,6 +200,7 @@ def run_sequential(
     for what, value in (("steps", steps), ("lora_rank", lora_rank), ("osf_n", osf_n), ("r", r)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
+    check_steps(steps, "steps (CLI: --steps)")
     check_data_root(data, data_root)
     tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)  # before OUT is touched
     check_not_other_experiment(out, "sequential")
