@@ -633,12 +633,16 @@ def previous_source(out: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def same_model(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Whether two manifest sources name the same model (a local path resolved, or a hub repo at any revision)."""
+    """Whether two manifest sources name the same model (a local path resolved, or a hub repo at any revision); a
+    checkpoint file and the directory that holds it name the same model (``dir/model.safetensors`` and ``dir``)."""
     a, b = a or {}, b or {}
     if a.get("kind") != b.get("kind"):
         return False
     if a.get("kind") == "local":
-        return os.path.realpath(str(a.get("id"))) == os.path.realpath(str(b.get("id")))
+        pa, pb = (os.path.realpath(str(s.get("id"))) for s in (a, b))
+        if os.path.isfile(pa) != os.path.isfile(pb):  # the file's directory against the directory
+            pa, pb = (os.path.dirname(p) if os.path.isfile(p) else p for p in (pa, pb))
+        return pa == pb
     return a.get("id") == b.get("id")
 
 

@@ -986,3 +986,19 @@ def test_scan_report_errors_name_what_scan_users_set(tmp_path, gpt2_ckpt, monkey
     line = res.output.strip().splitlines()[-1]
     assert "disk full" in line and f"the bundle in {out} is complete" in line and "choose another -o" not in line
     assert plate_inspect.Bundle.load(out).manifest.complete and not (out / "report.html").exists()
+
+
+def test_same_model_takes_a_checkpoint_file_and_its_directory_as_one(tmp_path):
+    """The rescan note ('holds a bundle of X; updating it for Y') was printed for dir/model.safetensors then dir."""
+    from plate_inspect.scanner import same_model
+
+    for d in ("m", "other"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "model.safetensors").write_bytes(b"x")
+    local = lambda p: {"kind": "local", "id": str(p)}  # noqa: E731
+    assert same_model(local(tmp_path / "m" / "model.safetensors"), local(tmp_path / "m"))
+    assert same_model(local(tmp_path / "m"), local(tmp_path / "m" / "." / "model.safetensors"))
+    assert same_model(local(tmp_path / "m"), local(f"{tmp_path}/other/../m"))
+    assert not same_model(local(tmp_path / "m" / "model.safetensors"), local(tmp_path / "other"))
+    assert not same_model(local(tmp_path / "m"), local(tmp_path / "other" / "model.safetensors"))
+    assert not same_model(local(tmp_path / "m"), {"kind": "hub", "id": str(tmp_path / "m")})
