@@ -662,14 +662,26 @@ def plate_geometry(
     overwrite_input: bool = False,
     backend: str = "auto",
 ) -> ModuleGeometry:
-    """Redundancy, B, spectrum, k(tau) and Q for one d_out x d_in weight (float32 or float64).
+    """Redundancy, B, spectrum, k(tau) and Q for one d_out x d_in weight.
 
-    With ``overwrite_input`` the B rows of ``weight`` are zeroed in place instead of copying the matrix.
+    Computed in the weight's precision: float32 or float64; bf16/fp16 weights (e.g. a model's own parameter) are
+    upcast to float32 first, which is exact. A parameter is read, never differentiated through.
+    With ``overwrite_input`` the B rows of a float32/float64 ``weight`` are zeroed in place instead of copying it.
     float32 matmuls run in IEEE float32 whatever the process's TF32 setting (:func:`ieee_float32_matmul`).
     """
     validate_settings(r=r, tau=tau, max_rank=max_rank, n_anchors=n_anchors, sketch_dim=sketch_dim)
-    if weight.ndim != 2 or not weight.is_floating_point() or weight.dtype not in (torch.float32, torch.float64):
-        raise ConfigError(f"plate_geometry needs a 2-D float32/float64 weight, got {weight.dtype}{list(weight.shape)}")
+    if weight.ndim != 2 or not weight.is_floating_point():
+        raise ConfigError(f"plate_geometry needs a 2-D floating-point weight, got {weight.dtype}{list(weight.shape)}")
+    if weight.is_meta:
+        raise ConfigError(
+            f"plate_geometry got a weight {list(weight.shape)} on the meta device (it has no values): load the "
+            "model's weights first, or scan its checkpoint"
+        )
+    weight = weight.detach()
+    if weight.dtype not in (torch.float32, torch.float64):
+        if torch.finfo(weight.dtype).bits > 32:  # no wider float dtype than float64 exists in torch today
+            raise ConfigError(f"plate_geometry cannot compute in {weight.dtype}: cast the weight to float64")
+        weight = weight.to(torch.float32)  # bf16 / fp16 / fp8 values are all float32 values: exact
     d_out, d_in = weight.shape
     r_eff = effective_r(r, d_out)
     # wide weights: K = W W^T serves the redundancy scores (its anchor columns) and, cut to the frozen rows, the
@@ -677,6 +689,12 @@ def plate_geometry(
     wide = not sketch_dim and fits_null_space(d_out - r_eff, d_in, max_rank)
     row_gram = FrozenRows(weight).output_gram() if wide else None
     scores = redundancy_scores(weight, n_anchors=n_anchors, sketch_dim=sketch_dim, seed=seed, row_gram=row_gram)
+    if not bool(torch.isfinite(scores).all()):  # a NaN/Inf weight entry, or a row whose squared norm overflows
+        raise ConfigError(
+            f"plate_geometry: the {d_out}x{d_in} weight has {int((~torch.isfinite(weight)).sum())} NaN/Inf entries"
+            f" and largest finite |value| {float(weight.abs().nan_to_num(0.0, 0.0, 0.0).max()):.3g}; its geometry is "
+            "undefined (a corrupt checkpoint or a diverged run?)"
+        )
     b_idx = select_redundant_rows(scores, r_eff)
     frozen = weight if overwrite_input else weight.clone()
     frozen[b_idx.to(frozen.device)] = 0

@@ -322,3 +322,30 @@ def test_weight_spectrum_for_health_runs_in_ieee_float32_too(user_matmul_precisi
     spectrum = weight_spectrum(weight)
     assert seen and seen[0] in (("ieee", "ieee"), ("highest",)) and geometry._matmul_precision() == users
     np.testing.assert_allclose(spectrum.numpy(), np.linalg.svd(weight.numpy(), compute_uv=False) ** 2, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_models_own_low_precision_parameter_is_read_exactly(dtype):
+    """plate_geometry(layer.weight) on a bf16/fp16 model: its values (exact in float32), no autograd, no change."""
+    w, _ = structured_weight(96, 40, torch.Generator().manual_seed(21))
+    param = torch.nn.Parameter(w.to(dtype))
+    before = param.detach().clone()
+    scores, b, evals, k, gram = dense_oracle(param.detach().double().numpy(), 8, 0.9, 16)
+    geo = plate_geometry(param, 8, 0.9, 16, overwrite_input=True)
+    assert geo.b_idx.tolist() == b.tolist() and geo.k == k
+    np.testing.assert_allclose(geo.redundancy.numpy(), scores, rtol=1e-5, atol=1e-6)
+    q = geo.basis.q.double().numpy()
+    assert np.trace(q.T @ gram @ q) == pytest.approx(evals[:k].sum(), rel=1e-3, abs=1e-6 * evals.sum())
+    assert torch.equal(param.detach(), before) and param.grad is None  # the upcast copy took overwrite_input
+
+
+def test_weights_without_values_or_with_nan_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="meta device"):
+        plate_geometry(torch.empty(16, 8, device="meta"), 2, 0.9, 4)
+    w, _ = structured_weight(32, 16, torch.Generator().manual_seed(5))
+    w[7, 3] = float("nan")
+    w[20, 0] = float("inf")
+    with pytest.raises(ConfigError, match="has 2 NaN/Inf entries"):
+        plate_geometry(w, 4, 0.9, 8)
+    with pytest.raises(ConfigError, match="2-D floating-point"):
+        plate_geometry(torch.ones(8, 8, dtype=torch.int32), 2, 0.9, 4)
