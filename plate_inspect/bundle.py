@@ -15,6 +15,7 @@ module, the sha256 fingerprint of the weight's stored bytes with its dtype, shap
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import hashlib
 import json
@@ -444,11 +445,33 @@ class Bundle:
     def __iter__(self) -> Iterator[ModuleRecord]:
         return iter(self.manifest.modules.values())
 
+    def __repr__(self) -> str:
+        m, s = self.manifest, self.manifest.settings
+        state = "complete" if m.complete else f"unfinished, {len(m.modules)} of {len(m.planned)} modules"
+        return (
+            f"Bundle({str(self.path)!r}, model={m.source.get('id')!r}, modules={len(m.modules)}, r={s.r}, "
+            f"tau={s.tau}, max_rank={s.max_rank}, {state})"
+        )
+
     def record(self, name: str) -> ModuleRecord:
         try:
             return self.manifest.modules[name]
         except KeyError:
-            raise BundleError(f"{self.path}: no module '{name}' in this bundle") from None
+            raise BundleError(f"{self.path}: no module '{name}' in this bundle{self._closest(name)}") from None
+
+    def _closest(self, name: str) -> str:
+        """'; did you mean ...' for a weight name (``.weight``) or a near miss of a module name, else ''."""
+        stem = name.removesuffix(".weight")
+        if stem != name and stem in self.manifest.modules:
+            return f" (module names have no '.weight'); did you mean '{stem}'?"
+        # a near miss in spelling at the same layer/expert numbers, never another layer's module
+        numbers = re.findall(r"\d+", name)
+        close = [
+            c
+            for c in difflib.get_close_matches(name, self.manifest.modules, n=5, cutoff=0.8)
+            if re.findall(r"\d+", c) == numbers
+        ]
+        return f"; did you mean '{close[0]}'?" if close else f" (it has {len(self.manifest.modules)}: see .modules)"
 
     def tensor(self, name: str, kind: str) -> torch.Tensor:
         """One stored tensor: kind is plate_B_idx | plate_Q | redundancy | spectrum."""

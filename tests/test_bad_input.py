@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from plate_inspect.bundle import MANIFEST, Bundle
 from plate_inspect.cli.main import cli
+from plate_inspect.errors import BundleError
 from plate_inspect.testing.synthetic import write_llama_like
 
 
@@ -359,3 +360,20 @@ def test_values_too_large_for_float32_gram_are_a_clear_error(tmp_path):
     )
     code, output = run_cli("scan", path, "--out", tmp_path / "out64", "--r", "2", "--precision", "float64", "--quiet")
     assert code == 0, output
+
+
+def test_bundle_names_a_module_the_user_nearly_gave_and_says_what_it_is(tmp_path, model):
+    """A weight name or a misspelt module gets the right module named; another layer's module is never offered."""
+    code, _ = run_cli(*scan_args(model, tmp_path))
+    assert code == 0
+    bundle = Bundle.load(tmp_path / "out")
+    assert repr(bundle) == (
+        f"Bundle({str(tmp_path / 'out')!r}, model={str(model)!r}, modules=14, r=4, tau=0.9, max_rank=512, complete)"
+    )
+    q = "model.layers.1.self_attn.q_proj"
+    with pytest.raises(BundleError, match=rf"no '\.weight'\); did you mean '{q}'\?$"):
+        bundle.q(q + ".weight")
+    with pytest.raises(BundleError, match=rf"did you mean '{q}'\?$"):
+        bundle.record("model.layers.1.self_attn.qproj")
+    with pytest.raises(BundleError, match=r"'model\.layers\.7\.self_attn\.q_proj' in this bundle \(it has 14: see"):
+        bundle.record("model.layers.7.self_attn.q_proj")
