@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -665,15 +666,21 @@ def _refuse_bundle_dir(path: str | os.PathLike, role: str) -> None:
 
 
 def select_by_filters(
-    targets: list[TargetModule], target_modules: list[str] | None, layers: list[LayerEntry] | None, what: str
+    targets: list[TargetModule],
+    target_modules: list[str] | None,
+    layers: list[LayerEntry] | None,
+    what: str,
+    model_names: Iterable[str] | None = None,
 ) -> list[TargetModule]:
     """The targets of a bundle or adapter that ``target_modules`` (names, suffixes, regexes, module types, as scan
     matches them) and ``layers`` (plain or stack-qualified, as scan's) select; a selection that keeps nothing is a
-    ConfigError."""
+    ConfigError. ``model_names``: the model's modules, whose layer stacks ``'decoder:3'`` entries name (default:
+    the targets', which may hold one stack of an encoder-decoder)."""
     if not target_modules and layers is None:
         return targets
     check_target_patterns(target_modules)
-    kept = targets if layers is None else select_layers(targets, layers, [t.name for t in targets])
+    names = [t.name for t in targets] if model_names is None else model_names
+    kept = targets if layers is None else select_layers(targets, layers, names)
     kept = [t for t in kept if not target_modules or target_matches(t, target_modules)]
     if not kept:
         asked = " and ".join(
@@ -730,11 +737,14 @@ def audit(
     if given is None and geometry is not None:
         check_bundle_fits_base(geometry, base_ckpt, base, adapter=tuned)
     names = source.bind(base_ckpt)
+    model = modules_by_name(base_ckpt) if layers is not None else None  # the stacks 'decoder:3' names
     if names is not None:
-        targets = select_by_filters(targets_by_name(base_ckpt, names), target_modules, layers, f"the adapter {tuned}")
+        targets = select_by_filters(
+            targets_by_name(base_ckpt, names), target_modules, layers, f"the adapter {tuned}", model
+        )
     elif geometry is not None:
         targets = select_by_filters(
-            targets_by_name(base_ckpt, geometry.modules), target_modules, layers, f"the bundle {geometry.path}"
+            targets_by_name(base_ckpt, geometry.modules), target_modules, layers, f"the bundle {geometry.path}", model
         )
     else:
         targets, _ = select_targets(base_ckpt, target_modules, layers)

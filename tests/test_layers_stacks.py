@@ -158,3 +158,17 @@ def test_bad_stack_selections_are_one_line_errors(models, qwen_ckpt, tmp_path):
         with pytest.raises(ConfigError, match="not a layer index"):
             ScanSettings(layers=bad)
     assert ScanSettings(layers=[" decoder : 2", "3", 1]).layers == ("decoder:2", 3, 1)
+
+
+def test_audit_of_a_one_stack_bundle_names_the_models_stacks(models, tmp_path):
+    """A bundle (or adapter) may hold one stack only: 'encoder:0' and 'decoder:2' still name the model's stacks and
+    layers (then keep none of the bundle's modules), rather than being read against the bundle's single stack."""
+    path, layers = models["t5"]
+    decoder = plate_inspect.scan(path, tmp_path / "d", r=4, max_rank=16, layers=parse_layers("decoder:0-1"))
+    records = plate_inspect.audit(path, path, decoder, layers=["decoder:1"])
+    assert sorted(r.module for r in records) == _want(layers, ("decoder", 1))
+    for entry in ("encoder:0", "decoder:2"):
+        with pytest.raises(ConfigError, match=rf"selection \(layers {entry}\) keeps none of the \d+ modules"):
+            plate_inspect.audit(path, path, decoder, layers=[entry])
+    with pytest.raises(ConfigError, match=r"the decoder stack \(decoder.block\) has 3 layers \(0-2\), no layer 3"):
+        plate_inspect.audit(path, path, decoder, layers=["decoder:3"])
