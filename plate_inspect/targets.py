@@ -387,13 +387,9 @@ def layer_rows(names: Iterable[str]) -> tuple[list[str], dict[str, str | None]]:
     counting from 0), the stack's distinguishing part comes first ('encoder 0', ..., 'decoder 2'), encoders first,
     else in first-seen order, so two stacks' layer i are two rows, not one cell holding both.
     """
-    stacks: list[str] = []
-    where: dict[str, tuple[str, int] | None] = {}
-    for name in names:
-        where[name] = stack_of(name)
-        if where[name] is not None and where[name][0] not in stacks:
-            stacks.append(where[name][0])
-    stacks.sort(key=lambda stack: "encoder" not in stack)  # stable: first-seen order otherwise
+    names = list(names)
+    where = {name: stack_of(name) for name in names}
+    stacks = list(_stacks(names))
     short = _stack_labels(stacks)
 
     def label(w: tuple[str, int]) -> str:
