@@ -25,7 +25,9 @@ from plate_inspect.targets import check_target_patterns, parse_layers
 @click.option(
     "--target-modules", default=None, help="Modules to audit (as scan); narrows a bundle's or adapter's modules too."
 )
-@click.option("--layers", default=None, help="Layer indices, e.g. '0-3,7' (as scan); narrows any audit too.")
+@click.option(
+    "--layers", default=None, help="Layer indices, e.g. '0-3,7' or 'decoder:0-3' (as scan); narrows any audit too."
+)
 @click.option("--precision", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--revision", default=None, help="Hub revision of BASE/TUNED.")
 @click.option("--offline", is_flag=True, help="Never contact the hub.")

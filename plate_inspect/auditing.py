@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -47,10 +48,14 @@ from plate_inspect.geometry import (
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
     CONV1D_FAMILIES,
+    LayerEntry,
     TargetModule,
     check_target_patterns,
+    format_layers,
+    layers_there,
     load_target,
     modules_by_name,
+    select_layers,
     select_targets,
     target_matches,
 )
@@ -661,28 +666,32 @@ def _refuse_bundle_dir(path: str | os.PathLike, role: str) -> None:
 
 
 def select_by_filters(
-    targets: list[TargetModule], target_modules: list[str] | None, layers: list[int] | None, what: str
+    targets: list[TargetModule],
+    target_modules: list[str] | None,
+    layers: list[LayerEntry] | None,
+    what: str,
+    model_names: Iterable[str] | None = None,
 ) -> list[TargetModule]:
     """The targets of a bundle or adapter that ``target_modules`` (names, suffixes, regexes, module types, as scan
-    matches them) and ``layers`` select; a selection that keeps nothing is a ConfigError."""
+    matches them) and ``layers`` (plain or stack-qualified, as scan's) select; a selection that keeps nothing is a
+    ConfigError. ``model_names``: the model's modules, whose layer stacks ``'decoder:3'`` entries name (default:
+    the targets', which may hold one stack of an encoder-decoder)."""
     if not target_modules and layers is None:
         return targets
     check_target_patterns(target_modules)
-    kept = [
-        t
-        for t in targets
-        if (layers is None or t.layer in set(layers)) and (not target_modules or target_matches(t, target_modules))
-    ]
+    names = [t.name for t in targets] if model_names is None else model_names
+    kept = targets if layers is None else select_layers(targets, layers, names)
+    kept = [t for t in kept if not target_modules or target_matches(t, target_modules)]
     if not kept:
         asked = " and ".join(
             ([f"target modules {','.join(target_modules)}"] if target_modules else [])
-            + ([f"layers {','.join(map(str, sorted(set(layers))))}"] if layers is not None else [])
+            + ([f"layers {format_layers(layers)}"] if layers is not None else [])
         )
         types = sorted({t.module_type for t in targets})
-        spans = sorted({t.layer for t in targets if t.layer is not None})
+        spans = layers_there(t.name for t in targets)
         raise ConfigError(
             f"the selection ({asked}) keeps none of the {len(targets)} modules of {what}; its module types: "
-            f"{', '.join(types[:20])}" + (f"; its layers: {spans[0]}-{spans[-1]}" if spans else "")
+            f"{', '.join(types[:20])}" + (f"; its layers: {spans}" if spans != "none" else "")
         )
     return kept
 
@@ -698,7 +707,7 @@ def audit(
     sketch_dim: int | None = None,
     seed: int = 0,
     target_modules: list[str] | None = None,
-    layers: list[int] | None = None,
+    layers: list[LayerEntry] | None = None,
     precision: str = "float32",
     revision: str | None = None,
     offline: bool | None = None,
@@ -728,11 +737,14 @@ def audit(
     if given is None and geometry is not None:
         check_bundle_fits_base(geometry, base_ckpt, base, adapter=tuned)
     names = source.bind(base_ckpt)
+    model = modules_by_name(base_ckpt) if layers is not None else None  # the stacks 'decoder:3' names
     if names is not None:
-        targets = select_by_filters(targets_by_name(base_ckpt, names), target_modules, layers, f"the adapter {tuned}")
+        targets = select_by_filters(
+            targets_by_name(base_ckpt, names), target_modules, layers, f"the adapter {tuned}", model
+        )
     elif geometry is not None:
         targets = select_by_filters(
-            targets_by_name(base_ckpt, geometry.modules), target_modules, layers, f"the bundle {geometry.path}"
+            targets_by_name(base_ckpt, geometry.modules), target_modules, layers, f"the bundle {geometry.path}", model
         )
     else:
         targets, _ = select_targets(base_ckpt, target_modules, layers)

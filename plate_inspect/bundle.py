@@ -38,6 +38,7 @@ from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, validate_settings
+from plate_inspect.targets import LayerEntry, layer_entries
 
 FORMAT_NAME = "plate-init-bundle"
 FORMAT_VERSION = 1
@@ -111,7 +112,7 @@ class ScanSettings:
     sketch_dim: int | None = None
     anchors: int = 256
     target_modules: tuple[str, ...] | None = None
-    layers: tuple[int, ...] | None = None
+    layers: tuple[LayerEntry, ...] | None = None  # ints (every stack's layer i) and 'stack:i' strings
     precision: str = "float32"
     q_dtype: str = "float32"
     tau_grid: tuple[float, ...] = DEFAULT_TAU_GRID
@@ -131,7 +132,7 @@ class ScanSettings:
         normal = {
             "tau": float(self.tau),
             "target_modules": tuple(self.target_modules) if self.target_modules else None,
-            "layers": tuple(int(i) for i in self.layers) if self.layers is not None else None,
+            "layers": layer_entries(self.layers) if self.layers is not None else None,
             "tau_grid": grid,
             "include_mtp": bool(self.include_mtp),
         }

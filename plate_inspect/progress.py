@@ -4,8 +4,10 @@ Every long-running public function (``scan``/``run_scan``, ``audit``, ``write_re
 ``collect_input_moments``/``hf_text_alignment``, ``analyze_families``/``analyze_family``,
 ``digits.train``/``train_stage1``, ``run_continual``, ``run_sequential``) takes ``progress: ProgressCallback | None``
 (keyword ``progress``). It is called once with ``done=0`` before the first unit of work, then once after every
-finished unit (a module, a batch, an Adam step, a curvature solve or probe, a run): ``done`` never decreases and the
-last event has ``done == total`` when the total is known. The CLI draws these events with one rich bar
+finished unit (a module, a batch, an Adam step, a curvature solve or probe): ``done`` never decreases and the
+last event has ``done == total`` when the total is known. A unit of unknown length (a Lanczos solve) also sends
+events within it that repeat ``done`` with a label saying how far it has got (:meth:`ProgressCounter.within`: at
+most one per :data:`WITHIN_INTERVAL_S`). The CLI draws these events with one rich bar
 (``plate_inspect.cli.common.progress_bar``); anything else (a log line, a GUI, a test) is a plain function of one
 argument.
 """
@@ -13,6 +15,7 @@ argument.
 from __future__ import annotations
 
 import inspect
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,13 +28,17 @@ class ProgressEvent:
 
     done: int
     total: int | None  # None when the number of units is not known up front (an iterator of batches)
-    unit: str  # what is counted: "modules", "batches", "steps", "parts", "runs"
+    unit: str  # what is counted: "modules", "batches", "steps", "parts", "tensors"
     label: str = ""  # what just finished ("" for the opening event)
     bytes_done: int | None = None  # bytes read so far, where units differ in size (the scan)
     bytes_total: int | None = None
 
 
 ProgressCallback = Callable[[ProgressEvent], None]
+
+#: Least time between two events within one unit (:meth:`ProgressCounter.within`): a bar needs no more, and the work
+#: that reports (each product of a Lanczos solve) then pays one clock read per call, not an event.
+WITHIN_INTERVAL_S = 0.5
 
 
 class _ScanProgressLike(Protocol):
@@ -63,6 +70,7 @@ class ProgressCounter:
         self.done = done
         self.bytes_total = bytes_total
         self.bytes_done = 0 if bytes_total is not None else None
+        self._sent = time.monotonic()  # when the last event went out (within() waits WITHIN_INTERVAL_S after it)
 
     def start(self) -> None:
         """The opening event (done=0): a front end shows the total before the first, possibly long, unit."""
@@ -74,6 +82,13 @@ class ProgressCounter:
         if self.bytes_done is not None:
             self.bytes_done += nbytes
         self._send(label)
+
+    def within(self, label: Callable[[], str]) -> None:
+        """The unit under way has moved on (``done`` unchanged): an event labelled ``label()`` (how far the unit has
+        got, e.g. "plate: top Hessian eigenvalue, product 140"), sent only when :data:`WITHIN_INTERVAL_S` has passed
+        since the last event, so a tight loop may call it every iteration (``label`` is built only when sent)."""
+        if self.progress is not None and time.monotonic() - self._sent >= WITHIN_INTERVAL_S:
+            self._send(label())
 
     def inner(self, label: str) -> ProgressCallback | None:
         """The ``progress`` callback of a sub-task counted in the same units (a trainer's Adam steps inside a run):
@@ -91,6 +106,7 @@ class ProgressCounter:
 
     def _send(self, label: str) -> None:
         if self.progress is not None:
+            self._sent = time.monotonic()
             self.progress(ProgressEvent(self.done, self.total, self.unit, label, self.bytes_done, self.bytes_total))
 
 

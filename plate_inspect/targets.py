@@ -9,6 +9,7 @@ are never default targets; name them with ``target_modules`` to scan them.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -192,11 +193,6 @@ def load_target(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.Tensor, s
     return (stored.T if target.layout in ("conv1d", "experts_in_major") else stored), fingerprint
 
 
-def _layer_span(targets: Sequence[TargetModule]) -> str:
-    """'0-27' (or 'none') for the layer indices present, for an error that names what --layers can select."""
-    return _span({t.layer for t in targets if t.layer is not None})
-
-
 def _span(indices: Iterable[int]) -> str:
     """'0-27' for a contiguous run, '0,1,3' otherwise, 'none' for nothing."""
     present = sorted(set(indices))
@@ -207,21 +203,144 @@ def _span(indices: Iterable[int]) -> str:
     return ",".join(map(str, present))
 
 
-def parse_layers(spec: str | None) -> list[int] | None:
-    """'0-3,7' -> [0, 1, 2, 3, 7]; None -> None (all layers)."""
+#: One entry of a layer selection (``--layers``, ``layers=``): an int i selects layer i of every layer stack (an
+#: encoder-decoder's encoder and decoder both); ``'<stack>:<i>'`` (``'decoder:3'``) layer i of that stack only, the
+#: stack named as a report's rows name it (``encoder``, ``decoder``; any dotted run of its path's components).
+LayerEntry = int | str
+
+_LAYER_PART = re.compile(r"(?:([A-Za-z_][\w.]*)\s*:\s*)?(\d+)(?:\s*-\s*(\d+))?")
+
+
+def parse_layers(spec: str | None) -> list[LayerEntry] | None:
+    """'0-3,7' -> [0, 1, 2, 3, 7]; 'encoder:0,decoder:2-3' -> ['decoder:2', 'decoder:3', 'encoder:0'] (a stack
+    qualifier applies to its own comma part); None or '' -> None (all layers). Entries sorted, plain ones first."""
     if spec is None or spec.strip() == "":
         return None
-    out: set[int] = set()
+    out: set[tuple[str, int]] = set()
     for part in spec.split(","):
         part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        m = _LAYER_PART.fullmatch(part)
         if not m:
-            raise ConfigError(f"--layers: cannot parse '{part}'; use e.g. '0-3,7'")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            raise ConfigError(
+                f"--layers: cannot parse '{part}'; use e.g. '0-3,7', or 'decoder:0-3' for one stack of an "
+                "encoder-decoder model"
+            )
+        stack, lo, hi = m.group(1) or "", int(m.group(2)), int(m.group(3) or m.group(2))
         if hi < lo:
             raise ConfigError(f"--layers: empty range '{part}'")
-        out.update(range(lo, hi + 1))
-    return sorted(out)
+        out.update((stack, i) for i in range(lo, hi + 1))
+    return [f"{stack}:{i}" if stack else i for stack, i in sorted(out)]
+
+
+def layer_entry(entry: object) -> tuple[str, int]:
+    """(stack or '', index) of one layer-selection entry: an int, or a string 'i' / 'stack:i'; ConfigError otherwise."""
+    if isinstance(entry, str):
+        m = _LAYER_PART.fullmatch(entry.strip())
+        if m and m.group(3) is None:
+            return m.group(1) or "", int(m.group(2))
+    elif not isinstance(entry, bool):
+        try:
+            index = operator.index(entry)
+        except TypeError:
+            pass
+        else:
+            if index >= 0:
+                return "", index
+    raise ConfigError(
+        f"layers: {entry!r} is not a layer index (an int >= 0) or a 'stack:index' string such as 'decoder:3'; "
+        "expand a spec such as '0-3,decoder:5' with plate_inspect.targets.parse_layers"
+    )
+
+
+def layer_entries(layers: Iterable[object]) -> tuple[LayerEntry, ...]:
+    """A layer selection in its one spelling, order kept: ints for plain indices, 'stack:i' strings (ScanSettings)."""
+    return tuple(f"{stack}:{i}" if stack else i for stack, i in map(layer_entry, layers))
+
+
+def format_layers(layers: Iterable[object]) -> str:
+    """'0,1,decoder:3': a layer selection for a message (sorted, each entry once)."""
+    entries = sorted(set(map(layer_entry, layers)))
+    return ",".join(f"{stack}:{i}" if stack else str(i) for stack, i in entries)
+
+
+def _stacks(names: Iterable[str]) -> dict[str, set[int]]:
+    """The layer stacks among module names (the path before each one's layer index) and each one's indices,
+    encoders first, else in first-seen order."""
+    found: dict[str, set[int]] = {}
+    for name in names:
+        where = stack_of(name)
+        if where is not None:
+            found.setdefault(where[0], set()).add(where[1])
+    return dict(sorted(found.items(), key=lambda item: "encoder" not in item[0]))  # stable
+
+
+def _describe_stacks(stacks: dict[str, set[int]]) -> str:
+    """'encoder (encoder.block, 2 layers: 0-1), decoder (decoder.block, 3 layers: 0-2)'."""
+    labels = _stack_labels(list(stacks))
+    return ", ".join(
+        f"{labels[s] + ' (' if labels[s] else ''}{s}, {len(ix)} layers: {_span(ix)}{')' if labels[s] else ''}"
+        for s, ix in stacks.items()
+    )
+
+
+def _stack_named(qualifier: str, stacks: dict[str, set[int]], entry: str) -> str:
+    """The one stack whose path holds ``qualifier`` as a run of its dotted components; ConfigError otherwise."""
+    q = qualifier.split(".")
+    hits = [s for s in stacks if any(s.split(".")[k : k + len(q)] == q for k in range(len(s.split("."))))]
+    if len(hits) == 1:
+        return hits[0]
+    if not stacks:
+        raise ConfigError(f"--layers {entry}: this model has no numbered layers, so no stack '{qualifier}'")
+    if len(stacks) == 1:
+        ((only, indices),) = stacks.items()
+        raise ConfigError(
+            f"--layers {entry}: this model has one layer stack ({only}, {len(indices)} layers: {_span(indices)}), "
+            f"not '{qualifier}': a 'stack:index' entry selects one stack of an encoder-decoder model (T5, BART); give "
+            "plain layer indices, e.g. --layers 0-3"
+        )
+    if not hits:
+        raise ConfigError(
+            f"--layers {entry}: no layer stack '{qualifier}' in this model; its stacks: {_describe_stacks(stacks)}"
+        )
+    labels = _stack_labels(list(stacks))
+    raise ConfigError(
+        f"--layers {entry}: '{qualifier}' names {len(hits)} layer stacks ({', '.join(hits)}); name one: "
+        + ", ".join(labels[s] for s in stacks)
+    )
+
+
+def select_layers(
+    targets: Sequence[TargetModule], layers: Iterable[object], names: Iterable[str]
+) -> list[TargetModule]:
+    """The targets a layer selection keeps (possibly none): a plain index i keeps layer i of every stack, a
+    'stack:i' entry layer i of that stack (:data:`LayerEntry`). The stacks and their layers are those among
+    ``names`` (the checkpoint's, or the bundle's, modules). A stack that ``names`` do not have, a stack qualifier on
+    a single-stack model, or an index past the named stack's layers is a ConfigError naming what is there."""
+    entries = [layer_entry(e) for e in layers]
+    plain = {i for stack, i in entries if not stack}
+    qualified: set[tuple[str, int]] = set()
+    stacks = _stacks(names) if any(stack for stack, _ in entries) else {}
+    for stack, i in entries:
+        if not stack:
+            continue
+        path = _stack_named(stack, stacks, f"{stack}:{i}")
+        if i not in stacks[path]:
+            label = _stack_labels(list(stacks))[path] or path
+            raise ConfigError(
+                f"--layers {stack}:{i}: the {label} stack ({path}) has {len(stacks[path])} layers "
+                f"({_span(stacks[path])}), no layer {i}"
+            )
+        qualified.add((path, i))
+    return [t for t in targets if t.layer in plain or stack_of(t.name) in qualified]
+
+
+def layers_there(names: Iterable[str]) -> str:
+    """The layers present among module names, for an error: '0-27', or per stack 'encoder 0-1, decoder 0-2'."""
+    stacks = _stacks(names)
+    if len(stacks) < 2:
+        return _span(i for indices in stacks.values() for i in indices)
+    labels = _stack_labels(list(stacks))
+    return ", ".join(f"{labels[s]} {_span(ix)}" for s, ix in stacks.items())
 
 
 def split_expert(module_type: str) -> tuple[str, int | None]:
@@ -254,6 +373,13 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def stack_of(name: str) -> tuple[str, int] | None:
+    """(the layer stack, the layer index) of a module name: the path before its first numeric component and that
+    number ('model.decoder.layers.2.fc1' -> ('model.decoder.layers', 2)); None outside numbered layers."""
+    m = _LAYER_INDEX.search(name + ".")
+    return None if m is None else (name[: m.start()], int(m.group(1)))
+
+
 def layer_rows(names: Iterable[str]) -> tuple[list[str], dict[str, str | None]]:
     """Heatmap rows of modules: (the row labels in order, each module's label; None outside numbered layers).
 
@@ -261,14 +387,9 @@ def layer_rows(names: Iterable[str]) -> tuple[list[str], dict[str, str | None]]:
     counting from 0), the stack's distinguishing part comes first ('encoder 0', ..., 'decoder 2'), encoders first,
     else in first-seen order, so two stacks' layer i are two rows, not one cell holding both.
     """
-    stacks: list[str] = []
-    where: dict[str, tuple[str, int] | None] = {}
-    for name in names:
-        m = _LAYER_INDEX.search(name + ".")
-        where[name] = None if m is None else (name[: m.start()], int(m.group(1)))
-        if m is not None and where[name][0] not in stacks:
-            stacks.append(where[name][0])
-    stacks.sort(key=lambda stack: "encoder" not in stack)  # stable: first-seen order otherwise
+    names = list(names)
+    where = {name: stack_of(name) for name in names}
+    stacks = list(_stacks(names))
     short = _stack_labels(stacks)
 
     def label(w: tuple[str, int]) -> str:
@@ -470,7 +591,7 @@ def _natural_key(name: str) -> tuple:
 def select_targets(
     ckpt: Checkpoint,
     target_modules: list[str] | None = None,
-    layers: Iterable[int] | None = None,
+    layers: Iterable[LayerEntry] | None = None,
     include_mtp: bool = False,
 ) -> tuple[list[TargetModule], str]:
     """Target modules in a deterministic order (layer, then name with numbers in numeric order), and a note on
@@ -478,7 +599,7 @@ def select_targets(
 
     Defaults come from config.json's model_type (:data:`FAMILY_TARGETS`); multimodal wrappers contribute only
     their language model's modules. Routers/gates are never default targets. DeepSeek's multi-token-prediction
-    layer is left out unless ``include_mtp``.
+    layer is left out unless ``include_mtp``. ``layers``: see :func:`select_layers` (None: every layer).
     """
     check_target_patterns(target_modules)
     refuse_adapter(ckpt)
@@ -515,15 +636,15 @@ def select_targets(
         chosen = [t for t in chosen if t.layer not in mtp]
         note += f"; multi-token-prediction layer {', '.join(map(str, sorted(mtp)))} skipped (include_mtp to scan it)"
     if layers is not None:
-        layer_set = set(layers)
-        chosen = [t for t in chosen if t.layer in layer_set]
+        layers = list(layers)
+        chosen = select_layers(chosen, layers, (t.name for t in candidates))
     if not chosen:
         sample = sorted({t.module_type for t in candidates})[:30]
         raise ConfigError(
             f"no target modules matched ({note}"
-            + (f", layers {sorted(set(layers))}" if layers is not None else "")
+            + (f", layers [{format_layers(layers)}]" if layers is not None else "")
             + f"); weights in this checkpoint have types: {', '.join(sample) or 'none'}"
-            + (f"; its layers: {_layer_span(candidates)}" if layers is not None else "")
+            + (f"; its layers: {layers_there(t.name for t in candidates)}" if layers is not None else "")
             + _tied_head_hint(ckpt, target_modules)
         )
     chosen.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, _natural_key(t.name)))

@@ -276,7 +276,8 @@ def test_sequential_resumes_and_never_overwrites_other_settings(tmp_path):
     first = run_sequential(out, ["lora"], seeds=1, steps=5)
     events = []
     second = run_sequential(out, ["lora", "osf"], seeds=1, steps=5, progress=events.append)
-    assert events[0].done == 1 and events[-1].done == 2  # lora kept, only osf ran
+    # Adam steps: lora kept (its tasks 2-4 open as done), osf ran (task 1 retrained for it, then its tasks 2-4)
+    assert events[0].done == 3 * 5 and events[-1].done == events[-1].total == 3 * 5 + 5 + 3 * 5
     assert [r for r in second.records if r.method == "lora"] == first.records
     assert second.matrix("lora") == fresh.matrix("lora") and second.matrix("osf") == fresh.matrix("osf")
     before = (out / "sequential.json").read_text()
@@ -324,7 +325,7 @@ def test_sequential_resumes_an_old_sequential_json_without_a_data_setting(tmp_pa
     lora = _old_style_sequential_json(out)
     events = []
     result = run_sequential(out, ["lora"], seeds=1, steps=2, progress=events.append)
-    assert events[0].done == 1 and events[-1].done == 1  # kept: nothing ran
+    assert [(e.done, e.total) for e in events] == [(3 * 2, 3 * 2)]  # kept: nothing ran (its tasks 2-4's steps)
     assert [json.loads(json.dumps(r.__dict__)) for r in result.records] == lora
     written = json.loads((out / "sequential.json").read_text())
     assert written["settings"]["data"] == "digits" and written["records"] == lora

@@ -197,9 +197,10 @@ def _curvature_parts(name: str, n_probes: int) -> list[str]:
     return [f"{name}: {part}" for part in (*solves, *probes, "forgetting curve")]
 
 
-def test_curvature_counts_solves_probes_and_curves():
+def test_curvature_counts_solves_probes_and_curves(monkeypatch):
     """Finer than one event per family (QA: the bar sat still through full_backbone's minutes): one per
     top-eigenvalue solve, per GN probe and per forgetting curve, for analyze_families and analyze_family alike."""
+    monkeypatch.setattr(plate_inspect.progress, "WITHIN_INTERVAL_S", float("inf"))  # units only (within: _qa)
     from plate_inspect.analysis.curvature import (
         OldTaskProblem,
         analyze_families,
@@ -263,6 +264,7 @@ def test_curvature_cli_draws_a_bar_for_stage_one_and_for_the_analysis(monkeypatc
 
     monkeypatch.setattr(analyze, "progress_bar", recording_bar)
     monkeypatch.setattr(curvature, "batches", lambda x, y: [(x[:16], y[:16])])  # P0 cut to 16 images: fast
+    monkeypatch.setattr(plate_inspect.progress, "WITHIN_INTERVAL_S", float("inf"))  # units only (within: _qa)
     args = ["curvature", "--epochs", "1", "--probes", "1", "--families", "plate", "--rho", "0.1"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
@@ -291,16 +293,6 @@ def test_continual_counts_adam_steps_and_resumes(tmp_path):
     again = Recorder()  # everything is done: one opening event at total, with no stage 1 to train
     run_continual(tmp_path, seeds=1, settings=settings, progress=again)
     assert [(e.done, e.total) for e in again.events] == [(total - 5, total - 5)]
-
-
-def test_sequential_counts_seed_method_runs(tmp_path):
-    from plate_inspect.experiments.sequential_tasks import run_sequential
-
-    rec = Recorder()
-    result = run_sequential(tmp_path, ["lora"], seeds=[0, 1], steps=2, progress=rec)
-    pairs = {(r.seed, r.method) for r in result.records}
-    rec.check(len(pairs), "runs")
-    assert len(pairs) == 2
 
 
 def test_scan_bytes_of_an_fp8_checkpoint_count_the_scales(tmp_path):

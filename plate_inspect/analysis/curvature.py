@@ -444,6 +444,21 @@ def restricted_operator(problem: OldTaskProblem, family: UpdateFamily, kind: str
     return LinearOperator((family.dim, family.dim), matvec=matvec, rmatvec=matvec, dtype=np.float64)
 
 
+def counted_operator(op: LinearOperator, on_product: Callable[[int], None]) -> LinearOperator:
+    """``op`` calling ``on_product(n)`` after its n-th application (a solve's progress: Lanczos takes an unknown
+    number of products, each a pass over the old-task data)."""
+    n = 0
+
+    def matvec(c: np.ndarray) -> np.ndarray:
+        nonlocal n
+        out = op.matvec(c)
+        n += 1
+        on_product(n)
+        return out
+
+    return LinearOperator(op.shape, matvec=matvec, rmatvec=matvec, dtype=op.dtype)
+
+
 def top_eigenpair(
     op: LinearOperator,
     seed: int = 0,
@@ -580,7 +595,8 @@ _SOLVES = (("hessian", "top Hessian eigenvalue"), ("ggn", "top GGN eigenvalue"),
 
 def family_parts(n_probes: int) -> int:
     """The progress units of one family: three top-eigenvalue solves (Hessian, GGN, drift), one per GN probe and
-    one for the forgetting curve (Lanczos takes an unknown number of products, so a solve is one unit)."""
+    one for the forgetting curve (Lanczos takes an unknown number of products, so a solve is one unit; within it
+    the progress label counts its products: :meth:`ProgressCounter.within`)."""
     return len(_SOLVES) + n_probes + 1
 
 
@@ -621,7 +637,12 @@ def _analyze_family(
     beta = problem.output_hessian_bound() if beta is None else float(beta)
     top = {}
     for i, (kind, what) in enumerate(_SOLVES):
-        top[kind] = top_eigenpair(restricted_operator(problem, family, kind), seed=seed + i, tol=tol)
+
+        def product(n: int, what: str = what) -> None:
+            counter.within(lambda: f"{family.name}: {what}, product {n}")
+
+        op = counted_operator(restricted_operator(problem, family, kind), product)
+        top[kind] = top_eigenpair(op, seed=seed + i, tol=tol)
         counter.step(f"{family.name}: {what}")
     (lam, c_star), (lam_gn, _), (eps_sq, _) = top["hessian"], top["ggn"], top["drift"]
     dtype = next(iter(problem.theta0.values())).dtype

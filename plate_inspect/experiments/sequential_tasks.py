@@ -92,14 +92,31 @@ class SequentialResult:
         return out
 
 
-def _train_head_and(model: torch.nn.Module, adapter: list, t: int, task: digits.Task, steps: int, seed: int) -> None:
+def _train_head_and(
+    model: torch.nn.Module,
+    adapter: list,
+    t: int,
+    task: digits.Task,
+    steps: int,
+    seed: int,
+    progress: ProgressCallback | None = None,
+) -> None:
     head = model.get_submodule(f"head{t}")
     for p in head.parameters():
         p.requires_grad_(True)
-    digits.train(model, adapter + list(head.parameters()), task, t, steps=steps, seed=seed)
+    digits.train(model, adapter + list(head.parameters()), task, t, steps=steps, seed=seed, progress=progress)
 
 
-def _peft_step(method: str, model: torch.nn.Module, t: int, task: digits.Task, steps: int, seed: int, size: int):
+def _peft_step(
+    method: str,
+    model: torch.nn.Module,
+    t: int,
+    task: digits.Task,
+    steps: int,
+    seed: int,
+    size: int,
+    progress: ProgressCallback | None = None,
+):
     from peft import LoraConfig, OSFConfig, get_peft_model
 
     if method == "lora":
@@ -110,7 +127,7 @@ def _peft_step(method: str, model: torch.nn.Module, t: int, task: digits.Task, s
         cfg = OSFConfig(target_modules=list(BACKBONE), rank_pattern=pattern, effective_rank=1)
     peft_model = get_peft_model(model, cfg)
     adapter = [p for n, p in peft_model.named_parameters() if p.requires_grad]
-    _train_head_and(peft_model, adapter, t, task, steps, seed)
+    _train_head_and(peft_model, adapter, t, task, steps, seed, progress)
     return peft_model.merge_and_unload(), sum(p.numel() for p in adapter)
 
 
@@ -124,8 +141,11 @@ def run_method(
     r: int = 8,
     tau: float = 0.98,
     size: int = 1,
+    progress: ProgressCallback | None = None,
 ) -> tuple[list[tuple[int, int, float]], int]:
-    """(after_task, task, accuracy) for tasks 2..4 of one method, and its trainable count per task (last task)."""
+    """(after_task, task, accuracy) for tasks 2..4 of one method, and its trainable count per task (last task).
+
+    ``progress``: one event per Adam step of tasks 2..4 (unit "steps", ``(N_TASKS - 1) * steps`` of them)."""
     from plate_inspect.scanner import scan
     from plate_inspect.train.layer import apply_bundle, save_adapter, unload
     from plate_inspect.train.sequential import sequential_step
@@ -146,13 +166,16 @@ def run_method(
         )
     accs: list[tuple[int, int, float]] = []
     n_train = 0
+    counter = ProgressCounter(progress, (N_TASKS - 1) * steps, "steps")
+    counter.start()
     for t in range(2, N_TASKS + 1):
+        task_progress = counter.inner(f"task {t}")
         torch.manual_seed(seed + t)
         model = digits.load_model(ckpt)
         if method == "plate":
             adapter = apply_bundle(model, bundle, rho=PLATE_RHO)
             n_train = sum(p.numel() for p in adapter)
-            _train_head_and(model, adapter, t, tasks[t - 1], steps, seed)
+            _train_head_and(model, adapter, t, tasks[t - 1], steps, seed, task_progress)
             adapter_path = save_adapter(model, work / f"adapter_t{t}.safetensors")
             source = work / f"pre_merge_t{t}" / "model.safetensors"  # backbone untouched, head t trained
             source.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +183,7 @@ def run_method(
             step = sequential_step(source, adapter_path, work / f"merged_t{t}", overwrite=True)
             ckpt, bundle = step.files[0], step.bundle
         else:
-            merged, n_train = _peft_step(method, model, t, tasks[t - 1], steps, seed, size)
+            merged, n_train = _peft_step(method, model, t, tasks[t - 1], steps, seed, size, task_progress)
             ckpt = work / f"merged_t{t}.safetensors"
             digits.save_model(merged, ckpt)
         evaluated = digits.load_model(ckpt)
@@ -186,8 +209,9 @@ def run_sequential(
 
     Each finished (seed, method) is saved at once (``OUT/seed<N>/<method>/records.json``) and OUT/sequential.json is
     rewritten after it; a rerun with the same settings keeps what finished (an interrupted run resumes), a rerun
-    with other settings into the same OUT is refused. ``progress`` gets one event per (seed, method) (unit "runs";
-    kept ones count as done in the opening event).
+    with other settings into the same OUT is refused. ``progress`` gets one event per Adam step (unit "steps": each
+    seed's task-1 training, ``steps``, where one of its methods still runs, and the ``(N_TASKS - 1) * steps`` of tasks
+    2..4 of every (seed, method); those of kept runs count as done in the opening event).
     """
     names = list(methods)
     unknown = [m for m in names if m not in SEQUENTIAL_METHODS]
@@ -228,7 +252,10 @@ def run_sequential(
             with writing_errors(out, "nothing was changed"):
                 _keep_legacy_runs(out, previous.get("records"), settings)
     kept = {(seed, m): _kept_unit(out, seed, m, settings) for seed in seeds_run for m in names}
-    counter = ProgressCounter(progress, len(kept), "runs", done=sum(v is not None for v in kept.values()))
+    per_run = (N_TASKS - 1) * steps
+    stage1 = steps * len({seed for (seed, _), records in kept.items() if records is None})  # seeds that still train
+    finished = per_run * sum(records is not None for records in kept.values())
+    counter = ProgressCounter(progress, per_run * len(kept) + stage1, "steps", done=finished)
     counter.start()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -241,7 +268,8 @@ def run_sequential(
                 acc1 = ckpt = None
                 if todo:
                     seed_dir.mkdir(parents=True, exist_ok=True)
-                    model = digits.train_stage1(tasks[0], seed, steps=steps, n_tasks=N_TASKS)
+                    stage1_progress = counter.inner(f"seed {seed}: task 1")
+                    model = digits.train_stage1(tasks[0], seed, steps=steps, n_tasks=N_TASKS, progress=stage1_progress)
                     ckpt = seed_dir / "task1.safetensors"
                     digits.save_model(model, ckpt)
                     acc1 = digits.accuracy(model, tasks[0].x_test, tasks[0].y_test, 1)
@@ -249,7 +277,10 @@ def run_sequential(
                     records = kept[(seed, method)]
                     if records is None:
                         size = {"lora": lora_rank, "osf": osf_n}.get(method, 0)
-                        accs, n_train = run_method(method, tasks, ckpt, seed_dir / method, seed, steps, r, tau, size)
+                        run_progress = counter.inner(f"seed {seed}: {method}")
+                        accs, n_train = run_method(
+                            method, tasks, ckpt, seed_dir / method, seed, steps, r, tau, size, run_progress
+                        )
                         records = [
                             SequentialRecord(method, seed, data, steps, t, j, acc, n_train)
                             for t, j, acc in [(1, 1, acc1), *accs]
@@ -259,7 +290,6 @@ def run_sequential(
                     result.records.extend(records)
                     if kept[(seed, method)] is None:  # a run finished: sequential.json holds what finished so far
                         _write_sequential(result, names, settings)
-                        counter.step(f"seed {seed}: {method}")
             _write_sequential(result, names, settings)  # every run kept: written once
     finally:
         torch.set_num_threads(threads)

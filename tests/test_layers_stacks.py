@@ -1,0 +1,174 @@
+"""Stack-qualified layer selection (``--layers decoder:0-1``): one stack of an encoder-decoder model (T5, BART).
+
+Plain indices keep their meaning (layer i of every stack: encoder block i and decoder block i). Oracle: the
+nn.Linear modules transformers builds inside each stack's layer i (named by transformers, not by plate-inspect).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import plate_inspect
+from plate_inspect.bundle import Bundle, ScanSettings
+from plate_inspect.cli.main import cli
+from plate_inspect.errors import ConfigError
+from plate_inspect.targets import parse_layers
+
+#: Each family's stacks as transformers names them: (the stack's module path, its number of layers).
+STACKS = {
+    "t5": {"encoder": ("encoder.block", 2), "decoder": ("decoder.block", 3)},
+    "bart": {"encoder": ("model.encoder.layers", 2), "decoder": ("model.decoder.layers", 3)},
+}
+
+
+def _build(family: str, path):
+    import transformers as t
+
+    torch.manual_seed(0)
+    if family == "t5":
+        config = t.T5Config(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
+                            vocab_size=64)  # fmt: skip
+        model = t.T5ForConditionalGeneration(config)
+    else:
+        config = t.BartConfig(d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                              decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=64,
+                              max_position_embeddings=64)  # fmt: skip
+        model = t.BartForConditionalGeneration(config)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(path, {(stack, i): the names of the nn.Linear modules transformers built in that stack's layer i})."""
+    out = {}
+    for family, stacks in STACKS.items():
+        path = tmp_path_factory.mktemp(family) / "model"
+        model = _build(family, path)
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        layers = {
+            (stack, i): sorted(n for n in linears if n.startswith(f"{prefix}.{i}."))
+            for stack, (prefix, count) in stacks.items()
+            for i in range(count)
+        }
+        assert all(layers.values())
+        out[family] = (path, layers)
+    return out
+
+
+def _want(layers: dict, *keys: tuple[str, int]) -> list[str]:
+    return sorted(n for key in keys for n in layers[key])
+
+
+def _run(*args):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def _one_line_error(args, *needles):
+    code, output = _run(*args)
+    assert code == 2 and "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, output
+    for needle in needles:
+        assert needle in output[output.index("error:") :], (needle, output)
+
+
+def test_parse_layers_reads_stack_qualifiers():
+    assert parse_layers("0-2,7") == [0, 1, 2, 7]  # plain: as before
+    assert parse_layers("decoder:0-2") == ["decoder:0", "decoder:1", "decoder:2"]
+    assert parse_layers("encoder:0,decoder:5,1") == [1, "decoder:5", "encoder:0"]
+    assert parse_layers(" decoder : 1 - 2 , decoder:1") == ["decoder:1", "decoder:2"]
+    assert parse_layers("model.decoder.layers:3") == ["model.decoder.layers:3"]
+    for bad in ("decoder:", ":3", "decoder:a", "decoder:3-1", "de coder:1", "decoder:1:2"):
+        with pytest.raises(ConfigError, match="--layers"):
+            parse_layers(bad)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_one_stack_is_selected_and_plain_indices_select_both(models, family, tmp_path):
+    path, layers = models[family]
+    picked = plate_inspect.scan(path, tmp_path / "d", r=4, max_rank=16, layers=parse_layers("decoder:0-1"))
+    assert sorted(picked.modules) == _want(layers, ("decoder", 0), ("decoder", 1))
+    mixed = plate_inspect.scan(path, tmp_path / "m", r=4, max_rank=16, layers=["encoder:1", "decoder:2"])
+    assert sorted(mixed.modules) == _want(layers, ("encoder", 1), ("decoder", 2))
+    plain = plate_inspect.scan(path, tmp_path / "p", r=4, max_rank=16, layers=[0])  # today's meaning: both stacks
+    assert sorted(plain.modules) == _want(layers, ("encoder", 0), ("decoder", 0))
+    # the full path of a stack names it too
+    full = plate_inspect.scan(path, tmp_path / "f", r=4, max_rank=16, layers=[f"{STACKS[family]['encoder'][0]}:0"])
+    assert sorted(full.modules) == _want(layers, ("encoder", 0))
+
+
+def test_cli_scan_and_audit_take_a_stack(models, tmp_path):
+    path, layers = models["bart"]
+    code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers", "decoder:1",
+                        "-q")  # fmt: skip
+    assert code == 0, output
+    bundle = Bundle.load(tmp_path / "b")
+    assert sorted(bundle.modules) == _want(layers, ("decoder", 1))
+    assert bundle.settings.layers == ("decoder:1",)
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["config"]["layers"] == ["decoder:1"]
+    # audit without a bundle: the checkpoint's stacks
+    code, output = _run("audit", path, path, "--r", "4", "--layers", "encoder:0,decoder:2", "--json")
+    assert code == 0, output
+    assert sorted(r["module"] for r in json.loads(output)) == _want(layers, ("encoder", 0), ("decoder", 2))
+    # audit with a bundle of the whole model: narrowed to one stack's layer
+    whole = plate_inspect.scan(path, tmp_path / "all", r=4, max_rank=16)
+    code, output = _run("audit", path, path, "--bundle", whole.path, "--layers", "decoder:0", "--json")
+    assert code == 0, output
+    assert sorted(r["module"] for r in json.loads(output)) == _want(layers, ("decoder", 0))
+    records = plate_inspect.audit(path, path, whole, layers=["encoder:1"])
+    assert sorted(r.module for r in records) == _want(layers, ("encoder", 1))
+
+
+def test_rescan_with_an_equivalent_stack_spelling_goes_on(models, tmp_path):
+    path, _ = models["t5"]
+    first = plate_inspect.scan(path, tmp_path / "b", r=4, max_rank=16, layers=["decoder:0", "decoder:1"])
+    again = plate_inspect.scan(path, tmp_path / "b", r=4, max_rank=16, layers=parse_layers("decoder.block:1,decoder:0"))
+    assert again.stats()["modules_resumed"] == len(first.modules)
+    assert again.settings == first.settings
+    with pytest.raises(plate_inspect.BundleError, match="other settings"):
+        plate_inspect.scan(path, tmp_path / "b", r=4, max_rank=16, layers=["decoder:0"])
+
+
+def test_bad_stack_selections_are_one_line_errors(models, qwen_ckpt, tmp_path):
+    t5, _ = models["t5"]
+    out = tmp_path / "b"
+    _one_line_error(["scan", t5, "--out", out, "--layers", "middle:0", "-q"],
+                    "no layer stack 'middle'", "encoder (encoder.block, 2 layers: 0-1)",
+                    "decoder (decoder.block, 3 layers: 0-2)")  # fmt: skip
+    _one_line_error(["scan", t5, "--out", out, "--layers", "decoder:3", "-q"],
+                    "the decoder stack (decoder.block) has 3 layers (0-2), no layer 3")  # fmt: skip
+    _one_line_error(["scan", t5, "--out", out, "--layers", "encoder:0-2", "-q"],
+                    "the encoder stack (encoder.block) has 2 layers (0-1), no layer 2")  # fmt: skip
+    _one_line_error(["scan", t5, "--out", out, "--layers", "block:0", "-q"], "'block' names 2 layer stacks")
+    _one_line_error(["scan", qwen_ckpt.path, "--out", out, "--layers", "decoder:0", "-q"],
+                    "one layer stack (model.layers, 2 layers: 0-1)", "give plain layer indices")  # fmt: skip
+    _one_line_error(["audit", qwen_ckpt.path, qwen_ckpt.path, "--layers", "encoder:1"], "one layer stack")
+    _one_line_error(["scan", t5, "--out", out, "--layers", "decoder:x", "-q"], "cannot parse 'decoder:x'")
+    assert not out.exists()
+    # no stack has a plain index: nothing matched, the layers there named per stack
+    _one_line_error(["scan", t5, "--out", out, "--layers", "7", "-q"], "layers [7]",
+                    "its layers: encoder 0-1, decoder 0-2")  # fmt: skip
+    for bad in (["decoder:0-1"], [-1], [1.5], [True]):
+        with pytest.raises(ConfigError, match="not a layer index"):
+            ScanSettings(layers=bad)
+    assert ScanSettings(layers=[" decoder : 2", "3", 1]).layers == ("decoder:2", 3, 1)
+
+
+def test_audit_of_a_one_stack_bundle_names_the_models_stacks(models, tmp_path):
+    """A bundle (or adapter) may hold one stack only: 'encoder:0' and 'decoder:2' still name the model's stacks and
+    layers (then keep none of the bundle's modules), rather than being read against the bundle's single stack."""
+    path, layers = models["t5"]
+    decoder = plate_inspect.scan(path, tmp_path / "d", r=4, max_rank=16, layers=parse_layers("decoder:0-1"))
+    records = plate_inspect.audit(path, path, decoder, layers=["decoder:1"])
+    assert sorted(r.module for r in records) == _want(layers, ("decoder", 1))
+    for entry in ("encoder:0", "decoder:2"):
+        with pytest.raises(ConfigError, match=rf"selection \(layers {entry}\) keeps none of the \d+ modules"):
+            plate_inspect.audit(path, path, decoder, layers=[entry])
+    with pytest.raises(ConfigError, match=r"the decoder stack \(decoder.block\) has 3 layers \(0-2\), no layer 3"):
+        plate_inspect.audit(path, path, decoder, layers=["decoder:3"])
