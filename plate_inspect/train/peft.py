@@ -172,11 +172,25 @@ class PlateConfig(PeftConfig):
         from the adapter directory when it is there (adapter and bundle moved together; B/Q digests and weight
         fingerprints are checked as always)."""
         config = super().from_pretrained(str(pretrained_model_name_or_path), subfolder=subfolder, **kwargs)
-        folder = Path(pretrained_model_name_or_path, subfolder or "")
-        rel = getattr(config, "bundle_relative", None)
-        if rel and folder.is_dir() and not Path(config.bundle).exists() and (folder / rel).exists():
-            config.bundle = str((folder / rel).resolve())
+        if isinstance(config, PlateConfig):
+            moved = _moved_bundle(Path(pretrained_model_name_or_path, subfolder or ""), config)
+            config.bundle = str(moved) if moved is not None else config.bundle
         return config
+
+
+def _moved_bundle(folder: Path, config: PlateConfig) -> Path | None:
+    """The bundle at ``bundle_relative`` from the adapter directory, when the recorded absolute path is gone."""
+    if not folder.is_dir() or Path(config.bundle).exists() or not _relative_applies(config):
+        return None
+    found = (folder / config.bundle_relative).resolve()
+    return found if found.exists() else None
+
+
+def _relative_applies(config: PlateConfig) -> bool:
+    """``bundle_relative`` holds for ``bundle`` as it was written with it (their last parts agree): a ``bundle``
+    edited by hand is used as is."""
+    tail = [part for part in Path(config.bundle_relative or "").parts if part not in ("..", ".")]
+    return bool(tail) and list(Path(config.bundle).parts[-len(tail) :]) == tail
 
 
 _RANK_HINT = (
@@ -461,7 +475,7 @@ _POINT_AT_BUNDLE = (
 def _load_recorded_bundle(config: PlateConfig) -> Bundle:
     """The bundle a saved (lean) adapter recorded; a missing one is named with how to point the adapter at it."""
     if not Path(config.bundle).exists():
-        rel = f", nor at {config.bundle_relative} from the adapter directory" if config.bundle_relative else ""
+        rel = f", nor at {config.bundle_relative} from the adapter directory" if _relative_applies(config) else ""
         raise BundleError(
             f"{config.bundle}: the bundle this adapter was made with is not there{rel} (moved or deleted?); point the "
             f"adapter at its new place: {_POINT_AT_BUNDLE}; or rescan the base model into {config.bundle} with the "
