@@ -4,11 +4,13 @@ Importing this module registers the method ``plate`` with peft's ``register_peft
 names that are members of its ``PeftType`` enum, so a ``PLATE`` member is added to that enum first (the one
 intrusion into peft; it changes nothing else). After that ``get_peft_model``, ``print_trainable_parameters``,
 ``save_pretrained`` / ``PeftModel.from_pretrained`` (import ``plate_inspect.train.peft`` before loading),
-``merge_and_unload`` and the transformers ``Trainer`` work as for LoRA.
+``merge_and_unload``, several adapters (``add_weighted_adapter``: linear, exact over a shared B/Q) and the
+transformers ``Trainer`` work as for LoRA.
 
 The adapter layer keeps B and Q as buffers read from the bundle (non-persistent by default, so a saved adapter
 holds only the A's; ``PlateConfig(carry_geometry=True)`` saves B and Q too, so the adapter loads without the
-bundle). ``adapter_config.json`` records the bundle path, its source signature, and per module the weight
+bundle). ``adapter_config.json`` records the bundle path (absolute, and relative to the adapter directory for an
+adapter moved together with its bundle), its source signature, and per module the weight
 fingerprint and sketch and the B/Q digest: loading refuses a bundle or base model that differs. The branch math is
 ``plate_inspect.train.core``'s, shared with ``PlateLinear``.
 """
