@@ -4,22 +4,29 @@ Importing this module registers the method ``plate`` with peft's ``register_peft
 names that are members of its ``PeftType`` enum, so a ``PLATE`` member is added to that enum first (the one
 intrusion into peft; it changes nothing else). After that ``get_peft_model``, ``print_trainable_parameters``,
 ``save_pretrained`` / ``PeftModel.from_pretrained`` (import ``plate_inspect.train.peft`` before loading),
-``merge_and_unload`` and the transformers ``Trainer`` work as for LoRA.
+``merge_and_unload``, several adapters (``add_weighted_adapter``: linear, exact over a shared B/Q) and the
+transformers ``Trainer`` work as for LoRA.
 
 The adapter layer keeps B and Q as buffers read from the bundle (non-persistent by default, so a saved adapter
 holds only the A's; ``PlateConfig(carry_geometry=True)`` saves B and Q too, so the adapter loads without the
-bundle). ``adapter_config.json`` records the bundle path, its source signature, and per module the weight
+bundle). ``adapter_config.json`` records the bundle path (absolute, and relative to the adapter directory for an
+adapter moved together with its bundle), its source signature, and per module the weight
 fingerprint and sketch and the B/Q digest: loading refuses a bundle or base model that differs. The branch math is
 ``plate_inspect.train.core``'s, shared with ``PlateLinear``.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import inspect
 import json
+import math
+import numbers
+import os
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +125,13 @@ class PlateConfig(PeftConfig):
         default=None,
         metadata={"help": "Filled in when the adapter is created: per module weight identity, B/Q digest, r, k."},
     )
+    bundle_relative: str | None = field(
+        default=None,
+        metadata={
+            "help": "Written by save_pretrained: the bundle's path relative to the adapter directory, used when "
+            "`bundle` is not there (adapter and bundle moved together)."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -142,6 +156,84 @@ class PlateConfig(PeftConfig):
                 self.plan = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as e:
                 raise ConfigError(f"{path}: cannot read the plan ({e})") from None
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """peft's, and ``bundle_relative``: the bundle seen from ``save_directory`` (this config is left as is)."""
+        saved = copy.copy(self)
+        try:
+            saved.bundle_relative = os.path.relpath(self.bundle, Path(save_directory).expanduser().resolve())
+        except ValueError:  # on another drive (Windows): no relative path
+            saved.bundle_relative = None
+        PeftConfig.save_pretrained(saved, save_directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, subfolder: str | None = None, **kwargs: Any
+    ) -> PlateConfig:
+        """peft's; a bundle that is no longer at its recorded absolute path is taken from ``bundle_relative`` seen
+        from the adapter directory when it is there (adapter and bundle moved together; B/Q digests and weight
+        fingerprints are checked as always)."""
+        config = super().from_pretrained(str(pretrained_model_name_or_path), subfolder=subfolder, **kwargs)
+        if isinstance(config, PlateConfig):
+            moved = _moved_bundle(Path(pretrained_model_name_or_path, subfolder or ""), config)
+            config.bundle = str(moved) if moved is not None else config.bundle
+        return config
+
+
+def _moved_bundle(folder: Path, config: PlateConfig) -> Path | None:
+    """The bundle at ``bundle_relative`` from the adapter directory, when the recorded absolute path is gone."""
+    if not folder.is_dir() or Path(config.bundle).exists() or not _relative_applies(config):
+        return None
+    found = (folder / config.bundle_relative).resolve()
+    return found if found.exists() else None
+
+
+def _relative_applies(config: PlateConfig) -> bool:
+    """``bundle_relative`` holds for ``bundle`` as it was written with it (their last parts agree): a ``bundle``
+    edited by hand is used as is."""
+    tail = [part for part in Path(config.bundle_relative or "").parts if part not in ("..", ".")]
+    return bool(tail) and list(Path(config.bundle).parts[-len(tail) :]) == tail
+
+
+_RANK_HINT = (
+    "r and k per module come from the bundle (plate-inspect scan --r/--tau/--max-rank; a smaller k per module: "
+    "PlateConfig(plan=...))"
+)
+_MODULES_HINT = (
+    "choose modules with target_modules (names or suffixes, or a regex over whole names such as "
+    "r'.*\\.layers\\.(0|1)\\..*'), or scan only those layers (plate-inspect scan --layers 0-1)"
+)
+#: LoRA options people pass out of habit, with PLATE's way to get the same (``PlateConfig`` refuses them by name).
+_LORA_OPTIONS = {
+    "r": _RANK_HINT,
+    "rank_pattern": _RANK_HINT,
+    "target_r": _RANK_HINT,
+    "lora_alpha": "the update's scale is rho (PlateConfig(rho=...))",
+    "alpha_pattern": "the update's scale is rho (PlateConfig(rho=...)); per module family: one adapter per rho",
+    "use_rslora": "the update's scale is rho (PlateConfig(rho=...))",
+    "layers_to_transform": _MODULES_HINT,
+    "layers_pattern": _MODULES_HINT,
+    "exclude_modules": _MODULES_HINT,
+    "init_lora_weights": "A starts at zero, so the model's output at init is the base model's",
+}
+
+
+def _refuse_lora_options(init):
+    """Wrap the dataclass __init__: a LoRA-only option gets one line naming PLATE's way instead of a TypeError."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        foreign = [k for k in kwargs if k in _LORA_OPTIONS]
+        if foreign:
+            k = foreign[0]
+            raise ConfigError(f"PlateConfig has no option {k!r} (a LoRA option): {_LORA_OPTIONS[k]}")
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)
+    return __init__
+
+
+PlateConfig.__init__ = _refuse_lora_options(PlateConfig.__init__)
 
 
 class _GeometryDict(BufferDict):
@@ -364,6 +456,10 @@ def _tuner_base(module: nn.Module, name: str) -> nn.Module:
     return module.get_base_layer()
 
 
+def _finite_number(w: object) -> bool:
+    return not isinstance(w, bool) and isinstance(w, numbers.Real) and math.isfinite(w)
+
+
 def _bundle_digest(records: dict[str, dict[str, Any]]) -> str:
     """One digest over every adapted module's weight fingerprint and B/Q digest."""
     h = hashlib.sha256()
@@ -381,8 +477,9 @@ _POINT_AT_BUNDLE = (
 def _load_recorded_bundle(config: PlateConfig) -> Bundle:
     """The bundle a saved (lean) adapter recorded; a missing one is named with how to point the adapter at it."""
     if not Path(config.bundle).exists():
+        rel = f", nor at {config.bundle_relative} from the adapter directory" if _relative_applies(config) else ""
         raise BundleError(
-            f"{config.bundle}: the bundle this adapter was made with is not there (moved or deleted?); point the "
+            f"{config.bundle}: the bundle this adapter was made with is not there{rel} (moved or deleted?); point the "
             f"adapter at its new place: {_POINT_AT_BUNDLE}; or rescan the base model into {config.bundle} with the "
             "same settings (B/Q are checked)"
         )
@@ -480,8 +577,98 @@ class PlateModel(BaseTuner):
     target_module_mapping: dict[str, list[str]] = {}
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-        self._prepare_plate(model, adapter_name)
+        if adapter_name not in getattr(self, "_combined", ()):  # add_weighted_adapter built its geometry already
+            self._prepare_plate(model, adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
+
+    def add_weighted_adapter(
+        self, adapters: list[str], weights: list[float], adapter_name: str, combination_type: str = "linear"
+    ) -> None:
+        """Add ``adapter_name`` whose update is sum_i w_i rho_i B A_i Q^T (LoRA's ``combination_type="linear"``).
+
+        Exact: adapters made from one bundle share B and Q per module, so the sum is one PLATE update with
+        A = sum_i (w_i rho_i / rho) A_i (rho: the first adapter's). Adapters with other B/Q on a module (other bundles
+        or settings) have no common A; they, and the other combination types, are refused in one line. The new
+        adapter is inactive and frozen until ``set_adapter``; it saves and loads like the first adapter.
+        """
+        where = "add_weighted_adapter"
+        if combination_type != "linear":
+            raise ConfigError(
+                f"{where}: combination_type {combination_type!r}: PLATE adapters combine linearly only "
+                "(combination_type='linear': exact, A = sum of w_i rho_i A_i / rho over their shared B and Q)"
+            )
+        adapters = [adapters] if isinstance(adapters, str) else list(adapters)
+        weights = list(weights)
+        if not adapters or len(weights) != len(adapters):
+            counts = f"{len(adapters)} adapters, {len(weights)} weights"
+            raise ConfigError(f"{where}: give one weight per adapter ({counts})")
+        if not all(_finite_number(w) for w in weights):
+            raise ConfigError(f"{where}: weights must be finite numbers, got {weights!r}")
+        missing = [a for a in adapters if a not in self.peft_config]
+        if missing:
+            raise ConfigError(f"{where}: no adapter {missing[0]!r} (the model has {sorted(self.peft_config)})")
+        if adapter_name in self.peft_config:
+            raise ConfigError(
+                f"{where}: an adapter named {adapter_name!r} exists already; pick another name or "
+                f"delete_adapter({adapter_name!r}) first"
+            )
+        configs = [self.peft_config[a] for a in adapters]
+        records: dict[str, dict[str, Any]] = {}
+        owner: dict[str, str] = {}
+        for a, c in zip(adapters, configs, strict=True):
+            for m, rec in (c.module_records or {}).items():
+                if m in records and records[m]["digest"] != rec["digest"]:
+                    raise ConfigError(
+                        f"{where}: adapters {owner[m]!r} and {a!r} have different B/Q on module '{m}' (made from "
+                        "other bundles or settings): no single PLATE adapter equals their weighted sum; combine "
+                        "adapters of one bundle, or merge them in turn (merge_adapter(adapter_names=[...]))"
+                    )
+                records.setdefault(m, rec)
+                owner.setdefault(m, a)
+        if len({c.carry_geometry for c in configs}) > 1:
+            raise ConfigError(
+                f"{where}: adapters {adapters} mix ones that carry their B/Q with lean ones; combine adapters of one "
+                "form (PlateConfig(carry_geometry=...))"
+            )
+        if not configs[0].carry_geometry and len({c.bundle for c in configs}) > 1:
+            raise ConfigError(
+                f"{where}: adapters {adapters} read their B/Q from different bundle paths "
+                f"({sorted({c.bundle for c in configs})}); a lean adapter reads them from one: combine adapters "
+                "made from one bundle"
+            )
+        geometry: dict[str, _Geometry] = {}
+        for name, layer in self.model.named_modules():
+            held = [a for a in adapters if isinstance(layer, PlateLayer) and a in layer.plate_A]
+            if not held:
+                continue
+            _tuner_base(layer, name)  # refused while adapters are merged into this layer
+            if layer._awaiting:
+                raise ConfigError(f"{where}: module '{name}' waits for its weights; call finish_meta_init(model) first")
+            first = held[0]
+            b_idx, q = layer.plate_B_idx[first], layer.plate_Q[first]
+            geometry[name] = (b_idx, q, layer.plate_digest[first], layer.plate_carried.get(first), False, None)
+        rho = configs[0].rho
+        self.peft_config[adapter_name] = replace(
+            configs[0], target_modules=set(records), module_records=records, bundle_digest=_bundle_digest(records)
+        )
+        self._plate[adapter_name] = geometry
+        self._combined = {adapter_name}
+        try:
+            self.inject_adapter(self.model, adapter_name)
+        except BaseException:
+            self.peft_config.pop(adapter_name, None)
+            self._plate.pop(adapter_name, None)
+            raise
+        finally:
+            self._combined = set()
+        with torch.no_grad():
+            for name in geometry:
+                layer = self.model.get_submodule(name)
+                total = torch.zeros(layer.plate_A[adapter_name].shape, dtype=torch.float64)
+                for a, w in zip(adapters, weights, strict=True):
+                    if a in layer.plate_A:
+                        total += (float(w) * layer.plate_rho[a] / rho) * layer.plate_A[a].detach().double().cpu()
+                layer.plate_A[adapter_name].copy_(total)  # rounded once to A's dtype
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         """peft upcasts every bf16/fp16 adapter tensor to float32 (``autocast_adapter_dtype``, on by default): right
@@ -496,7 +683,9 @@ class PlateModel(BaseTuner):
 
     def _prepare_plate(self, model: nn.Module, adapter_name: str) -> None:
         """Load the bundle (or the geometry the adapter carries), check weights and the recorded identity."""
-        config: PlateConfig = self.peft_config[adapter_name]
+        # filled in on a copy: the caller's PlateConfig stays as given, reusable for another model or bundle
+        config: PlateConfig = copy.copy(self.peft_config[adapter_name])
+        self.peft_config[adapter_name] = config
         if not hasattr(self, "_plate"):
             self._plate: dict[str, dict[str, _Geometry]] = {}
         if not config.check_fingerprints:
