@@ -24,6 +24,7 @@ import torch
 from plate_inspect.dtypes import DTYPES, FLOAT_DTYPES
 from plate_inspect.errors import (
     CheckpointError,
+    ConfigError,
     CorruptCheckpointError,
     HubError,
     HubGatedRepoError,
@@ -412,6 +413,11 @@ class Checkpoint:
             The checkpoint with every header validated. Raises a :class:`CheckpointError` subclass on bad input.
         """
         path = Path(source).expanduser()
+        if path.exists() and revision is not None:  # it would be ignored: the user believes a revision was read
+            raise ConfigError(
+                f"{source}: is a local path, so revision={revision} (CLI: --revision) does not apply (it picks a "
+                "hub repo's branch, tag or commit); drop it, or give the repo id (org/name)"
+            )
         if path.exists():
             ckpt = cls._open_local(path)
             ckpt.source = SourceRef("local", str(path.resolve()))
@@ -439,7 +445,7 @@ class Checkpoint:
             config = path.parent / "config.json"
             if not config.exists() and path.is_symlink():  # a link to a model's file: the config is beside the file
                 config = path.resolve().parent / "config.json"
-            ckpt = cls(path.parent, [path], tensors, _read_config(config))
+            ckpt = cls(path.parent, [path], tensors, _read_config(config), notes=_one_shard_note(path))
         else:
             root = path
             index_path = root / INDEX_FILE
@@ -845,6 +851,21 @@ def _refuse_packed(ckpt: Checkpoint) -> None:
                     f"tensor '{name}' is a packed quantized weight ({fmt}), which plate-inspect does not read; "
                     + _DEQUANTIZE_HINT
                 )
+
+
+def _one_shard_note(path: Path) -> list[str]:
+    """A note when ``path`` is one shard of the sharded checkpoint beside it: only its tensors are read."""
+    index = path.parent / INDEX_FILE
+    try:
+        shards = set(_read_weight_map(index).values()) if index.is_file() else set()
+    except CorruptCheckpointError:
+        return []
+    if path.name not in shards or len(shards) < 2:
+        return []
+    return [
+        f"{path.name} is one of the {len(shards)} shards of the checkpoint in {path.parent} ({INDEX_FILE}): only its "
+        f"tensors are scanned; give the directory to scan the whole model"
+    ]
 
 
 def _single_file_first(root: Path, weight_map: dict[str, str] | None) -> tuple[Path | None, list[str]]:

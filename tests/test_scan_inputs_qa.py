@@ -356,3 +356,20 @@ def test_sigterm_ends_a_scan_like_ctrl_c_and_the_rerun_resumes(tmp_path):
     assert subprocess.run([*args, str(ref)], capture_output=True, timeout=300).returncode == 0
     identity = [json.loads((p / "manifest.json").read_text())["identity"] for p in (out, ref)]
     assert identity[0] == identity[1]
+
+
+def test_one_shard_of_a_sharded_checkpoint_says_it_is_one_shard(tmp_path, model):
+    """A shard given as the model scanned its layers only, with no word that the others were left out."""
+    shards = sorted(model.glob("model-*.safetensors"))
+    code, output = run_cli("scan", shards[0], "--out", tmp_path / "o", "--r", "4", "-q")
+    assert code == 0, output
+    assert f"note: {shards[0].name} is one of the {len(shards)} shards of the checkpoint in {model}" in output, output
+    with safe_open(str(shards[0]), "pt") as f:  # the oracle: the shard's own layer weights, nothing more
+        in_shard = {k.removesuffix(".weight") for k in f.keys() if k.endswith("_proj.weight")}  # noqa: SIM118
+    assert set(json.loads((tmp_path / "o" / "manifest.json").read_text())["modules"]) == in_shard
+
+
+def test_revision_with_a_local_path_is_refused_not_ignored(tmp_path, model):
+    """--revision beside a local path was ignored: the user believed a revision was scanned."""
+    one_error(["scan", model, "--revision", "v1.0", "--out", tmp_path / "o", "-q"], "is a local path", "--revision")
+    assert not (tmp_path / "o").exists()
