@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
+import signal
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -15,7 +19,15 @@ from plate_inspect.cli.common import console, err_console, human_bytes, progress
 from plate_inspect.distributed import rank_from_env
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 from plate_inspect.formatting import counted
-from plate_inspect.scanner import default_out_dir, plan_scan, previous_source, run_scan, same_model, source_record
+from plate_inspect.scanner import (
+    check_out_dir,
+    default_out_dir,
+    plan_scan,
+    previous_source,
+    run_scan,
+    same_model,
+    source_record,
+)
 from plate_inspect.targets import parse_layers
 
 
@@ -44,6 +56,8 @@ def print_summary(bundle: Bundle) -> None:
     m = bundle.manifest
     s = m.settings
     src = m.source.get("id", "?") + (f"@{m.source['revision']}" if m.source.get("revision") else "")
+    if m.source.get("commit") and m.source.get("commit") != m.source.get("revision"):
+        src += f" (commit {str(m.source['commit'])[:12]})"
     console.print(f"[bold]{bundle.path}[/]  ({'complete' if m.complete else 'UNFINISHED: ' + unfinished_state(m)})")
     if not m.complete:
         console.print(f"[red]{escape(unfinished_note(m))}[/]")
@@ -196,9 +210,18 @@ def scan_command(
         err_console.print(f"no model given: scanning {DEFAULT_MODEL_NAME}")
     out = out or default_out_dir(model)
     report_path = scan_report_path(out) if make_report else None  # refused before the scan, not after it
+    check_out_dir(out)  # before the checkpoint is opened: a hub model would be downloaded first
     plan = plan_scan(model, settings, revision=revision, offline=True if offline else None)
     root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if root:
+        ckpt = plan.checkpoint
+        if ckpt.source is not None and ckpt.source.kind == "hub":  # which snapshot of the cache: say so
+            err_console.print(
+                f"model: {ckpt.source.id} at {ckpt.source.revision}, commit {ckpt.source.commit} ({ckpt.root})",
+                soft_wrap=True,
+            )
+        for note in ckpt.notes:
+            err_console.print(f"note: {escape(note)}", soft_wrap=True)
         err_console.print(f"{counted(len(plan.targets), 'target module')} ({plan.selection_note}) -> {out}")
         before, now = previous_source(out), source_record(plan.checkpoint)
         if before and not overwrite and not same_model(before, now):
@@ -206,7 +229,7 @@ def scan_command(
                 f"note: {out} holds a bundle of {before.get('id')}; updating it for {now.get('id')} (only modules "
                 "whose weights differ are recomputed; give another --out to keep it)"
             )
-    with progress_bar("scan", quiet=quiet or not root) as progress:
+    with sigterm_as_interrupt(), progress_bar("scan", quiet=quiet or not root) as progress:
         bundle = run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
     if not root:
         return
@@ -214,6 +237,25 @@ def scan_command(
     if report_path is not None:
         write_scan_report(bundle, report_path)
         console.print(f"report: {report_path}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (kill, a batch scheduler's preemption, a container stop) ends the scan as Ctrl-C does: the part file
+    being written is finished, the same "interrupted ... rerun to resume" line is printed, exit code 130. Without
+    it the process died mid-write: no message, a stray temp file, the layer being written lost."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 #: Where ``scan --report`` writes its report, inside the bundle directory.

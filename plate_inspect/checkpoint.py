@@ -24,6 +24,7 @@ import torch
 from plate_inspect.dtypes import DTYPES, FLOAT_DTYPES
 from plate_inspect.errors import (
     CheckpointError,
+    ConfigError,
     CorruptCheckpointError,
     HubError,
     HubGatedRepoError,
@@ -79,6 +80,18 @@ _PACKED_SUFFIXES = {
     ".SCB": "bitsandbytes 8-bit",
     ".weight_packed": "compressed-tensors packed integers",
 }
+#: The same for names other models may use for float tensors too: refused only when the tensor is integer-typed.
+_PACKED_INT_SUFFIXES = {
+    ".q_weight": "EXL2",
+    ".q_invperm": "EXL2",
+    ".W_q": "HQQ",
+    ".codes": "AQLM",
+}
+#: Tensor-name pieces of LoRA-style adapters (PEFT, diffusers/kohya): an adapter, not a model to scan.
+_LORA_MARKERS = (".lora_A.", ".lora_B.", ".lora_down.", ".lora_up.", ".lora_embedding_A", ".lora_embedding_B")
+#: The one-file checkpoint name transformers loads first, before a sharded index (``from_pretrained``'s order).
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 #: FP4 E2M1 values by 4-bit code (OCP Microscaling Formats v1.0, section 5.3.3): sign, 2 exponent bits, 1 mantissa.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -382,6 +395,8 @@ class Checkpoint:
     config: dict[str, Any] = field(default_factory=dict)
     source: SourceRef | None = None
     bytes_read: int = 0
+    #: what the user should know about how the checkpoint was chosen (files left aside), one line each
+    notes: list[str] = field(default_factory=list)
     _logical: dict[str, LogicalWeight] | None = field(default=None, init=False, repr=False)
 
     # ----------------------------------------------------------------- construction
@@ -398,6 +413,11 @@ class Checkpoint:
             The checkpoint with every header validated. Raises a :class:`CheckpointError` subclass on bad input.
         """
         path = Path(source).expanduser()
+        if path.exists() and revision is not None:  # it would be ignored: the user believes a revision was read
+            raise ConfigError(
+                f"{source}: is a local path, so revision={revision} (CLI: --revision) does not apply (it picks a "
+                "hub repo's branch, tag or commit); drop it, or give the repo id (org/name)"
+            )
         if path.exists():
             ckpt = cls._open_local(path)
             ckpt.source = SourceRef("local", str(path.resolve()))
@@ -425,12 +445,19 @@ class Checkpoint:
             config = path.parent / "config.json"
             if not config.exists() and path.is_symlink():  # a link to a model's file: the config is beside the file
                 config = path.resolve().parent / "config.json"
-            ckpt = cls(path.parent, [path], tensors, _read_config(config))
+            ckpt = cls(path.parent, [path], tensors, _read_config(config), notes=_one_shard_note(path))
         else:
             root = path
-            index_path = root / "model.safetensors.index.json"
-            if index_path.exists():
-                files, tensors = _open_sharded(root, index_path)
+            index_path = root / INDEX_FILE
+            weight_map = _read_weight_map(index_path) if index_path.exists() else None
+            single, notes = _single_file_first(root, weight_map)
+            if single is not None:
+                tensors, _ = parse_safetensors_header(single)
+                ckpt = cls(root, [single], tensors, _read_config(root / "config.json"), notes=notes)
+                _refuse_packed(ckpt)
+                return ckpt
+            if weight_map is not None:
+                files, tensors = _open_sharded(root, index_path, weight_map)
             else:
                 files = sorted(p for p in root.glob("*.safetensors"))
                 if not files:
@@ -787,34 +814,77 @@ def _fp8_weight(info: TensorInfo, scale: TensorInfo, block: tuple[int, int] | No
 
 
 def refuse_adapter(ckpt: Checkpoint) -> None:
-    """A PEFT adapter (adapter_config.json beside adapter_model*.safetensors only) is not a model to choose target
-    modules in: its lora_A / lora_B matrices would be scanned as modules. Refused, naming the base model to scan
-    instead. (Reading an adapter's tensors, as audit does, is fine: this is for target selection.)"""
+    """A PEFT adapter (adapter_model*.safetensors only, or any LoRA tensor such as ``*.lora_A.weight``) is not a
+    model to choose target modules in: its lora_A / lora_B matrices would be scanned as modules. Refused, naming the
+    base model to scan instead when adapter_config.json names it. (Reading an adapter's tensors, as audit does, is
+    fine: this is for target selection.)"""
     root, files = ckpt.root, ckpt.files
-    adapter_config = root / "adapter_config.json"
-    if not files or not adapter_config.is_file() or not all(f.name.startswith("adapter_model") for f in files):
+    lora = next((n for n in sorted(ckpt.tensors) if any(m in n for m in _LORA_MARKERS)), None)
+    if lora is None and not (files and all(f.name.startswith("adapter_model") for f in files)):
         return
+    adapter_config = root / "adapter_config.json"
     try:
         base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
     except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
         base = None
     named = f" ({base}, as adapter_config.json names it)" if isinstance(base, str) and base else ""
+    if files[0].name.startswith("adapter_model"):
+        what = f"a PEFT adapter ({'adapter_config.json, ' if adapter_config.is_file() else ''}{files[0].name})"
+    else:
+        what = f"LoRA adapter tensors ('{lora}')"
     raise CheckpointError(
-        f"{root}: holds a PEFT adapter (adapter_config.json, {files[0].name}), not a model; scan its base "
-        f"model{named}, or merge the adapter into it first (peft: PeftModel.from_pretrained(base, DIR)"
-        ".merge_and_unload().save_pretrained(OUT))"
+        f"{root}: holds {what}, not a model; scan its base model{named}, or merge the adapter into it first (peft: "
+        "PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained(OUT))"
     )
 
 
 def _refuse_packed(ckpt: Checkpoint) -> None:
-    """Packed integer formats (GPTQ, AWQ, bitsandbytes, ...) are refused up front, naming the format."""
+    """Packed integer formats (GPTQ, AWQ, bitsandbytes, EXL2, HQQ, AQLM, ...) are refused up front, naming the
+    format (without this, a checkpoint whose layers hold only packed tensors read as one with no layer weights)."""
     for name in sorted(ckpt.tensors):
-        for suffix, fmt in _PACKED_SUFFIXES.items():
+        packed = [(s, f) for s, f in _PACKED_SUFFIXES.items()]
+        if ckpt.tensors[name].dtype not in FLOAT_DTYPES:
+            packed += list(_PACKED_INT_SUFFIXES.items())
+        for suffix, fmt in packed:
             if name.endswith(suffix):
                 raise UnsupportedWeightError(
                     f"tensor '{name}' is a packed quantized weight ({fmt}), which plate-inspect does not read; "
                     + _DEQUANTIZE_HINT
                 )
+
+
+def _one_shard_note(path: Path) -> list[str]:
+    """A note when ``path`` is one shard of the sharded checkpoint beside it: only its tensors are read."""
+    index = path.parent / INDEX_FILE
+    try:
+        shards = set(_read_weight_map(index).values()) if index.is_file() else set()
+    except CorruptCheckpointError:
+        return []
+    if path.name not in shards or len(shards) < 2:
+        return []
+    return [
+        f"{path.name} is one of the {len(shards)} shards of the checkpoint in {path.parent} ({INDEX_FILE}): only its "
+        f"tensors are scanned; give the directory to scan the whole model"
+    ]
+
+
+def _single_file_first(root: Path, weight_map: dict[str, str] | None) -> tuple[Path | None, list[str]]:
+    """``root/model.safetensors`` when it exists and is not one of the index's shards, as transformers'
+    from_pretrained takes it before a sharded index (so the scan reads the weights the model loads), with a note
+    naming the files left aside; else (None, [])."""
+    single = root / SINGLE_FILE
+    if not single.is_file() or (weight_map is not None and SINGLE_FILE in weight_map.values()):
+        return None, []
+    others = sorted(p.name for p in root.glob("*.safetensors") if p.name != SINGLE_FILE)
+    if (root / INDEX_FILE).exists():
+        others.insert(0, INDEX_FILE)
+    if not others:
+        return single, []
+    listed = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    return single, [
+        f"{root} holds {SINGLE_FILE} and other weights ({listed}); reading {SINGLE_FILE} only, the file transformers "
+        f"loads from this directory (to scan the others, move {SINGLE_FILE} away)"
+    ]
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -856,7 +926,8 @@ def _check_quantization(path: Path, quant: Any) -> None:
         )
 
 
-def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file name), validated."""
     try:
         index = json.loads(index_path.read_text())
         weight_map = index["weight_map"]
@@ -866,6 +937,11 @@ def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
         raise CorruptCheckpointError(
             f"{index_path}: corrupt index (weight_map must map tensor names to file names); re-download it"
         )
+    return weight_map
+
+
+def _open_sharded(root: Path, index_path: Path, weight_map: dict[str, str]) -> tuple[list[Path], dict[str, TensorInfo]]:
+    """The shards an index names (inside ``root``, present, headers valid) and each listed tensor's place."""
     root_norm = os.path.normpath(root)
     shard_names = sorted(set(weight_map.values()))
     files: list[Path] = []
@@ -889,7 +965,33 @@ def _open_sharded(root: Path, index_path: Path) -> tuple[list[Path], dict[str, T
                 "come from different versions: re-download both"
             )
         tensors[name] = info
+    for shard in shard_names:  # a second, different copy in another shard: which one a loader takes is unclear
+        for name, other in headers[shard].items():
+            listed = tensors.get(name)
+            if listed is not None and listed.file != other.file and not _same_stored(listed, other):
+                raise CorruptCheckpointError(
+                    f"{index_path}: tensor '{name}' is in '{listed.file.name}' (as the index says) and, with other "
+                    f"values, in '{shard}'; the shards come from different saves: re-download the checkpoint"
+                )
     return files, tensors
+
+
+def _same_stored(a: TensorInfo, b: TensorInfo) -> bool:
+    """Whether two stored tensors hold the same dtype, shape and bytes (read in 64 MiB blocks)."""
+    if (a.dtype, a.shape, a.nbytes) != (b.dtype, b.shape, b.nbytes):
+        return False
+    block = 64 << 20
+    try:
+        with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+            for offset in range(0, a.nbytes, block):
+                n = min(block, a.nbytes - offset)
+                fa.seek(a.start + offset)
+                fb.seek(b.start + offset)
+                if fa.read(n) != fb.read(n):
+                    return False
+    except OSError as e:
+        raise CheckpointError(f"{a.file}: cannot read tensor '{a.name}': {e.strerror or e}") from None
+    return True
 
 
 # --------------------------------------------------------------------------- the hub
@@ -912,20 +1014,32 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
     if cached is not None and _snapshot_complete(cached):
         return cached, cached.name
     is_offline = offline if offline is not None else bool(hf_constants.HF_HUB_OFFLINE)
+    cache = hf_constants.HF_HUB_CACHE
     if is_offline:
         raise HubOfflineError(
-            f"{_not_cached(repo_id, cached, hf_constants.HF_HUB_CACHE)} and offline mode is on; "
+            f"{_not_cached(repo_id, cached, cache, revision)} and offline mode is on; "
             f"{_fetch_hint(repo_id, revision, cached)}"
         )
     try:
         path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - mapped to one message per cause; the rest is "cannot reach"
-        raise _hub_error(e, repo_id, revision, cached, hf_constants.HF_HUB_CACHE) from None
+        raise _hub_error(e, repo_id, revision, cached, cache) from None
+    if not _snapshot_complete(path):  # huggingface_hub falls back to the cached snapshot when the hub is unreachable
+        raise HubOfflineError(
+            f"{_not_cached(repo_id, path, cache, revision)}, and the hub did not provide them (it cannot be reached, "
+            f"or the repository lacks them); {_fetch_hint(repo_id, revision, path)}"
+        )
     return path, path.name
 
 
-def _not_cached(repo_id: str, cached: Path | None, cache: str) -> str:
-    """'<repo>: not (fully) in the local cache (...; missing: ...)', and when nothing is cached, not a local path."""
+def _not_cached(repo_id: str, cached: Path | None, cache: str, revision: str | None = None) -> str:
+    """'<repo>: not (fully) in the local cache (...; missing: ...)', and when nothing is cached, not a local path;
+    when the cache holds the repo at other revisions only, which ones (the user may mean one of them)."""
+    if cached is None and (held := _cached_revisions(repo_id, cache)):
+        return (
+            f"{repo_id}: revision '{revision or 'main'}' is not in the local Hugging Face cache ({cache}; it holds "
+            f"this repo at {held}: --revision takes a branch or tag listed there, or a commit in full)"
+        )
     if cached is None:  # a mistyped local path reads as a repo id: say it is neither
         return (
             f"{repo_id}: not in the local Hugging Face cache ({cache}; missing: the whole repo), nor is it a local "
@@ -934,6 +1048,26 @@ def _not_cached(repo_id: str, cached: Path | None, cache: str) -> str:
     return (
         f"{repo_id}: not fully in the local Hugging Face cache ({cache}; missing: {', '.join(_missing_files(cached))})"
     )
+
+
+def _cached_revisions(repo_id: str, cache: str, most: int = 4) -> str:
+    """The revisions a cache holds of a repo ('main -> 0123abcd..., snapshots 0123abcd..., 4567ef01...'), or ''."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = Path(cache) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    snapshots = sorted(p.name for p in (folder / "snapshots").glob("*") if p.is_dir())
+    if not snapshots:
+        return ""
+    refs = []
+    for ref in sorted((folder / "refs").rglob("*")):
+        if ref.is_file():
+            try:
+                commit = ref.read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                continue
+            refs.append(f"{ref.relative_to(folder / 'refs').as_posix()} -> {commit}")
+    listed = ", ".join(snapshots[:most]) + (f" and {len(snapshots) - most} more" if len(snapshots) > most else "")
+    return (", ".join(refs) + "; " if refs else "no branch or tag (refs/ is empty); ") + f"snapshots {listed}"
 
 
 def _fetch_hint(repo_id: str, revision: str | None, cached: Path | None) -> str:
@@ -991,7 +1125,7 @@ def _hub_error(e: Exception, repo_id: str, revision: str | None, cached: Path | 
     if isinstance(e, hf.HfHubHTTPError) and status is not None:
         return HubError(f"{repo_id}: the hub answered HTTP {status} for revision '{rev}'; try again later")
     return HubOfflineError(
-        f"{_not_cached(repo_id, cached, cache)} and the hub cannot be reached ({type(e).__name__}); "
+        f"{_not_cached(repo_id, cached, cache, revision)} and the hub cannot be reached ({type(e).__name__}); "
         f"{_fetch_hint(repo_id, revision, cached)}"
     )
 
@@ -1001,7 +1135,7 @@ def _snapshot_complete(path: Path) -> bool:
 
 
 def _missing_files(path: Path) -> list[str]:
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX_FILE
     if not index.exists():
         return [] if any(path.glob("*.safetensors")) else ["*.safetensors"]
     try:

@@ -31,12 +31,15 @@ import torch
 from plate_inspect import distributed
 from plate_inspect.batched import DEFAULT_GROUP_SIZE, batched_plate_geometry, expert_groups
 from plate_inspect.bundle import (
+    FORMAT_NAME,
+    MANIFEST,
     Bundle,
     BundleWriter,
     Manifest,
     ModuleRecord,
     ScanSettings,
     changed_since_baseline,
+    foreign_safetensors,
     geometry_digest,
     read_part_tensors,
     scores_digest,
@@ -44,11 +47,18 @@ from plate_inspect.bundle import (
 )
 from plate_inspect.checkpoint import Checkpoint, require_float_dtype
 from plate_inspect.dtypes import PRECISIONS, Q_DTYPES
-from plate_inspect.errors import CheckpointError, ConfigError
+from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, check_sketch_dim, module_seed, plate_geometry
 from plate_inspect.health import health_record
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
-from plate_inspect.targets import TargetModule, load_target, select_targets
+from plate_inspect.targets import (
+    FAMILY_TARGETS,
+    TargetModule,
+    layer_of,
+    load_target,
+    module_type_of,
+    select_targets,
+)
 
 
 class ScanProgress:
@@ -94,14 +104,86 @@ def plan_scan(
 ) -> ScanPlan:
     """Open the checkpoint lazily and choose the target modules for these settings (default: ScanSettings())."""
     settings = settings if settings is not None else ScanSettings()
+    refuse_bundle_as_model(source)
     ckpt = Checkpoint.open(source, revision=revision, offline=offline)
     targets, note = select_targets(
         ckpt, list(settings.target_modules or []) or None, settings.layers, include_mtp=settings.include_mtp
     )
+    refuse_misshapen_weights(ckpt, targets, settings)
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(ckpt.logical_weight(target.logical_name))
     check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
     return ScanPlan(ckpt, targets, note, settings)
+
+
+def refuse_bundle_as_model(source: str | os.PathLike) -> None:
+    """A PLATE bundle (or one of its part files) given as the model to scan: its part files are safetensors, so
+    without this it read as a model with no layer weights ("no target modules matched")."""
+    path = Path(source).expanduser()
+    bundle_dir = path if path.is_dir() else path.parent
+    if not path.exists() or not (bundle_dir / MANIFEST).is_file():
+        return
+    try:
+        manifest = json.loads((bundle_dir / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        return
+    made_from = manifest.get("source", {}).get("id") if isinstance(manifest.get("source"), dict) else None
+    what = "a PLATE init bundle" if path.is_dir() else f"a part file of the PLATE init bundle {bundle_dir}"
+    raise CheckpointError(
+        f"{path}: is {what} (plate-inspect scan output), not a model; scan the model it was made from"
+        + (f" ({made_from})" if made_from else "")
+        + " (plate-inspect info shows a bundle)"
+    )
+
+
+def refuse_misshapen_weights(ckpt: Checkpoint, targets: list[TargetModule], settings: ScanSettings) -> None:
+    """A layer weight of a targeted module type that is not 2-D (nor a 3-D expert stack) is refused, naming it.
+
+    Target selection takes 2-D ``*.weight`` tensors only, so a q_proj stored flattened or folded (a damaged or
+    mis-converted file) would silently drop out of the scan. Checked for the module types scanned in other layers
+    and, with family defaults, for every default type, in the layers the settings select.
+    """
+    types = {t.module_type for t in targets}
+    model_type = ckpt.config.get("model_type")
+    if not settings.target_modules and isinstance(model_type, str):
+        types |= set(FAMILY_TARGETS.get(model_type, ()))
+    layers = set(settings.layers) if settings.layers is not None else None
+    for name, weight in ckpt.logical_weights().items():
+        module = name.removesuffix(".weight")
+        layer = layer_of(module)
+        if module == name or layer is None or (layers is not None and layer not in layers):
+            continue
+        mtype = module_type_of(module)
+        if mtype not in types or len(weight.shape) == 2 or (len(weight.shape) == 3 and ".experts." in name):
+            continue
+        raise CheckpointError(
+            f"{weight.file.name}: tensor '{name}' has shape {list(weight.shape)}, but a {mtype} weight is a 2-D "
+            "d_out x d_in matrix; the file is damaged or was converted with another layout: re-download or "
+            "re-convert the checkpoint"
+        )
+
+
+def check_out_dir(out: str | os.PathLike) -> None:
+    """Refuse an --out that cannot hold a bundle before the checkpoint is opened (a hub model would be downloaded
+    first): a file in the way, a directory that is not writable, or one holding a model's safetensors files."""
+    out = Path(out)
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        what = "it is" if existing == out else f"{existing} is"
+        raise BundleError(f"{out}: cannot write the bundle: {what} a file, not a directory; choose another --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BundleError(f"{existing}: output directory is not writable; choose another --out")
+    foreign = foreign_safetensors(out) if existing == out else []
+    if foreign:
+        names = ", ".join(f.name for f in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise BundleError(
+            f"{out}: holds safetensors files that are not parts of a PLATE bundle ({names}): a model checkpoint? A "
+            "bundle needs a directory of its own (nothing here is deleted); choose another --out"
+        )
 
 
 def scan(
@@ -150,6 +232,7 @@ def scan(
         include_mtp=include_mtp,
     )
     progress = as_callback(progress, "scan")  # here, so that a deprecation warning names the function called
+    check_out_dir(out)
     plan = plan_scan(source, settings, revision=revision, offline=offline)
     return run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
 
