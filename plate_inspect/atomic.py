@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -70,6 +71,15 @@ def _create_temp(parent: Path, name: str) -> tuple[int, Path]:
         except FileExistsError:
             continue
     raise FileExistsError(f"{parent}: cannot create a unique temporary file for {name}")
+
+
+def stale_temps(parent: str | os.PathLike, name_glob: str) -> list[Path]:
+    """Temp files of :func:`atomic_write` for names matching ``name_glob`` in ``parent``: a writer killed mid-write
+    (SIGKILL, power loss) leaves one; only a caller that knows no writer of those names is running may remove them."""
+    return sorted(p for p in Path(parent).glob(f".{name_glob}.*.tmp") if _TEMP_NAME.fullmatch(p.name))
+
+
+_TEMP_NAME = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
 
 
 def make_temp_dir(parent: str | os.PathLike, name: str) -> Path:

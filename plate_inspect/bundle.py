@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
-from plate_inspect.atomic import atomic_write
+from plate_inspect.atomic import atomic_write, stale_temps
 from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
@@ -728,6 +728,12 @@ class BundleWriter:
             for p in list(self.path.glob("*.safetensors")) + [existing, self.path / STATS]:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
+        # a writer killed mid-write (SIGKILL) left its temp file; this one holds the directory's lock, so no other
+        # writer of these names is running (a report written into the directory keeps its own temp file)
+        for name_glob in ("*.safetensors", MANIFEST, STATS):
+            for temp in stale_temps(self.path, name_glob):
+                with contextlib.suppress(FileNotFoundError):
+                    temp.unlink()
         self.manifest.modules, self.manifest.complete, self.manifest.identity = {}, False, ""
         self._write_manifest()
         return self.manifest

@@ -197,7 +197,7 @@ def scan(
     sketch_dim: int | None = None,
     anchors: int = 256,
     target_modules: Iterable[str] | None = None,
-    layers: Iterable[int] | None = None,
+    layers: Iterable[int | str] | None = None,
     precision: str = "float32",
     q_dtype: str = "float32",
     tau_grid: Iterable[float] = DEFAULT_TAU_GRID,

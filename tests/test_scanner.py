@@ -190,6 +190,27 @@ def test_resume_after_kill_gives_identical_bundle(tmp_path, qwen_ckpt, how):
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_rerun_removes_the_temp_files_a_killed_writer_left_and_nothing_else(tmp_path, qwen_ckpt):
+    """A SIGKILL during a part or manifest write leaves its '.NAME.<hex>.tmp' (up to a part's size): the next scan
+    into the directory, holding its lock, removes those; another program's temp file and other files stay."""
+    out = tmp_path / "b"
+    plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    left = [
+        ".layer-00001.safetensors.0123456789ab.tmp",
+        ".manifest.json.a1b2c3d4e5f6.tmp",
+        ".scan_stats.json.ffffffffffff.tmp",
+    ]
+    kept = [".report.html.0123456789ab.tmp", ".layer-00001.safetensors.notmine.tmp", "notes.txt"]
+    for name in left + kept:
+        (out / name).write_bytes(b"x" * 100)
+    plate_inspect.scan(qwen_ckpt.path, out, r=R)
+    assert sorted(p.name for p in out.iterdir() if p.name in left + kept) == sorted(kept)
+    with pytest.raises(plate_inspect.BundleError, match="other settings"):  # a refused scan touches nothing
+        (out / left[0]).write_bytes(b"x")
+        plate_inspect.scan(qwen_ckpt.path, out, r=R + 1)
+    assert (out / left[0]).exists()
+
+
 def test_failed_part_write_stops_the_scan_with_its_error_and_keeps_finished_parts(tmp_path, qwen_ckpt, monkeypatch):
     # parts are written by a second thread: its error must surface, and a rerun resumes from what it wrote
     from plate_inspect.bundle import BundleWriter
