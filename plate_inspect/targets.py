@@ -620,7 +620,13 @@ def select_targets(
             chosen = [t for t in chosen if "language_model." in t.name]
             note += " (language model only)"
     else:
-        why = f"unknown model_type '{model_type}'" if model_type else "no model_type in config.json"
+        why = (
+            f"unknown model_type '{model_type}'"
+            if model_type
+            else "no model_type in config.json"
+            if ckpt.config
+            else "no config.json beside the weights"
+        )
         chosen = [
             t
             for t in candidates

@@ -15,7 +15,8 @@ from plate_inspect.targets import layer_of, module_type_of, parse_layers, select
 
 def write(tmp_path, tensors, config):
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    if config is not None:  # None: no config.json at all
+        (tmp_path / "config.json").write_text(json.dumps(config))
     return Checkpoint.open(tmp_path)
 
 
@@ -75,6 +76,11 @@ def test_unknown_model_type_falls_back_and_says_so(tmp_path):
     chosen, note = select_targets(write(tmp_path, t, {"model_type": "mystery"}))
     assert [x.name for x in chosen] == ["enc.0.mix"]
     assert "unknown model_type 'mystery'" in note
+    for config, why in (({"architectures": ["X"]}, "no model_type in config.json"), (None, "no config.json beside")):
+        where = tmp_path / why.replace(" ", "-")
+        where.mkdir()
+        _, note = select_targets(write(where, t, config))
+        assert note.startswith(why), note
 
 
 def test_unknown_model_type_keeps_to_the_numbered_layers(tmp_path):
