@@ -590,6 +590,18 @@ def foreign_safetensors(path: Path) -> list[Path]:
     return [f for f in sorted(path.glob("*.safetensors")) if not PART_FILE_NAME.fullmatch(f.name)]
 
 
+def refuse_foreign_safetensors(path: Path, even: str = "", elsewhere: str = "choose another --out") -> None:
+    """BundleError for a directory holding a model's safetensors files (``--out`` given as the checkpoint's own
+    directory): a bundle needs a directory of its own, and nothing of a model's is ever deleted."""
+    foreign = foreign_safetensors(path)
+    if foreign:
+        names = ", ".join(f.name for f in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise BundleError(
+            f"{path}: holds safetensors files that are not parts of a PLATE bundle ({names}): a model checkpoint? A "
+            f"bundle needs a directory of its own, and nothing here is deleted{even}; {elsewhere}"
+        )
+
+
 def finished_modules(path: Path, manifest: Manifest) -> dict[str, ModuleRecord]:
     """Planned modules whose part files (made with the manifest's settings and variant) are already written."""
     found: dict[str, ModuleRecord] = {}
@@ -703,14 +715,7 @@ class BundleWriter:
         checkpoint's own directory) is refused, with or without ``overwrite``: nothing of it is deleted.
         """
         existing = self.path / MANIFEST
-        foreign = foreign_safetensors(self.path)
-        if foreign:
-            names = ", ".join(f.name for f in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-            raise BundleError(
-                f"{self.path}: holds safetensors files that are not parts of a PLATE bundle ({names}): a model "
-                "checkpoint? A bundle needs a directory of its own, and nothing here is deleted, even with "
-                f"{self._overwrite_hint}; {self._elsewhere_hint}"
-            )
+        refuse_foreign_safetensors(self.path, f", even with {self._overwrite_hint}", self._elsewhere_hint)
         if existing.exists() and not self.overwrite:
             try:
                 old = Manifest.from_json(json.loads(existing.read_text()), existing)

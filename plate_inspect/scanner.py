@@ -39,9 +39,9 @@ from plate_inspect.bundle import (
     ModuleRecord,
     ScanSettings,
     changed_since_baseline,
-    foreign_safetensors,
     geometry_digest,
     read_part_tensors,
+    refuse_foreign_safetensors,
     scores_digest,
     weight_key,
 )
@@ -54,6 +54,7 @@ from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callbac
 from plate_inspect.targets import (
     FAMILY_TARGETS,
     TargetModule,
+    layer_entry,
     layer_of,
     load_target,
     module_type_of,
@@ -149,7 +150,8 @@ def refuse_misshapen_weights(ckpt: Checkpoint, targets: list[TargetModule], sett
     model_type = ckpt.config.get("model_type")
     if not settings.target_modules and isinstance(model_type, str):
         types |= set(FAMILY_TARGETS.get(model_type, ()))
-    layers = set(settings.layers) if settings.layers is not None else None
+    # the selected indices, in any stack (a 'decoder:3' entry checks every stack's layer 3: a refusal check may be wide)
+    layers = {i for _, i in map(layer_entry, settings.layers)} if settings.layers is not None else None
     for name, weight in ckpt.logical_weights().items():
         module = name.removesuffix(".weight")
         layer = layer_of(module)
@@ -177,13 +179,8 @@ def check_out_dir(out: str | os.PathLike) -> None:
         raise BundleError(f"{out}: cannot write the bundle: {what} a file, not a directory; choose another --out")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise BundleError(f"{existing}: output directory is not writable; choose another --out")
-    foreign = foreign_safetensors(out) if existing == out else []
-    if foreign:
-        names = ", ".join(f.name for f in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise BundleError(
-            f"{out}: holds safetensors files that are not parts of a PLATE bundle ({names}): a model checkpoint? A "
-            "bundle needs a directory of its own (nothing here is deleted); choose another --out"
-        )
+    if existing == out:
+        refuse_foreign_safetensors(out)
 
 
 def scan(

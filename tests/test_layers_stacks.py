@@ -172,3 +172,19 @@ def test_audit_of_a_one_stack_bundle_names_the_models_stacks(models, tmp_path):
             plate_inspect.audit(path, path, decoder, layers=[entry])
     with pytest.raises(ConfigError, match=r"the decoder stack \(decoder.block\) has 3 layers \(0-2\), no layer 3"):
         plate_inspect.audit(path, path, decoder, layers=["decoder:3"])
+
+
+def test_a_misshapen_weight_in_a_selected_stack_layer_is_refused(models, tmp_path):
+    """The not-2-D check covers stack-qualified selections too (it compared 'decoder:1' with layer ints: skipped)."""
+    from safetensors.torch import load_file, save_file
+
+    source, _ = models["bart"]
+    broken = tmp_path / "bart"
+    broken.mkdir()
+    (broken / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / "model.safetensors"))
+    name = "model.decoder.layers.1.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].flatten().contiguous()
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(plate_inspect.CheckpointError, match=f"tensor '{name}' has shape \\[1024\\]"):
+        plate_inspect.scan(broken, tmp_path / "out", r=4, layers=["decoder:1"])
