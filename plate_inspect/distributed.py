@@ -44,6 +44,8 @@ EIGENSOLVE_WEIGHT = 2.0
 HEARTBEAT_SECONDS = 2.0
 #: A rank whose counter has not moved for this long while others wait for it is taken as dead or stopped.
 SILENCE_LIMIT_SECONDS = 30.0
+#: A rank still waiting for the others to join the process group after this long says so on stderr (and again).
+JOIN_NOTE_SECONDS = 60.0
 #: How often a waiting rank looks at the store (arrivals, failures, heartbeats).
 POLL_SECONDS = 0.25
 #: Target tensors whose stored bytes every rank samples for the plan's identity (more are subsampled evenly).
@@ -341,7 +343,8 @@ def join() -> Iterator[Coordinator]:
     info = rank_from_env()
     created = False
     if info.world_size > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+        with _waiting_note(info):
+            torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
         created = True
     store = _job_store() if info.world_size > 1 else None
     group = Coordinator(info, store, f"plate-inspect/scan-{next(_JOINED)}/")
@@ -354,6 +357,36 @@ def join() -> Iterator[Coordinator]:
         group.close()
         if created:
             torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _waiting_note(info: RankInfo) -> Iterator[None]:
+    """Say on stderr, every :data:`JOIN_NOTE_SECONDS`, that this rank is still waiting for the others to join.
+
+    Joining waits as long as :data:`COLLECTIVE_TIMEOUT` (a rank may still be planning, or fetching the model into
+    its node's cache), silently: a rank that failed before it joined (its model path missing on its node) or was
+    never started (WORLD_SIZE left in a shell's environment) would leave the others waiting without a word."""
+    done = threading.Event()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+    def note() -> None:
+        waited = 0.0
+        while not done.wait(JOIN_NOTE_SECONDS):
+            waited += JOIN_NOTE_SECONDS
+            print(
+                f"plate-inspect: rank {info.rank} has waited {waited:.0f} s for the other ranks of WORLD_SIZE="
+                f"{info.world_size} to join at {where}; a rank that failed before joining (see its output) or was "
+                "never started leaves the others waiting: if so, stop the job",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    thread = threading.Thread(target=note, name="plate-join-note", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _job_store() -> Any:

@@ -308,3 +308,40 @@ def test_a_stopped_rank_fails_the_job_fast_and_the_rerun_gives_the_single_proces
         Bundle.load(out)
     run(torchrun("--no-python", "--", EXE, "scan", str(four_layers.path), "--out", str(out), "--r", "8", "--quiet"))
     assert_same_bundle(reference, out)
+
+
+_LONELY_RANK = textwrap.dedent(
+    """
+    import sys
+    from plate_inspect import distributed, scanner
+
+    distributed.JOIN_NOTE_SECONDS = 1.0
+    scanner.scan(sys.argv[1], sys.argv[2], r=8)
+    """
+)
+
+
+def test_a_rank_waiting_for_ranks_that_never_join_says_so(four_layers, tmp_path):
+    """WORLD_SIZE=2 left in the environment (or the other rank failed before it joined): the one rank used to wait
+    in init_process_group without a word (for gloo's 24 h timeout here); now it says what it waits for."""
+    script = tmp_path / "lonely.py"
+    script.write_text(_LONELY_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
+    port = str(distributed._free_port())
+    env.update(ONE_THREAD, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    proc = subprocess.Popen([sys.executable, str(script), str(four_layers.path), str(tmp_path / "b")], env=env,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = ""
+        timer = threading.Timer(60, proc.kill)  # without the note: nothing is ever printed
+        timer.start()
+        while "plate-inspect:" not in line and proc.poll() is None:
+            line = proc.stderr.readline()
+        timer.cancel()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert line.startswith(
+        f"plate-inspect: rank 0 has waited 1 s for the other ranks of WORLD_SIZE=2 to join at 127.0.0.1:{port}; a "
+        "rank that failed before joining (see its output) or was never started leaves the others waiting"
+    ), line
