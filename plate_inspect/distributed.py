@@ -349,7 +349,8 @@ def join() -> Iterator[Coordinator]:
     store = _job_store() if info.world_size > 1 else None
     group = Coordinator(info, store, f"plate-inspect/scan-{next(_JOINED)}/")
     try:
-        yield group
+        with _sigterm_interrupts(info):
+            yield group
     except BaseException as e:
         group.report_failure(e)
         raise
@@ -357,6 +358,37 @@ def join() -> Iterator[Coordinator]:
         group.close()
         if created:
             torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts(info: RankInfo) -> Iterator[None]:
+    """On rank 0 of a torchrun job, SIGTERM raises KeyboardInterrupt while the scan runs, so it ends as after a
+    Ctrl-C: the CLI's one line says that finished parts are kept and to rerun the same command.
+
+    torchrun stops every rank with SIGTERM when one fails (a killed rank, another node's error); rank 0 used to
+    die silently, leaving only torchrun's report, which names the failed rank but not how to go on. Only in the
+    main thread, only over the default handler (never a program's own), restored after; not for ``--devices``
+    workers, which their parent stops and reports itself."""
+    import signal
+
+    if (
+        info.world_size == 1
+        or not info.is_root
+        or "TORCHELASTIC_RUN_ID" not in os.environ
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
