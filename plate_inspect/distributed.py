@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -442,6 +443,30 @@ def rank_device(device: torch.device, info: RankInfo) -> torch.device:
             "run at most one process per GPU (--nproc-per-node)"
         )
     return torch.device("cuda", info.local_rank)
+
+
+# --------------------------------------------------------------------------- the shared output directory
+def require_shared_out(out: str | os.PathLike, files_by_rank: Sequence[Sequence[str]]) -> None:
+    """Rank 0, once every rank's parts are written: BundleError unless it sees every part file each rank wrote.
+
+    Ranks given node-local directories under one path (``--out /scratch/b`` on every node), or another ``--out``
+    each, write their shares into their own directories; rank 0 would mark a manifest complete whose part files
+    sit elsewhere (``info``: "missing: N part files"). Meant for ``scanner._finish`` before the manifest is
+    finalised, so that the bundle stays unfinished and the message says what to change."""
+    from plate_inspect.formatting import counted
+
+    root = Path(out)
+    unseen = {rank: [f for f in files if not (root / f).is_file()] for rank, files in enumerate(files_by_rank)}
+    unseen = {rank: files for rank, files in unseen.items() if files}
+    if not unseen:
+        return
+    ranks = sorted(unseen)
+    n = sum(len(files) for files in unseen.values())
+    raise BundleError(
+        f"{root}: rank 0 does not see {counted(n, 'part file')} that rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))} wrote there (e.g. {unseen[ranks[0]][0]}): --out must be one directory that "
+        "every rank shares (a shared filesystem at the same path on every node); give one and rerun the same command"
+    )
 
 
 # --------------------------------------------------------------------------- sharing the work

@@ -382,3 +382,19 @@ def test_rank_0_stopped_by_torchrun_says_how_to_resume(four_layers, tmp_path):
     assert "exitcode  : -9" in died.stderr and "rank      : 1" in died.stderr  # torchrun's report: rank 1 was killed
     output = died.stdout + died.stderr
     assert output.count("interrupted: finished modules are saved; rerun the same command to resume") == 1, output
+
+
+def test_require_shared_out_names_the_parts_rank_0_cannot_see(tmp_path):
+    """Ranks 1 and 2 wrote their parts into their own node-local directories: rank 0 must not mark its manifest
+    complete. (The check for scanner._finish; the files here are planted by hand.)"""
+    (tmp_path / "layer-00000.safetensors").write_bytes(b"x")
+    distributed.require_shared_out(tmp_path, [["layer-00000.safetensors"], [], []])  # everything visible: no error
+    with pytest.raises(BundleError) as caught:
+        distributed.require_shared_out(
+            tmp_path, [["layer-00000.safetensors"], ["layer-00001.safetensors"], ["layer-00002.safetensors"]]
+        )
+    assert str(caught.value) == (
+        f"{tmp_path}: rank 0 does not see 2 part files that ranks 1, 2 wrote there (e.g. layer-00001.safetensors): "
+        "--out must be one directory that every rank shares (a shared filesystem at the same path on every node); "
+        "give one and rerun the same command"
+    )
