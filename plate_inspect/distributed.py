@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import heapq
+import itertools
+import math
 import multiprocessing
 import os
 import queue as queue_mod
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -35,6 +41,18 @@ T = TypeVar("T")
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 #: Relative cost of an eigensolve of the s x s Gram matrix per s^3, against forming it (s^2 * l multiply-adds).
 EIGENSOLVE_WEIGHT = 2.0
+#: Every rank bumps its counter in the job's store this often, from a thread, while it takes part in a scan.
+HEARTBEAT_SECONDS = 2.0
+#: A rank whose counter has not moved for this long while others wait for it is taken as dead or stopped.
+SILENCE_LIMIT_SECONDS = 30.0
+#: A rank still waiting for the others to join the process group after this long says so on stderr (and again).
+JOIN_NOTE_SECONDS = 60.0
+#: How often a waiting rank looks at the store (arrivals, failures, heartbeats).
+POLL_SECONDS = 0.25
+#: Target tensors whose stored bytes every rank samples for the plan's identity (more are subsampled evenly).
+WEIGHT_SAMPLES = 1024
+#: Bytes sampled from the middle of each of them.
+SAMPLE_BYTES = 4096
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -53,6 +71,11 @@ class RankInfo:
 
 def rank_from_env() -> RankInfo:
     """The job this process belongs to; a single process when WORLD_SIZE is unset or 1."""
+    if os.environ.get("RANK", "0").strip() != "0" and "WORLD_SIZE" not in os.environ:
+        raise ConfigError(
+            f"RANK={os.environ['RANK']} is set but WORLD_SIZE is not (torchrun sets both): unset RANK for a "
+            "single-process scan, or launch distributed scans with torchrun"
+        )
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
@@ -61,16 +84,35 @@ def rank_from_env() -> RankInfo:
         raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is not a rank of WORLD_SIZE={world}")
-    if world > 1 and "MASTER_ADDR" not in os.environ:
-        raise ConfigError("WORLD_SIZE > 1 but MASTER_ADDR is unset: launch distributed scans with torchrun")
+    missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if world > 1 and var not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={world} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} unset: launch "
+            "distributed scans with torchrun (or unset WORLD_SIZE and RANK for a single-process scan)"
+        )
     return RankInfo(rank, world, local)
 
 
 class Coordinator:
-    """What a scan needs from a process group: the root's verdict for everyone, everyone's results at the root."""
+    """What a scan needs from a process group: the root's verdict for everyone, everyone's results at the root.
 
-    def __init__(self, info: RankInfo):
+    With a ``store`` (the job's key-value store), a rank reaching a collective first waits there, polling, until
+    every rank has arrived: a rank that failed (its error is posted by :func:`join`) or stopped giving heartbeats
+    is named on every rank at once (:class:`~plate_inspect.errors.BundleError`), instead of the others waiting
+    at the collective for as long as its timeout (gloo: hours for a stopped rank; a killed one ends the
+    collective with gloo's traceback only). Without a store the collectives wait as gloo does.
+    """
+
+    def __init__(self, info: RankInfo, store: Any = None, prefix: str = ""):
         self.info = info
+        self._store, self._prefix = store, prefix
+        self._steps = itertools.count()
+        self._failed: str | None = None  # the failure this rank has reported (so join does not report it again)
+        self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
+        if store is not None and info.world_size > 1:
+            self._beats = threading.Thread(target=self._heartbeat, name="plate-heartbeat", daemon=True)
+            self._beats.start()
 
     @property
     def rank(self) -> int:
@@ -94,7 +136,7 @@ class Coordinator:
                 outcome = (False, e)
         if self.world_size > 1:
             box = [outcome]
-            torch.distributed.broadcast_object_list(box, src=0)
+            self._collective(lambda: torch.distributed.broadcast_object_list(box, src=0))
             outcome = box[0]
         ok, value = outcome
         if not ok:
@@ -126,8 +168,107 @@ class Coordinator:
         if self.world_size == 1:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_root else None
-        torch.distributed.gather_object(obj, out, dst=0)
+        self._collective(lambda: torch.distributed.gather_object(obj, out, dst=0))
         return out
+
+    # ----------------------------------------------------------------------- failing fast
+    def report_failure(self, error: BaseException) -> None:
+        """Post this rank's error to the store, for the ranks waiting for it (best effort: never raises)."""
+        if self._store is None or self.world_size == 1 or self._failed is not None:
+            return
+        what = "interrupted" if isinstance(error, KeyboardInterrupt) else _one_line(error)
+        self._post_failure(self.rank, f"rank {self.rank} failed: {what}; {_RESUME}")
+
+    def close(self) -> None:
+        """Stop the heartbeat thread."""
+        self._stop.set()
+        if self._beats is not None:
+            self._beats.join(timeout=5)
+
+    def _key(self, *parts: object) -> str:
+        return self._prefix + "/".join(map(str, parts))
+
+    def _heartbeat(self) -> None:
+        """Bump this rank's counter until closed (its own store connection where the store can clone one)."""
+        store = self._store
+        with contextlib.suppress(Exception):
+            store = store.clone()
+        key = self._key("alive", self.rank)
+        while True:
+            with contextlib.suppress(Exception):  # a lost store is noticed (and named) by the waiting side
+                store.add(key, 1)
+            if self._stop.wait(HEARTBEAT_SECONDS):
+                return
+
+    def _post_failure(self, rank: int, message: str) -> None:
+        self._failed = message
+        with contextlib.suppress(Exception):
+            self._store.set(self._key("failed", rank), message)
+            self._store.add(self._key("failures"), 1)
+
+    def _collective(self, run: Callable[[], None]) -> None:
+        """Wait until every rank has arrived (failing fast, see the class), then run the collective ``run``."""
+        self._arrive()
+        try:
+            run()
+        except RuntimeError as e:  # gloo: a peer's connection closed (it died) during the collective
+            raise BundleError(f"lost contact with another rank during the scan ({_one_line(e)}); {_RESUME}") from None
+
+    def _arrive(self) -> None:
+        if self._store is None:
+            return
+        arrived = self._key("arrived", next(self._steps))
+        watched = range(self.world_size) if self.is_root else [0]  # rank 0 watches everyone, the others rank 0
+        seen: dict[int, tuple[int, float]] = {}
+        pause = 0.002  # doubling up to POLL_SECONDS: ranks that arrive together pass in milliseconds
+        try:
+            self._store.add(arrived, 1)
+            while self._store.add(arrived, 0) < self.world_size:
+                if self._store.add(self._key("failures"), 0) > 0:
+                    raise BundleError(self._first_failure())
+                now = time.monotonic()
+                for rank in watched:
+                    beats = self._store.add(self._key("alive", rank), 0)
+                    if rank not in seen or seen[rank][0] != beats:
+                        seen[rank] = (beats, now)
+                    elif now - seen[rank][1] > SILENCE_LIMIT_SECONDS and rank != self.rank:
+                        message = (
+                            f"rank {rank} has given no sign of life for {SILENCE_LIMIT_SECONDS:.0f} s (killed, "
+                            f"stopped, or its node is down): stop the job; {_RESUME}"
+                        )
+                        self._post_failure(rank, message)
+                        raise BundleError(message)
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_SECONDS)
+        except PlateInspectError:
+            self._failed = self._failed or "reported"
+            raise
+        except RuntimeError as e:  # the store itself is gone (torch raises DistNetworkError, a RuntimeError)
+            self._failed = "store lost"
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise BundleError(
+                f"lost contact with the job's store at {where} ({_one_line(e)}): the process that held it (torchrun's "
+                f"agent on the first node, or rank 0) is gone; {_RESUME}"
+            ) from None
+
+    def _first_failure(self) -> str:
+        for rank in range(self.world_size):
+            key = self._key("failed", rank)
+            if self._store.check([key]):
+                return self._store.get(key).decode(errors="replace")
+        return f"another rank failed; {_RESUME}"
+
+
+_RESUME = "the part files finished so far are kept: rerun the same command to resume (with any number of ranks)"
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one short line: its type (for non-plate-inspect errors) and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if not isinstance(error, PlateInspectError):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _first_difference(root: dict[str, Any], other: dict[str, Any], rank: int) -> str:
@@ -149,34 +290,146 @@ def _short(value: Any, limit: int = 120) -> str:
 
 def plan_identity(plan: ScanPlan) -> dict[str, Any]:
     """What every rank of one scan must agree on: the settings, the planned modules (name and shape) and the
-    checkpoint's identity (its tensors and file sizes, not its path: nodes may mount it elsewhere)."""
-    return {
+    checkpoint's identity (its tensors and file sizes, not its path: nodes may mount it elsewhere); in a job of
+    several ranks also a sample of the weights' bytes (:func:`weight_sample`)."""
+    identity = {
         "settings": plan.settings.to_json(),
         "modules": f"{len(plan.targets)} modules, " + _digest([(t.name, list(t.shape)) for t in plan.targets]),
         "checkpoint": plan.checkpoint.signature(),
     }
+    if rank_from_env().world_size > 1:
+        identity["weight bytes"] = weight_sample(plan)
+    return identity
+
+
+def weight_sample(plan: ScanPlan) -> str:
+    """A digest of :data:`SAMPLE_BYTES` from the middle of each target tensor's stored bytes (at most
+    :data:`WEIGHT_SAMPLES` tensors, evenly spaced by name).
+
+    Other weights with the same names, shapes and file sizes (an older revision in one node's hub cache, a stale
+    copy on one node) pass :meth:`Checkpoint.signature`, and a rank scanning them would silently put their
+    geometry into the bundle; a retrained or fine-tuned weight differs in almost every byte, so the sample
+    catches it. The bytes read are not counted as the scan's (``bytes_read``)."""
+    ckpt = plan.checkpoint
+    names = sorted({t.tensor.name for t in plan.targets})
+    step = max(1, math.ceil(len(names) / WEIGHT_SAMPLES))
+    h = hashlib.sha256()
+    counted = ckpt.bytes_read
+    try:
+        for name in names[::step]:
+            size = ckpt.tensors[name].nbytes
+            length = min(SAMPLE_BYTES, size)
+            h.update(ckpt.read_bytes(name, (size - length) // 2, length))
+    finally:
+        ckpt.bytes_read = counted
+    return f"sha256:{h.hexdigest()[:16]} over {len(names[::step])} tensors"
 
 
 def _digest(obj: Any) -> str:
-    import hashlib
     import json
 
     return "sha256:" + hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
 
 
+#: Scans this process has joined: every rank counts the same, so each scan's keys in the store are its own.
+_JOINED = itertools.count()
+
+
 @contextlib.contextmanager
 def join() -> Iterator[Coordinator]:
-    """The process group of this job (created from torchrun's env:// variables if needed, torn down after)."""
+    """The process group of this job (created from torchrun's env:// variables if needed, torn down after).
+
+    An error on this rank is posted to the job's store before it propagates, so that ranks waiting for this one
+    fail at once with its message (:class:`Coordinator`)."""
     info = rank_from_env()
     created = False
     if info.world_size > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+        with _waiting_note(info):
+            torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
         created = True
+    store = _job_store() if info.world_size > 1 else None
+    group = Coordinator(info, store, f"plate-inspect/scan-{next(_JOINED)}/")
     try:
-        yield Coordinator(info)
+        with _sigterm_interrupts(info):
+            yield group
+    except BaseException as e:
+        group.report_failure(e)
+        raise
     finally:
+        group.close()
         if created:
             torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts(info: RankInfo) -> Iterator[None]:
+    """On rank 0 of a torchrun job, SIGTERM raises KeyboardInterrupt while the scan runs, so it ends as after a
+    Ctrl-C: the CLI's one line says that finished parts are kept and to rerun the same command.
+
+    torchrun stops every rank with SIGTERM when one fails (a killed rank, another node's error); rank 0 used to
+    die silently, leaving only torchrun's report, which names the failed rank but not how to go on. Only in the
+    main thread, only over the default handler (never a program's own), restored after; not for ``--devices``
+    workers, which their parent stops and reports itself."""
+    import signal
+
+    if (
+        info.world_size == 1
+        or not info.is_root
+        or "TORCHELASTIC_RUN_ID" not in os.environ
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _waiting_note(info: RankInfo) -> Iterator[None]:
+    """Say on stderr, every :data:`JOIN_NOTE_SECONDS`, that this rank is still waiting for the others to join.
+
+    Joining waits as long as :data:`COLLECTIVE_TIMEOUT` (a rank may still be planning, or fetching the model into
+    its node's cache), silently: a rank that failed before it joined (its model path missing on its node) or was
+    never started (WORLD_SIZE left in a shell's environment) would leave the others waiting without a word."""
+    done = threading.Event()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+    def note() -> None:
+        waited = 0.0
+        while not done.wait(JOIN_NOTE_SECONDS):
+            waited += JOIN_NOTE_SECONDS
+            print(
+                f"plate-inspect: rank {info.rank} has waited {waited:.0f} s for the other ranks of WORLD_SIZE="
+                f"{info.world_size} to join at {where}; a rank that failed before joining (see its output) or was "
+                "never started leaves the others waiting: if so, stop the job",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    thread = threading.Thread(target=note, name="plate-join-note", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _job_store() -> Any:
+    """The default process group's key-value store (torchrun's or rank 0's TCPStore), or None if it has none."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
 
 
 def rank_device(device: torch.device, info: RankInfo) -> torch.device:
@@ -190,6 +443,30 @@ def rank_device(device: torch.device, info: RankInfo) -> torch.device:
             "run at most one process per GPU (--nproc-per-node)"
         )
     return torch.device("cuda", info.local_rank)
+
+
+# --------------------------------------------------------------------------- the shared output directory
+def require_shared_out(out: str | os.PathLike, files_by_rank: Sequence[Sequence[str]]) -> None:
+    """Rank 0, once every rank's parts are written: BundleError unless it sees every part file each rank wrote.
+
+    Ranks given node-local directories under one path (``--out /scratch/b`` on every node), or another ``--out``
+    each, write their shares into their own directories; rank 0 would mark a manifest complete whose part files
+    sit elsewhere (``info``: "missing: N part files"). Meant for ``scanner._finish`` before the manifest is
+    finalised, so that the bundle stays unfinished and the message says what to change."""
+    from plate_inspect.formatting import counted
+
+    root = Path(out)
+    unseen = {rank: [f for f in files if not (root / f).is_file()] for rank, files in enumerate(files_by_rank)}
+    unseen = {rank: files for rank, files in unseen.items() if files}
+    if not unseen:
+        return
+    ranks = sorted(unseen)
+    n = sum(len(files) for files in unseen.values())
+    raise BundleError(
+        f"{root}: rank 0 does not see {counted(n, 'part file')} that rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))} wrote there (e.g. {unseen[ranks[0]][0]}): --out must be one directory that "
+        "every rank shares (a shared filesystem at the same path on every node); give one and rerun the same command"
+    )
 
 
 # --------------------------------------------------------------------------- sharing the work
