@@ -491,6 +491,8 @@ def _compute(
 
 def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -> Manifest:
     """Rank 0, after every rank's parts are written: the complete manifest and the merged run statistics."""
+    if world_size > 1:  # ranks with node-local directories under one --out path: no complete manifest here
+        distributed.require_shared_out(writer.path, [sorted({rec.file for rec in r.records}) for r in results])
     for result in results:
         writer.add_records(result.records)
     ranks = [r.stats for r in results]

@@ -398,3 +398,36 @@ def test_require_shared_out_names_the_parts_rank_0_cannot_see(tmp_path):
         "--out must be one directory that every rank shares (a shared filesystem at the same path on every node); "
         "give one and rerun the same command"
     )
+
+
+_OWN_OUT = textwrap.dedent(
+    """
+    import os, sys
+    from plate_inspect import scanner
+    from plate_inspect.errors import PlateInspectError
+
+    rank = int(os.environ["RANK"])
+    out = sys.argv[2] if rank == 0 else sys.argv[3]  # node-local directories: each rank sees only its own
+    try:
+        scanner.scan(sys.argv[1], out, r=8)
+        print(f"RANK {rank} scanned", flush=True)
+    except PlateInspectError as e:
+        print(f"RANK {rank} error: {e}", flush=True)
+        sys.exit(2)
+    """
+)
+
+
+def test_ranks_writing_into_directories_rank_0_cannot_see_leave_the_bundle_unfinished(four_layers, tmp_path):
+    """Node-local --out dirs: rank 1's parts land where rank 0 cannot see them. The job used to exit 0 with a
+    manifest marked complete and half its part files elsewhere; now rank 0 refuses to finish it, naming them."""
+    script = tmp_path / "own_out.py"
+    script.write_text(_OWN_OUT)
+    mine, theirs = tmp_path / "node0", tmp_path / "node1"
+    theirs.mkdir()
+    stdout = run(torchrun(str(script), str(four_layers.path), str(mine), str(theirs)), check=False).stdout
+    assert "RANK 0 error: " in stdout and "rank 0 does not see 2 part files that rank 1 wrote there" in stdout, stdout
+    assert "--out must be one directory that every rank shares" in stdout
+    assert sorted(p.name for p in theirs.glob("layer-*")) == ["layer-00001.safetensors", "layer-00003.safetensors"]
+    with pytest.raises(BundleError, match="incomplete|unfinished"):
+        Bundle.load(mine)
