@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -1010,6 +1011,7 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
     from huggingface_hub import snapshot_download
 
     patterns = ["*.safetensors", "*.json"]
+    revision = _expand_cached_commit(repo_id, revision, hf_constants.HF_HUB_CACHE)
     cached = _cached_snapshot(repo_id, revision, patterns)
     if cached is not None and _snapshot_complete(cached):
         return cached, cached.name
@@ -1038,7 +1040,8 @@ def _not_cached(repo_id: str, cached: Path | None, cache: str, revision: str | N
     if cached is None and (held := _cached_revisions(repo_id, cache)):
         return (
             f"{repo_id}: revision '{revision or 'main'}' is not in the local Hugging Face cache ({cache}; it holds "
-            f"this repo at {held}: --revision takes a branch or tag listed there, or a commit in full)"
+            f"this repo at {held}: --revision takes a branch or tag listed there, or a commit listed there (a "
+            "unique prefix will do))"
         )
     if cached is None:  # a mistyped local path reads as a repo id: say it is neither
         return (
@@ -1048,6 +1051,26 @@ def _not_cached(repo_id: str, cached: Path | None, cache: str, revision: str | N
     return (
         f"{repo_id}: not fully in the local Hugging Face cache ({cache}; missing: {', '.join(_missing_files(cached))})"
     )
+
+
+def _expand_cached_commit(repo_id: str, revision: str | None, cache: str) -> str | None:
+    """A short commit ('0123abc', as ``git log --oneline`` prints it) that starts exactly one cached snapshot of the
+    repo, as that full commit (huggingface_hub looks snapshots up by full commit only); anything else unchanged.
+    A prefix of several cached commits is refused, naming them; a branch or tag of that name wins."""
+    if revision is None or not re.fullmatch(r"[0-9a-f]{4,39}", revision):
+        return revision
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = Path(cache) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    if (folder / "refs" / revision).is_file():
+        return revision
+    found = sorted(p.name for p in (folder / "snapshots").glob(f"{revision}*") if p.is_dir())
+    if len(found) > 1:
+        raise ConfigError(
+            f"{repo_id}: revision '{revision}' starts {len(found)} cached commits ({', '.join(found[:4])}); give "
+            "more of the commit"
+        )
+    return found[0] if found else revision
 
 
 def _cached_revisions(repo_id: str, cache: str, most: int = 4) -> str:

@@ -158,7 +158,7 @@ def test_a_revision_the_cache_lacks_names_the_revisions_it_holds(hub_cache, tmp_
     """A short commit, a tag not cached, or a cache without refs/main said 'missing: the whole repo, nor is it a
     local path': wrong, the repo is there. Now: which revision is missing, and the branches and commits cached."""
     for args, revision in (
-        (["--revision", "bbbbbbb"], "bbbbbbb"),
+        (["--revision", "ccccccc"], "ccccccc"),
         (["--revision", "v1.0"], "v1.0"),
     ):
         code, output = run_fresh(hub_cache, "scan", "acme/tiny", *args, "--out", tmp_path / "o", "-q")
@@ -166,6 +166,7 @@ def test_a_revision_the_cache_lacks_names_the_revisions_it_holds(hub_cache, tmp_
         assert f"revision '{revision}' is not in the local Hugging Face cache" in output, output
         assert f"main -> {COMMIT_A}" in output and f"snapshots {COMMIT_A}, {COMMIT_B}" in output, output
         assert "the whole repo" not in output and "nor is it a local path" not in output
+        assert "a commit listed there (a unique prefix will do)" in output
     (hub_cache / "hub" / "models--acme--tiny" / "refs" / "main").unlink()  # a cache copied without refs/
     code, output = run_fresh(hub_cache, "scan", "acme/tiny", "--out", tmp_path / "o", "-q")
     assert code == 2 and "revision 'main' is not in the local Hugging Face cache" in output, output
@@ -373,3 +374,18 @@ def test_revision_with_a_local_path_is_refused_not_ignored(tmp_path, model):
     """--revision beside a local path was ignored: the user believed a revision was scanned."""
     one_error(["scan", model, "--revision", "v1.0", "--out", tmp_path / "o", "-q"], "is a local path", "--revision")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_short_commit_picks_the_one_cached_snapshot_it_starts(hub_cache, tmp_path, model):
+    """`--revision bbbbbbb` (git's short form) was 'not in the cache' beside snapshot bbbb...(40): huggingface_hub
+    looks snapshots up by full commit. Now a unique prefix scans that snapshot's bytes; a shared one is refused."""
+    snaps = hub_cache / "hub" / "models--acme--tiny" / "snapshots"
+    code, output = run_fresh(hub_cache, "scan", "acme/tiny", "--revision", "bbbbbbb", "--out", tmp_path / "b", "-q")
+    assert code == 0, output
+    source = json.loads((tmp_path / "b" / "manifest.json").read_text())["source"]
+    assert source["commit"] == COMMIT_B
+    shard = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][CHANGED]
+    assert fingerprint(tmp_path / "b", CHANGED.removesuffix(".weight")) == stored_sha(snaps / COMMIT_B / shard, CHANGED)
+    add_snapshot(snaps.parent, "b" * 8 + "c" * 32, sorted((snaps / COMMIT_B).iterdir()))
+    code, output = run_fresh(hub_cache, "scan", "acme/tiny", "--revision", "bbbbbbb", "--out", tmp_path / "c", "-q")
+    assert code == 2 and "revision 'bbbbbbb' starts 2 cached commits" in output, output
