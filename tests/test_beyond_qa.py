@@ -68,3 +68,59 @@ def test_entropy_of_a_rank_one_spectrum_is_zero(spectrum, shape):
     assert matrix_entropy([2.0, 2.0] + [0.0] * 62, 64) == pytest.approx(1.0, abs=1e-6)
     p = np.array([0.75, 0.25])
     assert matrix_entropy([3.0, 1.0, 0.0], 3) == pytest.approx(float(-(p * np.log(p)).sum() / np.log(2)), abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def gate_bundle(tmp_path_factory):
+    """A Qwen2-MoE model scanned at a low tau on q_proj (2 layers) and the one-row shared_expert_gate (r = 0)."""
+    from plate_inspect import scan
+    from plate_inspect.testing.synthetic import write_family
+
+    root = tmp_path_factory.mktemp("gate")
+    ckpt = write_family(root / "qmoe", "qwen2_moe")
+    bundle = scan(ckpt.path, root / "b", r=4, tau=0.5, max_rank=16, target_modules=["q_proj", "shared_expert_gate"])
+    return bundle, ckpt.path
+
+
+@pytest.mark.parametrize("objective", ["mean", "minimax"])
+def test_plan_with_a_zero_r_module_is_optimal_by_brute_force(gate_bundle, objective):
+    """QA: `plan --objective mean` on a bundle holding a one-row gate (r = 0: scan notes it trains nothing) ended
+    in a ZeroDivisionError traceback (captured energy per parameter, over r = 0). That module now stays at k = 1
+    (0 parameters), and the other modules' k are optimal: brute force over every allocation, with captured energy
+    from numpy's eigenvalues of W_f (W without the bundle's B rows) in float64."""
+    import itertools
+
+    from click.testing import CliRunner
+    from conftest import load_all
+
+    from plate_inspect.cli.main import cli
+    from plate_inspect.plan import plan_budget
+
+    bundle, ckpt = gate_bundle
+    weights = load_all(ckpt)
+    zero = [rec.name for rec in bundle if rec.r == 0]
+    trained = [rec for rec in bundle if rec.r > 0]
+    assert zero and len(trained) == 2 and len({rec.r for rec in trained}) == 1
+    curves = {}
+    for rec in trained:
+        w = weights[f"{rec.name}.weight"].double().numpy()
+        frozen = np.delete(w, bundle.b_idx(rec.name).numpy(), axis=0)
+        lam = np.sort(np.linalg.eigvalsh(frozen.T @ frozen).clip(0))
+        curves[rec.name] = np.concatenate([[0.0], np.cumsum(lam)]) / lam.sum()
+    r = trained[0].r
+    for budget in (r * 2, r * 5, r * 9, r * 17):
+        plan = plan_budget(bundle, str(budget), objective).to_json()
+        assert all(plan["modules"][n]["k"] == 1 and plan["modules"][n]["params"] == 0 for n in zero)
+        ks = [plan["modules"][rec.name]["k"] for rec in trained]
+        spent = r * sum(ks)
+        assert plan["budget"]["spent"] == spent == min(budget, r * sum(rec.k for rec in trained))
+
+        def score(alloc):
+            levels = [curves[rec.name][k] for rec, k in zip(trained, alloc, strict=True)]
+            return max(levels) if objective == "minimax" else sum(levels)
+
+        allocs = itertools.product(*[range(1, rec.k + 1) for rec in trained])
+        best = min(score(a) for a in allocs if r * sum(a) == spent)
+        assert score(ks) <= best + 1e-9, (budget, ks)
+    result = CliRunner().invoke(cli, ["plan", str(bundle.path), "--budget", "1%", "--objective", objective, "--json"])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
