@@ -109,8 +109,8 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
     if rounded:
         n = sum(1 for rec in records if rec.base_rounded_to)
         console.print(
-            f"note: TUNED stores {counted(n, 'module')} in {'/'.join(rounded)}, coarser than BASE: dW = TUNED - BASE "
-            "rounded to that dtype, so the storage rounding alone is not counted as an update",
+            f"note: TUNED stores {counted(n, 'module')} in {'/'.join(rounded)}, which does not hold BASE's values "
+            "exactly: dW = TUNED - BASE rounded to that dtype, so the storage rounding alone is not an update",
             soft_wrap=True,
         )
     if report is not None:

@@ -165,4 +165,6 @@ def test_a_bf16_save_of_an_fp32_fine_tune_scores_its_update_not_the_rounding(tmp
         assert rec.protected_input_share < 1e-3  # the B rows' bf16 rounding only (chance is 0.38-0.61)
     res = CliRunner().invoke(cli, ["audit", str(ckpt.parent), str(tmp_path / "copy16"), "--bundle", str(bundle.path)])
     assert res.exit_code == 0 and "model: 0/3 modules changed" in res.output, res.output
-    assert "note: TUNED stores 3 modules in bfloat16, coarser than BASE: dW = TUNED - BASE rounded" in res.output
+    assert "note: TUNED stores 3 modules in bfloat16, which does not hold BASE's values exactly: dW = TUNED - BASE" in (
+        res.output
+    )
