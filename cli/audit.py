@@ -10,6 +10,7 @@ from rich import box
 from rich.table import Table
 
 from plate_inspect.cli.common import console, progress_bar, split_names
+from plate_inspect.formatting import counted
 from plate_inspect.targets import check_target_patterns, parse_layers
 
 
@@ -104,5 +105,13 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
             "to score; check that TUNED is the fine-tuned model)"
         )
     console.print(line, soft_wrap=True)  # one line, as scripts grep it, whatever the terminal width
+    rounded = sorted({rec.base_rounded_to for rec in records if rec.base_rounded_to})
+    if rounded:
+        n = sum(1 for rec in records if rec.base_rounded_to)
+        console.print(
+            f"note: TUNED stores {counted(n, 'module')} in {'/'.join(rounded)}, which does not hold BASE's values "
+            "exactly: dW = TUNED - BASE rounded to that dtype, so the storage rounding alone is not an update",
+            soft_wrap=True,
+        )
     if report is not None:
         console.print(f"report: {report}")

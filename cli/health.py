@@ -101,7 +101,8 @@ def health_command(bundle, as_json, experts):
         )
     alphas = [h["alpha"] for h in records.values() if h.get("alpha") is not None]
     unfitted = len(records) - len(alphas)
-    without = f"; {counted(unfitted, 'module')} without a fit (too few eigenvalues for a tail)" if unfitted else ""
+    why = "too few eigenvalues for a tail, or a flat one"
+    without = f"; {counted(unfitted, 'module')} without a fit ({why})" if unfitted else ""
     if alphas:
         inside = sum(1 for a in alphas if 2 <= a <= 6)
         console.print(f"alpha: mean {sum(alphas) / len(alphas):.3f}; {inside}/{len(alphas)} modules in [2, 6]{without}")

@@ -8,6 +8,9 @@ bundle's, or chosen exactly as the scan chooses them) and W_f the rows outside B
 - ``frozen_row_share`` = the share of ||dW||_F^2 on rows outside B;
 - ``delta_norm`` = ||dW||_F and ``relative_delta`` = ||dW||_F / ||W||_F.
 
+A fine-tuned checkpoint stored coarser than BASE (bf16 of an fp32 base) gives dW = TUNED - BASE rounded to TUNED's
+dtype (:func:`rounded_like`): the rounding of the save is not an update.
+
 A PLATE update (rows in B, inputs in the bottom eigenspace Q) scores 0 on both; a dense isotropic random update
 scores m(tau)/d_in on the first and (d_out - r)/d_out on the second. Per-module ``risk`` = ||dW P||_F / ||W||_F
 (the update's size inside the protected directions, relative to the weight) ranks modules.
@@ -110,6 +113,17 @@ def delta_times(delta: Delta, v: torch.Tensor) -> torch.Tensor:
     return matmul(delta.left, matmul(delta.right, v).contiguous())
 
 
+def rounded_like(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` rounded to a coarser floating storage ``dtype`` (bf16, f16) and back; ``weight`` itself when
+    ``dtype`` is not coarser. A TUNED stored coarser than BASE (a bf16 save of an fp32 model) is compared with BASE
+    rounded as TUNED's storage rounds it, so the storage rounding of every weight is not scored as an update; a
+    value outside ``dtype``'s range keeps BASE's."""
+    if not dtype.is_floating_point or torch.finfo(dtype).eps <= torch.finfo(weight.dtype).eps:
+        return weight
+    rounded = weight.to(dtype).to(weight.dtype)
+    return torch.where(torch.isfinite(rounded), rounded, weight)
+
+
 # --------------------------------------------------------------------------- the protected input directions
 @dataclass
 class ProtectedSubspace:
@@ -168,6 +182,7 @@ class AuditRecord:
     r: int = 0  # |B|
     weight_norm: float = 0.0  # ||W||_F
     protected_norm: float = 0.0  # ||dW P||_F
+    base_rounded_to: str | None = None  # TUNED's coarser dtype (dW = TUNED - BASE rounded to it), else None
 
     @property
     def chance_share(self) -> float:
@@ -328,6 +343,7 @@ class CheckpointUpdate(UpdateSource):
     def __post_init__(self) -> None:
         self.description = f"fine-tuned checkpoint {self.tuned.root}"
         self._modules: dict[str, TargetModule] | None = None
+        self.rounded: dict[str, str] = {}  # module -> TUNED's coarser dtype, where BASE was rounded to it
 
     @property
     def modules(self) -> dict[str, TargetModule]:
@@ -372,7 +388,10 @@ class CheckpointUpdate(UpdateSource):
                 f"fine-tuned checkpoint but {list(target.shape)} in the base; they are not the same architecture"
             )
         tuned, _ = load_target(self.tuned, mine)
-        out = tuned.to(base_weight.dtype) - base_weight
+        reference = rounded_like(base_weight, tuned.dtype)
+        if reference is not base_weight and not torch.equal(reference, base_weight):
+            self.rounded[target.name] = str(tuned.dtype).removeprefix("torch.")
+        out = tuned.to(base_weight.dtype) - reference
         if not bool(torch.isfinite(out).all()):
             where = f"tensor '{mine.logical_name}'" + (f" (expert {mine.expert})" if mine.expert is not None else "")
             raise CheckpointError(f"{mine.tensor.file.name}: {where} contains NaN or Inf values")
@@ -781,7 +800,10 @@ def audit(
             )
             b_idx = select_redundant_rows(scores, effective_r(r, target.shape[0]))
         delta = source.delta(target, weight)
-        records.append(audit_update(target.name, weight, delta, b_idx, tau))
+        record = audit_update(target.name, weight, delta, b_idx, tau)
+        if isinstance(source, CheckpointUpdate):
+            record.base_rounded_to = source.rounded.get(target.name)
+        records.append(record)
         del weight, delta
         counter.step(target.name)
     return records

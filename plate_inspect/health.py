@@ -19,7 +19,7 @@ Conventions, matched to weightwatcher 0.7.7 (read from its source; tested agains
 - **alpha_weighted** = alpha * log10(lambda_max); **spectral_norm** = lambda_max (the squared largest singular
   value, as WeightWatcher reports it); **stable_rank** = sum(lambda) / lambda_max.
 - **entropy** (matrix entropy): p = lambda / sum(lambda) + 1e-10, -sum p log p / log(rank), rank = singular values
-  above s_max * N * eps(float64), N = the larger dimension.
+  above s_max * N * eps(float64), N = the larger dimension; 0 for rank one (weightwatcher's ~1e3 there is 0/0).
 - **Marchenko-Pastur** (``mp_softrank``, ``num_spikes``, ``sigma_mp``): eigenvalues rescaled to mean 1, Q = N/M
   (N >= M); a linear-kernel density estimate (bandwidth 0.1) is fitted by the MP density (quarter circle on
   singular values when Q = 1) over sigma on a brute-force grid polished by Nelder-Mead; bulk edge
@@ -69,7 +69,8 @@ class PowerLawFit:
 
 def fit_power_law(spectrum: Spectrum) -> PowerLawFit | None:
     """Power-law fit of the spectrum's tail (see the module docstring); None when no tail can be fitted: fewer than
-    2 eigenvalues > 1e-5, or, in the small-sample fit, no tail of 8 or more with a positive log-spread."""
+    2 eigenvalues > 1e-5, in the small-sample fit no tail of 8 or more with a positive log-spread, or a best tail
+    that is flat (alpha infinite: weightwatcher reports inf, which JSON cannot hold)."""
     evals = _as_numpy(spectrum)
     data = np.sort(evals[evals > PL_THRESHOLD])
     n_all = len(data)
@@ -93,6 +94,8 @@ def fit_power_law(spectrum: Spectrum) -> PowerLawFit | None:
     score = np.where(fitted, ds - 0.868 / np.sqrt(n), np.inf)
     best = int(np.argmin(score if small else ds))
     alpha = float(alphas[best])
+    if not math.isfinite(alpha):
+        return None  # a flat tail (all its eigenvalues equal: no log-spread) has no finite exponent: no fit
     xmin = float(data[best])
     sigma = (alpha - 1.0) / math.sqrt(n_all - best)
     return PowerLawFit(alpha, xmin, float(ds[best]), sigma, int(np.sum(evals >= xmin)))
@@ -112,7 +115,10 @@ def _ks_distances(logs: np.ndarray, alphas: np.ndarray, candidates: np.ndarray) 
         rows = candidates[start : start + _KS_CHUNK]
         first = int(rows[0])
         rank = np.arange(first, n_all)[None, :] - rows[:, None]  # j: the position in each candidate's tail
-        gaps = (logs[None, first:] - logs[rows, None]) * (1.0 - alphas[rows])[:, None]
+        spread = logs[None, first:] - logs[rows, None]
+        with np.errstate(invalid="ignore"):  # 0 * inf at a tie x = xmin when alpha is inf: set just below
+            gaps = spread * (1.0 - alphas[rows])[:, None]
+        gaps[spread == 0] = 0.0  # (x / xmin)^(1 - alpha) = 1 at x = xmin for any alpha, inf too (as weightwatcher)
         with np.errstate(over="ignore"):  # x below xmin may overflow: masked below
             np.exp(gaps, out=gaps)
         np.subtract(1.0, gaps, out=gaps)
@@ -143,10 +149,16 @@ def numerical_rank(spectrum: Spectrum, n_max: int) -> int:
 
 
 def matrix_entropy(spectrum: Spectrum, n_max: int) -> float:
-    """Spectral entropy normalised by log(rank): 1 for a flat spectrum, near 0 for rank one."""
+    """Spectral entropy normalised by log(rank): 1 for a flat spectrum, 0 for rank one.
+
+    Rank one (or zero) is 0 by definition: weightwatcher's formula divides by log(1 + 1e-10) there and gives
+    ~1e3, or -1 for a single eigenvalue, which would read as off the scale."""
     evals = _as_numpy(spectrum)
+    rank = numerical_rank(evals, n_max) if np.any(evals > 0) else 0
+    if rank < 2:
+        return 0.0
     p = evals / np.sum(evals) + _ENTROPY_EPS
-    rank = numerical_rank(evals, n_max) + _ENTROPY_EPS
+    rank += _ENTROPY_EPS
     return float(-np.sum(p * np.log(p)) / np.log(rank))
 
 

@@ -115,7 +115,8 @@ def protected_tau(curve: torch.Tensor, k: int) -> float:
 def allocate(
     curves: list[torch.Tensor], ranks: list[int], k_max: list[int], budget: int, objective: str = "minimax"
 ) -> list[int]:
-    """Per-module k in [1, k_max] with sum r*k <= budget, greedily by the objective (see the module docstring)."""
+    """Per-module k in [1, k_max] with sum r*k <= budget, greedily by the objective (see the module docstring);
+    a module with r = 0 (it trains nothing) stays at k = 1."""
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     ks = [1] * len(curves)
@@ -130,7 +131,8 @@ def allocate(
         k, c = ks[i], curves[i]
         return float(c[k + 1]) if objective == "minimax" else float(c[k + 1] - c[k]) / ranks[i]
 
-    heap = [(key(i), i) for i in range(len(curves)) if ks[i] < k_max[i]]
+    # r = 0 (a one-row gate: nothing to train) keeps k = 1: its columns cost nothing and would price nothing
+    heap = [(key(i), i) for i in range(len(curves)) if ks[i] < k_max[i] and ranks[i] > 0]
     heapq.heapify(heap)
     while heap:
         _, i = heapq.heappop(heap)
