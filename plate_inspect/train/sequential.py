@@ -3,14 +3,17 @@
 ``merge_checkpoint(source, adapter, out)`` streams the source checkpoint shard by shard, adds rho B A Q^T to the
 bundle's modules (in float32, rounded once to the stored dtype, in the stored layout: ``[d_in, d_out]`` for
 GPT-2 Conv1D), and writes safetensors files with the same file names, tensor names and dtypes; ``config.json``
-and the other small JSON/tokenizer files are copied. ``sequential_step`` then rescans the merged checkpoint with
-:func:`plate_inspect.scan` (same settings as the previous bundle) so the next task starts from fresh B and Q.
+and the other small JSON/tokenizer/chat-template files (and a remote-code model's ``*.py``) are copied.
+``sequential_step`` then rescans the merged checkpoint with :func:`plate_inspect.scan` (same settings as the
+previous bundle) so the next task starts from fresh B and Q.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +34,12 @@ from plate_inspect.targets import EXPERT_LAYOUTS
 from plate_inspect.train.core import geometry_digest, merged_copy
 from plate_inspect.train.layer import module_geometry, read_adapter
 
-_COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")  # config, index, tokenizer files
+#: config, index, tokenizer and chat-template files, and a remote-code model's modeling/configuration code (its
+#: config.json's auto_map names them: without them from_pretrained(out, trust_remote_code=True) fails)
+_COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
+_INDEX = "model.safetensors.index.json"
+#: the weight files save_pretrained writes: the only ones --overwrite may remove besides an index's shards
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
 
 
 @dataclass
@@ -172,19 +180,33 @@ def _write_errors(out: Path) -> Iterator[None]:
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     """Publish the finished files: rename the temp dir to ``out``, or move its files into an existing ``out``.
 
-    With ``overwrite``, safetensors files of an earlier merge that the new one does not write are removed.
+    With ``overwrite``, the files of the checkpoint already there that the new one does not write are removed (see
+    :func:`_stale_checkpoint_files`); other files (an adapter kept there, a bundle directory) are left alone.
     """
     if not out.exists():
         os.replace(tmp, out)
         return
     new = {f.name for f in tmp.iterdir()}
     if overwrite:
-        for stale in out.glob("*.safetensors"):
-            if stale.name not in new:
-                stale.unlink()
+        for stale in _stale_checkpoint_files(out, new):
+            stale.unlink()
     for name in sorted(new):
         os.replace(tmp / name, out / name)
     tmp.rmdir()
+
+
+def _stale_checkpoint_files(out: Path, new: set[str]) -> list[Path]:
+    """The files of the checkpoint in ``out`` that a merge writing the file names ``new`` leaves stale: its index
+    (a single-file merge over a sharded one would keep an index naming deleted shards) and the shards that index
+    names, and save_pretrained's weight files (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``).
+    Any other safetensors file (an adapter, say) is not the checkpoint's and is kept."""
+    names = {f.name for f in out.iterdir() if f.is_file() and _WEIGHT_FILE.fullmatch(f.name)}
+    index = out / _INDEX
+    if index.is_file():
+        names.add(_INDEX)
+        with contextlib.suppress(OSError, ValueError, KeyError, AttributeError, TypeError):
+            names |= {Path(v).name for v in json.loads(index.read_text())["weight_map"].values()}
+    return [out / n for n in sorted(names - new) if (out / n).is_file()]
 
 
 def _tensor_from_bytes(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
