@@ -133,3 +133,33 @@ def test_verify_against_another_architecture_says_so(trained, tmp_path):
     assert sorted(report.absent) == sorted(bundle.modules) and report.changed == []
     assert any(f"has a weight for none of the bundle's {len(bundle)} modules" in n for n in report.notes)
     assert not any("below" in n for n in report.notes)
+
+
+def test_merged_files_are_synced_before_they_are_moved_into_place(trained, tmp_path, monkeypatch):
+    """QA: save_file does not fsync; a crash (power loss) after the rename could leave a complete-looking --out of
+    empty or truncated shards. Every written file and the temp dir are fsynced before the rename."""
+    import os
+
+    _, sharded, _, _, adapter, _ = trained
+    synced: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    moved: list[str] = []
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        moved.append(str(a))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "merged"
+    merge_checkpoint(sharded, adapter, out)
+    assert len(moved) == 1  # the temp dir, renamed to out in one step
+    tmp = moved[0]
+    written = {p.name for p in out.iterdir()}
+    synced_before = {os.path.basename(p) for p in synced if os.path.dirname(p) == tmp}
+    assert written <= synced_before, written - synced_before
+    assert tmp in synced and str(tmp_path) in synced  # the temp dir's entries, then the rename in its parent

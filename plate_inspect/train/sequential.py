@@ -155,7 +155,9 @@ def merge_checkpoint(
             mode = new_file_mode(tmp)  # save_file writes 0o600, copy2 keeps the source's mode: as any new file
             for written in tmp.iterdir():
                 os.chmod(written, mode)
+            _sync(tmp)
             _move_into_place(tmp, out, overwrite)
+            _sync(out.parent, files=False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -175,6 +177,27 @@ def _write_errors(out: Path) -> Iterator[None]:
         raise CheckpointError(
             f"{out}: cannot write the merged checkpoint ({reason}); free space or choose another --out"
         ) from None
+
+
+def _sync(directory: Path, files: bool = True) -> None:
+    """fsync the files in ``directory`` (``files``) and the directory itself: after a crash (power loss) a merged
+    checkpoint that was renamed into place holds its full shards, not empty or truncated files under final names."""
+    if files:
+        for f in directory.iterdir():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory fds
+        return
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
