@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from plate_inspect import scan, verify
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.cli.main import cli
+from plate_inspect.errors import BundleError
 from plate_inspect.testing.synthetic import write_gpt2, write_llama_like
 from plate_inspect.train.layer import apply_bundle, save_adapter
 from plate_inspect.train.sequential import merge_checkpoint
@@ -163,3 +164,64 @@ def test_merged_files_are_synced_before_they_are_moved_into_place(trained, tmp_p
     synced_before = {os.path.basename(p) for p in synced if os.path.dirname(p) == tmp}
     assert written <= synced_before, written - synced_before
     assert tmp in synced and str(tmp_path) in synced  # the temp dir's entries, then the rename in its parent
+
+
+def test_merge_refuses_to_replace_other_files_in_out_without_overwrite(trained, tmp_path):
+    """QA: only safetensors files in --out were checked: ``--out .`` in a project silently replaced its config.json
+    (and tokenizer/JSON files). Files the merge would replace now need --overwrite; nothing is written."""
+    _, sharded, _, _, adapter, _ = trained
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text('{"mine": 1}')
+    (project / "notes.md").write_text("keep")
+    result = CliRunner().invoke(cli, ["merge", str(sharded), str(adapter), "--out", str(project), "-q"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "already holds config.json" in result.output and "--overwrite" in result.output
+    assert (project / "config.json").read_text() == '{"mine": 1}'
+    assert sorted(p.name for p in project.iterdir()) == ["config.json", "notes.md"]
+    assert sorted(p.name for p in tmp_path.iterdir() if "partial" in p.name) == []
+    merge_checkpoint(sharded, adapter, project, overwrite=True)  # asked for: replaced, the other file kept
+    assert json.loads((project / "config.json").read_text()) == json.loads((sharded / "config.json").read_text())
+    assert (project / "notes.md").read_text() == "keep"
+
+
+def test_single_file_source_in_its_own_directory_gets_its_tokenizer_files(trained, tmp_path):
+    """QA: merging ``dir/model.safetensors`` copied config.json only, so AutoTokenizer.from_pretrained(out) and the
+    generation config were lost; a file alone in its model directory now brings that directory's files along."""
+    _, _, single, _, adapter, _ = trained
+    src = tmp_path / "model"
+    shutil.copytree(single, src)
+    extra = {
+        "tokenizer.json": '{"version": "1.0"}',
+        "tokenizer_config.json": "{}",
+        "generation_config.json": '{"max_new_tokens": 5}',
+        "chat_template.jinja": "{{ messages }}",
+    }
+    for name, text in extra.items():
+        (src / name).write_text(text)
+    merge_checkpoint(src / "model.safetensors", adapter, tmp_path / "out")
+    for name, text in extra.items():
+        assert (tmp_path / "out" / name).read_text() == text
+    crowded = tmp_path / "downloads"  # a file among others: config.json only, as before
+    shutil.copytree(src, crowded)
+    shutil.copy(adapter, crowded / "adapter.safetensors")
+    merge_checkpoint(crowded / "model.safetensors", adapter, tmp_path / "out2")
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_moved_bundle_says_to_pass_its_new_place(trained, tmp_path):
+    """QA: an adapter whose bundle was moved got 'does not exist; create a bundle with: plate-inspect scan ...': a new
+    scan is not the bundle it was trained with. The error now says to pass the bundle's new place (--bundle)."""
+    _, sharded, _, bundle, adapter, _ = trained
+    moved = tmp_path / "moved-bundle"
+    bundle.path.rename(moved)
+    try:
+        with pytest.raises(BundleError, match=r"is not there \(moved or deleted\?\); pass its new place as bundle=DIR"):
+            merge_checkpoint(sharded, adapter, tmp_path / "out")
+        result = CliRunner().invoke(cli, ["merge", str(sharded), str(adapter), "-o", str(tmp_path / "out")])
+        assert result.exit_code == 2 and "pass its new place as --bundle" in result.output
+        assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+        merged = merge_checkpoint(sharded, adapter, tmp_path / "out", bundle=moved)
+        assert sorted(merged.merged_modules) == sorted(bundle.modules)
+    finally:
+        moved.rename(bundle.path)

@@ -91,7 +91,7 @@ def merge_checkpoint(
     """
     ckpt = Checkpoint.open(source)
     tensors_a, meta = read_adapter(adapter)
-    b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or meta["bundle_path"])
+    b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or _recorded_bundle(adapter, meta))
     out = Path(out)
     if out.resolve() == ckpt.root.resolve():
         raise CheckpointError(f"{out}: refusing to overwrite the source checkpoint in place; choose another --out")
@@ -104,6 +104,13 @@ def merge_checkpoint(
         )
     if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
         raise CheckpointError(f"{out}: already holds safetensors files; pass overwrite=True (CLI: --overwrite)")
+    extras = _files_to_copy(ckpt, Path(source))
+    clash = sorted(f.name for f in extras if (out / f.name).exists()) if out.is_dir() and not overwrite else []
+    if clash:  # a config.json of something else in --out (``--out .`` in a project) is not replaced unasked
+        raise CheckpointError(
+            f"{out}: already holds {', '.join(clash[:3])}{', ...' if len(clash) > 3 else ''}, which the merged "
+            "checkpoint would replace; pass overwrite=True (CLI: --overwrite) or choose another --out"
+        )
     plan: dict[str, tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # stored name -> (module, A, B, Q)
     for module, a in tensors_a.items():
         if module not in b:
@@ -146,12 +153,9 @@ def merge_checkpoint(
             with _write_errors(out):
                 save_file(shard, str(tmp / file.name), metadata=_header_metadata(file) or None)
             del shard
-        single_file = Path(source).is_file()
         with _write_errors(out):
-            for extra in ckpt.root.iterdir():
-                wanted = extra.name == "config.json" if single_file else extra.suffix in _COPY_SUFFIXES
-                if wanted and extra.is_file():
-                    shutil.copy2(extra, tmp / extra.name)
+            for extra in extras:
+                shutil.copy2(extra, tmp / extra.name)
             mode = new_file_mode(tmp)  # save_file writes 0o600, copy2 keeps the source's mode: as any new file
             for written in tmp.iterdir():
                 os.chmod(written, mode)
@@ -162,6 +166,31 @@ def merge_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return MergeResult(out, [out / f.name for f in ckpt.files], merged)
+
+
+def _recorded_bundle(adapter: str | os.PathLike, meta: dict[str, Any]) -> str:
+    """The bundle the adapter recorded; one that is no longer there is an error saying to pass its new place."""
+    path = meta["bundle_path"]
+    if not Path(path).exists():
+        raise BundleError(
+            f"{adapter}: the bundle this adapter was made with, {path}, is not there (moved or deleted?); pass its "
+            "new place as bundle=DIR (CLI: --bundle)"
+        )
+    return path
+
+
+def _files_to_copy(ckpt: Checkpoint, source: Path) -> list[Path]:
+    """The small files beside the weights that make ``out`` a complete model directory (config, generation config,
+    tokenizer, chat template, remote code). For a single ``.safetensors`` file, its directory's files only when
+    that directory is the model's own (no other safetensors file, no index); else config.json alone."""
+    own_dir = not source.is_file() or (
+        [p.name for p in ckpt.root.glob("*.safetensors")] == [source.name] and not (ckpt.root / _INDEX).exists()
+    )
+    return sorted(
+        f
+        for f in ckpt.root.iterdir()
+        if f.is_file() and (f.suffix in _COPY_SUFFIXES if own_dir else f.name == "config.json")
+    )
 
 
 @contextlib.contextmanager
