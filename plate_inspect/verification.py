@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -126,6 +127,12 @@ def verify(
 def _diagnosis(report: VerifyReport, source: str) -> list[str]:
     """One line on what the weight problems mean together: another model, or changed weights of this one."""
     n = report.modules_checked
+    shard = Path(source).is_file() and (Path(source).parent / "model.safetensors.index.json").is_file()
+    if report.absent and shard:
+        return [
+            f"{source} is one shard of a sharded model ({len(report.absent)} of the bundle's {n} modules have no "
+            f"weight in it): verify against the model's directory, {Path(source).parent}"
+        ]
     if report.absent and len(report.absent) == n:
         return [
             f"{source} has a weight for none of the bundle's {n} modules: the bundle was made for another model "

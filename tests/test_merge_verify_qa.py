@@ -134,6 +134,13 @@ def test_verify_against_another_architecture_says_so(trained, tmp_path):
     assert sorted(report.absent) == sorted(bundle.modules) and report.changed == []
     assert any(f"has a weight for none of the bundle's {len(bundle)} modules" in n for n in report.notes)
     assert not any("below" in n for n in report.notes)
+    _, sharded, _, _, _, _ = trained
+    shard = sorted(sharded.glob("*.safetensors"))[0]  # one shard of the right model: not "another model"
+    report = verify(bundle, shard)
+    assert report.absent and report.notes == [
+        f"{shard} is one shard of a sharded model ({len(report.absent)} of the bundle's {len(bundle)} modules have "
+        f"no weight in it): verify against the model's directory, {sharded}"
+    ]
 
 
 def test_merged_files_are_synced_before_they_are_moved_into_place(trained, tmp_path, monkeypatch):
@@ -248,3 +255,25 @@ def test_merge_uses_the_q_the_adapter_was_trained_with(trained, tmp_path):
     merged_model = unload(model)
     for m in bundle.modules:
         assert torch.equal(got[f"{m}.weight"], merged_model.get_submodule(m).weight), m
+
+
+def test_info_on_an_adapter_points_to_its_bundle(trained, tmp_path):
+    """QA: ``info adapter.safetensors`` said to scan the adapter as a model, and ``info`` of a PEFT adapter directory
+    called it a model checkpoint. Both now name the bundle the adapter was trained with (a model file: as before)."""
+    _, sharded, _, bundle, adapter, _ = trained
+    runner = CliRunner()
+    result = runner.invoke(cli, ["info", str(adapter)], terminal_width=400)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "a PLATE adapter (save_adapter), not a bundle" in result.output
+    assert f"plate-inspect info {bundle.path}" in result.output and "scan" not in result.output
+    peft_dir = tmp_path / "peft"
+    peft_dir.mkdir()
+    (peft_dir / "adapter_config.json").write_text(json.dumps({"peft_type": "PLATE", "bundle": str(bundle.path)}))
+    save_file({"x": torch.zeros(1)}, str(peft_dir / "adapter_model.safetensors"))
+    result = runner.invoke(cli, ["info", str(peft_dir)], terminal_width=400)
+    assert result.exit_code == 2 and "a PEFT adapter of the plate method" in result.output
+    assert f"plate-inspect info {bundle.path}" in result.output and "model checkpoint" not in result.output
+    shard = sorted(sharded.glob("*.safetensors"))[0]  # a model file: still told how to scan one
+    result = runner.invoke(cli, ["info", str(shard)], terminal_width=400)
+    assert result.exit_code == 2 and "plate-inspect scan" in result.output and "adapter" not in result.output
+    assert runner.invoke(cli, ["info", str(bundle.path)]).exit_code == 0
