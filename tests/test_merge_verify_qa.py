@@ -135,7 +135,9 @@ def test_verify_against_another_architecture_says_so(trained, tmp_path):
     assert any(f"has a weight for none of the bundle's {len(bundle)} modules" in n for n in report.notes)
     assert not any("below" in n for n in report.notes)
     _, sharded, _, _, _, _ = trained
-    shard = sorted(sharded.glob("*.safetensors"))[0]  # one shard of the right model: not "another model"
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = sharded / index["lm_head.weight"]  # one shard of the right model: not "another model"
+    assert any(index[f"{m}.weight"] != shard.name for m in bundle.modules)
     report = verify(bundle, shard)
     assert report.absent and report.notes == [
         f"{shard} is one shard of a sharded model ({len(report.absent)} of the bundle's {len(bundle)} modules have "
