@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from plate_inspect.cli.common import console, err_console, progress_bar
-from plate_inspect.formatting import counted
+from plate_inspect.formatting import counted, human_bytes
 
 
 @click.command("merge")
@@ -58,6 +58,7 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
 
     if rescan_out is not None:
         check_rescan_out(rescan_out, overwrite)
+    _note_leftovers(out)
     with progress_bar("merge", quiet=quiet) as progress:
         result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite, progress=progress)
     console.print(
@@ -71,3 +72,17 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
         with progress_bar("rescan", quiet=quiet) as progress:
             new = rescan(result.out, bundle or meta["bundle_path"], rescan_out, overwrite=overwrite, progress=progress)
         err_console.print(f"rescanned: {counted(len(new), 'module')} -> {new.path}")
+
+
+def _note_leftovers(out: Path) -> None:
+    """Say where a killed merge into OUT left its temporary directory (as large as the model): merge never deletes
+    one itself, since another merge into OUT may be writing it."""
+    leftovers = sorted(p for p in out.parent.glob(f".{out.name}.partial-*") if p.is_dir())  # make_temp_dir's names
+    if leftovers:
+        size = sum(f.stat().st_size for d in leftovers for f in d.rglob("*") if f.is_file())
+        err_console.print(
+            f"[yellow]note[/]: {counted(len(leftovers), 'temporary directory', 'temporary directories')} of an "
+            f"interrupted merge into {out} ({human_bytes(size)}: {leftovers[0]}"
+            + (", ..." if len(leftovers) > 1 else "")
+            + "); delete them unless a merge into it is running now"
+        )

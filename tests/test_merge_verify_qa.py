@@ -256,3 +256,20 @@ def test_info_on_an_adapter_points_to_its_bundle(trained, tmp_path):
     result = runner.invoke(cli, ["info", str(shard)], terminal_width=400)
     assert result.exit_code == 2 and "plate-inspect scan" in result.output and "adapter" not in result.output
     assert runner.invoke(cli, ["info", str(bundle.path)]).exit_code == 0
+
+
+def test_merge_names_what_a_killed_merge_left_behind(trained, tmp_path):
+    """QA: a SIGKILLed merge leaves its hidden temporary directory (as large as the model) beside --out, and nothing
+    said so. The next merge into the same --out notes it (it never deletes it: another merge may be writing it)."""
+    _, sharded, _, _, adapter, _ = trained
+    leftover = tmp_path / ".merged.partial-0123456789ab"
+    leftover.mkdir()
+    (leftover / "model-00001-of-00002.safetensors").write_bytes(b"x" * 2048)
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(cli, ["merge", str(sharded), str(adapter), "--out", str(out), "-q"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())  # rich wraps long lines at the console's width
+    assert f"1 temporary directory of an interrupted merge into {out} (2.05 KB: {leftover})" in said
+    assert leftover.is_dir() and (out / "config.json").exists()
+    clean = CliRunner().invoke(cli, ["merge", str(sharded), str(adapter), "--out", str(tmp_path / "m2"), "-q"])
+    assert clean.exit_code == 0 and "interrupted" not in clean.output
