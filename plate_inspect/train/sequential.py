@@ -161,6 +161,7 @@ def merge_checkpoint(
                 os.chmod(written, mode)
             _sync(tmp)
             _move_into_place(tmp, out, overwrite)
+            _sync(out, files=False)  # the renames: of files into an existing out, of out itself in its parent
             _sync(out.parent, files=False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
