@@ -307,8 +307,29 @@ def info_command(bundle, show_modules, show_groups):
       plate-inspect info bundles/qwen7b --modules
       plate-inspect info bundles/deepseek-v3 --expert-groups
     """
+    import json
+
+    from plate_inspect.checkpoint import parse_safetensors_header
+    from plate_inspect.errors import BundleError, PlateInspectError
     from plate_inspect.reports.data import distribution, expert_groups
 
+    # an adapter given for its bundle (a save_adapter file, a PEFT dir of the plate method): point to the bundle
+    made_with, kind = None, "a PLATE adapter (save_adapter)"
+    try:
+        if bundle.is_file() and bundle.suffix == ".safetensors":
+            meta = parse_safetensors_header(bundle)[1]
+            made_with = meta.get("bundle_path") if meta.get("format") == "plate-adapter" else None
+        elif (bundle / "adapter_config.json").is_file():
+            config = json.loads((bundle / "adapter_config.json").read_text())
+            made_with = config.get("bundle") if config.get("peft_type") == "PLATE" else None
+            kind = "a PEFT adapter of the plate method (save_pretrained)"
+    except (OSError, ValueError, AttributeError, PlateInspectError):
+        made_with = None  # unreadable: Bundle.load says what the path is
+    if made_with:
+        raise BundleError(
+            f"{bundle}: {kind}, not a bundle; it was trained with the bundle {made_with}: "
+            f"plate-inspect info {made_with}"
+        )
     b = Bundle.load(bundle, require_complete=False)
     print_summary(b)
     groups = expert_groups(list(b))

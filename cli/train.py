@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from plate_inspect.cli.common import console, err_console, progress_bar
-from plate_inspect.formatting import counted
+from plate_inspect.formatting import counted, human_bytes
 
 
 @click.command("merge")
@@ -16,7 +16,12 @@ from plate_inspect.formatting import counted
 @click.option(
     "--out", "-o", type=click.Path(path_type=Path), required=True, help="Directory for the merged checkpoint."
 )
-@click.option("--bundle", type=click.Path(path_type=Path), default=None, help="Bundle [default: the adapter's].")
+@click.option(
+    "--bundle",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Bundle [default: the adapter's]; its new place when it was moved.",
+)
 @click.option(
     "--rescan",
     "rescan_out",
@@ -25,7 +30,12 @@ from plate_inspect.formatting import counted
     help="Also rescan the merged checkpoint into this bundle directory (same settings as the old bundle); "
     "an existing bundle there is replaced only with --overwrite.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace existing files in --out / --rescan.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace the checkpoint in --out (its files the new one does not write are removed; other files are "
+    "kept) and the bundle in --rescan.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet):
     """Write CHECKPOINT with ADAPTER merged in: W[B] += rho A Q^T.
@@ -33,8 +43,9 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
     CHECKPOINT is the safetensors checkpoint (directory or file) the adapter was trained on; ADAPTER is a
     safetensors file written by plate_inspect.train.layer.save_adapter (merge a PEFT adapter directory, from
     save_pretrained, with PeftModel.from_pretrained(...).merge_and_unload()). The merged checkpoint keeps the file
-    names, tensor names, dtypes and layout (GPT-2 Conv1D stays [d_in, d_out]); config.json and tokenizer files are
-    copied.
+    names, tensor names, dtypes and layout (GPT-2 Conv1D stays [d_in, d_out]); config.json, the generation config,
+    tokenizer and chat-template files and a remote-code model's *.py are copied, so OUT loads with
+    from_pretrained (model and tokenizer).
     The adapter's recorded weight fingerprints and B/Q digests must match, otherwise nothing is written.
 
     \b
@@ -47,6 +58,7 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
 
     if rescan_out is not None:
         check_rescan_out(rescan_out, overwrite)
+    _note_leftovers(out)
     with progress_bar("merge", quiet=quiet) as progress:
         result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite, progress=progress)
     console.print(
@@ -60,3 +72,17 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
         with progress_bar("rescan", quiet=quiet) as progress:
             new = rescan(result.out, bundle or meta["bundle_path"], rescan_out, overwrite=overwrite, progress=progress)
         err_console.print(f"rescanned: {counted(len(new), 'module')} -> {new.path}")
+
+
+def _note_leftovers(out: Path) -> None:
+    """Say where a killed merge into OUT left its temporary directory (as large as the model): merge never deletes
+    one itself, since another merge into OUT may be writing it."""
+    leftovers = sorted(p for p in out.parent.glob(f".{out.name}.partial-*") if p.is_dir())  # make_temp_dir's names
+    if leftovers:
+        size = sum(f.stat().st_size for d in leftovers for f in d.rglob("*") if f.is_file())
+        err_console.print(
+            f"[yellow]note[/]: {counted(len(leftovers), 'temporary directory', 'temporary directories')} of an "
+            f"interrupted merge into {out} ({human_bytes(size)}: {leftovers[0]}"
+            + (", ..." if len(leftovers) > 1 else "")
+            + "); delete them unless a merge into it is running now"
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -70,6 +71,8 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # worth knowing, not a failure (another model_type, ...)
     exactness: dict[str, ExactnessCheck] = field(default_factory=dict)  # verify(..., exact=True)
+    changed: list[str] = field(default_factory=list)  # modules whose weight's fingerprint differs (a fine-tune?)
+    absent: list[str] = field(default_factory=list)  # modules the checkpoint has no weight for (another model?)
 
     @property
     def ok(self) -> bool:
@@ -104,7 +107,7 @@ def verify(
         if theirs and ours and theirs != ours:
             report.notes.append(
                 f"the checkpoint's model_type is '{theirs}', the bundle was scanned from a '{ours}' model: the "
-                "fingerprints below decide whether its weights are the same; a trainer applies the bundle by "
+                "fingerprint checks decide whether its weights are the same; a trainer applies the bundle by "
                 "module name, so check that the names mean the same layers in both"
             )
     counter = ProgressCounter(progress, len(b.manifest.modules), "modules")
@@ -116,7 +119,33 @@ def verify(
         except BundleError as e:  # a missing or truncated part file: reported per module, the rest still checked
             report.problems.append(str(e))
         counter.step(rec.name)
+    if ckpt is not None:
+        report.notes.extend(_diagnosis(report, str(source)))
     return report
+
+
+def _diagnosis(report: VerifyReport, source: str) -> list[str]:
+    """One line on what the weight problems mean together: another model, or changed weights of this one."""
+    n = report.modules_checked
+    shard = Path(source).is_file() and (Path(source).parent / "model.safetensors.index.json").is_file()
+    if report.absent and shard:
+        return [
+            f"{source} is one shard of a sharded model ({len(report.absent)} of the bundle's {n} modules have no "
+            f"weight in it): verify against the model's directory, {Path(source).parent}"
+        ]
+    if report.absent and len(report.absent) == n:
+        return [
+            f"{source} has a weight for none of the bundle's {n} modules: the bundle was made for another model "
+            "(or another architecture); verify it against that model, or scan this one"
+        ]
+    if report.changed:
+        what = "all" if len(report.changed) == n else f"{len(report.changed)} of"
+        return [
+            f"{what} {n} modules' weights differ from the ones the bundle was scanned from (a fine-tune, a merge or "
+            f"another revision of the model: the modules named above); for a bundle of these weights, scan {source} "
+            "into a new directory, or into this bundle's (that recomputes just the changed modules)"
+        ]
+    return []
 
 
 def orthonormality_tolerance(dtype: torch.dtype) -> float:
@@ -168,6 +197,7 @@ def _check_module(
         target = modules.get(rec.name)
         if target is None:
             report.problems.append(f"{where}: the checkpoint has no weight for this module")
+            report.absent.append(rec.name)
             return
         if list(target.shape) != list(rec.shape) or target.layout != rec.layout:
             report.problems.append(
@@ -184,6 +214,7 @@ def _check_module(
             weight, fingerprint = None, ckpt.weight_fingerprint(target.logical_name, expert=expert)
         if fingerprint != rec.fingerprint:
             report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
+            report.changed.append(rec.name)
         elif weight is not None:
             check = check_exactness(weight, b_idx, stored_q)
             report.exactness[rec.name] = check

@@ -3,14 +3,17 @@
 ``merge_checkpoint(source, adapter, out)`` streams the source checkpoint shard by shard, adds rho B A Q^T to the
 bundle's modules (in float32, rounded once to the stored dtype, in the stored layout: ``[d_in, d_out]`` for
 GPT-2 Conv1D), and writes safetensors files with the same file names, tensor names and dtypes; ``config.json``
-and the other small JSON/tokenizer files are copied. ``sequential_step`` then rescans the merged checkpoint with
-:func:`plate_inspect.scan` (same settings as the previous bundle) so the next task starts from fresh B and Q.
+and the other small JSON/tokenizer/chat-template files (and a remote-code model's ``*.py``) are copied.
+``sequential_step`` then rescans the merged checkpoint with :func:`plate_inspect.scan` (same settings as the
+previous bundle) so the next task starts from fresh B and Q.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +34,12 @@ from plate_inspect.targets import EXPERT_LAYOUTS
 from plate_inspect.train.core import geometry_digest, merged_copy
 from plate_inspect.train.layer import module_geometry, read_adapter
 
-_COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")  # config, index, tokenizer files
+#: config, index, tokenizer and chat-template files, and a remote-code model's modeling/configuration code (its
+#: config.json's auto_map names them: without them from_pretrained(out, trust_remote_code=True) fails)
+_COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
+_INDEX = "model.safetensors.index.json"
+#: the weight files save_pretrained writes: the only ones --overwrite may remove besides an index's shards
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
 
 
 @dataclass
@@ -83,7 +91,7 @@ def merge_checkpoint(
     """
     ckpt = Checkpoint.open(source)
     tensors_a, meta = read_adapter(adapter)
-    b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or meta["bundle_path"])
+    b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or _recorded_bundle(adapter, meta))
     out = Path(out)
     if out.resolve() == ckpt.root.resolve():
         raise CheckpointError(f"{out}: refusing to overwrite the source checkpoint in place; choose another --out")
@@ -96,6 +104,13 @@ def merge_checkpoint(
         )
     if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
         raise CheckpointError(f"{out}: already holds safetensors files; pass overwrite=True (CLI: --overwrite)")
+    extras = _files_to_copy(ckpt, Path(source))
+    clash = sorted(f.name for f in extras if (out / f.name).exists()) if out.is_dir() and not overwrite else []
+    if clash:  # a config.json of something else in --out (``--out .`` in a project) is not replaced unasked
+        raise CheckpointError(
+            f"{out}: already holds {', '.join(clash[:3])}{', ...' if len(clash) > 3 else ''}, which the merged "
+            "checkpoint would replace; pass overwrite=True (CLI: --overwrite) or choose another --out"
+        )
     plan: dict[str, tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # stored name -> (module, A, B, Q)
     for module, a in tensors_a.items():
         if module not in b:
@@ -138,20 +153,45 @@ def merge_checkpoint(
             with _write_errors(out):
                 save_file(shard, str(tmp / file.name), metadata=_header_metadata(file) or None)
             del shard
-        single_file = Path(source).is_file()
         with _write_errors(out):
-            for extra in ckpt.root.iterdir():
-                wanted = extra.name == "config.json" if single_file else extra.suffix in _COPY_SUFFIXES
-                if wanted and extra.is_file():
-                    shutil.copy2(extra, tmp / extra.name)
+            for extra in extras:
+                shutil.copy2(extra, tmp / extra.name)
             mode = new_file_mode(tmp)  # save_file writes 0o600, copy2 keeps the source's mode: as any new file
             for written in tmp.iterdir():
                 os.chmod(written, mode)
+            _sync(tmp)
             _move_into_place(tmp, out, overwrite)
+            _sync(out, files=False)  # the renames: of files into an existing out, of out itself in its parent
+            _sync(out.parent, files=False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return MergeResult(out, [out / f.name for f in ckpt.files], merged)
+
+
+def _recorded_bundle(adapter: str | os.PathLike, meta: dict[str, Any]) -> str:
+    """The bundle the adapter recorded; one that is no longer there is an error saying to pass its new place."""
+    path = meta["bundle_path"]
+    if not Path(path).exists():
+        raise BundleError(
+            f"{adapter}: the bundle this adapter was made with, {path}, is not there (moved or deleted?); pass its "
+            "new place as bundle=DIR (CLI: --bundle)"
+        )
+    return path
+
+
+def _files_to_copy(ckpt: Checkpoint, source: Path) -> list[Path]:
+    """The small files beside the weights that make ``out`` a complete model directory (config, generation config,
+    tokenizer, chat template, remote code). For a single ``.safetensors`` file, its directory's files only when
+    that directory is the model's own (no other safetensors file, no index); else config.json alone."""
+    own_dir = not source.is_file() or (
+        [p.name for p in ckpt.root.glob("*.safetensors")] == [source.name] and not (ckpt.root / _INDEX).exists()
+    )
+    return sorted(
+        f
+        for f in ckpt.root.iterdir()
+        if f.is_file() and (f.suffix in _COPY_SUFFIXES if own_dir else f.name == "config.json")
+    )
 
 
 @contextlib.contextmanager
@@ -169,22 +209,57 @@ def _write_errors(out: Path) -> Iterator[None]:
         ) from None
 
 
+def _sync(directory: Path, files: bool = True) -> None:
+    """fsync the files in ``directory`` (``files``) and the directory itself: after a crash (power loss) a merged
+    checkpoint that was renamed into place holds its full shards, not empty or truncated files under final names."""
+    if files:
+        for f in directory.iterdir():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory fds
+        return
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     """Publish the finished files: rename the temp dir to ``out``, or move its files into an existing ``out``.
 
-    With ``overwrite``, safetensors files of an earlier merge that the new one does not write are removed.
+    With ``overwrite``, the files of the checkpoint already there that the new one does not write are removed (see
+    :func:`_stale_checkpoint_files`); other files (an adapter kept there, a bundle directory) are left alone.
     """
     if not out.exists():
         os.replace(tmp, out)
         return
     new = {f.name for f in tmp.iterdir()}
     if overwrite:
-        for stale in out.glob("*.safetensors"):
-            if stale.name not in new:
-                stale.unlink()
+        for stale in _stale_checkpoint_files(out, new):
+            stale.unlink()
     for name in sorted(new):
         os.replace(tmp / name, out / name)
     tmp.rmdir()
+
+
+def _stale_checkpoint_files(out: Path, new: set[str]) -> list[Path]:
+    """The files of the checkpoint in ``out`` that a merge writing the file names ``new`` leaves stale: its index
+    (a single-file merge over a sharded one would keep an index naming deleted shards) and the shards that index
+    names, and save_pretrained's weight files (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``).
+    Any other safetensors file (an adapter, say) is not the checkpoint's and is kept."""
+    names = {f.name for f in out.iterdir() if f.is_file() and _WEIGHT_FILE.fullmatch(f.name)}
+    index = out / _INDEX
+    if index.is_file():
+        names.add(_INDEX)
+        with contextlib.suppress(OSError, ValueError, KeyError, AttributeError, TypeError):
+            names |= {Path(v).name for v in json.loads(index.read_text())["weight_map"].values()}
+    return [out / n for n in sorted(names - new) if (out / n).is_file()]
 
 
 def _tensor_from_bytes(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
