@@ -297,7 +297,7 @@ def _edited_copy(bundle: Bundle, where, module: str) -> Bundle:
 
 def test_q_dtype_adapter_reloads_and_merges_and_an_edited_q_is_refused(setup, tmp_path):
     """apply_bundle(q_dtype=bf16): B/Q's identity is the bundle's (not the rounded Q's), so the adapter reloads (with
-    Q in bf16 again) and merges against the bundle's Q; a bundle whose Q was edited is still refused."""
+    Q in bf16 again) and merges with the Q it held (bf16); a bundle whose Q was edited is still refused."""
     from conftest import load_all
 
     _, ckpt, bundle = setup
@@ -315,8 +315,9 @@ def test_q_dtype_adapter_reloads_and_merges_and_an_edited_q_is_refused(setup, tm
     merge_checkpoint(ckpt, path, tmp_path / "merged")
     merged, base = load_all(tmp_path / "merged"), load_digits(ckpt)
     for m in BACKBONE:
-        expect = dense_plate_weight(getattr(base, m).weight.detach(), bundle.b_idx(m), a[m], bundle.q(m), 0.5)
-        torch.testing.assert_close(merged[f"{m}.weight"].double(), expect, rtol=0, atol=1e-5)
+        held_q = bundle.q(m).to(torch.bfloat16)  # the Q the layers computed with
+        expect = dense_plate_weight(getattr(base, m).weight.detach(), bundle.b_idx(m), a[m], held_q, 0.5)
+        torch.testing.assert_close(merged[f"{m}.weight"].double(), expect, rtol=0, atol=1e-6)
     edited = _edited_copy(bundle, tmp_path / "edited", "fc2")
     target = load_digits(ckpt)
     with pytest.raises(BundleError, match="'fc2' was trained with another bundle"):

@@ -273,3 +273,26 @@ def test_merge_names_what_a_killed_merge_left_behind(trained, tmp_path):
     assert leftover.is_dir() and (out / "config.json").exists()
     clean = CliRunner().invoke(cli, ["merge", str(sharded), str(adapter), "--out", str(tmp_path / "m2"), "-q"])
     assert clean.exit_code == 0 and "interrupted" not in clean.output
+
+
+def test_merge_uses_the_q_the_adapter_was_trained_with(trained, tmp_path):
+    """QA: an adapter trained with Q held in bf16 (apply_bundle(q_dtype=torch.bfloat16)) was merged with the bundle's
+    float32 Q: 1253 bf16 weight entries differed from the in-model merge (up to 3.9e-3). The merge now uses the Q the
+    layer held: the float64 oracle with that Q, rounded once to bf16, and unload(model) bit for bit."""
+    from plate_inspect.train.layer import unload
+
+    _, sharded, _, bundle, _, _ = trained
+    model = skeleton(sharded, bundle.modules)
+    randomize_adapters(apply_bundle(model, bundle, q_dtype=torch.bfloat16), seed=7, scale=0.5)
+    adapter = save_adapter(model, tmp_path / "adapter_bf16q.safetensors")
+    got = load_all(merge_checkpoint(sharded, adapter, tmp_path / "out").out)
+    source = load_all(sharded)
+    for m in bundle.modules:
+        layer, w = model.get_submodule(m), source[f"{m}.weight"]
+        assert layer.plate_Q.dtype == torch.bfloat16
+        held_q = bundle.q(m)[:, : layer.plate_A.shape[1]].to(torch.bfloat16)
+        expect = dense_plate_weight(w, bundle.b_idx(m), layer.plate_A.detach(), held_q, 0.5).to(w.dtype)
+        assert torch.equal(got[f"{m}.weight"], expect), m
+    merged_model = unload(model)
+    for m in bundle.modules:
+        assert torch.equal(got[f"{m}.weight"], merged_model.get_submodule(m).weight), m

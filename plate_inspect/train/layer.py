@@ -667,7 +667,8 @@ def _read_rhos(raw: str, names: list[str]) -> dict[str, float]:
     return {n: check_rho(rhos[n]) for n in names}
 
 
-def _torch_dtype(name: str | None) -> torch.dtype | None:
+def adapter_q_dtype(name: str | None) -> torch.dtype | None:
+    """The dtype an adapter records its layers held Q in (its ``q_dtypes`` metadata); None for None."""
     dtype = getattr(torch, name) if isinstance(name, str) else None
     if name is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise BundleError(f"adapter metadata: q_dtype {name!r} is not a floating torch dtype (corrupt adapter)")
@@ -734,7 +735,7 @@ def load_adapter(
                     rho=meta["rhos"][names[0]],
                     modules=names,
                     check_fingerprints=check_fingerprints,
-                    q_dtype=_torch_dtype(q_name),
+                    q_dtype=adapter_q_dtype(q_name),
                     plan=adapter_plan(meta, b),
                     references=meta["weight_sketches"],
                 )

@@ -32,7 +32,7 @@ from plate_inspect.errors import BundleError, CheckpointError
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import EXPERT_LAYOUTS
 from plate_inspect.train.core import geometry_digest, merged_copy
-from plate_inspect.train.layer import module_geometry, read_adapter
+from plate_inspect.train.layer import adapter_q_dtype, module_geometry, read_adapter
 
 #: config, index, tokenizer and chat-template files, and a remote-code model's modeling/configuration code (its
 #: config.json's auto_map names them: without them from_pretrained(out, trust_remote_code=True) fails)
@@ -84,6 +84,9 @@ def merge_checkpoint(
 ) -> MergeResult:
     """Write ``source`` with the adapter merged (W[B] += rho A Q^T) to ``out``: same files, names, dtypes, layout.
 
+    Q is the one the trained layer held (the adapter's ``q_dtypes``: a bf16-held Q is rounded to bf16 as in
+    training), so the merged weights equal an in-model merge (``merge_all``/``unload``) bit for bit.
+
     The adapter's recorded weight fingerprints must match the source's weights and its B/Q digests the bundle's
     (the bundle recorded in the adapter unless ``bundle`` is given); otherwise BundleError. Files are written into
     a temporary directory next to ``out`` and moved into place only after every check passed: a failure leaves
@@ -115,12 +118,13 @@ def merge_checkpoint(
     for module, a in tensors_a.items():
         if module not in b:
             raise BundleError(f"{b.path}: the adapter's module '{module}' is not in this bundle")
-        b_idx, q = module_geometry(b, module, meta["k"].get(module))
+        b_idx, q = module_geometry(b, module, meta["k"].get(module), q_dtype=None)  # as stored: the digest's Q
         if meta["plate_digests"].get(module) != geometry_digest(b_idx, q):
             raise BundleError(
                 f"{adapter}: module '{module}' was trained with another bundle than {b.path} (B/Q differ)"
             )
-        plan[_stored_name(ckpt, module, b.record(module))] = (module, a, b_idx, q)
+        held = adapter_q_dtype(meta["q_dtypes"].get(module, "float32"))  # the Q the trained layer computed with
+        plan[_stored_name(ckpt, module, b.record(module))] = (module, a, b_idx, q if held is None else q.to(held))
     by_file: dict[Path, list[str]] = {}
     for name, info in ckpt.tensors.items():
         by_file.setdefault(info.file, []).append(name)
