@@ -101,7 +101,9 @@ def print_summary(bundle: Bundle) -> None:
             + "): too few output rows to pick redundant ones (r <= 0.9 d_out), so PLATE trains nothing there"
         )
     stats = bundle.stats()
-    if stats:
+    if "variant" in stats and "wall_seconds" not in stats:  # an ablation bundle: derived, not scanned
+        console.print(f"ablation bundle: {stats['variant']} (seed {stats.get('seed')}) of {stats.get('from')}")
+    elif stats:
         console.print(
             f"scan: {stats.get('wall_seconds', 0):.1f} s, read {human_bytes(stats.get('bytes_read', 0))}, "
             f"peak RSS {human_bytes(stats.get('peak_rss_bytes', 0))}, device {stats.get('device')}"

@@ -138,3 +138,16 @@ def test_variant_of_a_rebuilt_base_bundle_is_refused(variants, tmp_path):
     other_base = digits_bundle(ckpt, tmp_path / "base2", r=16, tau=0.9)
     with pytest.raises(BundleError, match="of bundle sha256:"):
         make_variant(other_base, ckpt, "random_q", out, seed=0)
+
+
+def test_info_of_an_ablation_bundle_says_what_it_derives_from(variants):
+    """`info` printed 'scan: 0.0 s, read 0 B, ... computed 0 of 0 modules' for a bundle no scan made."""
+    from click.testing import CliRunner
+
+    from plate_inspect.cli.main import cli
+
+    _, bundle, vs = variants
+    result = CliRunner().invoke(cli, ["info", str(vs["random_b"].path)])
+    assert result.exit_code == 0, result.output
+    assert f"ablation bundle: random_b (seed 0) of {bundle.path.resolve()}" in result.output
+    assert "scan: 0.0 s" not in result.output and "computed 0 of 0" not in result.output
