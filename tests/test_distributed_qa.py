@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -38,8 +39,18 @@ def four_layers(tmp_path_factory):
 
 
 def run(cmd: list[str], check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own: on a timeout the whole process group goes (torchrun's workers too, a
+    SIGSTOPped one included), not only torchrun, so a failing test leaves no orphan behind."""
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
-    proc = subprocess.run(cmd, env={**env, **ONE_THREAD}, capture_output=True, text=True, timeout=timeout)
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    with subprocess.Popen(cmd, env={**env, **ONE_THREAD}, text=True, start_new_session=True, **pipes) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.communicate()
+            raise
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
