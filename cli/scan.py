@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import shlex
 import signal
 import threading
@@ -399,7 +400,8 @@ def info_command(bundle, show_modules, show_groups):
     is_flag=True,
     help="Also check every Q against a float64 dense oracle on MODEL's weights (slow: an eigvalsh per module).",
 )
-def verify_command(bundle, model, revision, exact):
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (same exit codes).")
+def verify_command(bundle, model, revision, exact, as_json):
     """Check BUNDLE's tensors, and that it was made for MODEL's weights (exit 1 if not).
 
     \b
@@ -407,13 +409,17 @@ def verify_command(bundle, model, revision, exact):
       plate-inspect verify bundles/qwen7b Qwen/Qwen2.5-7B
       plate-inspect verify bundles/mine            # structure only
       plate-inspect verify bundles/mine ./my-model --exact
+      plate-inspect verify bundles/mine ./my-model --json | jq .changed
     """
     from plate_inspect.verification import verify
 
     if exact and not model:
         raise click.UsageError("--exact needs MODEL: the oracle is computed from its weights")
-    with progress_bar("verify", transient=True) as progress:
+    with progress_bar("verify", transient=True, quiet=as_json) as progress:
         report = verify(bundle, model, revision=revision, progress=progress, exact=exact)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+        raise SystemExit(0 if report.ok else 1)
     for problem in report.problems:
         console.print(f"[red]x[/] {problem}")
     for note in report.notes:

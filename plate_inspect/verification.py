@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,6 +78,14 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``plate-inspect verify --json``): every field, ``ok``, and per module of
+        an exactness check its energies, ``used`` (share of the allowance) and ``ok``."""
+        exactness = {
+            name: {**asdict(check), "used": check.used, "ok": check.ok} for name, check in self.exactness.items()
+        }
+        return {**asdict(self), "exactness": exactness, "ok": self.ok}
 
 
 def verify(

@@ -296,3 +296,24 @@ def test_merge_uses_the_q_the_adapter_was_trained_with(trained, tmp_path):
     merged_model = unload(model)
     for m in bundle.modules:
         assert torch.equal(got[f"{m}.weight"], merged_model.get_submodule(m).weight), m
+
+
+def test_verify_json_is_the_report_for_scripts_with_the_same_exit_codes(trained, tmp_path):
+    """`verify --json`: stdout is one JSON document (no progress bar, no rich markup) holding the report's fields,
+    `ok` and, with --exact, each module's share of the exactness allowance; exit 0 / 1 as without it."""
+    _, sharded, _, bundle, adapter, _ = trained
+    runner = CliRunner()
+    result = runner.invoke(cli, ["verify", str(bundle.path), str(sharded), "--exact", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["ok"] is True and data["problems"] == [] and data["modules_checked"] == len(bundle)
+    assert sorted(data["exactness"]) == sorted(bundle.modules)
+    for check in data["exactness"].values():
+        assert check["ok"] is True and check["used"] <= 1.0 and check["energy"] >= 0
+        assert check["used"] == pytest.approx((check["energy"] - check["optimum"]) / check["allowance"])
+    merged = merge_checkpoint(sharded, adapter, tmp_path / "merged").out
+    result = runner.invoke(cli, ["verify", str(bundle.path), str(merged), "--json"])
+    assert result.exit_code == 1
+    data = json.loads(result.output)
+    assert data["ok"] is False and sorted(data["changed"]) == sorted(bundle.modules) and data["absent"] == []
+    assert len(data["problems"]) == len(bundle)
