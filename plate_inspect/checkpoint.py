@@ -843,10 +843,8 @@ def _refuse_packed(ckpt: Checkpoint) -> None:
     """Packed integer formats (GPTQ, AWQ, bitsandbytes, EXL2, HQQ, AQLM, ...) are refused up front, naming the
     format (without this, a checkpoint whose layers hold only packed tensors read as one with no layer weights)."""
     for name in sorted(ckpt.tensors):
-        packed = [(s, f) for s, f in _PACKED_SUFFIXES.items()]
-        if ckpt.tensors[name].dtype not in FLOAT_DTYPES:
-            packed += list(_PACKED_INT_SUFFIXES.items())
-        for suffix, fmt in packed:
+        integer = ckpt.tensors[name].dtype not in FLOAT_DTYPES
+        for suffix, fmt in (_PACKED_SUFFIXES | _PACKED_INT_SUFFIXES if integer else _PACKED_SUFFIXES).items():
             if name.endswith(suffix):
                 raise UnsupportedWeightError(
                     f"tensor '{name}' is a packed quantized weight ({fmt}), which plate-inspect does not read; "

@@ -52,12 +52,8 @@ from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, check_sketc
 from plate_inspect.health import health_record
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
-    FAMILY_TARGETS,
     TargetModule,
-    layer_entry,
-    layer_of,
     load_target,
-    module_type_of,
     select_targets,
 )
 
@@ -110,7 +106,6 @@ def plan_scan(
     targets, note = select_targets(
         ckpt, list(settings.target_modules or []) or None, settings.layers, include_mtp=settings.include_mtp
     )
-    refuse_misshapen_weights(ckpt, targets, settings)
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(ckpt.logical_weight(target.logical_name))
     check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
@@ -137,34 +132,6 @@ def refuse_bundle_as_model(source: str | os.PathLike) -> None:
         + (f" ({made_from})" if made_from else "")
         + " (plate-inspect info shows a bundle)"
     )
-
-
-def refuse_misshapen_weights(ckpt: Checkpoint, targets: list[TargetModule], settings: ScanSettings) -> None:
-    """A layer weight of a targeted module type that is not 2-D (nor a 3-D expert stack) is refused, naming it.
-
-    Target selection takes 2-D ``*.weight`` tensors only, so a q_proj stored flattened or folded (a damaged or
-    mis-converted file) would silently drop out of the scan. Checked for the module types scanned in other layers
-    and, with family defaults, for every default type, in the layers the settings select.
-    """
-    types = {t.module_type for t in targets}
-    model_type = ckpt.config.get("model_type")
-    if not settings.target_modules and isinstance(model_type, str):
-        types |= set(FAMILY_TARGETS.get(model_type, ()))
-    # the selected indices, in any stack (a 'decoder:3' entry checks every stack's layer 3: a refusal check may be wide)
-    layers = {i for _, i in map(layer_entry, settings.layers)} if settings.layers is not None else None
-    for name, weight in ckpt.logical_weights().items():
-        module = name.removesuffix(".weight")
-        layer = layer_of(module)
-        if module == name or layer is None or (layers is not None and layer not in layers):
-            continue
-        mtype = module_type_of(module)
-        if mtype not in types or len(weight.shape) == 2 or (len(weight.shape) == 3 and ".experts." in name):
-            continue
-        raise CheckpointError(
-            f"{weight.file.name}: tensor '{name}' has shape {list(weight.shape)}, but a {mtype} weight is a 2-D "
-            "d_out x d_in matrix; the file is damaged or was converted with another layout: re-download or "
-            "re-convert the checkpoint"
-        )
 
 
 def check_out_dir(out: str | os.PathLike) -> None:

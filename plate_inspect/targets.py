@@ -657,12 +657,37 @@ def select_targets(
     experts = expected_experts(ckpt.config, model_type)
     for t in chosen:
         check_shape_against_config(t, shapes, experts)
+    check_weight_ranks(ckpt, chosen, FAMILY_TARGETS.get(model_type or "", ()) if not target_modules else (), layers)
     check_moe_layers(ckpt.config, model_type, candidates, chosen)
     check_expert_counts(candidates, chosen, experts, EXPERT_COUNT_KEYS.get(model_type or ""))
     return chosen, note
 
 
 # --------------------------------------------------------------------------- shape checks
+def check_weight_ranks(
+    ckpt: Checkpoint, chosen: Sequence[TargetModule], default_types: Iterable[str], layers: Iterable[object] | None
+) -> None:
+    """A layer weight of a chosen module type (or of a family default type) that is not 2-D (nor a 3-D expert stack)
+    is refused, naming it: selection takes 2-D ``*.weight`` tensors only, so a q_proj stored flattened or folded (a
+    damaged or mis-converted file) would silently drop out. Checked in the selected layers ('decoder:3' checks every
+    stack's layer 3: a refusal check may be wide)."""
+    types = {t.module_type for t in chosen} | set(default_types)
+    indices = {i for _, i in map(layer_entry, layers)} if layers is not None else None
+    for name, weight in ckpt.logical_weights().items():
+        module = name.removesuffix(".weight")
+        layer = layer_of(module)
+        if module == name or layer is None or (indices is not None and layer not in indices):
+            continue
+        mtype = module_type_of(module)
+        if mtype not in types or len(weight.shape) == 2 or (len(weight.shape) == 3 and ".experts." in name):
+            continue
+        raise CheckpointError(
+            f"{weight.file.name}: tensor '{name}' has shape {list(weight.shape)}, but a {mtype} weight is a 2-D "
+            "d_out x d_in matrix; the file is damaged or was converted with another layout: re-download or "
+            "re-convert the checkpoint"
+        )
+
+
 def _ints(c: dict[str, Any], *keys: str) -> list[int]:
     return [int(c[k]) for k in keys]
 
