@@ -31,6 +31,7 @@ Figure = dict[str, Any]
 
 
 def color(i: int) -> str:
+    """The i-th series colour, cycling through the palette."""
     return PALETTE[i % len(PALETTE)]
 
 

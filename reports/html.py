@@ -196,6 +196,7 @@ def _row_groups(rd: ReportData) -> dict[str, str]:
 
 
 def page_title(rd: ReportData) -> str:
+    """The page's title: one bundle's label, or the compared labels."""
     if len(rd.labels) == 1:
         return f"PLATE redundancy report: {rd.labels[0]}"
     return "PLATE redundancy comparison: " + " vs ".join(rd.labels)

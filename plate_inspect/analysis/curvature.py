@@ -465,7 +465,7 @@ def top_eigenpair(
     tol: float = LANCZOS_TOL,
     dense_max_dim: int = DENSE_MAX_DIM,
     maxiter: int | None = None,
-):
+) -> tuple[float, np.ndarray]:
     """(largest algebraic eigenvalue, unit eigenvector) of a symmetric operator: Lanczos, or dense when tiny.
 
     Lanczos that does not converge within ``maxiter`` restarts (default max(1000, 20 min(dim, 500))) is a

@@ -229,6 +229,7 @@ def symmetric_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> float:
 
 @torch.no_grad()
 def task_logits(model: torch.nn.Module, x: torch.Tensor, task: int = 1) -> torch.Tensor:
+    """The logits of one task's head, in eval mode (the benchmark's models have one head per task)."""
     model.eval()
     return model(x, task=task)
 

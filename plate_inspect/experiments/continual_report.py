@@ -8,10 +8,14 @@ KL ratio to PLATE), and, when several stage-2 step counts were run, forgetting a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plate_inspect.atomic import atomic_write
 from plate_inspect.experiments.methods import METHODS
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+    from rich.table import Table
 
 COLORS = {
     "full_ft": "#d62728",
@@ -76,7 +80,7 @@ def kl_ratios(rows: list[dict[str, Any]], steps: int) -> dict[tuple[str, str], f
     }
 
 
-def rich_table(rows: list[dict[str, Any]], title: str):
+def rich_table(rows: list[dict[str, Any]], title: str) -> Table:
     """Every (steps, method, budget) row as a rich Table (mean ± 95% CI; accuracies and forgetting in %)."""
     from rich import box
     from rich.table import Table
@@ -184,7 +188,7 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def frontier_figure(rows: list[dict[str, Any]], steps: int, title: str):
+def frontier_figure(rows: list[dict[str, Any]], steps: int, title: str) -> go.Figure:
     """Task-2 accuracy vs task-1 forgetting, one curve per method over budgets (ordered by size), 95% CI bars."""
     import plotly.graph_objects as go
 
@@ -222,7 +226,8 @@ def frontier_figure(rows: list[dict[str, Any]], steps: int, title: str):
     return fig
 
 
-def table_figure(headers: tuple[str, ...], body: list[list[str]], title: str):
+def table_figure(headers: tuple[str, ...], body: list[list[str]], title: str) -> go.Figure:
+    """A plotly table of already formatted cells (the HTML report's copy of a rich table)."""
     import plotly.graph_objects as go
 
     columns = [list(col) for col in zip(*body, strict=True)] if body else [[] for _ in headers]
@@ -231,7 +236,7 @@ def table_figure(headers: tuple[str, ...], body: list[list[str]], title: str):
     return fig
 
 
-def sensitivity_figure(rows: list[dict[str, Any]], title: str):
+def sensitivity_figure(rows: list[dict[str, Any]], title: str) -> go.Figure:
     """Forgetting vs stage-2 steps per (method, budget), and the Rand-Q/PLATE KL ratio vs steps per budget."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots

@@ -207,5 +207,6 @@ def load_model(path) -> DigitsMLP:
 
 @torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task_id: int) -> float:
+    """Top-1 accuracy of task `task_id`'s head on (x, y), in eval mode."""
     model.eval()
     return float((model(x, task=task_id).argmax(dim=1) == y).float().mean())

@@ -14,11 +14,15 @@ import gzip
 import os
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from plate_inspect.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plate_inspect.experiments.digits import Task
 
 DEFAULT_ROOT = Path("/usr/share/datasets/fashion-mnist")
 FILES = {
@@ -70,7 +74,7 @@ def load_fashion_arrays(root: str | os.PathLike | None = None) -> dict[str, tupl
     return out
 
 
-def _range_task(arrays, lo: int, hi: int):
+def _range_task(arrays: dict[str, tuple[torch.Tensor, torch.Tensor]], lo: int, hi: int) -> Task:
     from plate_inspect.experiments.digits import Task
 
     parts = []
@@ -81,13 +85,13 @@ def _range_task(arrays, lo: int, hi: int):
     return Task(*parts)
 
 
-def load_fashion_tasks(root: str | os.PathLike | None = None):
+def load_fashion_tasks(root: str | os.PathLike | None = None) -> tuple[Task, Task]:
     """(task 1: classes 0-4, task 2: classes 5-9) on the official train/test split."""
     arrays = load_fashion_arrays(root)
     return _range_task(arrays, 0, 5), _range_task(arrays, 5, 10)
 
 
-def load_fashion_pair_tasks(root: str | os.PathLike | None = None):
+def load_fashion_pair_tasks(root: str | os.PathLike | None = None) -> list[Task]:
     """The four binary tasks 2v3, 4v5, 6v7, 8v9 (the paper's sequential appendix protocol)."""
     arrays = load_fashion_arrays(root)
     return [_range_task(arrays, lo, lo + 2) for lo in (2, 4, 6, 8)]

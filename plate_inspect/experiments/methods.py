@@ -99,6 +99,7 @@ def check_budget(method: str, budget: Budget) -> None:
 
 
 def plate_budget(r: int, tau: float) -> Budget:
+    """PLATE's budget point (r rows, energy threshold tau), named as the result tables name it."""
     return Budget(f"r{r}_tau{tau:g}", {"r": r, "tau": tau})
 
 
@@ -214,6 +215,7 @@ def osf_trainable(shapes: list[tuple[int, int]], n_low: int) -> int:
 
 
 def backbone_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """(d_out, d_in) of each adapted backbone layer, in BACKBONE order."""
     return [tuple(getattr(model, m).weight.shape) for m in BACKBONE]
 
 

@@ -77,6 +77,8 @@ class SequentialRecord:
 
 @dataclass
 class SequentialResult:
+    """A sequential-tasks run: the file its records live in, and every (method, seed, after_task, task) accuracy."""
+
     path: Path
     records: list[SequentialRecord] = field(default_factory=list)
 
