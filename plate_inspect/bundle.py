@@ -1,4 +1,5 @@
-"""PLATE init bundle, format v1: a directory with ``manifest.json`` and ``*.safetensors`` part files.
+"""PLATE init bundle, format v1 (v2: the same, with stack entries in the layer selection; see
+:data:`STACKS_FORMAT_VERSION`): a directory with ``manifest.json`` and ``*.safetensors`` part files.
 
 Per module (keyed by its checkpoint name, e.g. ``model.layers.0.self_attn.q_proj``) a part file holds
 ``<module>.plate_B_idx`` (int64 [r], ascending), ``<module>.plate_Q`` ([d_in, k]), ``<module>.redundancy``
@@ -42,6 +43,12 @@ from plate_inspect.targets import LayerEntry, layer_entries
 
 FORMAT_NAME = "plate-init-bundle"
 FORMAT_VERSION = 1
+#: The format version of a bundle whose layer selection holds stack entries (``'decoder:3'``, ``'decoder'``; every
+#: other bundle stays version 1). Nothing else differs, but readers before them read ``layers`` as ints
+#: (``int('decoder:3')``: a ValueError traceback) and refuse a format version other than 1 with one line.
+STACKS_FORMAT_VERSION = 2
+#: The format versions this version reads.
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, STACKS_FORMAT_VERSION)
 MANIFEST = "manifest.json"
 STATS = "scan_stats.json"
 #: The one metadata key of a part file's safetensors header (one key: safetensors orders several at random).
@@ -112,7 +119,7 @@ class ScanSettings:
     sketch_dim: int | None = None
     anchors: int = 256
     target_modules: tuple[str, ...] | None = None
-    layers: tuple[LayerEntry, ...] | None = None  # ints (every stack's layer i) and 'stack:i' strings
+    layers: tuple[LayerEntry, ...] | None = None  # ints (every stack's layer i), 'stack:i' and 'stack' strings
     precision: str = "float32"
     q_dtype: str = "float32"
     tau_grid: tuple[float, ...] = DEFAULT_TAU_GRID
@@ -260,8 +267,14 @@ class Manifest:
     #: across interruptions so the run that finishes can say how many modules changed since the bundle was made.
     baseline: dict[str, list] | None = None
     format: str = FORMAT_NAME
-    format_version: int = FORMAT_VERSION
     tool_version: str = __version__
+
+    @property
+    def format_version(self) -> int:
+        """:data:`STACKS_FORMAT_VERSION` where the layer selection holds stack entries, else :data:`FORMAT_VERSION`
+        (so older plate-inspect versions refuse such a bundle cleanly and read every other one)."""
+        stacked = any(isinstance(entry, str) for entry in self.settings.layers or ())
+        return STACKS_FORMAT_VERSION if stacked else FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
         extra = {"rescan_baseline": self.baseline} if self.baseline is not None else {}
@@ -286,10 +299,11 @@ class Manifest:
     def from_json(cls, d: dict[str, Any], where: Path) -> Manifest:
         if d.get("format") != FORMAT_NAME:
             raise BundleError(f"{where}: not a PLATE init bundle (format {d.get('format')!r})")
-        if d.get("format_version") != FORMAT_VERSION:
+        if d.get("format_version") not in READ_FORMAT_VERSIONS:
             raise BundleError(
                 f"{where}: bundle format version {d.get('format_version')} is not supported by plate-inspect "
-                f"{__version__} (reads version {FORMAT_VERSION})"
+                f"{__version__} (reads versions {', '.join(map(str, READ_FORMAT_VERSIONS))}); read it with a newer "
+                "plate-inspect"
             )
         try:
             return cls(

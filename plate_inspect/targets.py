@@ -204,40 +204,61 @@ def _span(indices: Iterable[int]) -> str:
 
 
 #: One entry of a layer selection (``--layers``, ``layers=``): an int i selects layer i of every layer stack (an
-#: encoder-decoder's encoder and decoder both); ``'<stack>:<i>'`` (``'decoder:3'``) layer i of that stack only, the
-#: stack named as a report's rows name it (``encoder``, ``decoder``; any dotted run of its path's components).
+#: encoder-decoder's encoder and decoder both); ``'<stack>:<i>'`` (``'decoder:3'``) layer i of that stack only;
+#: ``'<stack>'`` (``'decoder'``; ``'decoder:*'`` is read as the same) every layer of that stack. A stack is named as
+#: a report's rows name it (``encoder``, ``decoder``) or by any dotted run of its path's components.
 LayerEntry = int | str
 
-_LAYER_PART = re.compile(r"(?:([A-Za-z_][\w.]*)\s*:\s*)?(\d+)(?:\s*-\s*(\d+))?")
+#: One comma part of ``--layers``: 'i', 'i-j', 'stack:i', 'stack:i-j', 'stack' or 'stack:*'.
+_LAYER_PART = re.compile(r"(?:([A-Za-z_][\w.]*)\s*(?::\s*(?:(\*)|(\d+)(?:\s*-\s*(\d+))?))?|(\d+)(?:\s*-\s*(\d+))?)")
+_WHOLE = -1  # the sort key of a whole-stack entry: before the stack's own indices
+
+
+def _entry(stack: str, index: int | None) -> LayerEntry:
+    """The one spelling of an entry: i, 'stack:i', or 'stack' for a whole stack."""
+    return index if not stack else stack if index is None else f"{stack}:{index}"
+
+
+def _entry_key(entry: tuple[str, int | None]) -> tuple[str, int]:
+    return entry[0], _WHOLE if entry[1] is None else entry[1]
 
 
 def parse_layers(spec: str | None) -> list[LayerEntry] | None:
     """'0-3,7' -> [0, 1, 2, 3, 7]; 'encoder:0,decoder:2-3' -> ['decoder:2', 'decoder:3', 'encoder:0'] (a stack
-    qualifier applies to its own comma part); None or '' -> None (all layers). Entries sorted, plain ones first."""
+    qualifier applies to its own comma part); 'encoder,decoder:0' -> ['decoder:0', 'encoder'] (a bare stack name, or
+    'stack:*', is every layer of it); None or '' -> None (all layers). Entries sorted, plain ones first; an index of
+    a stack also given whole is dropped."""
     if spec is None or spec.strip() == "":
         return None
-    out: set[tuple[str, int]] = set()
+    out: set[tuple[str, int | None]] = set()
     for part in spec.split(","):
         part = part.strip()
         m = _LAYER_PART.fullmatch(part)
         if not m:
             raise ConfigError(
-                f"--layers: cannot parse '{part}'; use e.g. '0-3,7', or 'decoder:0-3' for one stack of an "
-                "encoder-decoder model"
+                f"--layers: cannot parse '{part}'; use e.g. '0-3,7', 'decoder:0-3' for layers of one stack of an "
+                "encoder-decoder model, or 'decoder' for all of that stack's layers"
             )
-        stack, lo, hi = m.group(1) or "", int(m.group(2)), int(m.group(3) or m.group(2))
-        if hi < lo:
+        stack, whole, lo, hi = m.group(1) or "", m.group(2), m.group(3) or m.group(5), m.group(4) or m.group(6)
+        if stack and (whole or lo is None):
+            out.add((stack, None))
+            continue
+        first, last = int(lo), int(hi or lo)
+        if last < first:
             raise ConfigError(f"--layers: empty range '{part}'")
-        out.update((stack, i) for i in range(lo, hi + 1))
-    return [f"{stack}:{i}" if stack else i for stack, i in sorted(out)]
+        out.update((stack, i) for i in range(first, last + 1))
+    out = {(stack, i) for stack, i in out if i is None or not stack or (stack, None) not in out}
+    return [_entry(stack, i) for stack, i in sorted(out, key=_entry_key)]
 
 
-def layer_entry(entry: object) -> tuple[str, int]:
-    """(stack or '', index) of one layer-selection entry: an int, or a string 'i' / 'stack:i'; ConfigError otherwise."""
+def layer_entry(entry: object) -> tuple[str, int | None]:
+    """(stack or '', index) of one layer-selection entry: an int, or a string 'i' / 'stack:i'; (stack, None) for a
+    whole stack ('stack' or 'stack:*'); ConfigError otherwise."""
     if isinstance(entry, str):
         m = _LAYER_PART.fullmatch(entry.strip())
-        if m and m.group(3) is None:
-            return m.group(1) or "", int(m.group(2))
+        if m and m.group(4) is None and m.group(6) is None:
+            stack, index = m.group(1) or "", m.group(3) or m.group(5)
+            return stack, None if index is None else int(index)
     elif not isinstance(entry, bool):
         try:
             index = operator.index(entry)
@@ -247,20 +268,22 @@ def layer_entry(entry: object) -> tuple[str, int]:
             if index >= 0:
                 return "", index
     raise ConfigError(
-        f"layers: {entry!r} is not a layer index (an int >= 0) or a 'stack:index' string such as 'decoder:3'; "
-        "expand a spec such as '0-3,decoder:5' with plate_inspect.targets.parse_layers"
+        f"layers: {entry!r} is not a layer index (an int >= 0), a 'stack:index' string such as 'decoder:3' or a stack "
+        "name such as 'decoder' (all its layers); expand a spec such as '0-3,decoder:5' with "
+        "plate_inspect.targets.parse_layers"
     )
 
 
 def layer_entries(layers: Iterable[object]) -> tuple[LayerEntry, ...]:
-    """A layer selection in its one spelling, order kept: ints for plain indices, 'stack:i' strings (ScanSettings)."""
-    return tuple(f"{stack}:{i}" if stack else i for stack, i in map(layer_entry, layers))
+    """A layer selection in its one spelling, order kept: ints for plain indices, 'stack:i' strings, 'stack' for a
+    whole stack ('decoder:*' becomes 'decoder'); what ScanSettings and the manifest hold."""
+    return tuple(_entry(stack, i) for stack, i in map(layer_entry, layers))
 
 
 def format_layers(layers: Iterable[object]) -> str:
-    """'0,1,decoder:3': a layer selection for a message (sorted, each entry once)."""
-    entries = sorted(set(map(layer_entry, layers)))
-    return ",".join(f"{stack}:{i}" if stack else str(i) for stack, i in entries)
+    """'0,1,decoder:3' (or 'decoder' for a whole stack): a layer selection for a message (sorted, each entry once)."""
+    entries = sorted(set(map(layer_entry, layers)), key=_entry_key)
+    return ",".join(str(_entry(stack, i)) for stack, i in entries)
 
 
 def _stacks(names: Iterable[str]) -> dict[str, set[int]]:
@@ -283,10 +306,15 @@ def _describe_stacks(stacks: dict[str, set[int]]) -> str:
     )
 
 
+def _names_stack(qualifier: str, stack: str) -> bool:
+    """Whether ``qualifier`` names the layer stack ``stack``: it is a run of the stack path's dotted components."""
+    q, parts = qualifier.split("."), stack.split(".")
+    return any(parts[k : k + len(q)] == q for k in range(len(parts)))
+
+
 def _stack_named(qualifier: str, stacks: dict[str, set[int]], entry: str) -> str:
     """The one stack whose path holds ``qualifier`` as a run of its dotted components; ConfigError otherwise."""
-    q = qualifier.split(".")
-    hits = [s for s in stacks if any(s.split(".")[k : k + len(q)] == q for k in range(len(s.split("."))))]
+    hits = [s for s in stacks if _names_stack(qualifier, s)]
     if len(hits) == 1:
         return hits[0]
     if not stacks:
@@ -295,7 +323,8 @@ def _stack_named(qualifier: str, stacks: dict[str, set[int]], entry: str) -> str
         ((only, indices),) = stacks.items()
         raise ConfigError(
             f"--layers {entry}: this model has one layer stack ({only}, {len(indices)} layers: {_span(indices)}), "
-            f"not '{qualifier}': a 'stack:index' entry selects one stack of an encoder-decoder model (T5, BART); give "
+            f"not '{qualifier}': a 'stack:index' or 'stack' entry selects one stack of an encoder-decoder model (T5, "
+            "BART); give "
             "plain layer indices, e.g. --layers 0-3"
         )
     if not hits:
@@ -313,17 +342,22 @@ def select_layers(
     targets: Sequence[TargetModule], layers: Iterable[object], names: Iterable[str]
 ) -> list[TargetModule]:
     """The targets a layer selection keeps (possibly none): a plain index i keeps layer i of every stack, a
-    'stack:i' entry layer i of that stack (:data:`LayerEntry`). The stacks and their layers are those among
-    ``names`` (the checkpoint's, or the bundle's, modules). A stack that ``names`` do not have, a stack qualifier on
-    a single-stack model, or an index past the named stack's layers is a ConfigError naming what is there."""
+    'stack:i' entry layer i of that stack, a 'stack' entry all of that stack's layers (:data:`LayerEntry`). The stacks
+    and their layers are those among ``names`` (the checkpoint's, or the bundle's, modules). A stack that ``names`` do
+    not have, a stack qualifier on a single-stack model, or an index past the named stack's layers is a ConfigError
+    naming what is there."""
     entries = [layer_entry(e) for e in layers]
     plain = {i for stack, i in entries if not stack}
     qualified: set[tuple[str, int]] = set()
+    whole: set[str] = set()
     stacks = _stacks(names) if any(stack for stack, _ in entries) else {}
     for stack, i in entries:
         if not stack:
             continue
-        path = _stack_named(stack, stacks, f"{stack}:{i}")
+        path = _stack_named(stack, stacks, str(_entry(stack, i)))
+        if i is None:
+            whole.add(path)
+            continue
         if i not in stacks[path]:
             label = _stack_labels(list(stacks))[path] or path
             raise ConfigError(
@@ -331,7 +365,12 @@ def select_layers(
                 f"({_span(stacks[path])}), no layer {i}"
             )
         qualified.add((path, i))
-    return [t for t in targets if t.layer in plain or stack_of(t.name) in qualified]
+    kept = []
+    for t in targets:
+        where = stack_of(t.name)
+        if t.layer in plain or where in qualified or (where is not None and where[0] in whole):
+            kept.append(t)
+    return kept
 
 
 def layers_there(names: Iterable[str]) -> str:
@@ -380,17 +419,23 @@ def stack_of(name: str) -> tuple[str, int] | None:
     return None if m is None else (name[: m.start()], int(m.group(1)))
 
 
-def layer_rows(names: Iterable[str]) -> tuple[list[str], dict[str, str | None]]:
+def layer_rows(names: Iterable[str], layers: Iterable[object] | None = None) -> tuple[list[str], dict[str, str | None]]:
     """Heatmap rows of modules: (the row labels in order, each module's label; None outside numbered layers).
 
     A row is a layer index; where the names lie in several layer stacks (T5's or BART's encoder and decoder, both
     counting from 0), the stack's distinguishing part comes first ('encoder 0', ..., 'decoder 2'), encoders first,
-    else in first-seen order, so two stacks' layer i are two rows, not one cell holding both.
+    else in first-seen order, so two stacks' layer i are two rows, not one cell holding both. ``layers``: the
+    selection that chose the names (a bundle's); where it names their one stack ('decoder:1', 'decoder'), that stack
+    is one of several in the model, so its rows carry the name the selection gave it ('decoder 1'), not '1'.
     """
     names = list(names)
     where = {name: stack_of(name) for name in names}
     stacks = list(_stacks(names))
     short = _stack_labels(stacks)
+    if len(stacks) == 1 and layers is not None:
+        named = [stack for stack, _ in map(layer_entry, layers) if stack and _names_stack(stack, stacks[0])]
+        if named:  # the shortest name the selection gave it
+            short[stacks[0]] = min(named, key=lambda q: (q.count("."), len(q), q))
 
     def label(w: tuple[str, int]) -> str:
         return f"{short[w[0]]} {w[1]}" if short[w[0]] else str(w[1])
@@ -673,6 +718,7 @@ def check_weight_ranks(
     stack's layer 3: a refusal check may be wide)."""
     types = {t.module_type for t in chosen} | set(default_types)
     indices = {i for _, i in map(layer_entry, layers)} if layers is not None else None
+    indices = None if indices is not None and None in indices else indices  # a whole stack: every layer
     for name, weight in ckpt.logical_weights().items():
         module = name.removesuffix(".weight")
         layer = layer_of(module)

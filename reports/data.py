@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from plate_inspect.errors import BundleError
 from plate_inspect.formatting import counted
 from plate_inspect.geometry import energy_rank
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
-from plate_inspect.targets import expert_of, layer_rows
+from plate_inspect.targets import LayerEntry, expert_of, layer_rows
 
 #: Metrics drawn as layer x module-type heatmaps: record attribute -> (title, number format for hover).
 HEATMAP_METRICS: dict[str, tuple[str, str]] = {
@@ -195,17 +196,20 @@ def bundle_summary(bundle: Bundle, label: str | None = None) -> BundleSummary:
 
 
 # --------------------------------------------------------------------------- heatmaps
-def row_labels(records: list[ModuleRecord]) -> tuple[list[str], dict[str, str]]:
-    """Heatmap rows (layers in numeric order, per layer stack where there are several: ``layer_rows``; modules
-    outside numbered layers last, as 'other') and each module's row."""
-    rows, of = layer_rows(r.name for r in records)
+def row_labels(
+    records: list[ModuleRecord], layers: Iterable[LayerEntry] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Heatmap rows (layers in numeric order, per layer stack where there are several, or where ``layers``, the
+    bundle's layer selection, named the one stack it holds: ``layer_rows``; modules outside numbered layers last,
+    as 'other') and each module's row."""
+    rows, of = layer_rows((r.name for r in records), layers)
     labels = {n: OTHER_LAYER if label is None else label for n, label in of.items()}
     return rows + ([OTHER_LAYER] if OTHER_LAYER in labels.values() else []), labels
 
 
-def grid_axes(records: list[ModuleRecord]) -> tuple[list[str], list[str]]:
+def grid_axes(records: list[ModuleRecord], layers: Iterable[LayerEntry] | None = None) -> tuple[list[str], list[str]]:
     """Heatmap axes: layer rows (see ``row_labels``) and module types."""
-    rows = row_labels(records)[0]
+    rows = row_labels(records, layers)[0]
     types: list[str] = []
     for r in records:
         if r.module_type not in types:
@@ -258,16 +262,19 @@ def heatmap(
     metric: str,
     axes: tuple[list[str], list[str]] | None = None,
     max_rank: int | None = None,
+    layers: Iterable[LayerEntry] | None = None,
 ) -> Heatmap:
     """Layer x module-type grid of one record metric (mean_redundancy | k | captured_energy).
 
     A cell holding several modules (the experts of one layer) shows their mean, the hover their spread, and
     its name is the expert group's id (see :func:`group_id`). ``max_rank``: the bundle's cap on k (its scale).
+    ``layers``: the layer selection that names the records' stack (see :func:`row_labels`; as for ``axes``).
     """
     if metric not in HEATMAP_METRICS:
         raise ValueError(f"unknown heatmap metric {metric!r}; one of {sorted(HEATMAP_METRICS)}")
-    rows, cols = axes or grid_axes(records)
-    row_of = row_labels(records)[1]
+    layers = None if layers is None else list(layers)
+    rows, cols = axes or grid_axes(records, layers)
+    row_of = row_labels(records, layers)[1]
     cells: dict[tuple[int, int], list[ModuleRecord]] = defaultdict(list)
     for rec in records:
         cells[rows.index(row_of[rec.name]), cols.index(rec.module_type)].append(rec)
@@ -765,9 +772,12 @@ def report_data(
     labels = bundle_labels(bundles, labels)
     summaries = [bundle_summary(b, lab) for b, lab in zip(bundles, labels, strict=True)]
     per_bundle_records = [[b.record(n) for n in modules] for b in bundles]
-    axes = grid_axes(per_bundle_records[0])
+    # a bundle of one stack of an encoder-decoder (--layers decoder:1) labels its rows by that stack, as a full one
+    selections = [b.settings.layers for b in bundles if b.settings.layers is not None]
+    layers = [entry for sel in selections for entry in sel] if selections else None
+    axes = grid_axes(per_bundle_records[0], layers)
     heatmaps = [
-        {m: heatmap(recs, m, axes, b.manifest.settings.max_rank) for m in HEATMAP_METRICS}
+        {m: heatmap(recs, m, axes, b.manifest.settings.max_rank, layers) for m in HEATMAP_METRICS}
         for b, recs in zip(bundles, per_bundle_records, strict=True)
     ]
     groups = list(zip(*(expert_groups(recs) for recs in per_bundle_records), strict=True))

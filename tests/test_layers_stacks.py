@@ -84,7 +84,11 @@ def test_parse_layers_reads_stack_qualifiers():
     assert parse_layers("encoder:0,decoder:5,1") == [1, "decoder:5", "encoder:0"]
     assert parse_layers(" decoder : 1 - 2 , decoder:1") == ["decoder:1", "decoder:2"]
     assert parse_layers("model.decoder.layers:3") == ["model.decoder.layers:3"]
-    for bad in ("decoder:", ":3", "decoder:a", "decoder:3-1", "de coder:1", "decoder:1:2"):
+    # a whole stack: its name alone, or 'stack:*' (read as the same); its own indices beside it are dropped
+    assert parse_layers("decoder") == parse_layers("decoder:*") == ["decoder"]
+    assert parse_layers("encoder,decoder:0-2") == ["decoder:0", "decoder:1", "decoder:2", "encoder"]
+    assert parse_layers("decoder:1, decoder : * ,0") == [0, "decoder"]
+    for bad in ("decoder:", ":3", "decoder:a", "decoder:3-1", "de coder:1", "decoder:1:2", "*", "decoder:*-2", "dec*"):
         with pytest.raises(ConfigError, match="--layers"):
             parse_layers(bad)
 
@@ -154,10 +158,11 @@ def test_bad_stack_selections_are_one_line_errors(models, qwen_ckpt, tmp_path):
     # no stack has a plain index: nothing matched, the layers there named per stack
     _one_line_error(["scan", t5, "--out", out, "--layers", "7", "-q"], "layers [7]",
                     "its layers: encoder 0-1, decoder 0-2")  # fmt: skip
-    for bad in (["decoder:0-1"], [-1], [1.5], [True]):
+    for bad in (["decoder:0-1"], [-1], [1.5], [True], ["decoder:*:1"], ["*"]):
         with pytest.raises(ConfigError, match="not a layer index"):
             ScanSettings(layers=bad)
-    assert ScanSettings(layers=[" decoder : 2", "3", 1]).layers == ("decoder:2", 3, 1)
+    assert ScanSettings(layers=[" decoder : 2", "3", 1, "encoder:*", " decoder"]).layers == (
+        "decoder:2", 3, 1, "encoder", "decoder")  # fmt: skip
 
 
 def test_audit_of_a_one_stack_bundle_names_the_models_stacks(models, tmp_path):
@@ -186,5 +191,6 @@ def test_a_misshapen_weight_in_a_selected_stack_layer_is_refused(models, tmp_pat
     name = "model.decoder.layers.1.self_attn.q_proj.weight"
     tensors[name] = tensors[name].flatten().contiguous()
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(plate_inspect.CheckpointError, match=f"tensor '{name}' has shape \\[1024\\]"):
-        plate_inspect.scan(broken, tmp_path / "out", r=4, layers=["decoder:1"])
+    for layers in (["decoder:1"], ["decoder"]):
+        with pytest.raises(plate_inspect.CheckpointError, match=f"tensor '{name}' has shape \\[1024\\]"):
+            plate_inspect.scan(broken, tmp_path / "out", r=4, layers=layers)
