@@ -9,6 +9,7 @@ bundle's bytes are those of a single-process scan with the same threads per proc
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import datetime
 import hashlib
@@ -53,6 +54,14 @@ POLL_SECONDS = 0.25
 WEIGHT_SAMPLES = 1024
 #: Bytes sampled from the middle of each of them.
 SAMPLE_BYTES = 4096
+#: Every call to the job's store returns within this many seconds, or the store's host is taken as gone. TCPStore's
+#: own timeout does not bound a call whose server stopped answering (a powered-off or unreachable host: the socket
+#: stays open, the client waits for a reply forever), so each call runs on a thread of its own that is waited for.
+STORE_TIMEOUT_SECONDS = 30.0
+#: How long a rank other than 0 waits for rank 0's error line, to stay quiet when it is the same (:func:`say_once`).
+SAID_WAIT_SECONDS = 10.0
+#: How long a rank that stays quiet lets rank 0 exit first.
+QUIET_EXIT_SECONDS = 1.0
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -103,9 +112,13 @@ class Coordinator:
     collective with gloo's traceback only). Without a store the collectives wait as gloo does.
     """
 
-    def __init__(self, info: RankInfo, store: Any = None, prefix: str = ""):
+    def __init__(self, info: RankInfo, store: Any = None, prefix: str = "", stop_main: bool = False):
         self.info = info
-        self._store, self._prefix = store, prefix
+        self._stop_main = stop_main  # a lost store interrupts the main thread (the scan): see _heartbeat
+        self._store = BoundedStore(store) if store is not None else None
+        self._shared, self._prefix = store, prefix
+        self._lost: str | None = None  # set by the heartbeat thread when the store stopped answering
+        self._waiting = False  # the main thread waits in the store for the others (and finds a lost store itself)
         self._steps = itertools.count()
         self._failed: str | None = None  # the failure this rank has reported (so join does not report it again)
         self._stop = threading.Event()
@@ -179,26 +192,45 @@ class Coordinator:
         what = "interrupted" if isinstance(error, KeyboardInterrupt) else _one_line(error)
         self._post_failure(self.rank, f"rank {self.rank} failed: {what}; {_RESUME}")
 
+    @property
+    def store_lost(self) -> str | None:
+        """The one-line message for a store that stopped answering while this rank scanned (None: it answers)."""
+        return self._lost
+
     def close(self) -> None:
-        """Stop the heartbeat thread."""
+        """Stop the heartbeat thread (without waiting for a store call that does not return)."""
         self._stop.set()
         if self._beats is not None:
-            self._beats.join(timeout=5)
+            self._beats.join(timeout=1)
+        if self._store is not None:
+            self._store.close()
 
     def _key(self, *parts: object) -> str:
         return self._prefix + "/".join(map(str, parts))
 
     def _heartbeat(self) -> None:
-        """Bump this rank's counter until closed (its own store connection where the store can clone one)."""
-        store = self._store
-        with contextlib.suppress(Exception):
-            store = store.clone()
+        """Bump this rank's counter until closed (its own store connection where the store can clone one).
+
+        A store that fails or does not answer within :data:`STORE_TIMEOUT_SECONDS` (its host is down or unreachable)
+        stops this rank's scan (``stop_main``, as :func:`join` asks): the main thread gets a KeyboardInterrupt,
+        which :func:`join` turns into the :attr:`store_lost` message; without it a rank scanned its whole share, then
+        waited for the store forever."""
+        store = BoundedStore(self._shared, clone=True)
         key = self._key("alive", self.rank)
-        while True:
-            with contextlib.suppress(Exception):  # a lost store is noticed (and named) by the waiting side
-                store.add(key, 1)
-            if self._stop.wait(HEARTBEAT_SECONDS):
-                return
+        try:
+            while not self._stop.is_set():
+                try:
+                    store.add(key, 1)
+                except RuntimeError as e:
+                    if not self._stop.is_set():
+                        self._lost = _store_lost(e)
+                        if self._stop_main and not self._waiting:  # (a waiting main thread raises it itself)
+                            _thread.interrupt_main()
+                    return
+                if self._stop.wait(HEARTBEAT_SECONDS):
+                    return
+        finally:
+            store.close()
 
     def _post_failure(self, rank: int, message: str) -> None:
         self._failed = message
@@ -221,6 +253,7 @@ class Coordinator:
         watched = range(self.world_size) if self.is_root else [0]  # rank 0 watches everyone, the others rank 0
         seen: dict[int, tuple[int, float]] = {}
         pause = 0.002  # doubling up to POLL_SECONDS: ranks that arrive together pass in milliseconds
+        self._waiting = True
         try:
             self._store.add(arrived, 1)
             while self._store.add(arrived, 0) < self.world_size:
@@ -243,13 +276,12 @@ class Coordinator:
         except PlateInspectError:
             self._failed = self._failed or "reported"
             raise
-        except RuntimeError as e:  # the store itself is gone (torch raises DistNetworkError, a RuntimeError)
+        except RuntimeError as e:  # the store is gone (DistNetworkError, a RuntimeError) or does not answer
             self._failed = "store lost"
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-            raise BundleError(
-                f"lost contact with the job's store at {where} ({_one_line(e)}): the process that held it (torchrun's "
-                f"agent on the first node, or rank 0) is gone; {_RESUME}"
-            ) from None
+            self._lost = self._lost or _store_lost(e)
+            raise BundleError(self._lost) from None
+        finally:
+            self._waiting = False
 
     def _first_failure(self) -> str:
         for rank in range(self.world_size):
@@ -260,6 +292,167 @@ class Coordinator:
 
 
 _RESUME = "the part files finished so far are kept: rerun the same command to resume (with any number of ranks)"
+
+
+class StoreTimeout(RuntimeError):
+    """A call to the job's store got no answer within :data:`STORE_TIMEOUT_SECONDS`."""
+
+
+class BoundedStore:
+    """A key-value store (TCPStore) whose every call returns within ``timeout`` seconds (default
+    :data:`STORE_TIMEOUT_SECONDS`) or raises :class:`StoreTimeout`; once one has timed out, every later call raises
+    at once.
+
+    The calls run in order on a daemon thread of this object's own (with ``clone``, over a connection of its own,
+    opened there too); a call that never returns leaves that thread blocked, not the caller. ``store`` may also be
+    a function that opens the store (on that thread, so that connecting is bounded as well)."""
+
+    def __init__(self, store: Any, clone: bool = False, timeout: float | None = None):
+        self._timeout = timeout  # None: STORE_TIMEOUT_SECONDS (read at each call)
+        self._calls: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+        self._timed_out: str | None = None
+        self._thread = threading.Thread(target=self._serve, args=(store, clone), name="plate-store", daemon=True)
+        self._thread.start()
+
+    def _serve(self, store: Any, clone: bool) -> None:
+        opened: tuple[bool, Any] = (True, store)
+        try:
+            if callable(store) and not hasattr(store, "add"):
+                opened = (True, store())
+            elif clone:
+                with contextlib.suppress(Exception):
+                    opened = (True, store.clone())
+        except BaseException as e:  # a store that cannot be opened: every call raises its error
+            opened = (False, e)
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            fn, box, done = item
+            if not opened[0]:
+                box.append(opened)
+            else:
+                try:
+                    box.append((True, fn(opened[1])))
+                except BaseException as e:
+                    box.append((False, e))
+            done.set()
+
+    def call(self, fn: Callable[[Any], T]) -> T:
+        """``fn(store)`` on the store's thread, waited for at most :data:`STORE_TIMEOUT_SECONDS`."""
+        if self._timed_out is not None:
+            raise StoreTimeout(self._timed_out)
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._calls.put((fn, box, done))
+        timeout = STORE_TIMEOUT_SECONDS if self._timeout is None else self._timeout
+        if not done.wait(timeout):
+            self._timed_out = f"no answer for {timeout:.0f} s"
+            raise StoreTimeout(self._timed_out)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return self.call(lambda s: s.add(key, amount))
+
+    def set(self, key: str, value: str) -> None:
+        self.call(lambda s: s.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self.call(lambda s: s.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        return self.call(lambda s: s.check(keys))
+
+    def close(self) -> None:
+        """End the store's thread once the calls before have returned (at once if none is pending)."""
+        self._calls.put(None)
+
+
+def _store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+
+#: The addresses (host:port) of job stores this process found gone: :func:`say_once` does not wait on them again.
+_LOST_STORES: set[str] = set()
+
+
+def _store_lost(error: BaseException) -> str:
+    """The one line for a job whose store (on the first node) failed or stopped answering (and notes it as gone)."""
+    _LOST_STORES.add(_store_address())
+    what = (
+        f"has not answered for {STORE_TIMEOUT_SECONDS:.0f} s"
+        if isinstance(error, StoreTimeout)
+        else f"is gone ({_one_line(error)})"
+    )
+    return (
+        f"lost contact with the job's store at {_store_address()}: it {what}; the first node (torchrun's agent or "
+        f"rank 0 there) is down, stopped or unreachable: stop the job; {_RESUME}"
+    )
+
+
+def say_once(line: str, say: Callable[[str], None]) -> None:
+    """Print a user error once per job, not once per rank: ``say(line)`` on rank 0 (and in a single process); on
+    another rank nothing when rank 0 said the same line or named this rank's failure, else ``say("rank N: line")``.
+
+    Every rank of a torchrun job runs the same command line on its node's files and mostly fails the same way (a
+    bad --out, a missing model, a setting out of range, a verdict all ranks share): N ranks printed N identical
+    lines. A rank other than 0 learns rank 0's line from the job's store (torchrun's agent holds it from the
+    start, so also for errors before the process group exists), waiting at most :data:`SAID_WAIT_SECONDS`: a rank
+    whose problem is its own (a file missing on its node), or that cannot ask (no agent store: a job started
+    without torchrun), or that asks in vain (rank 0 did not fail, or not in time), prints its line with its rank.
+    Rank 0 posts its line after printing it, so that no rank falls quiet before rank 0 has spoken."""
+    try:
+        info = rank_from_env()
+    except ConfigError:  # the job's variables themselves are wrong: every process says so
+        info = RankInfo()
+    if info.world_size == 1:
+        say(line)
+        return
+    store = _agent_store(SAID_WAIT_SECONDS)
+    key = "plate-inspect/said/{}/{}/0".format(
+        os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    try:
+        if info.is_root:
+            say(line)
+            if store is not None:
+                with contextlib.suppress(RuntimeError):
+                    store.set(key, line)
+            return
+        heard = None
+        if store is not None:
+            deadline = time.monotonic() + SAID_WAIT_SECONDS
+            with contextlib.suppress(RuntimeError):
+                while heard is None and time.monotonic() < deadline:
+                    if store.check([key]):
+                        heard = store.get(key).decode(errors="replace")
+                    else:
+                        time.sleep(0.05)
+        if heard != line and not (heard or "").startswith(f"rank {info.rank} failed: "):
+            say(f"rank {info.rank}: {line}")
+        else:  # rank 0 exits first, so that torchrun's report names it (the rank that said it) as the root cause
+            time.sleep(QUIET_EXIT_SECONDS)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _agent_store(timeout: float) -> BoundedStore | None:
+    """A client of torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True: the agent on the first node holds the
+    store at MASTER_ADDR:MASTER_PORT for the whole job); None without one (rank 0 would hold it, in its process
+    group only), or when this process found it gone already. Every call is bounded by ``timeout`` seconds,
+    connecting included."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or _store_address() in _LOST_STORES:
+        return None
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return None
+    wait = datetime.timedelta(seconds=timeout)
+    return BoundedStore(lambda: torch.distributed.TCPStore(host, port, is_master=False, timeout=wait), timeout=timeout)
 
 
 def _one_line(error: BaseException) -> str:
@@ -348,16 +541,18 @@ def join() -> Iterator[Coordinator]:
             torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
         created = True
     store = _job_store() if info.world_size > 1 else None
-    group = Coordinator(info, store, f"plate-inspect/scan-{next(_JOINED)}/")
+    group = Coordinator(info, store, f"plate-inspect/scan-{next(_JOINED)}/", stop_main=True)
     try:
         with _sigterm_interrupts(info):
             yield group
     except BaseException as e:
+        if group.store_lost is not None:  # the heartbeat thread stopped the scan (KeyboardInterrupt), or the
+            raise BundleError(group.store_lost) from None  # main thread found the store gone first: one message
         group.report_failure(e)
         raise
     finally:
         group.close()
-        if created:
+        if created and group.store_lost is None:  # (with the store's host gone, tearing down may wait for it)
             torch.distributed.destroy_process_group()
 
 
