@@ -10,7 +10,6 @@ from rich import box
 from rich.table import Table
 
 from plate_inspect.cli.common import console, progress_bar, split_names
-from plate_inspect.formatting import counted
 from plate_inspect.targets import check_target_patterns, parse_layers
 
 
@@ -56,7 +55,15 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
       plate-inspect audit ./base adapter.safetensors --report audit.html
       plate-inspect audit ./base ./finetuned --bundle bundles/base --layers 0-3 --target-modules q_proj,v_proj
     """
-    from plate_inspect.auditing import TABLE_COLUMNS, audit, rank_by_risk, summarize, table_cells
+    from plate_inspect.auditing import (
+        TABLE_COLUMNS,
+        audit,
+        rank_by_risk,
+        rounding_kind,
+        rounding_note,
+        summarize,
+        table_cells,
+    )
 
     check_target_patterns(split_names(target_modules))
     if report is not None:  # before the audit, which takes minutes on a large model
@@ -99,19 +106,20 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
         f"frozen-row share {s.frozen_row_share:.4f} (energy-weighted); ||dW||/||W|| {s.relative_delta:.3e}; "
         f"risk sqrt(sum ||dW P||^2 / sum ||W||^2) = {s.risk:.3e}"
     )
+    rounding = rounding_kind(records)
     if s.touched == 0:  # shares of no update are not 0 (PLATE's form): say what happened
         line = (
             f"model: 0/{s.modules} modules changed: TUNED's weights equal BASE's in every audited module (no update "
             "to score; check that TUNED is the fine-tuned model)"
         )
+        if rounding:
+            line = (
+                f"model: 0/{s.modules} modules changed: no update beyond {rounding} (TUNED equals BASE rounded to its "
+                "storage in every audited module)"
+            )
     console.print(line, soft_wrap=True)  # one line, as scripts grep it, whatever the terminal width
-    rounded = sorted({rec.base_rounded_to for rec in records if rec.base_rounded_to})
-    if rounded:
-        n = sum(1 for rec in records if rec.base_rounded_to)
-        console.print(
-            f"note: TUNED stores {counted(n, 'module')} in {'/'.join(rounded)}, which does not hold BASE's values "
-            "exactly: dW = TUNED - BASE rounded to that dtype, so the storage rounding alone is not an update",
-            soft_wrap=True,
-        )
+    note = rounding_note(records)
+    if note:
+        console.print(f"note: {note}", soft_wrap=True)
     if report is not None:
         console.print(f"report: {report}")

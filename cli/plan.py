@@ -87,6 +87,20 @@ def plan_command(bundle, budget, objective, out, as_json):
         f"budget {_count(bud['params'])} parameters ({bud['spec']}); planned {bud['spent']:,}; "
         f"max captured energy {plan.max_captured_energy:.3e}, mean {plan.mean_captured_energy:.3e}"
     )
+    opt = data["optimality"]
+    name = "max captured energy" if objective == "minimax" else "mean captured energy"
+    if opt["method"] == "exact":
+        console.print(
+            f"optimal: exact: it spends the most the budget allows, and no plan spending as much has a smaller {name}",
+            soft_wrap=True,
+        )
+    else:
+        console.print(
+            f"[yellow]note[/]: greedy fallback, not proven optimal ({opt['reason']}): its {name} "
+            f"{opt['objective']:.3e} is within {opt['gap']:.3e} of the optimum (lower bound {opt['lower_bound']:.3e} "
+            "for any plan spending as much)",
+            soft_wrap=True,
+        )
     if bud["limited_by_bundle"]:
         console.print(
             f"[yellow]note[/]: the bundle's Q holds at most {bud['capacity']:,} parameters at its r; "

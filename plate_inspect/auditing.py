@@ -8,8 +8,9 @@ bundle's, or chosen exactly as the scan chooses them) and W_f the rows outside B
 - ``frozen_row_share`` = the share of ||dW||_F^2 on rows outside B;
 - ``delta_norm`` = ||dW||_F and ``relative_delta`` = ||dW||_F / ||W||_F.
 
-A fine-tuned checkpoint stored coarser than BASE (bf16 of an fp32 base) gives dW = TUNED - BASE rounded to TUNED's
-dtype (:func:`rounded_like`): the rounding of the save is not an update.
+A fine-tuned checkpoint stored coarser than BASE (bf16 of an fp32 base; FP8 with block scales of a bf16/fp32 base)
+gives dW = TUNED - BASE rounded to TUNED's storage (:func:`rounding_reference`; FP8 at TUNED's own scales): the
+rounding or quantization of the save is not an update. Records say so (``base_rounded_to``, ``rounding_floor``).
 
 A PLATE update (rows in B, inputs in the bottom eigenspace Q) scores 0 on both; a dense isotropic random update
 scores m(tau)/d_in on the first and (d_out - r)/d_out on the second. Per-module ``risk`` = ||dW P||_F / ||W||_F
@@ -35,7 +36,8 @@ from typing import Any, Union
 import torch
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header
+from plate_inspect.checkpoint import Checkpoint, decode_fp8_scale, expand_block_scale, parse_safetensors_header
+from plate_inspect.dtypes import DTYPES
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import (
     check_sketch_dim,
@@ -51,6 +53,7 @@ from plate_inspect.geometry import (
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
     CONV1D_FAMILIES,
+    EXPERT_LAYOUTS,
     LayerEntry,
     TargetModule,
     check_target_patterns,
@@ -65,6 +68,9 @@ from plate_inspect.targets import (
 
 #: Keys of one ``--json`` record, in order.
 AUDIT_KEYS = ("module", "protected_input_share", "frozen_row_share", "delta_norm", "relative_delta")
+#: Keys a ``--json`` record adds where TUNED is stored coarser than BASE (bf16 of fp32, FP8): TUNED's storage dtype,
+#: and ||round(BASE) - BASE||_F, the storage rounding that was not counted as update.
+ROUNDING_KEYS = ("base_rounded_to", "rounding_floor")
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
 _PEFT_PREFIX = "base_model.model."
 
@@ -113,15 +119,73 @@ def delta_times(delta: Delta, v: torch.Tensor) -> torch.Tensor:
     return matmul(delta.left, matmul(delta.right, v).contiguous())
 
 
-def rounded_like(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight`` rounded to a coarser floating storage ``dtype`` (bf16, f16) and back; ``weight`` itself when
-    ``dtype`` is not coarser. A TUNED stored coarser than BASE (a bf16 save of an fp32 model) is compared with BASE
-    rounded as TUNED's storage rounds it, so the storage rounding of every weight is not scored as an update; a
-    value outside ``dtype``'s range keeps BASE's."""
-    if not dtype.is_floating_point or torch.finfo(dtype).eps <= torch.finfo(weight.dtype).eps:
+def grid_step(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype``'s floating grid at |values| (float32 units, unscaled): eps * 2^floor(log2 |v|),
+    the subnormal spacing below the smallest normal (e4m3: 2^-3 per binade, 2^-9 below 2^-6)."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(values.abs().clamp_min(info.smallest_normal))  # |v| = m 2^e, m in [0.5, 1)
+    return info.eps * torch.ldexp(torch.ones_like(values), exponent - 1)
+
+
+def _coarser(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> bool:
+    """Whether storing ``weight`` in ``dtype`` (FP8: with a ``scale``) can round it."""
+    if not dtype.is_floating_point:
+        return False
+    return scale is not None or torch.finfo(dtype).eps > torch.finfo(weight.dtype).eps
+
+
+def rounded_like(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` rounded as a coarser floating storage ``dtype`` stores it, and back; ``weight`` itself when
+    ``dtype`` is not coarser. bf16/f16: a cast. FP8 with ``scale`` (the per-element dequantization scale,
+    ``scale_inv``): round(weight / scale) to FP8, times scale, rounded to float32 as the checkpoint reader forms it.
+    A value beyond ``dtype``'s range at that scale keeps ``weight``'s (no save of it could have produced it)."""
+    if not _coarser(weight, dtype, scale):
         return weight
-    rounded = weight.to(dtype).to(weight.dtype)
-    return torch.where(torch.isfinite(rounded), rounded, weight)
+    if scale is None:
+        x, rounded = weight, weight.to(dtype).to(weight.dtype)
+    else:
+        work = torch.float64 if scale.dtype == torch.float64 else torch.float32
+        x = weight.to(work) / scale.to(work)
+        rounded = (x.to(dtype).to(work) * scale.to(work)).to(torch.float32).to(weight.dtype)
+    return torch.where(x.abs() <= torch.finfo(dtype).max, rounded, weight)
+
+
+def rounding_reference(
+    base: torch.Tensor, tuned: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What TUNED holds where it is BASE saved in ``dtype`` (FP8: at TUNED's own ``scale``): BASE rounded to that
+    grid, and TUNED itself wherever it lies within half a grid step of BASE (a tie rounded the other way, a
+    quantizer that multiplies by 1/scale): a difference within the storage's rounding half-step is rounding, not
+    an update. ``base`` itself when ``dtype`` is not coarser. ``tuned`` in ``base``'s dtype and orientation."""
+    rounded = rounded_like(base, dtype, scale)
+    if rounded is base:
+        return base
+    unit = torch.ones((), dtype=base.dtype) if scale is None else scale.to(base.dtype)
+    magnitude = torch.minimum((tuned / unit).abs(), (base / unit).abs())  # the finer side of a binade edge
+    half = 0.5 * grid_step(magnitude, dtype) * unit * (1 + 2**-12)  # slack: float32 division vs 1/scale products
+    return torch.where((tuned - base).abs() <= half, tuned, rounded)
+
+
+def fp8_storage(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.dtype, torch.Tensor | None] | None:
+    """A module's FP8 storage in ``ckpt``: its FP8 dtype and per-element dequantization scale oriented d_out x d_in
+    (None for a plain cast without scales); None when the module is not stored in FP8. Reads the scales only
+    (one expert's block scales for a 3-D stack), which :meth:`Checkpoint.read_weight` has already checked."""
+    weight = ckpt.logical_weight(target.logical_name)
+    if weight.format != "fp8" or DTYPES[weight.stored_dtype].torch is None:
+        return None
+    dtype = DTYPES[weight.stored_dtype].torch
+    if len(weight.parts) == 1:
+        return dtype, None
+    info = ckpt.tensors[weight.parts[1]]
+    expert = target.expert if target.layout in EXPERT_LAYOUTS else None
+    shape = weight.shape[1:] if expert is not None else weight.shape
+    if weight.block is None:  # one scale for the whole tensor (all experts)
+        return dtype, decode_fp8_scale(ckpt.read_bytes(info.name), info.dtype).reshape(())
+    per = info.nbytes // info.shape[0] if expert is not None else info.nbytes
+    scale = decode_fp8_scale(ckpt.read_bytes(info.name, (expert or 0) * per, per), info.dtype)
+    (rows, cols), (br, bc) = shape[-2:], weight.block
+    full = expand_block_scale(scale.reshape(-(-rows // br), -(-cols // bc)), rows, cols, weight.block)
+    return dtype, (full.T if target.layout in ("conv1d", "experts_in_major") else full)
 
 
 # --------------------------------------------------------------------------- the protected input directions
@@ -170,7 +234,8 @@ def protected_energy(delta: Delta, sub: ProtectedSubspace, total: float) -> floa
 # --------------------------------------------------------------------------- one module
 @dataclass
 class AuditRecord:
-    """The audit of one module; ``to_json`` gives exactly :data:`AUDIT_KEYS`."""
+    """The audit of one module; ``to_json`` gives :data:`AUDIT_KEYS`, and :data:`ROUNDING_KEYS` where BASE was
+    rounded to TUNED's coarser storage."""
 
     module: str
     protected_input_share: float
@@ -183,6 +248,7 @@ class AuditRecord:
     weight_norm: float = 0.0  # ||W||_F
     protected_norm: float = 0.0  # ||dW P||_F
     base_rounded_to: str | None = None  # TUNED's coarser dtype (dW = TUNED - BASE rounded to it), else None
+    rounding_floor: float | None = None  # ||round(BASE) - BASE||_F: the storage rounding not counted as update
 
     @property
     def chance_share(self) -> float:
@@ -195,7 +261,8 @@ class AuditRecord:
         return self.protected_norm / self.weight_norm if self.weight_norm > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in AUDIT_KEYS}
+        keys = AUDIT_KEYS + (ROUNDING_KEYS if self.base_rounded_to else ())
+        return {key: getattr(self, key) for key in keys}
 
 
 def audit_update(name: str, weight: torch.Tensor, delta: Delta, b_idx: torch.Tensor, tau: float) -> AuditRecord:
@@ -288,6 +355,32 @@ def table_cells(rec: AuditRecord) -> tuple[str, ...]:
     )
 
 
+def rounding_kind(records: list[AuditRecord]) -> str | None:
+    """'FP8 quantization error' or 'bfloat16 rounding' (TUNED's coarser storage dtypes) where BASE was rounded to
+    TUNED's storage in some module; None where it was not."""
+    dtypes = sorted({rec.base_rounded_to for rec in records if rec.base_rounded_to})
+    if not dtypes:
+        return None
+    return "FP8 quantization error" if any(d.startswith("float8") for d in dtypes) else f"{'/'.join(dtypes)} rounding"
+
+
+def rounding_note(records: list[AuditRecord]) -> str | None:
+    """The note (CLI and HTML report) for modules whose BASE was rounded to TUNED's coarser storage, else None."""
+    rounded = [rec for rec in records if rec.base_rounded_to]
+    if not rounded:
+        return None
+    dtypes = sorted({rec.base_rounded_to for rec in rounded})
+    worst = max((rec.rounding_floor / rec.weight_norm for rec in rounded if rec.weight_norm > 0), default=0.0)
+    count = f"{len(rounded)} module{'s' if len(rounded) != 1 else ''}"
+    return (
+        f"TUNED stores {count} in {'/'.join(dtypes)}, which does not hold BASE's values exactly: dW = TUNED - BASE "
+        "rounded to that dtype"
+        + (" (at TUNED's own FP8 scales)" if any(d.startswith("float8") for d in dtypes) else "")
+        + f", so the storage rounding alone is not an update ({rounding_kind(records)}: ||round(BASE) - BASE||/||W|| "
+        f"up to {worst:.2e}; JSON: base_rounded_to, rounding_floor)"
+    )
+
+
 def rank_by_risk(records: list[AuditRecord]) -> list[AuditRecord]:
     """Records ordered by risk, highest first (ties: larger protected share, then name)."""
     return sorted(records, key=lambda r: (-r.risk, -r.protected_input_share, r.module))
@@ -343,7 +436,8 @@ class CheckpointUpdate(UpdateSource):
     def __post_init__(self) -> None:
         self.description = f"fine-tuned checkpoint {self.tuned.root}"
         self._modules: dict[str, TargetModule] | None = None
-        self.rounded: dict[str, str] = {}  # module -> TUNED's coarser dtype, where BASE was rounded to it
+        # module -> (TUNED's coarser dtype, ||round(BASE) - BASE||_F), where BASE was rounded to it
+        self.rounded: dict[str, tuple[str, float]] = {}
 
     @property
     def modules(self) -> dict[str, TargetModule]:
@@ -387,11 +481,15 @@ class CheckpointUpdate(UpdateSource):
                 f"{mine.tensor.file.name}: module '{target.name}' is [d_out, d_in] = {list(mine.shape)} in the "
                 f"fine-tuned checkpoint but {list(target.shape)} in the base; they are not the same architecture"
             )
-        tuned, _ = load_target(self.tuned, mine)
-        reference = rounded_like(base_weight, tuned.dtype)
+        stored, _ = load_target(self.tuned, mine)
+        tuned = stored.to(base_weight.dtype)
+        fp8 = fp8_storage(self.tuned, mine)  # FP8 reads as float32: round BASE to its codes at TUNED's scales
+        storage, scale = fp8 if fp8 is not None else (stored.dtype, None)
+        reference = rounding_reference(base_weight, tuned, storage, scale)
         if reference is not base_weight and not torch.equal(reference, base_weight):
-            self.rounded[target.name] = str(tuned.dtype).removeprefix("torch.")
-        out = tuned.to(base_weight.dtype) - reference
+            floor = float(torch.linalg.vector_norm(reference - base_weight, dtype=torch.float64))
+            self.rounded[target.name] = (str(storage).removeprefix("torch."), floor)
+        out = tuned - reference
         if not bool(torch.isfinite(out).all()):
             where = f"tensor '{mine.logical_name}'" + (f" (expert {mine.expert})" if mine.expert is not None else "")
             raise CheckpointError(f"{mine.tensor.file.name}: {where} contains NaN or Inf values")
@@ -801,8 +899,8 @@ def audit(
             b_idx = select_redundant_rows(scores, effective_r(r, target.shape[0]))
         delta = source.delta(target, weight)
         record = audit_update(target.name, weight, delta, b_idx, tau)
-        if isinstance(source, CheckpointUpdate):
-            record.base_rounded_to = source.rounded.get(target.name)
+        if isinstance(source, CheckpointUpdate) and target.name in source.rounded:
+            record.base_rounded_to, record.rounding_floor = source.rounded[target.name]
         records.append(record)
         del weight, delta
         counter.step(target.name)

@@ -6,15 +6,20 @@ Q[:, :k] (k <= K) is a bottom-k eigenspace basis (see :func:`planned_captured_en
 per module, and its captured energy is known exactly from the spectrum: c(k) = (sum of the k smallest
 eigenvalues) / tr(G). Trainable parameters are r * k per module.
 
-Objectives (both spend the budget greedily, one column of Q at a time, until no module can take another within it):
+The plan is exact (:func:`allocation`): it spends the most parameters the budget allows (sum r*k, k in [1, bundle
+k]), and among the allocations spending that much it has the smallest objective:
 
-- ``minimax`` (default): next column to the module whose captured energy after it is smallest. With equal r this
-  minimises the largest captured energy over modules among all allocations of the same size: it is a common
-  protected level (a per-module tau equalised across modules: k_i = k_i(tau) at one tau), refined column by column.
-- ``mean``: next column where it adds the least captured energy per parameter. With equal r this minimises the
-  mean captured energy (the increments are the ascending eigenvalues, so each module's c(k) is convex).
+- ``minimax`` (default): the largest captured energy over modules. With equal r this is a common protected level
+  (a per-module tau equalised across modules: k_i = k_i(tau) at one tau), refined column by column.
+- ``mean``: the mean captured energy (each module's increments are its ascending eigenvalues: c(k) is convex).
 
-With unequal r (effective r capped at 90% of small modules' rows) the greedy skips columns that no longer fit.
+Within one r the best n columns are the n smallest levels (minimax) or increments (mean), so modules of equal r are
+solved in closed form; across different r (effective r capped at 90% of small modules' rows, a router at r = 0
+aside) a dynamic program over the spend in units of the gcd of the r's finds the optimum, or, when that program
+would be too large (:data:`EXACT_WORK_LIMIT`), for minimax integer feasibility programs over one count per r
+(scipy's HiGHS, answers checked in integers). Otherwise (mean, or no checked answer) the greedy of session 15 runs
+(:func:`allocate_greedy`: one column at a time, optimal with equal r), and the plan says so, with a lower bound on
+the optimum.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from plate_inspect.bundle import Bundle, ModuleRecord
@@ -112,20 +118,56 @@ def protected_tau(curve: torch.Tensor, k: int) -> float:
 
 
 # --------------------------------------------------------------------------- allocation
-def allocate(
-    curves: list[torch.Tensor], ranks: list[int], k_max: list[int], budget: int, objective: str = "minimax"
-) -> list[int]:
-    """Per-module k in [1, k_max] with sum r*k <= budget, greedily by the objective (see the module docstring);
-    a module with r = 0 (it trains nothing) stays at k = 1."""
+#: Most (frontier states x choices) the dynamic program may enumerate in one step before integer programs run.
+EXACT_WORK_LIMIT = 20_000_000
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Per-module k and how it was found: ``exact`` (the optimum: the largest spend within the budget, then the
+    smallest objective among allocations spending that much; ``solver``) or ``greedy`` (no exact answer: ``reason``),
+    with ``lower_bound``: no allocation spending at least as much has a smaller objective."""
+
+    ks: list[int]
+    method: str  # "exact" | "greedy"
+    objective: float  # max (minimax) or mean (mean) captured energy over all modules
+    reason: str = ""
+    lower_bound: float | None = None
+    solver: str = ""  # exact: "closed form" (one r), "dynamic program" or "integer program"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"method": self.method, "objective": self.objective}
+        if self.method == "exact":
+            out["solver"] = self.solver
+        if self.method == "greedy":
+            out.update(reason=self.reason, lower_bound=self.lower_bound, gap=self.objective - self.lower_bound)
+        return out
+
+
+def objective_value(curves: list[torch.Tensor], ks: list[int], objective: str) -> float:
+    """The plan's objective: the largest (minimax) or the mean (mean) captured energy c_i(k_i) over modules."""
+    levels = [float(c[k]) for c, k in zip(curves, ks, strict=True)]
+    return max(levels) if objective == "minimax" else sum(levels) / len(levels)
+
+
+def _check(curves: list[torch.Tensor], ranks: list[int], budget: int, objective: str) -> None:
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    ks = [1] * len(curves)
-    spent = sum(ranks)
-    if spent > budget:
+    if sum(ranks) > budget:
         raise ConfigError(
-            f"budget of {budget:,} parameters is below the minimum {spent:,} (k=1 in every module: sum of r); "
+            f"budget of {budget:,} parameters is below the minimum {sum(ranks):,} (k=1 in every module: sum of r); "
             "raise the budget or scan with a smaller r"
         )
+
+
+def allocate_greedy(
+    curves: list[torch.Tensor], ranks: list[int], k_max: list[int], budget: int, objective: str = "minimax"
+) -> list[int]:
+    """Per-module k in [1, k_max] with sum r*k <= budget, one column at a time (the module docstring's rules): the
+    optimum when every r is equal, a heuristic otherwise. A module with r = 0 (it trains nothing) stays at k = 1."""
+    _check(curves, ranks, budget, objective)
+    ks = [1] * len(curves)
+    spent = sum(ranks)
 
     def key(i: int) -> float:
         k, c = ks[i], curves[i]
@@ -145,6 +187,224 @@ def allocate(
     return ks
 
 
+@dataclass
+class _RankGroup:
+    """Modules of one r: their extra columns (k = 2..k_max) as items in the order a count n of them is best taken,
+    and f[n], the group's objective with its n best items (max or sum of its modules' c)."""
+
+    rank: int
+    owners: np.ndarray  # module index of each item, best first
+    f: np.ndarray  # [count + 1]
+
+
+def _rank_groups(curves: list[torch.Tensor], ranks: list[int], k_max: list[int], objective: str) -> list[_RankGroup]:
+    """Within one r the n best extra columns are exact and nest: minimax takes the n smallest levels c_i(k) (each
+    module's levels rise with k, so they are prefixes), mean the n smallest increments c_i(k) - c_i(k-1) (each
+    module's increments are its ascending eigenvalues: prefixes again)."""
+    groups = []
+    for rank in sorted({r for r, m in zip(ranks, k_max, strict=True) if r > 0 and m > 1}):
+        members = [i for i in range(len(curves)) if ranks[i] == rank and k_max[i] > 1]
+        values, owners, order_k = [], [], []
+        for i in members:
+            c = curves[i].numpy()
+            ks = np.arange(2, k_max[i] + 1)
+            values.append(c[ks] if objective == "minimax" else c[ks] - c[ks - 1])
+            owners.append(np.full(ks.size, i))
+            order_k.append(ks)
+        value, owner, k = (np.concatenate(a) for a in (values, owners, order_k))
+        order = np.lexsort((k, owner, value))  # ascending value; ties by module, then k (keeps prefixes)
+        base = [float(curves[i][1]) for i in members]
+        if objective == "minimax":
+            f = np.maximum(max(base), np.concatenate([[-np.inf], value[order]]))
+        else:
+            f = sum(base) + np.concatenate([[0.0], np.cumsum(value[order])])
+        groups.append(_RankGroup(rank, owner[order], f))
+    return groups
+
+
+def _exact_counts(groups: list[_RankGroup], units: int, unit: int, objective: str, limit: int) -> list[int] | None:
+    """How many extra columns each r-group takes: the largest spend <= units * unit, then the best objective at it.
+
+    A dynamic program over the spend (in units of the gcd of the r's) across groups: the states are the distinct
+    spends of the first groups (each with its best objective and how it was reached), the last group is closed
+    form. None when a step would enumerate more than ``limit`` (state, choice) pairs."""
+    combine = np.maximum if objective == "minimax" else np.add
+    spend = np.zeros(1, dtype=np.int64)
+    value = np.array([-np.inf if objective == "minimax" else 0.0])
+    steps: list[tuple[np.ndarray, np.ndarray]] = []
+    for group in groups[:-1]:
+        n = np.arange(group.f.size, dtype=np.int64)
+        if spend.size * n.size > limit:
+            return None
+        cand_spend = (spend[:, None] + n[None, :] * (group.rank // unit)).ravel()
+        cand_value = combine(value[:, None], group.f[None, :]).ravel()
+        parent = np.repeat(np.arange(spend.size), n.size)
+        taken = np.tile(n, spend.size)
+        fits = cand_spend <= units
+        cand_spend, cand_value, parent, taken = cand_spend[fits], cand_value[fits], parent[fits], taken[fits]
+        order = np.lexsort((cand_value, cand_spend))  # by spend, then objective (stable: first reached wins ties)
+        cand_spend, cand_value, parent, taken = (a[order] for a in (cand_spend, cand_value, parent, taken))
+        first = np.ones(cand_spend.size, dtype=bool)
+        first[1:] = cand_spend[1:] != cand_spend[:-1]
+        spend, value = cand_spend[first], cand_value[first]
+        steps.append((parent[first], taken[first]))
+    last = groups[-1]
+    weight = last.rank // unit
+    n_last = np.minimum(last.f.size - 1, (units - spend) // weight)
+    total = spend + n_last * weight
+    best = np.nonzero(total == total.max())[0]
+    j = int(best[np.argmin(combine(value[best], last.f[n_last[best]]))])
+    counts = [int(n_last[j])]
+    for parent, taken in reversed(steps):
+        counts.append(int(taken[j]))
+        j = int(parent[j])
+    return counts[::-1]
+
+
+def _milp_counts(groups: list[_RankGroup], units: int, unit: int) -> list[int] | None:
+    """Minimax's optimum as integer programs (scipy's HiGHS) over one integer per r-group (its count of extra
+    columns), for a program too large to enumerate: the largest spend, then the smallest level at which the
+    groups' columns up to it can spend exactly that (a feasibility program per level, bisected). Feasibility only,
+    checked in integers, so the solver's tolerances never decide between captured energies (for the mean objective
+    they would: its costs are far below HiGHS's tolerances, so mean has no such path). None when a check fails."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    g = len(groups)
+    w = np.array([grp.rank // unit for grp in groups], dtype=np.int64)
+    row = w[None, :].astype(float)
+    cap = np.array([grp.f.size - 1 for grp in groups], dtype=np.int64)
+    exact = {"mip_rel_gap": 0.0}
+
+    def counts(res: Any, upper: np.ndarray) -> np.ndarray | None:
+        if not res.success or res.x is None:
+            return None
+        n = np.round(res.x).astype(np.int64)
+        return n if bool(((n >= 0) & (n <= upper)).all()) and int(w @ n) <= units else None
+
+    most = counts(
+        milp(
+            -w.astype(float),
+            integrality=np.ones(g),
+            bounds=Bounds(0, cap),
+            constraints=LinearConstraint(row, 0, units),
+            options=exact,
+        ),
+        cap,
+    )
+    if most is None:
+        return None
+    spend = int(w @ most)
+
+    def feasible(level: float) -> np.ndarray | None:
+        upper = np.array([np.searchsorted(grp.f, level, side="right") - 1 for grp in groups], dtype=np.int64)
+        if bool((upper < 0).any()):
+            return None
+        res = milp(
+            np.zeros(g),
+            integrality=np.ones(g),
+            bounds=Bounds(0, upper),
+            constraints=LinearConstraint(row, spend, spend),
+            options=exact,
+        )
+        n = counts(res, upper)
+        return n if n is not None and int(w @ n) == spend else None
+
+    levels = np.unique(np.concatenate([grp.f for grp in groups]))
+    lo, hi, found = 0, levels.size - 1, feasible(float(levels[-1]))
+    if found is None:
+        return None
+    while lo < hi:  # the smallest feasible level (feasibility only grows with the level)
+        mid = (lo + hi) // 2
+        n = feasible(float(levels[mid]))
+        if n is None:
+            lo = mid + 1
+        else:
+            hi, found = mid, n
+    return [int(v) for v in found]
+
+
+def _lower_bound(curves: list[torch.Tensor], ranks: list[int], k_max: list[int], spent: int, objective: str) -> float:
+    """No allocation spending >= ``spent`` has a smaller objective. minimax: the smallest level lambda whose
+    columns at or below it (every module up to its largest k with c(k) <= lambda) hold ``spent`` parameters;
+    mean: the fractional relaxation (cheapest captured energy per parameter first, the last column in part)."""
+    n = len(curves)
+    base = [float(c[1]) for c in curves]
+    need = spent - sum(ranks)
+    cols = [(i, k) for i in range(n) if ranks[i] > 0 for k in range(2, k_max[i] + 1)]
+    if objective == "minimax":
+        bound = max(base)
+        for level, i in sorted((float(curves[i][k]), i) for i, k in cols):
+            if need <= 0:
+                break
+            need -= ranks[i]
+            bound = max(bound, level)
+        return bound
+    total = sum(base)
+    for ratio, i in sorted((float(curves[i][k] - curves[i][k - 1]) / ranks[i], i) for i, k in cols):
+        if need <= 0:
+            break
+        take = min(ranks[i], need)
+        total += ratio * take
+        need -= take
+    return total / n
+
+
+def allocation(
+    curves: list[torch.Tensor],
+    ranks: list[int],
+    k_max: list[int],
+    budget: int,
+    objective: str = "minimax",
+    limit: int | None = None,
+    integer_program: bool = True,
+) -> Allocation:
+    """Per-module k in [1, k_max] with sum r*k <= budget: exactly optimal (the most parameters the budget allows,
+    then the smallest objective among allocations spending that much). Modules of one r in closed form; across r
+    a dynamic program over the spend (:func:`_exact_counts`), or, when that would enumerate more than ``limit``
+    (default :data:`EXACT_WORK_LIMIT`), for minimax integer programs (:func:`_milp_counts`; ``integer_program=False``
+    skips them); the greedy with a lower bound when neither gives a checked answer. A module with r = 0 (it trains
+    nothing) stays at k = 1."""
+    _check(curves, ranks, budget, objective)
+    limit = EXACT_WORK_LIMIT if limit is None else limit
+    groups = sorted(_rank_groups(curves, ranks, k_max, objective), key=lambda g: g.f.size)  # largest: closed form
+    ks = [1] * len(curves)
+    counts: list[int] | None = []
+    solver = "closed form" if len(groups) <= 1 else "dynamic program"
+    if len(groups) > 0:
+        unit = math.gcd(*(g.rank for g in groups))
+        capacity = sum(g.rank * (g.f.size - 1) for g in groups)
+        units = min(budget - sum(ranks), capacity) // unit
+        counts = _exact_counts(groups, units, unit, objective, limit)
+        if counts is None and integer_program and objective == "minimax":
+            counts, solver = _milp_counts(groups, units, unit), "integer program"
+    if counts is None:
+        ks = allocate_greedy(curves, ranks, k_max, budget, objective)
+        spent = sum(r * k for r, k in zip(ranks, ks, strict=True))
+        reason = (
+            f"the exact program over {len(groups)} different r ({', '.join(str(g.rank) for g in groups)}) exceeds "
+            f"{limit:,} states x choices"
+            + (
+                ", and the integer programs gave no checked answer"
+                if integer_program and objective == "minimax"
+                else ""
+            )
+        )
+        value = objective_value(curves, ks, objective)
+        bound = min(_lower_bound(curves, ranks, k_max, spent, objective), value)  # summation order: a 1e-21 excess
+        return Allocation(ks, "greedy", value, reason, bound)
+    for group, count in zip(groups, counts, strict=True):
+        for i in group.owners[:count]:
+            ks[int(i)] += 1
+    return Allocation(ks, "exact", objective_value(curves, ks, objective), solver=solver)
+
+
+def allocate(
+    curves: list[torch.Tensor], ranks: list[int], k_max: list[int], budget: int, objective: str = "minimax"
+) -> list[int]:
+    """The k of :func:`allocation` (exact when the program fits, else greedy)."""
+    return allocation(curves, ranks, k_max, budget, objective).ks
+
+
 # --------------------------------------------------------------------------- the plan
 @dataclass
 class Plan:
@@ -155,6 +415,7 @@ class Plan:
     objective: str
     budget: Budget
     modules: dict[str, dict[str, Any]]
+    optimality: dict[str, Any] | None = None  # Allocation.to_json(): exact, or greedy with its bound
 
     @property
     def spent(self) -> int:
@@ -185,6 +446,7 @@ class Plan:
                 "max_captured_energy": self.max_captured_energy,
                 "mean_captured_energy": self.mean_captured_energy,
             },
+            **({"optimality": self.optimality} if self.optimality is not None else {}),
             "modules": self.modules,
         }
 
@@ -197,7 +459,8 @@ def plan_budget(bundle: Bundle | str | os.PathLike, budget: str | int, objective
     parsed = parse_budget(str(budget), records)
     curves = [captured_energy_curve(b.spectrum(rec.name), rec.d_in) for rec in records]
     ranks = [rec.r for rec in records]
-    ks = allocate(curves, ranks, [rec.k for rec in records], parsed.params, objective)
+    found = allocation(curves, ranks, [rec.k for rec in records], parsed.params, objective)
+    ks = found.ks
     modules = {}
     for rec, curve, k in zip(records, curves, ks, strict=True):
         modules[rec.name] = {
@@ -211,7 +474,7 @@ def plan_budget(bundle: Bundle | str | os.PathLike, budget: str | int, objective
             "d_out": rec.d_out,
         }
     identity = b.manifest.identity or b.manifest.source_signature  # content identity; layout-only for old bundles
-    return Plan(identity, str(Path(b.path).resolve()), objective, parsed, modules)
+    return Plan(identity, str(Path(b.path).resolve()), objective, parsed, modules, found.to_json())
 
 
 def refuse_ablation_bundle(b: Bundle) -> None:

@@ -12,7 +12,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from plate_inspect.auditing import TABLE_COLUMNS, AuditRecord, rank_by_risk, summarize, table_cells
+from plate_inspect.auditing import (
+    TABLE_COLUMNS,
+    AuditRecord,
+    rank_by_risk,
+    rounding_kind,
+    rounding_note,
+    summarize,
+    table_cells,
+)
 from plate_inspect.targets import layer_rows, module_type_of
 
 _MAX_BARS = 40
@@ -164,9 +172,14 @@ def audit_section(records: list[AuditRecord], title: str = "Audit") -> str:
         if s.touched
         else "The tuned weights equal the base's in every audited module: there is no update to score."
     )
+    rounding = rounding_kind(records)
+    if not s.touched and rounding:
+        model = f"No update beyond {rounding}: the tuned weights equal the base's rounded to their storage."
+    note = rounding_note(records)
     summary = (
         f"<p>{s.touched} of {s.modules} modules changed. {model}</p>"
-        "<p>protected input share = ||dW P||²/||dW||², P = projector onto the top-m(tau) eigenvectors of "
+        + (f"<p>Note: {html.escape(note)}</p>" if note else "")
+        + "<p>protected input share = ||dW P||²/||dW||², P = projector onto the top-m(tau) eigenvectors of "
         "W_frozenᵀW_frozen; a PLATE update scores 0, a dense random update m/d_in (the 'chance' column).</p>"
     )
     return f"<section class='audit'><h2>{html.escape(title)}</h2>{summary}{divs}{_table(records)}{script}</section>"
