@@ -26,7 +26,9 @@ from plate_inspect.targets import check_target_patterns, parse_layers
     "--target-modules", default=None, help="Modules to audit (as scan); narrows a bundle's or adapter's modules too."
 )
 @click.option(
-    "--layers", default=None, help="Layer indices, e.g. '0-3,7' or 'decoder:0-3' (as scan); narrows any audit too."
+    "--layers",
+    default=None,
+    help="Layer indices, e.g. '0-3,7', 'decoder:0-3' or 'decoder' (as scan); narrows any audit too.",
 )
 @click.option("--precision", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--revision", default=None, help="Hub revision of BASE/TUNED.")
@@ -84,7 +86,7 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
     if report is not None:
         from plate_inspect.reports.audit import write_audit_report
 
-        write_audit_report(records, report, title=f"audit: {tuned} against {base}")
+        write_audit_report(records, report, title=f"audit: {tuned} against {base}", layers=parse_layers(layers))
     if as_json:
         click.echo(json.dumps([rec.to_json() for rec in records], indent=2))
         return

@@ -212,7 +212,11 @@ class _ScanCommand(click.Command):
 @click.option("--anchors", type=int, default=256, show_default=True, help="Anchor rows for redundancy scores.")
 @click.option("--sketch-dim", type=int, default=None, help="Use the paper's random-projection score with this dim.")
 @click.option("--target-modules", default=None, help="Comma-separated module names or regexes (overrides defaults).")
-@click.option("--layers", default=None, help="Layer indices, e.g. '0-3,7' (every stack's); one stack's: 'decoder:0-3'.")
+@click.option(
+    "--layers",
+    default=None,
+    help="Layer indices, e.g. '0-3,7' (every stack's); one stack's: 'decoder:0-3'; a whole stack: 'decoder'.",
+)
 @click.option("--precision", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--q-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (under torchrun: cuda:LOCAL_RANK).")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,16 @@ from plate_inspect.auditing import (
     summarize,
     table_cells,
 )
-from plate_inspect.targets import layer_rows, module_type_of
+from plate_inspect.targets import LayerEntry, layer_rows, module_type_of
 
 _MAX_BARS = 40
 
 
-def audit_figures(records: list[AuditRecord]) -> dict[str, dict[str, Any]]:
-    """Plotly specs: risk bars (top modules), protected share vs chance, and a layer x type heatmap."""
-    heat = _share_heatmap(records)
+def audit_figures(records: list[AuditRecord], layers: Iterable[LayerEntry] | None = None) -> dict[str, dict[str, Any]]:
+    """Plotly specs: risk bars (top modules), protected share vs chance, and a layer x type heatmap. ``layers``: the
+    audit's layer selection; where it names the one stack the records lie in ('decoder:1'), the heatmap's rows carry
+    that stack's name ('decoder 1'), as an audit of both stacks does (``layer_rows``)."""
+    heat = _share_heatmap(records, layers)
     return {"bars": _risk_bars(records), "scatter": _share_scatter(records), **({"heatmap": heat} if heat else {})}
 
 
@@ -111,24 +114,24 @@ def _share_cell(members: list[AuditRecord]) -> tuple[float | None, str]:
     return (s.protected_input_share, what) if s.touched else (None, f"{what}: unchanged")
 
 
-def _share_heatmap(records: list[AuditRecord]) -> dict[str, Any] | None:
+def _share_heatmap(records: list[AuditRecord], layers: Iterable[LayerEntry] | None = None) -> dict[str, Any] | None:
     """Protected input share per layer and module type (None when no module sits in a numbered layer). A cell of
     several modules (the experts of a layer) holds their energy-weighted share, sum ||dW P||^2 / sum ||dW||^2, as
     the model line does; a cell whose modules the fine-tune left unchanged is empty (it has no share)."""
-    layers, row_of = layer_rows(r.module for r in records)  # per layer stack where there are several (T5, BART)
+    rows, row_of = layer_rows((r.module for r in records), layers)  # per layer stack where there are several
     types = sorted({module_type_of(r.module) for r in records})
-    if not layers:
+    if not rows:
         return None
     cells: dict[tuple[str | None, str], list[AuditRecord]] = {}
     for r in records:
         cells.setdefault((row_of[r.module], module_type_of(r.module)), []).append(r)
-    shown = [[_share_cell(cells.get((lay, t), [])) for t in types] for lay in layers]
+    shown = [[_share_cell(cells.get((lay, t), [])) for t in types] for lay in rows]
     return {
         "data": [
             {
                 "type": "heatmap",
                 "x": types,
-                "y": layers,
+                "y": rows,
                 "z": [[value for value, _ in row] for row in shown],
                 "text": [[what for _, what in row] for row in shown],
                 "zmin": 0,
@@ -141,7 +144,7 @@ def _share_heatmap(records: list[AuditRecord]) -> dict[str, Any] | None:
             "title": {"text": "Protected input share by layer and module type"},
             "xaxis": {"automargin": True},
             "yaxis": {"title": {"text": "layer"}, "type": "category"},
-            "height": max(300, 40 + 22 * len(layers)),
+            "height": max(300, 40 + 22 * len(rows)),
         },
     }
 
@@ -154,10 +157,11 @@ def _table(records: list[AuditRecord]) -> str:
     return f"<table class='audit'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def audit_section(records: list[AuditRecord], title: str = "Audit") -> str:
-    """An HTML fragment: summary line, figures (drawn by an inline script with Plotly) and the ranked table."""
+def audit_section(records: list[AuditRecord], title: str = "Audit", layers: Iterable[LayerEntry] | None = None) -> str:
+    """An HTML fragment: summary line, figures (drawn by an inline script with Plotly; ``layers``: see
+    :func:`audit_figures`) and the ranked table."""
     s = summarize(records)
-    figs = audit_figures(records)
+    figs = audit_figures(records, layers)
     divs = "".join(f"<div id='audit-{key}' class='audit-plot'></div>" for key in figs)
     data = json.dumps(figs).replace("</", "<\\/")
     script = (
@@ -185,7 +189,9 @@ def audit_section(records: list[AuditRecord], title: str = "Audit") -> str:
     return f"<section class='audit'><h2>{html.escape(title)}</h2>{summary}{divs}{_table(records)}{script}</section>"
 
 
-def render_audit_page(records: list[AuditRecord], title: str = "Audit") -> str:
+def render_audit_page(
+    records: list[AuditRecord], title: str = "Audit", layers: Iterable[LayerEntry] | None = None
+) -> str:
     """A full self-contained HTML page (plotly.js inlined)."""
     from plate_inspect.reports import plotly_js
 
@@ -198,14 +204,20 @@ def render_audit_page(records: list[AuditRecord], title: str = "Audit") -> str:
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{style}</style>"
-        f"<script>{plotly_js()}</script></head><body>{audit_section(records, title)}</body></html>"
+        f"<script>{plotly_js()}</script></head><body>{audit_section(records, title, layers)}</body></html>"
     )
 
 
-def write_audit_report(records: list[AuditRecord], path: str | os.PathLike, title: str = "Audit") -> Path:
-    """Write the self-contained audit page; returns its path."""
+def write_audit_report(
+    records: list[AuditRecord],
+    path: str | os.PathLike,
+    title: str = "Audit",
+    layers: Iterable[LayerEntry] | None = None,
+) -> Path:
+    """Write the self-contained audit page (``layers``: the audit's layer selection, see :func:`audit_figures`);
+    returns its path."""
     from plate_inspect.reports import check_report_path, write_report_text
 
     path = check_report_path(path, "--report", "audit.html")
-    write_report_text(path, render_audit_page(records, title), "--report")
+    write_report_text(path, render_audit_page(records, title, layers), "--report")
     return path

@@ -128,3 +128,20 @@ def test_stack_selections_are_format_version_2_that_older_readers_refuse(models,
     (tmp_path / "s" / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
     with pytest.raises(plate_inspect.BundleError, match=r"format version 3 is not supported .*\(reads versions 1, 2\)"):
         Bundle.load(tmp_path / "s")
+
+
+def test_audit_report_rows_of_one_stack_name_the_stack(models, tmp_path):  # noqa: F811
+    """The audit page's heatmap, for an audit narrowed to one stack (``--layers decoder:1``), labels its rows as an
+    audit of the whole model does ('decoder 1', not '1')."""
+    from plate_inspect.reports.audit import audit_figures
+
+    path, _ = models["t5"]
+    full = audit_figures(plate_inspect.audit(path, path, r=4))["heatmap"]["data"][0]["y"]
+    assert "decoder 1" in full and "encoder 1" in full
+    assert [r for r in full if r.startswith("decoder ")] == ["decoder 0", "decoder 1", "decoder 2"]
+    for spelling, want in (("decoder:1", ["decoder 1"]), ("decoder", ["decoder 0", "decoder 1", "decoder 2"])):
+        page = tmp_path / f"{spelling.replace(':', '_')}.html"
+        code, output = _run("audit", path, path, "--r", "4", "--layers", spelling, "--report", page, "-q")
+        assert code == 0, output
+        heat = json.loads(page.read_text().split("const figs=")[1].split(";for (const")[0])["heatmap"]
+        assert heat["data"][0]["y"] == want, spelling
