@@ -9,6 +9,7 @@ never opened; packed integer formats (GPTQ, AWQ, bitsandbytes) are refused with 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -1000,7 +1001,9 @@ def _looks_like_repo_id(s: str) -> bool:
 
 
 def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: bool | None = None) -> tuple[Path, str]:
-    """Local snapshot dir of a hub repo and its commit: the HF cache first; download ``*.safetensors`` + ``*.json``.
+    """Local snapshot dir of a hub repo and its commit: the HF cache first; else download the ``*.json`` files
+    (config, index, tokenizer), then only the weight files the reader will open (:func:`hub_weight_files`): a
+    repo shipping ``consolidated.safetensors`` beside its shards is not downloaded twice.
 
     Raises one :class:`HubError` subclass per cause, each a one-line message: repository not found, gated,
     revision not found, unauthorized (401/403), and offline (by setting or no connection) with the files missing.
@@ -1008,9 +1011,9 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
     from huggingface_hub import constants as hf_constants
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.safetensors", "*.json"]
+    meta = ["*.json"]  # which weight files a cached snapshot needs is _missing_files' business (the reader's rule)
     revision = _expand_cached_commit(repo_id, revision, hf_constants.HF_HUB_CACHE)
-    cached = _cached_snapshot(repo_id, revision, patterns)
+    cached = _cached_snapshot(repo_id, revision, meta)
     if cached is not None and _snapshot_complete(cached):
         return cached, cached.name
     is_offline = offline if offline is not None else bool(hf_constants.HF_HUB_OFFLINE)
@@ -1021,7 +1024,11 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
             f"{_fetch_hint(repo_id, revision, cached)}"
         )
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        small = Path(snapshot_download(repo_id, revision=revision, allow_patterns=meta))
+        weights = [glob.escape(f) for f in _hub_weights_to_fetch(repo_id, small)]  # patterns: names taken literally
+        path = Path(snapshot_download(repo_id, revision=small.name, allow_patterns=meta + weights))  # same commit
+    except CorruptCheckpointError:  # a corrupt index: said before a weight is downloaded
+        raise
     except Exception as e:  # noqa: BLE001 - mapped to one message per cause; the rest is "cannot reach"
         raise _hub_error(e, repo_id, revision, cached, cache) from None
     if not _snapshot_complete(path):  # huggingface_hub falls back to the cached snapshot when the hub is unreachable
@@ -1030,6 +1037,29 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
             f"or the repository lacks them); {_fetch_hint(repo_id, revision, path)}"
         )
     return path, path.name
+
+
+def hub_weight_files(files: list[str], weight_map: dict[str, str] | None) -> list[str]:
+    """The weight files a checkpoint directory holding ``files`` is read from (the rule ``Checkpoint.open`` applies
+    to a local directory, and transformers' from_pretrained): ``model.safetensors`` when present and not one of the
+    index's shards, else the index's shards (``weight_map``: tensor -> file), else every top-level
+    ``*.safetensors``. Anything else (Mistral's ``consolidated.safetensors``, an ``original/`` folder) is not read."""
+    top = sorted(f for f in files if "/" not in f and f.endswith(".safetensors"))
+    if SINGLE_FILE in top and (weight_map is None or SINGLE_FILE not in weight_map.values()):
+        return [SINGLE_FILE]
+    if weight_map is not None:
+        return sorted(set(weight_map.values()))
+    return top
+
+
+def _hub_weights_to_fetch(repo_id: str, snapshot: Path) -> list[str]:
+    """:func:`hub_weight_files` for the repo at ``snapshot``'s commit, whose ``*.json`` files (the index) are in
+    ``snapshot`` already; the repo's file list comes from the hub (its errors are the caller's to word)."""
+    from huggingface_hub import list_repo_files
+
+    files = list_repo_files(repo_id, revision=snapshot.name)
+    index = snapshot / INDEX_FILE
+    return hub_weight_files(files, _read_weight_map(index) if INDEX_FILE in files and index.is_file() else None)
 
 
 def _not_cached(repo_id: str, cached: Path | None, cache: str, revision: str | None = None) -> str:
@@ -1164,4 +1194,6 @@ def _missing_files(path: Path) -> list[str]:
         shards = {s for s in weight_map.values() if isinstance(s, str)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ["model.safetensors.index.json (corrupt)"]
+    if (path / SINGLE_FILE).exists() and SINGLE_FILE not in shards:  # read instead of the shards (hub_weight_files)
+        return []
     return sorted(s for s in shards if not (path / s).exists())
