@@ -262,3 +262,38 @@ def test_a_symlinked_out_keeps_its_link_and_the_directory_is_swapped(setup, tmp_
     merge_checkpoint(sharded, adapter2, link, overwrite=True)
     assert link.is_symlink() and link.resolve() == real.resolve()
     assert _contents(real) == _contents(new) and os.listdir(real.parent) == ["out"]
+
+
+def test_the_swap_is_durable_files_and_links_synced_before_the_exchange_parent_after(setup, tmp_path, monkeypatch):
+    """Power loss right after the exchange must not expose empty shards or missing links: every written file and
+    the new directory (after the links went in) are fsynced before the exchange, the parent after it."""
+    _, sharded, _, _, adapter2, _, new = setup
+    out = _fresh_out(setup, tmp_path)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_link, real_exchange = os.fsync, os.link, sequential._exchange
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def link(src, dst, **kwargs):
+        events.append(("link", str(dst)))
+        return real_link(src, dst, **kwargs)
+
+    def exchange(a, b):
+        events.append(("exchange", str(a)))
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(sequential, "_exchange", exchange)
+    merge_checkpoint(sharded, adapter2, out, overwrite=True)
+    assert _contents(out) == _contents(new)
+    at = next(i for i, (kind, _) in enumerate(events) if kind == "exchange")
+    tmp = events[at][1].replace(".swap-", ".partial-")  # the name the files were written and linked under
+    written = {p.name for p in out.iterdir() if p.suffix in (".safetensors", ".json")} - {"adapter.safetensors"}
+    synced = {os.path.basename(p) for kind, p in events[:at] if kind == "fsync" and os.path.dirname(p) == tmp}
+    assert written and written <= synced, written - synced
+    last_link = max(i for i, (kind, _) in enumerate(events) if kind == "link")
+    assert ("fsync", tmp) in events[last_link:at]  # the new directory's entries, links included
+    assert ("fsync", str(out.parent)) in events[at:]  # the exchange itself
