@@ -297,3 +297,16 @@ def test_the_swap_is_durable_files_and_links_synced_before_the_exchange_parent_a
     last_link = max(i for i, (kind, _) in enumerate(events) if kind == "link")
     assert ("fsync", tmp) in events[last_link:at]  # the new directory's entries, links included
     assert ("fsync", str(out.parent)) in events[at:]  # the exchange itself
+
+
+def test_out_as_the_current_directory_is_filled_in_place_and_stays_the_current_directory(setup, tmp_path, monkeypatch):
+    """``--out .``: ``.`` has no parent to build beside (the temp dir went inside OUT and linking OUT's entries into
+    it would recurse), and a swapped-out current directory would leave the shell in a deleted directory. The
+    files are moved in, with a note; the current directory is the merged one."""
+    _, sharded, _, _, adapter2, _, new = setup
+    out = _fresh_out(setup, tmp_path)
+    monkeypatch.chdir(out)
+    result = merge_checkpoint(sharded, adapter2, Path("."), overwrite=True)
+    assert _contents(out) == _contents(new) and os.listdir(tmp_path) == ["out"]
+    assert Path(os.getcwd()) == out and sorted(os.listdir(".")) == sorted(p.name for p in new.iterdir())
+    assert "is the current directory" in result.notes[0] and "one by one" in result.notes[0]

@@ -139,7 +139,7 @@ def merge_checkpoint(
     for name, info in ckpt.tensors.items():
         by_file.setdefault(info.file, []).append(name)
     place = _real_place(out)
-    in_place = place.is_dir() and _is_mount_point(place)  # no rename of out itself: build the files inside it
+    in_place = _no_swap_reason(place)  # out cannot be renamed: the files are built inside it and moved in
     with _write_errors(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(place if in_place else place.parent, place.name)
@@ -244,7 +244,7 @@ def _sync(directory: Path, files: bool = True) -> None:
         os.close(fd)
 
 
-def _publish(tmp: Path, out: Path, overwrite: bool, in_place: bool = False) -> list[str]:
+def _publish(tmp: Path, out: Path, overwrite: bool, in_place: str | None = None) -> list[str]:
     """Put the finished, fsynced checkpoint in ``tmp`` at ``out``; returns notes for the user.
 
     A new ``out`` is ``tmp`` renamed. An existing one is replaced as a whole, so that no crash leaves a mix of old
@@ -254,19 +254,15 @@ def _publish(tmp: Path, out: Path, overwrite: bool, in_place: bool = False) -> l
     renameat2 RENAME_EXCHANGE), then the old checkpoint, now at ``.OUT.swap-X``, is deleted. Without an atomic
     exchange: ``out`` is renamed ``.OUT.swap-X`` and ``.OUT.partial-X`` renamed ``out``; a crash between the two
     leaves no ``out`` for a moment, which :func:`finish_interrupted_merge` completes. Where links cannot be made
-    (a filesystem without hard links, a mount point inside ``out``) or ``out`` is a mount point itself
-    (``in_place``: ``tmp`` is inside it), the files are moved in one by one, with a note saying so.
+    (a filesystem without hard links, a mount point inside ``out``) or ``out`` cannot be swapped (``in_place``, the
+    reason: ``tmp`` is inside ``out``), the files are moved in one by one, with a note saying so.
     """
     if not out.exists():
         os.replace(tmp, out)
         _sync(out.parent, files=False)
         return []
     new = {f.name for f in tmp.iterdir()}
-    why = (
-        f"{out} is a mount point (its parent is on another filesystem), so it cannot be swapped as a whole"
-        if (in_place)
-        else None
-    )
+    why = in_place
     if why is None:
         stale = {p.name for p in _stale_checkpoint_files(out, new)} if overwrite else set()
         try:
@@ -352,9 +348,30 @@ def _plain_dir(path: Path) -> bool:
 
 
 def _real_place(out: Path) -> Path:
-    """Where ``out``'s entries live: the directory an existing symlink ``out`` points to (renaming the link would
-    replace the link, not the checkpoint), else ``out``."""
-    return out.resolve() if out.is_symlink() and out.is_dir() else out
+    """Where ``out``'s entries live, as an absolute path whose parent is the directory holding it: an existing
+    directory resolved (a symlink ``out`` is not renamed over, the directory it points to is swapped; ``.`` has a
+    parent), else ``out`` made absolute."""
+    return Path(os.path.realpath(out)) if out.is_dir() else Path(os.path.abspath(out))
+
+
+def _no_swap_reason(place: Path) -> str | None:
+    """Why the existing directory ``place`` cannot be replaced as a whole, or None: a mount point cannot be renamed,
+    and swapping the current directory (or one holding it) would leave this process, and the shell that started
+    it, in the deleted old directory."""
+    if not place.is_dir():
+        return None
+    if _is_mount_point(place):
+        return f"{place} is a mount point (its parent is on another filesystem), so it cannot be swapped as a whole"
+    try:
+        cwd = Path(os.path.realpath(os.getcwd()))
+    except OSError:  # the current directory was deleted
+        return None
+    if cwd == place or place in cwd.parents:
+        return (
+            f"{place} is the current directory or holds it, and swapping it as a whole would leave the shell in the "
+            "deleted old directory"
+        )
+    return None
 
 
 def _is_mount_point(path: Path) -> bool:
