@@ -81,8 +81,9 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
 def _note_leftovers(out: Path) -> None:
     """Say where a killed merge into OUT left its temporary directory (as large as the model): merge never deletes
     one itself, since another merge into OUT may be writing it."""
-    leftovers = sorted(  # make_temp_dir's names; inside OUT when OUT is a mount point
-        p for d in (out.parent, out) if d.is_dir() for p in d.glob(f".{out.name}.partial-*") if p.is_dir()
+    place = out.resolve()  # ``--out .`` has a name and a parent only resolved
+    leftovers = sorted(  # make_temp_dir's names; inside OUT when it is filled in place (a mount point, ``.``)
+        p for d in (place.parent, place) if d.is_dir() for p in d.glob(f".{place.name}.partial-*") if p.is_dir()
     )
     if leftovers:
         size = sum(f.stat().st_size for d in leftovers for f in d.rglob("*") if f.is_file())
