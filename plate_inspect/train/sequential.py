@@ -310,6 +310,11 @@ def finish_interrupted_merge(out: str | os.PathLike) -> list[str]:
     exchanged in (``out`` stayed the old one: rolled back). ``.OUT.partial-*`` directories alone (killed while
     writing, maybe incomplete) are left to the user, as another merge may be writing them.
     """
+    with _write_errors(Path(out)):
+        return _finish_interrupted_merge(out)
+
+
+def _finish_interrupted_merge(out: str | os.PathLike) -> list[str]:
     place = _real_place(Path(out))
     prefix = f".{place.name}.swap-"
     try:
