@@ -580,13 +580,25 @@ class Checkpoint:
         per_expert = info.nbytes // info.shape[0]
         return self.read_bytes(info.name, expert * per_expert, per_expert)
 
-    def _read_fp8(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, str]:
+    def fp8_scale(self, name: str, expert: int | None = None) -> torch.Tensor | None:
+        """The per-element dequantization scale of FP8 weight ``name`` (expert ``expert``'s slice), broadcast to its
+        logical shape (a 0-d tensor for a per-tensor scale); None for a plain FP8 cast without scales. Checked as
+        :meth:`read_weight` checks it. Used by ``audit`` to round BASE to TUNED's FP8 grid."""
+        weight = self.logical_weight(name)
+        if weight.format != "fp8":
+            raise CheckpointError(f"{self.root}: weight '{name}' is not stored in FP8 ({weight.stored_dtype})")
+        if expert is not None:
+            _check_expert(weight, expert)
+        _require_decodable(weight)
+        if len(weight.parts) == 1:
+            return None
+        shape = _sliced(self.tensors[weight.parts[0]].shape, expert)
+        scale, _ = self._fp8_scale(weight, expert)
+        return _broadcast_scale(scale, shape, weight.block)
+
+    def _fp8_scale(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, bytearray]:
+        """The flat stored scale of an FP8 weight (expert ``expert``'s share), checked, and its raw bytes."""
         info = self.tensors[weight.parts[0]]
-        raw = self._read_slice(info, expert)
-        shape = _sliced(info.shape, expert)
-        values = decode_fp8(raw, info.dtype, shape)
-        if len(weight.parts) == 1:  # a plain cast: the values are the weight
-            return values, fingerprint_bytes(raw)
         scale_info = self.tensors[weight.parts[1]]
         scale_expert = _part_expert(weight, scale_info.name, expert)
         scale_raw = self._read_slice(scale_info, scale_expert)
@@ -600,6 +612,16 @@ class Checkpoint:
                 + f") holds {bad[0]} ({f'first at {at} = ' if at else ''}{bad[2]}): FP8 scales are positive finite "
                 "magnitudes (a quantizer stores amax / FP8 max), so the file is damaged; re-download it"
             )
+        return scale, scale_raw
+
+    def _read_fp8(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, str]:
+        info = self.tensors[weight.parts[0]]
+        raw = self._read_slice(info, expert)
+        shape = _sliced(info.shape, expert)
+        values = decode_fp8(raw, info.dtype, shape)
+        if len(weight.parts) == 1:  # a plain cast: the values are the weight
+            return values, fingerprint_bytes(raw)
+        scale, scale_raw = self._fp8_scale(weight, expert)
         # an F64 scale is applied in float64 and rounded once; an FP8 value times an F32/BF16/F16 scale is rounded once
         # in float32 already (float32 products are correctly rounded: the same value as float64, then rounding)
         work = torch.float64 if scale.dtype == torch.float64 else torch.float32
