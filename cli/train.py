@@ -33,8 +33,8 @@ from plate_inspect.formatting import counted, human_bytes
 @click.option(
     "--overwrite",
     is_flag=True,
-    help="Replace the checkpoint in --out (its files the new one does not write are removed; other files are "
-    "kept) and the bundle in --rescan.",
+    help="Replace the checkpoint in --out as a whole, so that a crash leaves the old or the new one (its files "
+    "the new one does not write are removed; other files are kept), and the bundle in --rescan.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet):
@@ -54,13 +54,17 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 --rescan bundles/task2
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 -q
     """
-    from plate_inspect.train.sequential import check_rescan_out, merge_checkpoint, rescan
+    from plate_inspect.train.sequential import check_rescan_out, finish_interrupted_merge, merge_checkpoint, rescan
 
     if rescan_out is not None:
         check_rescan_out(rescan_out, overwrite)
+    for note in finish_interrupted_merge(out):  # before the leftover note: it may move a finished temp dir in
+        err_console.print(f"[yellow]note[/]: {note}")
     _note_leftovers(out)
     with progress_bar("merge", quiet=quiet) as progress:
         result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite, progress=progress)
+    for note in result.notes:
+        err_console.print(f"[yellow]note[/]: {note}")
     console.print(
         f"merged {counted(len(result.merged_modules), 'module')} into {counted(len(result.files), 'file')} "
         f"in [bold]{result.out}[/]"
@@ -77,7 +81,10 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
 def _note_leftovers(out: Path) -> None:
     """Say where a killed merge into OUT left its temporary directory (as large as the model): merge never deletes
     one itself, since another merge into OUT may be writing it."""
-    leftovers = sorted(p for p in out.parent.glob(f".{out.name}.partial-*") if p.is_dir())  # make_temp_dir's names
+    place = out.resolve()  # ``--out .`` has a name and a parent only resolved
+    leftovers = sorted(  # make_temp_dir's names; inside OUT when it is filled in place (a mount point, ``.``)
+        p for d in (place.parent, place) if d.is_dir() for p in d.glob(f".{place.name}.partial-*") if p.is_dir()
+    )
     if leftovers:
         size = sum(f.stat().st_size for d in leftovers for f in d.rglob("*") if f.is_file())
         err_console.print(

@@ -9,6 +9,7 @@ never opened; packed integer formats (GPTQ, AWQ, bitsandbytes) are refused with 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -579,13 +580,25 @@ class Checkpoint:
         per_expert = info.nbytes // info.shape[0]
         return self.read_bytes(info.name, expert * per_expert, per_expert)
 
-    def _read_fp8(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, str]:
+    def fp8_scale(self, name: str, expert: int | None = None) -> torch.Tensor | None:
+        """The per-element dequantization scale of FP8 weight ``name`` (expert ``expert``'s slice), broadcast to its
+        logical shape (a 0-d tensor for a per-tensor scale); None for a plain FP8 cast without scales. Checked as
+        :meth:`read_weight` checks it. Used by ``audit`` to round BASE to TUNED's FP8 grid."""
+        weight = self.logical_weight(name)
+        if weight.format != "fp8":
+            raise CheckpointError(f"{self.root}: weight '{name}' is not stored in FP8 ({weight.stored_dtype})")
+        if expert is not None:
+            _check_expert(weight, expert)
+        _require_decodable(weight)
+        if len(weight.parts) == 1:
+            return None
+        shape = _sliced(self.tensors[weight.parts[0]].shape, expert)
+        scale, _ = self._fp8_scale(weight, expert)
+        return _broadcast_scale(scale, shape, weight.block)
+
+    def _fp8_scale(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, bytearray]:
+        """The flat stored scale of an FP8 weight (expert ``expert``'s share), checked, and its raw bytes."""
         info = self.tensors[weight.parts[0]]
-        raw = self._read_slice(info, expert)
-        shape = _sliced(info.shape, expert)
-        values = decode_fp8(raw, info.dtype, shape)
-        if len(weight.parts) == 1:  # a plain cast: the values are the weight
-            return values, fingerprint_bytes(raw)
         scale_info = self.tensors[weight.parts[1]]
         scale_expert = _part_expert(weight, scale_info.name, expert)
         scale_raw = self._read_slice(scale_info, scale_expert)
@@ -599,6 +612,16 @@ class Checkpoint:
                 + f") holds {bad[0]} ({f'first at {at} = ' if at else ''}{bad[2]}): FP8 scales are positive finite "
                 "magnitudes (a quantizer stores amax / FP8 max), so the file is damaged; re-download it"
             )
+        return scale, scale_raw
+
+    def _read_fp8(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, str]:
+        info = self.tensors[weight.parts[0]]
+        raw = self._read_slice(info, expert)
+        shape = _sliced(info.shape, expert)
+        values = decode_fp8(raw, info.dtype, shape)
+        if len(weight.parts) == 1:  # a plain cast: the values are the weight
+            return values, fingerprint_bytes(raw)
+        scale, scale_raw = self._fp8_scale(weight, expert)
         # an F64 scale is applied in float64 and rounded once; an FP8 value times an F32/BF16/F16 scale is rounded once
         # in float32 already (float32 products are correctly rounded: the same value as float64, then rounding)
         work = torch.float64 if scale.dtype == torch.float64 else torch.float32
@@ -1000,7 +1023,9 @@ def _looks_like_repo_id(s: str) -> bool:
 
 
 def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: bool | None = None) -> tuple[Path, str]:
-    """Local snapshot dir of a hub repo and its commit: the HF cache first; download ``*.safetensors`` + ``*.json``.
+    """Local snapshot dir of a hub repo and its commit: the HF cache first; else download the ``*.json`` files
+    (config, index, tokenizer), then only the weight files the reader will open (:func:`hub_weight_files`): a
+    repo shipping ``consolidated.safetensors`` beside its shards is not downloaded twice.
 
     Raises one :class:`HubError` subclass per cause, each a one-line message: repository not found, gated,
     revision not found, unauthorized (401/403), and offline (by setting or no connection) with the files missing.
@@ -1008,9 +1033,9 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
     from huggingface_hub import constants as hf_constants
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.safetensors", "*.json"]
+    meta = ["*.json"]  # which weight files a cached snapshot needs is _missing_files' business (the reader's rule)
     revision = _expand_cached_commit(repo_id, revision, hf_constants.HF_HUB_CACHE)
-    cached = _cached_snapshot(repo_id, revision, patterns)
+    cached = _cached_snapshot(repo_id, revision, meta)
     if cached is not None and _snapshot_complete(cached):
         return cached, cached.name
     is_offline = offline if offline is not None else bool(hf_constants.HF_HUB_OFFLINE)
@@ -1021,7 +1046,11 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
             f"{_fetch_hint(repo_id, revision, cached)}"
         )
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        small = Path(snapshot_download(repo_id, revision=revision, allow_patterns=meta))
+        weights = [glob.escape(f) for f in _hub_weights_to_fetch(repo_id, small)]  # patterns: names taken literally
+        path = Path(snapshot_download(repo_id, revision=small.name, allow_patterns=meta + weights))  # same commit
+    except CorruptCheckpointError:  # a corrupt index: said before a weight is downloaded
+        raise
     except Exception as e:  # noqa: BLE001 - mapped to one message per cause; the rest is "cannot reach"
         raise _hub_error(e, repo_id, revision, cached, cache) from None
     if not _snapshot_complete(path):  # huggingface_hub falls back to the cached snapshot when the hub is unreachable
@@ -1030,6 +1059,29 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None = None, offline: boo
             f"or the repository lacks them); {_fetch_hint(repo_id, revision, path)}"
         )
     return path, path.name
+
+
+def hub_weight_files(files: list[str], weight_map: dict[str, str] | None) -> list[str]:
+    """The weight files a checkpoint directory holding ``files`` is read from (the rule ``Checkpoint.open`` applies
+    to a local directory, and transformers' from_pretrained): ``model.safetensors`` when present and not one of the
+    index's shards, else the index's shards (``weight_map``: tensor -> file), else every top-level
+    ``*.safetensors``. Anything else (Mistral's ``consolidated.safetensors``, an ``original/`` folder) is not read."""
+    top = sorted(f for f in files if "/" not in f and f.endswith(".safetensors"))
+    if SINGLE_FILE in top and (weight_map is None or SINGLE_FILE not in weight_map.values()):
+        return [SINGLE_FILE]
+    if weight_map is not None:
+        return sorted(set(weight_map.values()))
+    return top
+
+
+def _hub_weights_to_fetch(repo_id: str, snapshot: Path) -> list[str]:
+    """:func:`hub_weight_files` for the repo at ``snapshot``'s commit, whose ``*.json`` files (the index) are in
+    ``snapshot`` already; the repo's file list comes from the hub (its errors are the caller's to word)."""
+    from huggingface_hub import list_repo_files
+
+    files = list_repo_files(repo_id, revision=snapshot.name)
+    index = snapshot / INDEX_FILE
+    return hub_weight_files(files, _read_weight_map(index) if INDEX_FILE in files and index.is_file() else None)
 
 
 def _not_cached(repo_id: str, cached: Path | None, cache: str, revision: str | None = None) -> str:
@@ -1164,4 +1216,6 @@ def _missing_files(path: Path) -> list[str]:
         shards = {s for s in weight_map.values() if isinstance(s, str)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ["model.safetensors.index.json (corrupt)"]
+    if (path / SINGLE_FILE).exists() and SINGLE_FILE not in shards:  # read instead of the shards (hub_weight_files)
+        return []
     return sorted(s for s in shards if not (path / s).exists())

@@ -11,12 +11,16 @@ previous bundle) so the next task starts from fresh B and Q.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import re
 import shutil
+import stat
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,8 @@ class MergeResult:
     files: list[Path]
     merged_modules: list[str]
     bundle: Bundle | None = None  # the rescanned bundle, when asked for
+    #: what the user should know (an interrupted merge into ``out`` finished, a fallback to moving files one by one)
+    notes: list[str] = field(default_factory=list)
 
 
 def _stored_name(ckpt: Checkpoint, module: str, record: ModuleRecord) -> str:
@@ -89,13 +95,17 @@ def merge_checkpoint(
 
     The adapter's recorded weight fingerprints must match the source's weights and its B/Q digests the bundle's
     (the bundle recorded in the adapter unless ``bundle`` is given); otherwise BundleError. Files are written into
-    a temporary directory next to ``out`` and moved into place only after every check passed: a failure leaves
-    ``out`` as it was. ``progress`` gets one event per tensor written (unit "tensors", with bytes read).
+    a temporary directory next to ``out`` and put in place only after every check passed: a failure leaves ``out``
+    as it was. An existing ``out`` is replaced as a whole (see :func:`_publish`): after a crash it holds the old or
+    the new checkpoint, and the next merge into it finishes or clears what the crash left
+    (:func:`finish_interrupted_merge`). ``progress`` gets one event per tensor written (unit "tensors", with bytes
+    read).
     """
+    out = Path(out)
+    notes = finish_interrupted_merge(out)
     ckpt = Checkpoint.open(source)
     tensors_a, meta = read_adapter(adapter)
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or _recorded_bundle(adapter, meta))
-    out = Path(out)
     if out.resolve() == ckpt.root.resolve():
         raise CheckpointError(f"{out}: refusing to overwrite the source checkpoint in place; choose another --out")
     if out.exists() and not out.is_dir():
@@ -128,9 +138,11 @@ def merge_checkpoint(
     by_file: dict[Path, list[str]] = {}
     for name, info in ckpt.tensors.items():
         by_file.setdefault(info.file, []).append(name)
+    place = _real_place(out)
+    in_place = _no_swap_reason(place)  # out cannot be renamed: the files are built inside it and moved in
     with _write_errors(out):
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_temp_dir(out.parent, out.name)
+        tmp = make_temp_dir(place if in_place else place.parent, place.name)
     counter = ProgressCounter(
         progress, len(ckpt.tensors), "tensors", bytes_total=sum(i.nbytes for i in ckpt.tensors.values())
     )
@@ -164,13 +176,11 @@ def merge_checkpoint(
             for written in tmp.iterdir():
                 os.chmod(written, mode)
             _sync(tmp)
-            _move_into_place(tmp, out, overwrite)
-            _sync(out, files=False)  # the renames: of files into an existing out, of out itself in its parent
-            _sync(out.parent, files=False)
+            notes += _publish(tmp, place, overwrite, in_place)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return MergeResult(out, [out / f.name for f in ckpt.files], merged)
+    return MergeResult(out, [out / f.name for f in ckpt.files], merged, notes=notes)
 
 
 def _recorded_bundle(adapter: str | os.PathLike, meta: dict[str, Any]) -> str:
@@ -234,15 +244,214 @@ def _sync(directory: Path, files: bool = True) -> None:
         os.close(fd)
 
 
+def _publish(tmp: Path, out: Path, overwrite: bool, in_place: str | None = None) -> list[str]:
+    """Put the finished, fsynced checkpoint in ``tmp`` at ``out``; returns notes for the user.
+
+    A new ``out`` is ``tmp`` renamed. An existing one is replaced as a whole, so that no crash leaves a mix of old
+    and new shards: its other entries (an adapter, a README, subdirectories: everything but the old checkpoint's
+    weight files, see :func:`_stale_checkpoint_files`, and the files the merge writes) are hard-linked into ``tmp``
+    (no data copied), ``tmp`` is renamed ``.OUT.swap-X`` and exchanged with ``out`` in one atomic step (Linux
+    renameat2 RENAME_EXCHANGE), then the old checkpoint, now at ``.OUT.swap-X``, is deleted. Without an atomic
+    exchange: ``out`` is renamed ``.OUT.swap-X`` and ``.OUT.partial-X`` renamed ``out``; a crash between the two
+    leaves no ``out`` for a moment, which :func:`finish_interrupted_merge` completes. Where links cannot be made
+    (a filesystem without hard links, a mount point inside ``out``) or ``out`` cannot be swapped (``in_place``, the
+    reason: ``tmp`` is inside ``out``), the files are moved in one by one, with a note saying so.
+    """
+    if not out.exists():
+        os.replace(tmp, out)
+        _sync(out.parent, files=False)
+        return []
+    new = {f.name for f in tmp.iterdir()}
+    why = in_place
+    if why is None:
+        stale = {p.name for p in _stale_checkpoint_files(out, new)} if overwrite else set()
+        try:
+            _link_entries(out, tmp, skip=new | stale)
+            _copy_dir_attributes(out, tmp)
+            _sync(tmp, files=False)
+        except OSError as e:
+            for entry in tmp.iterdir():
+                if entry.name not in new:
+                    _remove(entry)
+            why = f"its other files could not be linked into the new checkpoint ({os_error_reason(out, e)})"
+    if why is not None:
+        _move_into_place(tmp, out, overwrite)
+        _sync(out, files=False)
+        return [
+            f"{why}: the merged files were moved into {out} one by one, so a crash in between would have left a mix "
+            "of old and new shards (plate-inspect verify finds them by fingerprint)"
+        ]
+    swap = tmp.with_name(_swap_name(tmp))
+    os.replace(tmp, swap)  # from here on, the next merge into out deletes it if out is still there (rollback)
+    try:
+        exchanged = _exchange(swap, out)
+    except BaseException:
+        shutil.rmtree(swap, ignore_errors=True)  # out is still the old checkpoint
+        raise
+    if not exchanged:
+        os.replace(swap, tmp)
+        os.replace(out, swap)  # out is missing until the next line: finish_interrupted_merge completes it
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(swap, out)
+            raise
+    _sync(out.parent, files=False)
+    shutil.rmtree(swap, ignore_errors=True)  # the old checkpoint; a leftover is deleted by the next merge into out
+    return []
+
+
+def finish_interrupted_merge(out: str | os.PathLike) -> list[str]:
+    """Complete what a merge into ``out`` killed while swapping it in (:func:`_publish`) left, and say what was done.
+
+    ``out`` missing with ``.OUT.swap-X`` (the old checkpoint) and ``.OUT.partial-X`` (the finished new one) beside
+    it: the new one is renamed ``out`` (rolled forward; without its partner the swap directory is put back). Then
+    every ``.OUT.swap-*`` is deleted: with ``out`` in place it holds the old checkpoint, or a new one that was never
+    exchanged in (``out`` stayed the old one: rolled back). ``.OUT.partial-*`` directories alone (killed while
+    writing, maybe incomplete) are left to the user, as another merge may be writing them.
+    """
+    with _write_errors(Path(out)):
+        return _finish_interrupted_merge(out)
+
+
+def _finish_interrupted_merge(out: str | os.PathLike) -> list[str]:
+    place = _real_place(Path(out))
+    prefix = f".{place.name}.swap-"
+    try:
+        swaps = sorted(
+            p
+            for p in place.parent.iterdir()
+            if p.name.startswith(prefix) and re.fullmatch(r"[0-9a-f]{12}", p.name[len(prefix) :]) and _plain_dir(p)
+        )
+    except OSError:
+        return []
+    notes = []
+    if swaps and not os.path.lexists(place):
+        partial = place.with_name(f".{place.name}.partial-{swaps[0].name[len(prefix) :]}")
+        if _plain_dir(partial):
+            os.replace(partial, place)
+            notes.append(f"{out}: finished an interrupted merge into it (its complete new checkpoint moved into place)")
+        else:
+            os.replace(swaps[0], place)
+            notes.append(f"{out}: restored it from {swaps[0].name}, left by an interrupted merge into it")
+            swaps = swaps[1:]
+        _sync(place.parent, files=False)
+    for swap in swaps:
+        shutil.rmtree(swap)
+        notes.append(f"{out}: deleted {swap.name}, the checkpoint an interrupted merge into it swapped out")
+    return notes
+
+
+def _swap_name(tmp: Path) -> str:
+    """``.OUT.swap-X`` for the temp dir ``.OUT.partial-X`` (make_temp_dir's name)."""
+    head, _, suffix = tmp.name.rpartition(".partial-")
+    return f"{head}.swap-{suffix}"
+
+
+def _plain_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _real_place(out: Path) -> Path:
+    """Where ``out``'s entries live, as an absolute path whose parent is the directory holding it: an existing
+    directory resolved (a symlink ``out`` is not renamed over, the directory it points to is swapped; ``.`` has a
+    parent), else ``out`` made absolute."""
+    return Path(os.path.realpath(out)) if out.is_dir() else Path(os.path.abspath(out))
+
+
+def _no_swap_reason(place: Path) -> str | None:
+    """Why the existing directory ``place`` cannot be replaced as a whole, or None: a mount point cannot be renamed,
+    and swapping the current directory (or one holding it) would leave this process, and the shell that started
+    it, in the deleted old directory."""
+    if not place.is_dir():
+        return None
+    if _is_mount_point(place):
+        return f"{place} is a mount point (its parent is on another filesystem), so it cannot be swapped as a whole"
+    try:
+        cwd = Path(os.path.realpath(os.getcwd()))
+    except OSError:  # the current directory was deleted
+        return None
+    if cwd == place or place in cwd.parents:
+        return (
+            f"{place} is the current directory or holds it, and swapping it as a whole would leave the shell in the "
+            "deleted old directory"
+        )
+    return None
+
+
+def _is_mount_point(path: Path) -> bool:
+    """True when ``path`` is on another filesystem than its parent (it cannot be renamed within the parent)."""
+    try:
+        return os.stat(path).st_dev != os.stat(path.resolve().parent).st_dev
+    except OSError:
+        return False
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directory entries ``a`` and ``b`` in one atomic step (Linux renameat2 with RENAME_EXCHANGE); False
+    where the platform, libc or filesystem has no such call (the caller then renames twice)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _link_entries(src: Path, dst: Path, skip: set[str] | frozenset[str] = frozenset()) -> None:
+    """Mirror ``src``'s entries but ``skip`` into ``dst`` without copying data: files as hard links (same inode:
+    same bytes, mode, owner), symlinks as symlinks, directories as new directories of links. OSError where that
+    cannot be done: no hard links on this filesystem, a mount point inside, a device file or FIFO."""
+    device = os.stat(src).st_dev
+    for entry in sorted(src.iterdir()):
+        if entry.name in skip:
+            continue
+        target = dst / entry.name
+        st = entry.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(entry), target)
+        elif stat.S_ISREG(st.st_mode):
+            os.link(entry, target, follow_symlinks=False)
+        elif stat.S_ISDIR(st.st_mode) and st.st_dev == device:
+            os.mkdir(target)
+            _link_entries(entry, target)
+            _copy_dir_attributes(entry, target)
+            _sync(target, files=False)
+        else:
+            what = "a mount point" if stat.S_ISDIR(st.st_mode) else "not a file, directory or symlink"
+            raise OSError(errno.EXDEV if stat.S_ISDIR(st.st_mode) else errno.ENOTSUP, what, str(entry))
+
+
+def _copy_dir_attributes(src: Path, dst: Path) -> None:
+    """The mode, times and (where permitted) owner of directory ``src`` on ``dst``, which takes its place."""
+    shutil.copystat(src, dst, follow_symlinks=False)
+    st = os.stat(src)
+    with contextlib.suppress(OSError):
+        if (st.st_uid, st.st_gid) != (os.stat(dst).st_uid, os.stat(dst).st_gid):
+            os.chown(dst, st.st_uid, st.st_gid)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Publish the finished files: rename the temp dir to ``out``, or move its files into an existing ``out``.
+    """Move the finished files into an existing ``out`` one by one (not crash-safe: :func:`_publish`'s fallback).
 
     With ``overwrite``, the files of the checkpoint already there that the new one does not write are removed (see
     :func:`_stale_checkpoint_files`); other files (an adapter kept there, a bundle directory) are left alone.
     """
-    if not out.exists():
-        os.replace(tmp, out)
-        return
     new = {f.name for f in tmp.iterdir()}
     if overwrite:
         for stale in _stale_checkpoint_files(out, new):
