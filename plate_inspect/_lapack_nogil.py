@@ -3,8 +3,9 @@
 scipy's f2py wrappers hold the GIL for the whole call; its Cython LAPACK (``scipy.linalg.cython_lapack``, a public,
 stable API) exports every routine as a C function pointer, and ctypes releases the GIL around foreign calls.
 Only what the scan needs is here: the tridiagonal reduction of a symmetric matrix (sytrd), the tridiagonal
-matrix's eigenvalues (sterf) and its MRRR eigenvectors for an index range (dstemr), and the back-transformation of
-vectors by the reduction's reflectors (larft + larfb, blocked as ormtr does it).
+matrix's eigenvalues (sterf), its MRRR eigenvectors for an index range (dstemr) or all of them by divide and
+conquer (dstevd), and the back-transformation of vectors by the reduction's reflectors (larft + larfb, blocked as
+ormtr does it).
 """
 
 from __future__ import annotations
@@ -92,6 +93,37 @@ def tridiagonal_eigenvectors(diag: np.ndarray, offdiag: np.ndarray, first: int, 
         raise np.linalg.LinAlgError(
             f"dstemr failed (info={info.value}, found {found.value} of {m_wanted} eigenvectors)"
         )
+    return z
+
+
+def tridiagonal_all_eigenvectors(diag: np.ndarray, offdiag: np.ndarray) -> np.ndarray:
+    """All eigenvectors (ascending eigenvalues) of the symmetric tridiagonal matrix with ``diag`` (n) and
+    ``offdiag`` (n - 1), float64, by divide and conquer (LAPACK dstevd), as an n x n Fortran array.
+
+    The routine ``scipy.linalg.lapack.dstevd`` wraps, taken from the Cython LAPACK because that wrapper exists
+    only from scipy 1.16 on; the GIL is released. Raises ``np.linalg.LinAlgError`` when LAPACK reports failure.
+    """
+    n = int(diag.shape[0])
+    d = np.array(diag, dtype=np.float64)  # dstevd overwrites d (eigenvalues) and e
+    e = np.zeros(max(1, n - 1), dtype=np.float64)
+    e[: n - 1] = offdiag
+    z = np.zeros((n, n), dtype=np.float64, order="F")
+    dstevd = _real_function("stevd", np.float64, "c", "i", "r", "r", "r", "i", "r", "i", "i", "i", "i")
+    n_, ldz, info = _ints(n, max(1, n), 0)
+
+    def call(work: np.ndarray, lwork: int, iwork: np.ndarray, liwork: int) -> None:
+        dstevd(
+            b"V", ctypes.byref(n_), _ptr(d), _ptr(e), _ptr(z), ctypes.byref(ldz), _ptr(work),
+            ctypes.byref(ctypes.c_int(lwork)), _ptr(iwork, _int_p), ctypes.byref(ctypes.c_int(liwork)),
+            ctypes.byref(info),
+        )  # fmt: skip
+
+    query_work, query_iwork = np.zeros(1, dtype=np.float64), np.zeros(1, dtype=np.int32)
+    call(query_work, -1, query_iwork, -1)
+    lwork, liwork = max(1, int(query_work[0])), max(1, int(query_iwork[0]))
+    call(np.zeros(lwork, dtype=np.float64), lwork, np.zeros(liwork, dtype=np.int32), liwork)
+    if info.value != 0:
+        raise np.linalg.LinAlgError(f"dstevd failed (info={info.value})")
     return z
 
 

@@ -25,6 +25,7 @@ import torch
 
 from plate_inspect._lapack_nogil import (
     apply_tridiagonal_reflectors,
+    tridiagonal_all_eigenvectors,
     tridiagonal_eigenvalues,
     tridiagonal_eigenvectors,
     tridiagonalize,
@@ -211,9 +212,7 @@ class TridiagonalEigen(SymmetricEigen):
         """All eigenvectors of T in float64 (divide and conquer), computed once."""
         if self._all is None:
             d, e = self.diag.astype(np.float64), self.offdiag.astype(np.float64)
-            _, self._all, info = scipy.linalg.lapack.dstevd(d, e, overwrite_d=1, overwrite_e=1)
-            if info != 0:
-                raise np.linalg.LinAlgError(f"dstevd failed (info={info})")
+            self._all = tridiagonal_all_eigenvectors(d, e)
         return self._all
 
     def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:

@@ -7,11 +7,13 @@ import time
 
 import numpy as np
 import pytest
+import scipy.linalg
 import torch
 
 from plate_inspect import geometry
 from plate_inspect._lapack_nogil import (
     apply_tridiagonal_reflectors,
+    tridiagonal_all_eigenvectors,
     tridiagonal_eigenvalues,
     tridiagonal_eigenvectors,
     tridiagonalize,
@@ -61,6 +63,26 @@ def test_mrrr_eigenvectors_of_an_index_range_match_the_dense_oracle():
     # two ranges computed separately are orthogonal to each other
     rest = tridiagonal_eigenvectors(d, e, 30, 39)
     assert np.abs(got.T @ rest).max() < 1e-10
+
+
+@pytest.mark.parametrize("n", [1, 2, 90])
+def test_divide_and_conquer_eigenvectors_match_the_dense_oracle_and_scipys_wrapper(n):
+    """dstevd from the Cython LAPACK (every scipy): T's eigenvectors; on a scipy >= 1.16, whose f2py wrapper of the
+    same routine exists, the very same bits."""
+    rng = np.random.default_rng(2)
+    d, e = rng.standard_normal(n), rng.standard_normal(n - 1)
+    d_in, e_in = d.copy(), e.copy()
+    got = tridiagonal_all_eigenvectors(d, e)
+    np.testing.assert_array_equal(d, d_in)  # the caller's arrays are not overwritten
+    np.testing.assert_array_equal(e, e_in)
+    w, z = np.linalg.eigh(_tridiagonal(d, e))
+    assert got.shape == (n, n) and got.flags.f_contiguous
+    np.testing.assert_allclose(np.abs(np.sum(got * z, axis=0)), 1.0, atol=1e-10)  # same vectors, up to sign
+    np.testing.assert_allclose(got.T @ got, np.eye(n), atol=1e-12)
+    if n > 1 and hasattr(scipy.linalg.lapack, "dstevd"):  # (its wrapper refuses n = 1)
+        _, ref, info = scipy.linalg.lapack.dstevd(d.copy(), e.copy())
+        assert info == 0
+        np.testing.assert_array_equal(got, ref)
 
 
 def test_tridiagonal_input_is_validated():
