@@ -274,15 +274,26 @@ def layer_entry(entry: object) -> tuple[str, int | None]:
     )
 
 
+def layer_list(layers: Iterable[object]) -> tuple[object, ...]:
+    """The entries of a ``layers=`` argument, refusing one string: iterating ``'21'`` or ``'decoder'`` would give
+    its characters (layers 2 and 1, stacks 'd', 'e', ...), so a spec must be expanded with :func:`parse_layers`."""
+    if isinstance(layers, (str, bytes)):
+        raise ConfigError(
+            f"layers={layers!r}: a string, not a list of entries; pass a list such as [2, 1] or ['decoder'], or "
+            f"expand a spec with plate_inspect.targets.parse_layers({str(layers)!r})"
+        )
+    return tuple(layers)
+
+
 def layer_entries(layers: Iterable[object]) -> tuple[LayerEntry, ...]:
     """A layer selection in its one spelling, order kept: ints for plain indices, 'stack:i' strings, 'stack' for a
     whole stack ('decoder:*' becomes 'decoder'); what ScanSettings and the manifest hold."""
-    return tuple(_entry(stack, i) for stack, i in map(layer_entry, layers))
+    return tuple(_entry(stack, i) for stack, i in map(layer_entry, layer_list(layers)))
 
 
 def format_layers(layers: Iterable[object]) -> str:
     """'0,1,decoder:3' (or 'decoder' for a whole stack): a layer selection for a message (sorted, each entry once)."""
-    entries = sorted(set(map(layer_entry, layers)), key=_entry_key)
+    entries = sorted(set(map(layer_entry, layer_list(layers))), key=_entry_key)
     return ",".join(str(_entry(stack, i)) for stack, i in entries)
 
 
@@ -346,7 +357,7 @@ def select_layers(
     and their layers are those among ``names`` (the checkpoint's, or the bundle's, modules). A stack that ``names`` do
     not have, a stack qualifier on a single-stack model, or an index past the named stack's layers is a ConfigError
     naming what is there."""
-    entries = [layer_entry(e) for e in layers]
+    entries = [layer_entry(e) for e in layer_list(layers)]
     plain = {i for stack, i in entries if not stack}
     qualified: set[tuple[str, int]] = set()
     whole: set[str] = set()
@@ -687,7 +698,7 @@ def select_targets(
         chosen = [t for t in chosen if t.layer not in mtp]
         note += f"; multi-token-prediction layer {', '.join(map(str, sorted(mtp)))} skipped (include_mtp to scan it)"
     if layers is not None:
-        layers = list(layers)
+        layers = list(layer_list(layers))
         chosen = select_layers(chosen, layers, (t.name for t in candidates))
     if not chosen:
         sample = sorted({t.module_type for t in candidates})[:30]
