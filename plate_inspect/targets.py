@@ -384,13 +384,17 @@ def select_layers(
     return kept
 
 
-def layers_there(names: Iterable[str]) -> str:
-    """The layers present among module names, for an error: '0-27', or per stack 'encoder 0-1, decoder 0-2'."""
+def layers_there(names: Iterable[str], model_names: Iterable[str] | None = None) -> str:
+    """The layers present among module names, for an error: '0-27', or per stack 'encoder 0-1, decoder 0-2'.
+
+    ``model_names``: the model's modules, when ``names`` are a bundle's or adapter's: names holding one stack of a
+    model with several are then labelled with it ('decoder 0-2', not '0-2', which reads as both stacks' layers)."""
     stacks = _stacks(names)
-    if len(stacks) < 2:
+    every = list(_stacks(model_names)) if model_names is not None else []
+    if len(stacks) < 2 and len(every) < 2:
         return _span(i for indices in stacks.values() for i in indices)
-    labels = _stack_labels(list(stacks))
-    return ", ".join(f"{labels[s]} {_span(ix)}" for s, ix in stacks.items())
+    labels = _stack_labels(every if len(every) >= 2 else list(stacks))
+    return ", ".join(f"{labels.get(s, s)} {_span(ix)}" for s, ix in stacks.items())
 
 
 def split_expert(module_type: str) -> tuple[str, int | None]:

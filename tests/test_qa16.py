@@ -122,3 +122,18 @@ def test_plan_budget_equals_an_exhaustive_search(three_r_bundle, objective, tmp_
         assert plan["budget"]["limited_by_bundle"] == (budget > capacity)
     code, output = _run("plan", b.path, "--budget", minimum - 1, "-o", tmp_path / "low.json")
     assert code == 2 and f"below the minimum {minimum}" in output, output
+
+
+def test_layers_there_names_the_stack_of_a_one_stack_selection(models):  # noqa: F811
+    """A decoder-only bundle's layers, in an error about a selection keeping none of them, read 'decoder 0-2' where
+    the model has two stacks (they read '0-2': layers 0-2 of both stacks, which the bundle does not hold)."""
+    from plate_inspect.targets import layers_there
+
+    for family in ("t5", "bart"):
+        _, layers = models[family]
+        decoder = _want(layers, *sorted(k for k in layers if k[0] == "decoder"))
+        every = _want(layers, *layers)
+        assert layers_there(decoder, every) == "decoder 0-2", family
+        assert layers_there(decoder) == "0-2"  # without the model: nothing tells one stack from the other
+        assert layers_there(every, every) == layers_there(every) == "encoder 0-1, decoder 0-2"
+        assert layers_there(_want(layers, ("encoder", 1)), every) == "encoder 1"
