@@ -19,6 +19,7 @@ import torch
 
 from plate_inspect.checkpoint import Checkpoint, TensorInfo, refuse_adapter
 from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from plate_inspect.formatting import counted
 
 #: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
 #: [experts, d_out, d_in] (experts_out_major) or [experts, d_in, d_out] (experts_in_major).
@@ -311,10 +312,8 @@ def _stacks(names: Iterable[str]) -> dict[str, set[int]]:
 def _describe_stacks(stacks: dict[str, set[int]]) -> str:
     """'encoder (encoder.block, 2 layers: 0-1), decoder (decoder.block, 3 layers: 0-2)'."""
     labels = _stack_labels(list(stacks))
-    return ", ".join(
-        f"{labels[s] + ' (' if labels[s] else ''}{s}, {len(ix)} layers: {_span(ix)}{')' if labels[s] else ''}"
-        for s, ix in stacks.items()
-    )
+    described = (f"{s}, {counted(len(ix), 'layer')}: {_span(ix)}" for s, ix in stacks.items())
+    return ", ".join(f"{labels[s]} ({d})" if labels[s] else d for s, d in zip(stacks, described, strict=True))
 
 
 def _names_stack(qualifier: str, stack: str) -> bool:
@@ -372,7 +371,7 @@ def select_layers(
         if i not in stacks[path]:
             label = _stack_labels(list(stacks))[path] or path
             raise ConfigError(
-                f"--layers {stack}:{i}: the {label} stack ({path}) has {len(stacks[path])} layers "
+                f"--layers {stack}:{i}: the {label} stack ({path}) has {counted(len(stacks[path]), 'layer')} "
                 f"({_span(stacks[path])}), no layer {i}"
             )
         qualified.add((path, i))

@@ -137,3 +137,20 @@ def test_layers_there_names_the_stack_of_a_one_stack_selection(models):  # noqa:
         assert layers_there(decoder) == "0-2"  # without the model: nothing tells one stack from the other
         assert layers_there(every, every) == layers_there(every) == "encoder 0-1, decoder 0-2"
         assert layers_there(_want(layers, ("encoder", 1)), every) == "encoder 1"
+
+
+def test_a_one_layer_stack_is_described_in_the_singular(tmp_path):
+    """Gemma-3's vision tower has one layer here (its tensor names hold only index 0): '1 layer: 0', not '1 layers'."""
+    from safetensors import safe_open
+
+    from plate_inspect.testing.synthetic import write_family
+
+    path = write_family(tmp_path / "gemma3", "gemma3").path
+    with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
+        vision = {k.split(".")[4] for k in f.keys() if k.startswith("vision_tower.vision_model.encoder.layers.")}  # noqa: SIM118
+    assert vision == {"0"}
+    code, output = _run("scan", path, "--out", tmp_path / "b", "--layers", "middle", "-q")
+    assert code == 2 and "(vision_tower.vision_model.encoder.layers, 1 layer: 0)" in output, output
+    assert "2 layers: 0-1" in output, output
+    code, output = _run("scan", path, "--out", tmp_path / "b", "--layers", "vision_tower:3", "-q")
+    assert code == 2 and "(vision_tower.vision_model.encoder.layers) has 1 layer (0), no layer 3" in output, output
