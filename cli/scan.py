@@ -34,7 +34,7 @@ from plate_inspect.scanner import (
     same_model,
     source_record,
 )
-from plate_inspect.targets import parse_layers
+from plate_inspect.targets import format_layers, parse_layers
 
 
 def summary_rows(records: list[ModuleRecord]) -> list[dict]:
@@ -80,7 +80,9 @@ def print_summary(bundle: Bundle) -> None:
         f"sketch_dim={s.sketch_dim} precision={s.precision} q_dtype={s.q_dtype}"
         + (" include_mtp" if s.include_mtp else "")
     )
-    console.print(f"targets: {m.selection_note}")
+    # the layer selection is not in the selection note: without it a one-stack bundle reads as the whole model
+    layers = f"; layers {format_layers(s.layers)}" if s.layers is not None else ""
+    console.print(f"targets: {escape(m.selection_note + layers)}")
     table = Table(title="per module type")
     for col in ("module type", "count", "d_out x d_in", "mean k", "Q energy", "PLATE r*k", "LoRA r*(din+dout)"):
         table.add_column(col, justify="right" if col != "module type" else "left")

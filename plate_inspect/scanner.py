@@ -53,6 +53,7 @@ from plate_inspect.health import health_record
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
     TargetModule,
+    layer_list,
     load_target,
     select_targets,
 )
@@ -189,7 +190,7 @@ def scan(
         sketch_dim=sketch_dim,
         anchors=anchors,
         target_modules=tuple(target_modules) if target_modules else None,
-        layers=tuple(layers) if layers is not None else None,
+        layers=layer_list(layers) if layers is not None else None,
         precision=precision,
         q_dtype=q_dtype,
         tau_grid=tuple(tau_grid),

@@ -19,6 +19,7 @@ import torch
 
 from plate_inspect.checkpoint import Checkpoint, TensorInfo, refuse_adapter
 from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from plate_inspect.formatting import counted
 
 #: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
 #: [experts, d_out, d_in] (experts_out_major) or [experts, d_in, d_out] (experts_in_major).
@@ -274,15 +275,26 @@ def layer_entry(entry: object) -> tuple[str, int | None]:
     )
 
 
+def layer_list(layers: Iterable[object]) -> tuple[object, ...]:
+    """The entries of a ``layers=`` argument, refusing one string: iterating ``'21'`` or ``'decoder'`` would give
+    its characters (layers 2 and 1, stacks 'd', 'e', ...), so a spec must be expanded with :func:`parse_layers`."""
+    if isinstance(layers, (str, bytes)):
+        raise ConfigError(
+            f"layers={layers!r}: a string, not a list of entries; pass a list such as [2, 1] or ['decoder'], or "
+            f"expand a spec with plate_inspect.targets.parse_layers({str(layers)!r})"
+        )
+    return tuple(layers)
+
+
 def layer_entries(layers: Iterable[object]) -> tuple[LayerEntry, ...]:
     """A layer selection in its one spelling, order kept: ints for plain indices, 'stack:i' strings, 'stack' for a
     whole stack ('decoder:*' becomes 'decoder'); what ScanSettings and the manifest hold."""
-    return tuple(_entry(stack, i) for stack, i in map(layer_entry, layers))
+    return tuple(_entry(stack, i) for stack, i in map(layer_entry, layer_list(layers)))
 
 
 def format_layers(layers: Iterable[object]) -> str:
     """'0,1,decoder:3' (or 'decoder' for a whole stack): a layer selection for a message (sorted, each entry once)."""
-    entries = sorted(set(map(layer_entry, layers)), key=_entry_key)
+    entries = sorted(set(map(layer_entry, layer_list(layers))), key=_entry_key)
     return ",".join(str(_entry(stack, i)) for stack, i in entries)
 
 
@@ -300,10 +312,8 @@ def _stacks(names: Iterable[str]) -> dict[str, set[int]]:
 def _describe_stacks(stacks: dict[str, set[int]]) -> str:
     """'encoder (encoder.block, 2 layers: 0-1), decoder (decoder.block, 3 layers: 0-2)'."""
     labels = _stack_labels(list(stacks))
-    return ", ".join(
-        f"{labels[s] + ' (' if labels[s] else ''}{s}, {len(ix)} layers: {_span(ix)}{')' if labels[s] else ''}"
-        for s, ix in stacks.items()
-    )
+    described = (f"{s}, {counted(len(ix), 'layer')}: {_span(ix)}" for s, ix in stacks.items())
+    return ", ".join(f"{labels[s]} ({d})" if labels[s] else d for s, d in zip(stacks, described, strict=True))
 
 
 def _names_stack(qualifier: str, stack: str) -> bool:
@@ -346,7 +356,7 @@ def select_layers(
     and their layers are those among ``names`` (the checkpoint's, or the bundle's, modules). A stack that ``names`` do
     not have, a stack qualifier on a single-stack model, or an index past the named stack's layers is a ConfigError
     naming what is there."""
-    entries = [layer_entry(e) for e in layers]
+    entries = [layer_entry(e) for e in layer_list(layers)]
     plain = {i for stack, i in entries if not stack}
     qualified: set[tuple[str, int]] = set()
     whole: set[str] = set()
@@ -361,7 +371,7 @@ def select_layers(
         if i not in stacks[path]:
             label = _stack_labels(list(stacks))[path] or path
             raise ConfigError(
-                f"--layers {stack}:{i}: the {label} stack ({path}) has {len(stacks[path])} layers "
+                f"--layers {stack}:{i}: the {label} stack ({path}) has {counted(len(stacks[path]), 'layer')} "
                 f"({_span(stacks[path])}), no layer {i}"
             )
         qualified.add((path, i))
@@ -373,13 +383,17 @@ def select_layers(
     return kept
 
 
-def layers_there(names: Iterable[str]) -> str:
-    """The layers present among module names, for an error: '0-27', or per stack 'encoder 0-1, decoder 0-2'."""
+def layers_there(names: Iterable[str], model_names: Iterable[str] | None = None) -> str:
+    """The layers present among module names, for an error: '0-27', or per stack 'encoder 0-1, decoder 0-2'.
+
+    ``model_names``: the model's modules, when ``names`` are a bundle's or adapter's: names holding one stack of a
+    model with several are then labelled with it ('decoder 0-2', not '0-2', which reads as both stacks' layers)."""
     stacks = _stacks(names)
-    if len(stacks) < 2:
+    every = list(_stacks(model_names)) if model_names is not None else []
+    if len(stacks) < 2 and len(every) < 2:
         return _span(i for indices in stacks.values() for i in indices)
-    labels = _stack_labels(list(stacks))
-    return ", ".join(f"{labels[s]} {_span(ix)}" for s, ix in stacks.items())
+    labels = _stack_labels(every if len(every) >= 2 else list(stacks))
+    return ", ".join(f"{labels.get(s, s)} {_span(ix)}" for s, ix in stacks.items())
 
 
 def split_expert(module_type: str) -> tuple[str, int | None]:
@@ -687,7 +701,7 @@ def select_targets(
         chosen = [t for t in chosen if t.layer not in mtp]
         note += f"; multi-token-prediction layer {', '.join(map(str, sorted(mtp)))} skipped (include_mtp to scan it)"
     if layers is not None:
-        layers = list(layers)
+        layers = list(layer_list(layers))
         chosen = select_layers(chosen, layers, (t.name for t in candidates))
     if not chosen:
         sample = sorted({t.module_type for t in candidates})[:30]
