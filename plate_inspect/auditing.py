@@ -8,8 +8,9 @@ bundle's, or chosen exactly as the scan chooses them) and W_f the rows outside B
 - ``frozen_row_share`` = the share of ||dW||_F^2 on rows outside B;
 - ``delta_norm`` = ||dW||_F and ``relative_delta`` = ||dW||_F / ||W||_F.
 
-A fine-tuned checkpoint stored coarser than BASE (bf16 of an fp32 base; FP8 with block scales of a bf16/fp32 base)
-gives dW = TUNED - BASE rounded to TUNED's storage (:func:`rounding_reference`; FP8 at TUNED's own scales): the
+A fine-tuned checkpoint stored coarser than BASE (bf16 of an fp32 base; FP8 with block scales or MXFP4 of a bf16/fp32
+base) gives dW = TUNED - BASE rounded to TUNED's storage (:func:`rounding_reference`; FP8 and MXFP4 at TUNED's own
+scales): the
 rounding or quantization of the save is not an update. Records say so (``base_rounded_to``, ``rounding_floor``).
 
 A PLATE update (rows in B, inputs in the bottom eigenspace Q) scores 0 on both; a dense isotropic random update
@@ -36,7 +37,13 @@ from typing import Any, Union
 import torch
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.checkpoint import Checkpoint, decode_fp8_scale, expand_block_scale, parse_safetensors_header
+from plate_inspect.checkpoint import (
+    Checkpoint,
+    decode_e8m0,
+    decode_fp8_scale,
+    expand_block_scale,
+    parse_safetensors_header,
+)
 from plate_inspect.dtypes import DTYPES
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import (
@@ -68,9 +75,20 @@ from plate_inspect.targets import (
 
 #: Keys of one ``--json`` record, in order.
 AUDIT_KEYS = ("module", "protected_input_share", "frozen_row_share", "delta_norm", "relative_delta")
-#: Keys a ``--json`` record adds where TUNED is stored coarser than BASE (bf16 of fp32, FP8): TUNED's storage dtype,
-#: and ||round(BASE) - BASE||_F, the storage rounding that was not counted as update.
+#: Keys a ``--json`` record adds where TUNED is stored coarser than BASE (bf16 of fp32, FP8, MXFP4): TUNED's storage
+#: dtype, and ||round(BASE) - BASE||_F, the storage rounding that was not counted as update.
 ROUNDING_KEYS = ("base_rounded_to", "rounding_floor")
+#: The storage (and ``base_rounded_to``) of an MXFP4 TUNED weight (gpt-oss's experts): E2M1 elements times E8M0
+#: power-of-two scales per 32-element block, a grid no torch dtype rounds to (:func:`round_e2m1`).
+MXFP4 = "mxfp4"
+#: E2M1's grid (OCP MX v1.0, section 5.3.3): values 0, 0.5, 1, 1.5, 2, 3, 4, 6; eps (step / 2^binade) and smallest
+#: normal, as torch.finfo gives them for the float dtypes.
+_E2M1_EPS, _E2M1_NORMAL, _E2M1_MAX = 0.5, 1.0, 6.0
+#: |value / scale| up to which MXFP4 saturates to +-6: OCP's block scale 2^(floor(log2 amax) - 2) puts every block's
+#: amax below 8 x scale. Beyond, no save at that scale could have produced the value: BASE is kept there.
+_E2M1_SATURATES_BELOW = 8.0
+#: A coarser storage TUNED may hold: a torch floating dtype (bf16, FP8) or :data:`MXFP4`.
+Storage = Union[torch.dtype, str]  # noqa: UP007 (a runtime alias)
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
 _PEFT_PREFIX = "base_model.model."
 
@@ -119,28 +137,55 @@ def delta_times(delta: Delta, v: torch.Tensor) -> torch.Tensor:
     return matmul(delta.left, matmul(delta.right, v).contiguous())
 
 
-def grid_step(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _grid(storage: Storage) -> tuple[float, float]:
+    """eps and smallest normal of ``storage``'s floating grid (float dtypes: torch.finfo; MXFP4: E2M1's)."""
+    if storage == MXFP4:
+        return _E2M1_EPS, _E2M1_NORMAL
+    info = torch.finfo(storage)
+    return info.eps, info.smallest_normal
+
+
+def grid_step(values: torch.Tensor, dtype: Storage) -> torch.Tensor:
     """The spacing of ``dtype``'s floating grid at |values| (float32 units, unscaled): eps * 2^floor(log2 |v|),
-    the subnormal spacing below the smallest normal (e4m3: 2^-3 per binade, 2^-9 below 2^-6)."""
-    info = torch.finfo(dtype)
-    _, exponent = torch.frexp(values.abs().clamp_min(info.smallest_normal))  # |v| = m 2^e, m in [0.5, 1)
-    return info.eps * torch.ldexp(torch.ones_like(values), exponent - 1)
+    the subnormal spacing below the smallest normal (e4m3: 2^-3 per binade, 2^-9 below 2^-6; MXFP4's E2M1: 0.5
+    below 2, 1 in [2, 4), 2 from 4)."""
+    eps, normal = _grid(dtype)
+    _, exponent = torch.frexp(values.abs().clamp_min(normal))  # |v| = m 2^e, m in [0.5, 1)
+    return eps * torch.ldexp(torch.ones_like(values), exponent - 1)
 
 
-def _coarser(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> bool:
-    """Whether storing ``weight`` in ``dtype`` (FP8: with a ``scale``) can round it."""
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the nearest E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6, signed), ties to the even code,
+    saturating at +-6: MXFP4's element rounding (OCP MX v1.0). Exact: the steps are powers of two."""
+    step = grid_step(x, MXFP4)
+    return (torch.round(x / step) * step).clamp(-_E2M1_MAX, _E2M1_MAX)  # torch.round: half to even
+
+
+def _coarser(weight: torch.Tensor, dtype: Storage, scale: torch.Tensor | None) -> bool:
+    """Whether storing ``weight`` in ``dtype`` (FP8: with a ``scale``; MXFP4 always has one) can round it."""
+    if dtype == MXFP4:
+        return True
     if not dtype.is_floating_point:
         return False
     return scale is not None or torch.finfo(dtype).eps > torch.finfo(weight.dtype).eps
 
 
-def rounded_like(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+def rounded_like(weight: torch.Tensor, dtype: Storage, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``weight`` rounded as a coarser floating storage ``dtype`` stores it, and back; ``weight`` itself when
     ``dtype`` is not coarser. bf16/f16: a cast. FP8 with ``scale`` (the per-element dequantization scale,
     ``scale_inv``): round(weight / scale) to FP8, times scale, rounded to float32 as the checkpoint reader forms it.
-    A value beyond ``dtype``'s range at that scale keeps ``weight``'s (no save of it could have produced it)."""
+    A value beyond ``dtype``'s range at that scale keeps ``weight``'s (no save of it could have produced it).
+    :data:`MXFP4` with ``scale`` (each element's 2^(e8m0 - 127)): :func:`round_e2m1` of weight / scale, times scale;
+    values saturate to +-6 x scale up to 8 x scale, beyond which ``weight``'s value is kept."""
     if not _coarser(weight, dtype, scale):
         return weight
+    if dtype == MXFP4:
+        if scale is None:
+            raise ValueError("MXFP4 rounding needs the per-element block scale")
+        work = torch.float64 if weight.dtype == torch.float64 else torch.float32  # / and x scale: powers of two, exact
+        x = weight.to(work) / scale.to(work)
+        rounded = (round_e2m1(x) * scale.to(work)).to(torch.float32).to(weight.dtype)
+        return torch.where(x.abs() < _E2M1_SATURATES_BELOW, rounded, weight)
     if scale is None:
         x, rounded = weight, weight.to(dtype).to(weight.dtype)
     else:
@@ -151,18 +196,20 @@ def rounded_like(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor |
 
 
 def rounding_reference(
-    base: torch.Tensor, tuned: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+    base: torch.Tensor, tuned: torch.Tensor, dtype: Storage, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """What TUNED holds where it is BASE saved in ``dtype`` (FP8: at TUNED's own ``scale``): BASE rounded to that
+    """What TUNED holds where it is BASE saved in ``dtype`` (FP8, MXFP4: at TUNED's own ``scale``): BASE rounded to that
     grid, and TUNED itself wherever it lies within half a grid step of BASE (a tie rounded the other way, a
     quantizer that multiplies by 1/scale): a difference within the storage's rounding half-step is rounding, not
-    an update. ``base`` itself when ``dtype`` is not coarser. ``tuned`` in ``base``'s dtype and orientation."""
+    an update (MXFP4: E2M1's step at that magnitude times the block scale). ``base`` itself when ``dtype`` is not
+    coarser. ``tuned`` in ``base``'s dtype and orientation."""
     rounded = rounded_like(base, dtype, scale)
     if rounded is base:
         return base
     unit = torch.ones((), dtype=base.dtype) if scale is None else scale.to(base.dtype)
     magnitude = torch.minimum((tuned / unit).abs(), (base / unit).abs())  # the finer side of a binade edge
-    half = 0.5 * grid_step(magnitude, dtype) * unit * (1 + 2**-12)  # slack: float32 division vs 1/scale products
+    # slack: float32 division vs 1/scale products; none for MXFP4, whose power-of-two scales divide exactly
+    half = 0.5 * grid_step(magnitude, dtype) * unit * (1 if dtype == MXFP4 else 1 + 2**-12)
     return torch.where((tuned - base).abs() <= half, tuned, rounded)
 
 
@@ -186,6 +233,34 @@ def fp8_storage(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.dtype, to
     (rows, cols), (br, bc) = shape[-2:], weight.block
     full = expand_block_scale(scale.reshape(-(-rows // br), -(-cols // bc)), rows, cols, weight.block)
     return dtype, (full.T if target.layout in ("conv1d", "experts_in_major") else full)
+
+
+def mxfp4_storage(ckpt: Checkpoint, target: TargetModule) -> torch.Tensor | None:
+    """A module's MXFP4 per-element scale 2^(e8m0 - 127) oriented d_out x d_in (each block's scale repeated over
+    its 32 elements); None when the module is not stored in MXFP4. Reads the scales only (one expert's for a 3-D
+    stack); a NaN code (255) gives NaN, which the delta's finiteness check reports."""
+    weight = ckpt.logical_weight(target.logical_name)
+    if weight.format != "mxfp4" or len(weight.parts) < 2:
+        return None
+    info = ckpt.tensors[weight.parts[1]]
+    expert = target.expert if target.layout in EXPERT_LAYOUTS else None
+    per = info.nbytes // info.shape[0] if expert is not None else info.nbytes
+    codes = torch.frombuffer(ckpt.read_bytes(info.name, (expert or 0) * per, per), dtype=torch.uint8)
+    groups = info.shape[-1]
+    scale = decode_e8m0(codes.reshape(-1, groups)).repeat_interleave(weight.shape[-1] // groups, dim=1)
+    return scale.T if target.layout in ("conv1d", "experts_in_major") else scale
+
+
+def quantized_storage(ckpt: Checkpoint, target: TargetModule) -> tuple[Storage, torch.Tensor | None] | None:
+    """A module's quantized storage in ``ckpt`` (FP8: :func:`fp8_storage`; MXFP4: :data:`MXFP4` and
+    :func:`mxfp4_storage`'s scale), None for a plain floating dtype."""
+    scale = mxfp4_storage(ckpt, target)
+    return (MXFP4, scale) if scale is not None else fp8_storage(ckpt, target)
+
+
+def storage_label(storage: Storage) -> str:
+    """``base_rounded_to``'s spelling of a storage: the torch dtype's name ('bfloat16', 'float8_e4m3fn') or 'mxfp4'."""
+    return storage if isinstance(storage, str) else str(storage).removeprefix("torch.")
 
 
 # --------------------------------------------------------------------------- the protected input directions
@@ -355,13 +430,20 @@ def table_cells(rec: AuditRecord) -> tuple[str, ...]:
     )
 
 
+def _quantized_kinds(dtypes: Iterable[str]) -> list[str]:
+    """'FP8' and/or 'MXFP4' among TUNED's coarser storage labels (the scaled formats), in that order."""
+    kinds = {"FP8" if d.startswith("float8") else "MXFP4" if d == MXFP4 else "" for d in dtypes}
+    return sorted(kinds - {""})
+
+
 def rounding_kind(records: list[AuditRecord]) -> str | None:
-    """'FP8 quantization error' or 'bfloat16 rounding' (TUNED's coarser storage dtypes) where BASE was rounded to
-    TUNED's storage in some module; None where it was not."""
+    """'FP8 quantization error', 'MXFP4 quantization error' or 'bfloat16 rounding' (TUNED's coarser storage
+    dtypes) where BASE was rounded to TUNED's storage in some module; None where it was not."""
     dtypes = sorted({rec.base_rounded_to for rec in records if rec.base_rounded_to})
     if not dtypes:
         return None
-    return "FP8 quantization error" if any(d.startswith("float8") for d in dtypes) else f"{'/'.join(dtypes)} rounding"
+    kinds = _quantized_kinds(dtypes)
+    return f"{'/'.join(kinds)} quantization error" if kinds else f"{'/'.join(dtypes)} rounding"
 
 
 def rounding_note(records: list[AuditRecord]) -> str | None:
@@ -375,7 +457,7 @@ def rounding_note(records: list[AuditRecord]) -> str | None:
     return (
         f"TUNED stores {count} in {'/'.join(dtypes)}, which does not hold BASE's values exactly: dW = TUNED - BASE "
         "rounded to that dtype"
-        + (" (at TUNED's own FP8 scales)" if any(d.startswith("float8") for d in dtypes) else "")
+        + (f" (at TUNED's own {'/'.join(kinds)} scales)" if (kinds := _quantized_kinds(dtypes)) else "")
         + f", so the storage rounding alone is not an update ({rounding_kind(records)}: ||round(BASE) - BASE||/||W|| "
         f"up to {worst:.2e}; JSON: base_rounded_to, rounding_floor)"
     )
@@ -483,12 +565,12 @@ class CheckpointUpdate(UpdateSource):
             )
         stored, _ = load_target(self.tuned, mine)
         tuned = stored.to(base_weight.dtype)
-        fp8 = fp8_storage(self.tuned, mine)  # FP8 reads as float32: round BASE to its codes at TUNED's scales
-        storage, scale = fp8 if fp8 is not None else (stored.dtype, None)
+        # FP8/MXFP4 read as float32: round BASE to TUNED's codes at TUNED's own scales
+        storage, scale = quantized_storage(self.tuned, mine) or (stored.dtype, None)
         reference = rounding_reference(base_weight, tuned, storage, scale)
         if reference is not base_weight and not torch.equal(reference, base_weight):
             floor = float(torch.linalg.vector_norm(reference - base_weight, dtype=torch.float64))
-            self.rounded[target.name] = (str(storage).removeprefix("torch."), floor)
+            self.rounded[target.name] = (storage_label(storage), floor)
         out = tuned - reference
         if not bool(torch.isfinite(out).all()):
             where = f"tensor '{mine.logical_name}'" + (f" (expert {mine.expert})" if mine.expert is not None else "")
