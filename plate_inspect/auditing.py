@@ -40,8 +40,6 @@ from plate_inspect.bundle import Bundle
 from plate_inspect.checkpoint import (
     Checkpoint,
     decode_e8m0,
-    decode_fp8_scale,
-    expand_block_scale,
     parse_safetensors_header,
 )
 from plate_inspect.dtypes import DTYPES
@@ -220,19 +218,11 @@ def fp8_storage(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.dtype, to
     weight = ckpt.logical_weight(target.logical_name)
     if weight.format != "fp8" or DTYPES[weight.stored_dtype].torch is None:
         return None
-    dtype = DTYPES[weight.stored_dtype].torch
-    if len(weight.parts) == 1:
-        return dtype, None
-    info = ckpt.tensors[weight.parts[1]]
     expert = target.expert if target.layout in EXPERT_LAYOUTS else None
-    shape = weight.shape[1:] if expert is not None else weight.shape
-    if weight.block is None:  # one scale for the whole tensor (all experts)
-        return dtype, decode_fp8_scale(ckpt.read_bytes(info.name), info.dtype).reshape(())
-    per = info.nbytes // info.shape[0] if expert is not None else info.nbytes
-    scale = decode_fp8_scale(ckpt.read_bytes(info.name, (expert or 0) * per, per), info.dtype)
-    (rows, cols), (br, bc) = shape[-2:], weight.block
-    full = expand_block_scale(scale.reshape(-(-rows // br), -(-cols // bc)), rows, cols, weight.block)
-    return dtype, (full.T if target.layout in ("conv1d", "experts_in_major") else full)
+    scale = ckpt.fp8_scale(target.logical_name, expert)
+    if scale is not None and scale.ndim == 2 and target.layout in ("conv1d", "experts_in_major"):
+        scale = scale.T
+    return DTYPES[weight.stored_dtype].torch, scale
 
 
 def mxfp4_storage(ckpt: Checkpoint, target: TargetModule) -> torch.Tensor | None:
@@ -887,7 +877,7 @@ def select_by_filters(
             + ([f"layers {format_layers(layers)}"] if layers is not None else [])
         )
         types = sorted({t.module_type for t in targets})
-        spans = layers_there(t.name for t in targets)
+        spans = layers_there((t.name for t in targets), names)
         raise ConfigError(
             f"the selection ({asked}) keeps none of the {len(targets)} modules of {what}; its module types: "
             f"{', '.join(types[:20])}" + (f"; its layers: {spans}" if spans != "none" else "")

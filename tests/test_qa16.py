@@ -154,3 +154,14 @@ def test_a_one_layer_stack_is_described_in_the_singular(tmp_path):
     assert "2 layers: 0-1" in output, output
     code, output = _run("scan", path, "--out", tmp_path / "b", "--layers", "vision_tower:3", "-q")
     assert code == 2 and "(vision_tower.vision_model.encoder.layers) has 1 layer (0), no layer 3" in output, output
+
+
+def test_audit_error_names_the_stack_a_one_stack_bundle_holds(models, tmp_path):  # noqa: F811
+    """(needs /work/notes/qa16-auditing.py.patch) ``audit --bundle <decoder bundle> --layers encoder``: the error
+    names the bundle's layers as 'decoder 0-2' (it said '0-2')."""
+    bart, _ = models["bart"]
+    code, output = _run("scan", bart, "--out", tmp_path / "d", "--r", "4", "--max-rank", "16", "--layers", "decoder",
+                        "-q")  # fmt: skip
+    assert code == 0, output
+    code, output = _run("audit", bart, bart, "--bundle", tmp_path / "d", "--layers", "encoder")
+    assert code == 2 and output.rstrip().endswith("its layers: decoder 0-2"), output
