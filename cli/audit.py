@@ -64,6 +64,7 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
         rounding_kind,
         rounding_note,
         summarize,
+        swapped_note,
         table_cells,
     )
 
@@ -120,8 +121,8 @@ def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json,
                 "storage in every audited module)"
             )
     console.print(line, soft_wrap=True)  # one line, as scripts grep it, whatever the terminal width
-    note = rounding_note(records)
-    if note:
-        console.print(f"note: {note}", soft_wrap=True)
+    for note in (rounding_note(records), swapped_note(records)):
+        if note:
+            console.print(f"note: {note}", soft_wrap=True)
     if report is not None:
         console.print(f"report: {report}")

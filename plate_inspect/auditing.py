@@ -76,6 +76,9 @@ AUDIT_KEYS = ("module", "protected_input_share", "frozen_row_share", "delta_norm
 #: Keys a ``--json`` record adds where TUNED is stored coarser than BASE (bf16 of fp32, FP8, MXFP4): TUNED's storage
 #: dtype, and ||round(BASE) - BASE||_F, the storage rounding that was not counted as update.
 ROUNDING_KEYS = ("base_rounded_to", "rounding_floor")
+#: The key a ``--json`` record adds where BASE is stored coarser than TUNED and TUNED rounded to BASE's storage is
+#: BASE exactly (BASE looks like a lower-precision copy of TUNED: the arguments were likely given the other way round).
+SWAPPED_KEYS = ("tuned_rounds_to_base",)
 #: The storage (and ``base_rounded_to``) of an MXFP4 TUNED weight (gpt-oss's experts): E2M1 elements times E8M0
 #: power-of-two scales per 32-element block, a grid no torch dtype rounds to (:func:`round_e2m1`).
 MXFP4 = "mxfp4"
@@ -299,8 +302,8 @@ def protected_energy(delta: Delta, sub: ProtectedSubspace, total: float) -> floa
 # --------------------------------------------------------------------------- one module
 @dataclass
 class AuditRecord:
-    """The audit of one module; ``to_json`` gives :data:`AUDIT_KEYS`, and :data:`ROUNDING_KEYS` where BASE was
-    rounded to TUNED's coarser storage."""
+    """The audit of one module; ``to_json`` gives :data:`AUDIT_KEYS`, :data:`ROUNDING_KEYS` where BASE was
+    rounded to TUNED's coarser storage, and :data:`SWAPPED_KEYS` where BASE is TUNED rounded to BASE's storage."""
 
     module: str
     protected_input_share: float
@@ -314,6 +317,7 @@ class AuditRecord:
     protected_norm: float = 0.0  # ||dW P||_F
     base_rounded_to: str | None = None  # TUNED's coarser dtype (dW = TUNED - BASE rounded to it), else None
     rounding_floor: float | None = None  # ||round(BASE) - BASE||_F: the storage rounding not counted as update
+    tuned_rounds_to_base: str | None = None  # BASE's coarser dtype where round(TUNED) to it == BASE, else None
 
     @property
     def chance_share(self) -> float:
@@ -326,7 +330,11 @@ class AuditRecord:
         return self.protected_norm / self.weight_norm if self.weight_norm > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        keys = AUDIT_KEYS + (ROUNDING_KEYS if self.base_rounded_to else ())
+        keys = (
+            AUDIT_KEYS
+            + (ROUNDING_KEYS if self.base_rounded_to else ())
+            + (SWAPPED_KEYS if self.tuned_rounds_to_base else ())
+        )
         return {key: getattr(self, key) for key in keys}
 
 
@@ -453,6 +461,21 @@ def rounding_note(records: list[AuditRecord]) -> str | None:
     )
 
 
+def swapped_note(records: list[AuditRecord]) -> str | None:
+    """The note (CLI and HTML report) for modules whose BASE is exactly TUNED rounded to BASE's coarser storage: such
+    a BASE is a lower-precision copy of TUNED, so BASE and TUNED were most likely given the other way round."""
+    swapped = [rec for rec in records if rec.tuned_rounds_to_base]
+    if not swapped:
+        return None
+    dtypes = "/".join(sorted({rec.tuned_rounds_to_base for rec in swapped if rec.tuned_rounds_to_base}))
+    count = f"{len(swapped)} of {len(records)} module{'s' if len(records) != 1 else ''}"
+    return (
+        f"in {count} BASE is exactly TUNED rounded to BASE's {dtypes}: BASE looks like a lower-precision copy of "
+        "TUNED, and the 'update' is TUNED's extra precision; were BASE and TUNED swapped? (audit BASE TUNED: the "
+        f"model that was fine-tuned first; JSON: {SWAPPED_KEYS[0]})"
+    )
+
+
 def rank_by_risk(records: list[AuditRecord]) -> list[AuditRecord]:
     """Records ordered by risk, highest first (ties: larger protected share, then name)."""
     return sorted(records, key=lambda r: (-r.risk, -r.protected_input_share, r.module))
@@ -510,6 +533,8 @@ class CheckpointUpdate(UpdateSource):
         self._modules: dict[str, TargetModule] | None = None
         # module -> (TUNED's coarser dtype, ||round(BASE) - BASE||_F), where BASE was rounded to it
         self.rounded: dict[str, tuple[str, float]] = {}
+        # module -> BASE's coarser dtype, where TUNED rounded to it is BASE exactly (swapped arguments?)
+        self.base_is_rounded_tuned: dict[str, str] = {}
 
     @property
     def modules(self) -> dict[str, TargetModule]:
@@ -562,6 +587,17 @@ class CheckpointUpdate(UpdateSource):
             floor = float(torch.linalg.vector_norm(reference - base_weight, dtype=torch.float64))
             self.rounded[target.name] = (storage_label(storage), floor)
         out = tuned - reference
+        base_storage = DTYPES[target.tensor.dtype].torch if target.tensor.dtype in DTYPES else None
+        if (
+            reference is base_weight
+            and target.scale_nbytes == 0
+            and base_storage is not None
+            and base_storage.is_floating_point
+            and _coarser(stored, base_storage, None)
+            and bool(out.any())
+            and torch.equal(stored.to(base_storage).to(base_weight.dtype), base_weight)
+        ):
+            self.base_is_rounded_tuned[target.name] = storage_label(base_storage)
         if not bool(torch.isfinite(out).all()):
             where = f"tensor '{mine.logical_name}'" + (f" (expert {mine.expert})" if mine.expert is not None else "")
             raise CheckpointError(f"{mine.tensor.file.name}: {where} contains NaN or Inf values")
@@ -973,6 +1009,8 @@ def audit(
         record = audit_update(target.name, weight, delta, b_idx, tau)
         if isinstance(source, CheckpointUpdate) and target.name in source.rounded:
             record.base_rounded_to, record.rounding_floor = source.rounded[target.name]
+        if isinstance(source, CheckpointUpdate):
+            record.tuned_rounds_to_base = source.base_is_rounded_tuned.get(target.name)
         records.append(record)
         del weight, delta
         counter.step(target.name)

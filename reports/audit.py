@@ -20,6 +20,7 @@ from plate_inspect.auditing import (
     rounding_kind,
     rounding_note,
     summarize,
+    swapped_note,
     table_cells,
 )
 from plate_inspect.targets import LayerEntry, layer_rows, module_type_of
@@ -179,10 +180,10 @@ def audit_section(records: list[AuditRecord], title: str = "Audit", layers: Iter
     rounding = rounding_kind(records)
     if not s.touched and rounding:
         model = f"No update beyond {rounding}: the tuned weights equal the base's rounded to their storage."
-    note = rounding_note(records)
+    notes = [note for note in (rounding_note(records), swapped_note(records)) if note]
     summary = (
         f"<p>{s.touched} of {s.modules} modules changed. {model}</p>"
-        + (f"<p>Note: {html.escape(note)}</p>" if note else "")
+        + "".join(f"<p>Note: {html.escape(note)}</p>" for note in notes)
         + "<p>protected input share = ||dW P||²/||dW||², P = projector onto the top-m(tau) eigenvectors of "
         "W_frozenᵀW_frozen; a PLATE update scores 0, a dense random update m/d_in (the 'chance' column).</p>"
     )
