@@ -94,7 +94,7 @@ class PlateConfig(PeftConfig):
 
     bundle: str | None = field(default=None, metadata={"help": "Path of the PLATE init bundle (from scan)."})
     rho: float = field(default=0.5, metadata={"help": "Scale of the update: W' = W + rho B A Q^T."})
-    target_modules: list[str] | str | set[str] | None = field(  # set: after __post_init__, as in peft
+    target_modules: list[str] | str | set[str] | None = field(
         default=None,
         metadata={
             "help": "Subset of the bundle's modules to adapt: a list of module names or name suffixes (the model's "
