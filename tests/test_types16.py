@@ -13,6 +13,7 @@ from torch import nn
 from plate_inspect.analysis.alignment import collect_input_moments, select_linear_modules
 from plate_inspect.analysis.curvature import full_family, lora_family, plate_family
 from plate_inspect.errors import ConfigError
+from plate_inspect.experiments.continual import seed_list
 from plate_inspect.train.layer import apply_bundle, load_plan
 from plate_inspect.train.peft import PlateConfig
 
@@ -71,3 +72,20 @@ def test_one_module_string_in_plate_family_is_one_module(setup):
     family = plate_family(helpers_train.load_digits(ckpt), bundle, modules="fc2")
     assert [b.param for b in family.blocks] == ["fc2.weight"]
     assert family.dim == bundle.record("fc2").r * bundle.record("fc2").k
+
+
+@pytest.mark.parametrize("seeds", [True, 2.5, None])
+def test_seeds_that_are_neither_a_count_nor_a_list_are_a_config_error(seeds):
+    """seed_list(True) (a bool is an int to a type checker) was a TypeError: 'bool' object is not iterable."""
+    with pytest.raises(ConfigError, match="seeds must be a count or a list of integers"):
+        seed_list(seeds)
+
+
+def test_seed_counts_and_lists_are_unchanged():
+    assert seed_list(3) == [0, 1, 2]
+    assert seed_list([4, 2]) == [4, 2]
+    assert seed_list((7,)) == [7]
+    with pytest.raises(ConfigError, match="at least 1"):
+        seed_list(0)
+    with pytest.raises(ConfigError, match="integers in"):
+        seed_list([1, True])

@@ -163,11 +163,17 @@ def check_steps(value: int, what: str) -> None:
 def seed_list(seeds: int | list[int]) -> list[int]:
     """``seeds`` as a list (a count K -> 0..K-1): distinct integers in [0, 2^63), at most MAX_SEEDS, else ConfigError
     (a seed listed twice would be summarised as two seeds; a count of 10^11 would exhaust memory planning it)."""
-    if _is_int(seeds) and seeds > MAX_SEEDS:
-        raise ConfigError(
-            f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
-        )
-    values = list(range(seeds)) if _is_int(seeds) else list(seeds)
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        if seeds > MAX_SEEDS:
+            raise ConfigError(
+                f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
+            )
+        values = list(range(seeds))
+    else:
+        try:
+            values = list(seeds)
+        except TypeError:  # True, 2.5, None: neither a count nor a list
+            raise ConfigError(f"seeds must be a count or a list of integers, got {seeds!r}") from None
     if not values:
         raise ConfigError(f"seeds must be at least 1 (got {seeds!r})")
     if len(values) > MAX_SEEDS:
