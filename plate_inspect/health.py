@@ -158,8 +158,7 @@ def matrix_entropy(spectrum: Spectrum, n_max: int) -> float:
     if rank < 2:
         return 0.0
     p = evals / np.sum(evals) + _ENTROPY_EPS
-    rank += _ENTROPY_EPS
-    return float(-np.sum(p * np.log(p)) / np.log(rank))
+    return float(-np.sum(p * np.log(p)) / np.log(rank + _ENTROPY_EPS))
 
 
 # --------------------------------------------------------------------------- Marchenko-Pastur

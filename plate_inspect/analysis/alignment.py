@@ -168,7 +168,11 @@ def linear_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 def select_linear_modules(model: nn.Module, target_modules: Sequence[str] | None = None) -> dict[str, nn.Module]:
-    """Target linear layers by name (suffixes or regexes, as in ``scan``); default: the family's or every linear."""
+    """Target linear layers by name (suffixes or regexes, as in ``scan``); default: the family's or every linear.
+
+    One string is one pattern (not a sequence of one-character patterns: ``"10"`` would select layers 1 and 0)."""
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
     linears = {n: m for n, m in model.named_modules() if n and linear_weight(m) is not None}
     if target_modules:
         chosen = {n: m for n, m in linears.items() if any(_matches(n, p) for p in target_modules)}

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -44,6 +44,8 @@ from plate_inspect.progress import ProgressCallback, ProgressCounter
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from plate_inspect.experiments.sequential_tasks import SequentialRecord
 
 PAPER_STEPS = 2400  # the paper's MNIST protocol: 10 epochs of ~30k images at batch 128 per task
 RECORD_KEYS = (
@@ -161,11 +163,17 @@ def check_steps(value: int, what: str) -> None:
 def seed_list(seeds: int | list[int]) -> list[int]:
     """``seeds`` as a list (a count K -> 0..K-1): distinct integers in [0, 2^63), at most MAX_SEEDS, else ConfigError
     (a seed listed twice would be summarised as two seeds; a count of 10^11 would exhaust memory planning it)."""
-    if _is_int(seeds) and seeds > MAX_SEEDS:
-        raise ConfigError(
-            f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
-        )
-    values = list(range(seeds)) if _is_int(seeds) else list(seeds)
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        if seeds > MAX_SEEDS:
+            raise ConfigError(
+                f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
+            )
+        values = list(range(seeds))
+    else:
+        try:
+            values = list(seeds)
+        except TypeError:  # True, 2.5, None: neither a count nor a list
+            raise ConfigError(f"seeds must be a count or a list of integers, got {seeds!r}") from None
     if not values:
         raise ConfigError(f"seeds must be at least 1 (got {seeds!r})")
     if len(values) > MAX_SEEDS:
@@ -452,8 +460,8 @@ def run_continual(
     task1, task2 = digits.load_tasks(s.data, s.data_root)  # a missing data set is refused before OUT is touched
     check_not_other_experiment(out_dir, "continual")
     out = make_dirs(out_dir, "the output directory")
-    settings = _settings_dict(s)
-    settings_json = json.dumps(settings, indent=2, sort_keys=True) + "\n"
+    settings_dict = _settings_dict(s)
+    settings_json = json.dumps(settings_dict, indent=2, sort_keys=True) + "\n"
     jsonl = out / "runs.jsonl"
     settings_path = out / "settings.json"
     if jsonl.exists():
@@ -461,15 +469,16 @@ def run_continual(
             recorded = json.loads(settings_path.read_text())
         except (OSError, ValueError):
             recorded = None
-        differ = settings_diff(*_shared_runs(recorded, settings), _FLAGS) if recorded is not None else ""
+        differ = settings_diff(*_shared_runs(recorded, settings_dict), _FLAGS) if recorded is not None else ""
         if recorded is None or differ:
             differ = differ or "settings.json is missing or unreadable"
             raise ConfigError(
                 f"{out}: holds runs made with other settings ({differ}); rerun with its settings to resume "
                 "or add runs (more --methods, --steps or --seeds), or choose another --out"
             )
-        settings = _all_runs(recorded, settings)  # methods/steps added to a run: settings.json lists every one run
-        settings_json = json.dumps(settings, indent=2, sort_keys=True) + "\n"
+        # methods/steps added to a run: settings.json lists every one run
+        settings_dict = _all_runs(recorded, settings_dict)
+        settings_json = json.dumps(settings_dict, indent=2, sort_keys=True) + "\n"
     kept = f"the runs that finished are kept in {jsonl}: rerun the same command to resume"
     with writing_errors(out, kept):
         atomic_write(settings_path, settings_json)
@@ -611,15 +620,19 @@ def only_results_json(out: str | os.PathLike) -> bool:
     return (Path(out) / "results.json").is_file() and not (Path(out) / "runs.jsonl").exists()
 
 
+_R = TypeVar("_R", bound="RunRecord | SequentialRecord")
+
+
 def select_records(
-    records: list[RunRecord],
+    records: list[_R],
     where: str | os.PathLike,
     methods: list[str] | tuple[str, ...] | None = None,
     steps: list[int] | tuple[int, ...] | None = None,
     seeds: list[int] | None = None,
-) -> list[RunRecord]:
+) -> list[_R]:
     """The finished runs of the given methods, stage-2 step counts and seeds (None: all), for a report of part of a
-    run; ConfigError naming what ``where`` holds for a value no finished run has (a report of a typo would be empty)."""
+    run; ConfigError naming what ``where`` holds for a value no finished run has (a report of a typo would be empty).
+    Records of the continual benchmark or of the sequential one (both have method, steps and seed)."""
     rank = {m: i for i, m in enumerate(METHODS)}
     for flag, what, wanted, attr in (
         ("CLI: --methods", "method", methods, "method"),

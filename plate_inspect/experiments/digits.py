@@ -127,9 +127,12 @@ def train(
     ``progress`` gets one event per Adam step (unit "steps", labelled with the epoch). Returns the number of steps
     taken.
     """
-    if (epochs is None) == (steps is None):
+    if steps is not None and epochs is None:
+        total = steps
+    elif epochs is not None and steps is None:
+        total = epochs * task.steps_per_epoch(batch_size)
+    else:
         raise ConfigError("train: give exactly one of epochs and steps")
-    total = steps if steps is not None else epochs * task.steps_per_epoch(batch_size)
     if total < 0:
         raise ConfigError(f"train: steps must be >= 0, got {total}")
     opt = torch.optim.Adam(params, lr=lr)
@@ -172,8 +175,9 @@ def train_stage1(
     torch.manual_seed(seed)
     model = DigitsMLP(d_in=task1.d_in, n_classes=int(task1.y_train.max()) + 1, n_tasks=n_tasks)
     params = [p for n, p in model.named_parameters() if n.split(".")[0] in (*BACKBONE, "head1")]
-    kwargs = {"lr": lr, "batch_size": batch_size, "seed": seed, "progress": progress}
-    train(model, params, task1, 1, epochs=epochs, steps=steps, **kwargs)
+    train(
+        model, params, task1, 1, epochs=epochs, steps=steps, lr=lr, batch_size=batch_size, seed=seed, progress=progress
+    )
     return model
 
 

@@ -182,12 +182,14 @@ class Prepared:
 
 
 # --------------------------------------------------------------------------- penalties (pure functions)
-def l2_init_penalty(params: list[torch.Tensor], anchors: list[torch.Tensor], lam: float) -> torch.Tensor:
+def l2_init_penalty(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor], lam: float) -> torch.Tensor:
     """lam * sum_i ||params_i - anchors_i||_F^2 (L2 Init toward the pre-task-2 weights)."""
     return lam * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors, strict=True))
 
 
-def olora_penalty(old_a: list[torch.Tensor], new_a: list[torch.Tensor], lam: float = OLORA_LAMBDA) -> torch.Tensor:
+def olora_penalty(
+    old_a: Sequence[torch.Tensor], new_a: Sequence[torch.Tensor], lam: float = OLORA_LAMBDA
+) -> torch.Tensor:
     """lam * sum_layers ||A_old A_new^T||_F^2 (O-LoRA's orthogonality loss; A is r x d_in, rows = input directions)."""
     return lam * sum(((a_old @ a_new.T) ** 2).sum() for a_old, a_new in zip(old_a, new_a, strict=True))
 
@@ -274,7 +276,8 @@ def _prepare_lora(method: str, rank: int, model: nn.Module, stage1: StageOne) ->
     max_rank = min(min(s) for s in backbone_shapes(model))
     if not 1 <= rank <= max_rank and method in ("pissa", "mica", "corda", "o_lora"):
         raise ConfigError(f"{method}: rank {rank} exceeds the smallest layer dimension {max_rank}")
-    init: bool | str = {"lora": True, "o_lora": True, "pissa": "pissa", "mica": "mica", "corda": "corda"}[method]
+    inits: dict[str, bool | str] = {"lora": True, "o_lora": True, "pissa": "pissa", "mica": "mica", "corda": "corda"}
+    init = inits[method]
     kwargs: dict[str, Any] = {}
     if method == "corda":
         from peft.tuners.lora.config import CordaConfig

@@ -121,6 +121,7 @@ def _peft_step(
 ):
     from peft import LoraConfig, OSFConfig, get_peft_model
 
+    cfg: LoraConfig | OSFConfig
     if method == "lora":
         cfg = LoraConfig(r=size, lora_alpha=LORA_ALPHA_PER_RANK * size, lora_dropout=0.0, target_modules=list(BACKBONE))
     else:

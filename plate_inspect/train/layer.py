@@ -71,6 +71,15 @@ def oriented_shape(module: nn.Module) -> tuple[int, int]:
 class PlateLinear(nn.Module):
     """A frozen Linear/Conv1D plus a PLATE branch: y = base(x) + rho * scatter_B((x Q) A^T) (math in ``core``)."""
 
+    plate_B_idx: torch.Tensor  # buffers (nn.Module's attribute typing says Tensor | Module)
+    plate_Q: torch.Tensor
+    # what apply_bundle records on each layer it makes (save_adapter writes it; a layer made by hand has none)
+    bundle_name: str
+    bundle_record_fingerprint: str
+    bundle_identity: dict[str, Any]
+    q_dtype: str | None  # None: Q as the bundle stores it
+    weight_sketch: WeightSketch | None
+
     def __init__(
         self,
         base: nn.Module,
@@ -154,7 +163,7 @@ class PlateLinear(nn.Module):
 
     def unmerge(self) -> None:
         """Restore the base weight exactly as it was before merge()."""
-        if self.merged:
+        if self._saved_rows is not None:  # merged
             unmerge_rows(self.base.weight, self.layout, self.plate_B_idx, self._saved_rows)
             self._saved_rows = None
 
@@ -372,9 +381,14 @@ def load_plan(plan: dict[str, Any] | str | os.PathLike | None, bundle: Bundle) -
             plan = json.loads(Path(plan).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"{where}: cannot read the plan ({e})") from None
-    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("format_version") != 1:
+    if not isinstance(plan, dict):  # JSON that is a list, a number, a string: no 'format' to name
+        raise ConfigError(
+            f"{where}: not a plate-plan (a JSON {type(plan).__name__}, not an object); make one with plate-inspect plan"
+        )
+    if plan.get("format") != PLAN_FORMAT or plan.get("format_version") != 1:
         raise ConfigError(f"{where}: not a plate-plan version 1 (format {plan.get('format')!r})")
-    identity = (plan.get("bundle") or {}).get("identity")
+    recorded = plan.get("bundle")
+    identity = recorded.get("identity") if isinstance(recorded, dict) else None
     # the content identity (settings + every weight's fingerprint); a layout-only signature only for bundles
     # written before identities existed, which have nothing better
     expected = bundle.manifest.identity or bundle.manifest.source_signature
@@ -584,8 +598,9 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
         ks[name] = layer.k
         rhos[name] = layer.rho
         q_dtypes[name] = getattr(layer, "q_dtype", "float32")
-        if getattr(layer, "weight_sketch", None) is not None:
-            sketches[name] = layer.weight_sketch.to_json()
+        sketch = getattr(layer, "weight_sketch", None)
+        if sketch is not None:
+            sketches[name] = sketch.to_json()
         identity = identity or layer.bundle_identity
     uniform = len(set(rhos.values())) == 1
     meta = {

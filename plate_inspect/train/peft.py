@@ -94,12 +94,13 @@ class PlateConfig(PeftConfig):
 
     bundle: str | None = field(default=None, metadata={"help": "Path of the PLATE init bundle (from scan)."})
     rho: float = field(default=0.5, metadata={"help": "Scale of the update: W' = W + rho B A Q^T."})
-    target_modules: list[str] | str | None = field(
+    target_modules: list[str] | str | set[str] | None = field(
         default=None,
         metadata={
             "help": "Subset of the bundle's modules to adapt: a list of module names or name suffixes (the model's "
             "or the bundle's), or a string, which (as in peft) is a regular expression matching whole module names; "
-            "None or 'all-linear': every module of the bundle."
+            "None or 'all-linear': every module of the bundle. A list becomes a set (as in peft); once the adapter "
+            "is made, the set of the model's module names it adapts."
         },
     )
     check_fingerprints: bool = field(
@@ -156,6 +157,11 @@ class PlateConfig(PeftConfig):
                 self.plan = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as e:
                 raise ConfigError(f"{path}: cannot read the plan ({e})") from None
+            if not isinstance(self.plan, dict):
+                raise ConfigError(
+                    f"{path}: not a plate-plan (a JSON {type(self.plan).__name__}, not an object); make one with "
+                    "plate-inspect plan"
+                )
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """peft's, and ``bundle_relative``: the bundle seen from ``save_directory`` (this config is left as is)."""
@@ -516,9 +522,7 @@ class _Record:
     fingerprint: str
 
 
-def _select_targets(
-    config: PlateConfig, mapping: dict[str, str], unresolved: list[str] | None = None, model: nn.Module | None = None
-) -> list[str]:
+def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: list[str], model: nn.Module) -> list[str]:
     """Model names of the bundle modules ``config.target_modules`` selects; it is then set to exactly those names.
 
     peft's rules: a list entry matches a whole name or a ``.``-separated suffix, a string is a regular expression
@@ -526,7 +530,6 @@ def _select_targets(
     ``unresolved``: bundle modules the model has no layer for; selecting one is refused.
     """
     tm = config.target_modules
-    unresolved = unresolved or []
     if tm is None or tm == "all-linear":  # the bundle holds only linear layers
         chosen = list(mapping.values())
         if unresolved:
@@ -751,7 +754,7 @@ class PlateModel(BaseTuner):
         if _bundle_digest(records) != config.bundle_digest:
             raise BundleError(f"{config.bundle}: the adapter's module records do not match its bundle digest")
         config.target_modules = set(records)
-        geometry = {}
+        geometry: dict[str, _Geometry] = {}
         for m, rec in records.items():
             try:
                 module = model.get_submodule(m)
