@@ -7,7 +7,6 @@ reciprocal-multiply convention), and every score recomputed densely in float64 n
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import torch
 from click.testing import CliRunner
 from conftest import dense_oracle
 from safetensors.torch import load_file, save_file
+from test_audit import oracle_scores
 
 from plate_inspect.auditing import AUDIT_KEYS, ROUNDING_KEYS, audit
 from plate_inspect.cli.main import cli
@@ -58,19 +58,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, block=BLOCK) -> np.ndar
 
 
 def oracle(w: np.ndarray, dw: np.ndarray, b: np.ndarray, tau: float = TAU) -> dict[str, float]:
-    """Definitions, densely: P = V_top V_top^T from numpy's eigh of W_f^T W_f (d_in x d_in), float64."""
-    frozen = np.delete(w, b, axis=0)
-    evals, evecs = np.linalg.eigh(frozen.T @ frozen)
-    desc = np.clip(evals[::-1], 0, None)
-    m = int(np.argmax(np.cumsum(desc) >= tau * desc.sum())) + 1
-    p = evecs[:, ::-1][:, :m] @ evecs[:, ::-1][:, :m].T
-    total = float((dw**2).sum())
-    keep = np.setdiff1d(np.arange(w.shape[0]), b)
-    return {
-        "protected_input_share": float(((dw @ p) ** 2).sum()) / total,
-        "frozen_row_share": float((dw[keep] ** 2).sum()) / total,
-        "delta_norm": math.sqrt(total),
-    }
+    """The audit's definitions, densely in float64 (test_audit's oracle), at this file's tau."""
+    return oracle_scores(w, dw, b, tau)
 
 
 def is_target(name: str) -> bool:
