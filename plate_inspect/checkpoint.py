@@ -16,7 +16,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -890,12 +890,19 @@ def _one_shard_note(path: Path) -> list[str]:
     ]
 
 
+def _single_file_is_read(has_single_file: bool, shards: Iterable[str] | None) -> bool:
+    """Whether ``model.safetensors`` is what a directory is read from: present and not one of the index's
+    ``shards`` (None: no index), as transformers' from_pretrained takes it before a sharded index. The one rule of
+    the local reader, the hub download and the cache's completeness check."""
+    return has_single_file and (shards is None or SINGLE_FILE not in set(shards))
+
+
 def _single_file_first(root: Path, weight_map: dict[str, str] | None) -> tuple[Path | None, list[str]]:
     """``root/model.safetensors`` when it exists and is not one of the index's shards, as transformers'
     from_pretrained takes it before a sharded index (so the scan reads the weights the model loads), with a note
     naming the files left aside; else (None, [])."""
     single = root / SINGLE_FILE
-    if not single.is_file() or (weight_map is not None and SINGLE_FILE in weight_map.values()):
+    if not _single_file_is_read(single.is_file(), None if weight_map is None else weight_map.values()):
         return None, []
     others = sorted(p.name for p in root.glob("*.safetensors") if p.name != SINGLE_FILE)
     if (root / INDEX_FILE).exists():
@@ -1067,7 +1074,7 @@ def hub_weight_files(files: list[str], weight_map: dict[str, str] | None) -> lis
     index's shards, else the index's shards (``weight_map``: tensor -> file), else every top-level
     ``*.safetensors``. Anything else (Mistral's ``consolidated.safetensors``, an ``original/`` folder) is not read."""
     top = sorted(f for f in files if "/" not in f and f.endswith(".safetensors"))
-    if SINGLE_FILE in top and (weight_map is None or SINGLE_FILE not in weight_map.values()):
+    if _single_file_is_read(SINGLE_FILE in top, None if weight_map is None else weight_map.values()):
         return [SINGLE_FILE]
     if weight_map is not None:
         return sorted(set(weight_map.values()))
@@ -1216,6 +1223,6 @@ def _missing_files(path: Path) -> list[str]:
         shards = {s for s in weight_map.values() if isinstance(s, str)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ["model.safetensors.index.json (corrupt)"]
-    if (path / SINGLE_FILE).exists() and SINGLE_FILE not in shards:  # read instead of the shards (hub_weight_files)
+    if _single_file_is_read((path / SINGLE_FILE).exists(), shards):  # read instead of the shards
         return []
     return sorted(s for s in shards if not (path / s).exists())
