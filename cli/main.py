@@ -80,12 +80,24 @@ def _apply_runtime_env(env: dict[str, str]) -> None:
 _NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+def _error(line: str, code: int) -> NoReturn:
+    """One `error:` line, then exit ``code``. Under torchrun (WORLD_SIZE > 1) once per job, not once per rank
+    (:func:`plate_inspect.distributed.say_once`: rank 0 says it, another rank only a problem of its own)."""
+    say = lambda text: err_console.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True)  # noqa: E731
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
+        from plate_inspect.distributed import say_once
+
+        say_once(line, say)
+    else:
+        say(line)
+    sys.exit(code)
+
+
 def _usage_error(e: click.UsageError, command_path: str) -> NoReturn:
     """A click usage error (bad option value, missing argument, unknown option or command) as one `error:` line,
     like every other error, naming the command's --help instead of click's Usage/Try/Error block; exit 2."""
     path = e.ctx.command_path if e.ctx is not None else command_path
-    err_console.print(f"[bold red]error:[/] {escape(e.format_message())} (see {escape(path)} --help)", soft_wrap=True)
-    sys.exit(e.exit_code)
+    _error(f"{e.format_message()} (see {path} --help)", e.exit_code)
 
 
 class LazyGroup(click.Group):
@@ -143,9 +155,7 @@ class LazyGroup(click.Group):
         except click.UsageError as e:  # click's own checks (a bad value, a missing argument): one line, like ours
             _usage_error(e, self._command_path(ctx, words))
         except PlateInspectError as e:
-            # names in e are not markup; keyword arguments shown as the CLI's flags
-            err_console.print(f"[bold red]error:[/] {escape(cli_text(str(e)))}", soft_wrap=True)
-            sys.exit(2)
+            _error(cli_text(str(e)), 2)  # keyword arguments shown as the CLI's flags; escaped: names are not markup
         except KeyboardInterrupt:
             name = ctx.invoked_subcommand or ""
             note = INTERRUPT_NOTES.get(" ".join([name, *words]), INTERRUPT_NOTES.get(name))

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import os
 import shlex
 import signal
-import sys
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
 
 import click
 from rich.markup import escape
@@ -21,9 +17,9 @@ from rich.table import Table
 
 from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings, unfinished_note, unfinished_state
 from plate_inspect.cli.common import console, err_console, human_bytes, progress_bar, split_names
-from plate_inspect.distributed import rank_from_env, say_once
+from plate_inspect.distributed import rank_from_env
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
-from plate_inspect.errors import PlateInspectError, cli_text
+from plate_inspect.errors import PlateInspectError
 from plate_inspect.formatting import counted
 from plate_inspect.scanner import (
     check_out_dir,
@@ -164,47 +160,7 @@ def reuse_line(stats: dict) -> str:
     return f"resumed: kept {kept} finished modules, computed {computed} (of {total})"
 
 
-def _in_job() -> bool:
-    """Whether this process is one rank of several (torchrun's WORLD_SIZE > 1)."""
-    return os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1")
-
-
-def _error_once_per_job(line: str, code: int) -> NoReturn:
-    """The CLI's one error line, printed once per job rather than by every rank (:func:`say_once`); exit ``code``."""
-    say_once(line, lambda text: err_console.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True))
-    sys.exit(code)
-
-
-def _errors_once_per_job(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Under torchrun, a user error of the command is printed once per job (rank 0, and other ranks only with
-    another problem of their own), not by every rank; exit code 2 as for every user error."""
-
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except PlateInspectError as e:
-            if not _in_job():
-                raise
-            _error_once_per_job(cli_text(str(e)), 2)
-
-    return run
-
-
-class _ScanCommand(click.Command):
-    """``scan``, whose usage errors (a bad option value) are printed once per torchrun job, like its user errors."""
-
-    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> click.Context:
-        try:
-            return super().make_context(info_name, args, parent, **extra)
-        except click.UsageError as e:
-            if not _in_job() or isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):
-                raise
-            path = e.ctx.command_path if e.ctx is not None else "plate-inspect scan"
-            _error_once_per_job(f"{e.format_message()} (see {path} --help)", e.exit_code)
-
-
-@click.command("scan", cls=_ScanCommand)
+@click.command("scan")
 @click.argument("model", required=False)
 @click.option("--out", "-o", type=click.Path(path_type=Path), help="Bundle directory [default: bundles/<model name>].")
 @click.option("--r", "r", type=int, default=64, show_default=True, help="Redundant output rows per module.")
@@ -235,7 +191,6 @@ class _ScanCommand(click.Command):
 @click.option("--overwrite", is_flag=True, help="Replace a bundle made with other settings or weights.")
 @click.option("--report", "make_report", is_flag=True, help="Also write <out>/report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@_errors_once_per_job
 def scan_command(
     model, out, target_modules, layers, device, devices, revision, offline, overwrite, make_report, quiet, **settings
 ):
@@ -365,7 +320,7 @@ def info_command(bundle, show_modules, show_groups):
     import json
 
     from plate_inspect.checkpoint import parse_safetensors_header
-    from plate_inspect.errors import BundleError, PlateInspectError
+    from plate_inspect.errors import BundleError
     from plate_inspect.reports.data import distribution, expert_groups
 
     # an adapter given for its bundle (a save_adapter file, a PEFT dir of the plate method): point to the bundle
