@@ -39,7 +39,7 @@ from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, validate_settings
-from plate_inspect.targets import LayerEntry, layer_entries
+from plate_inspect.targets import LayerEntry, layer_entries, name_list
 
 FORMAT_NAME = "plate-init-bundle"
 FORMAT_VERSION = 1
@@ -138,7 +138,7 @@ class ScanSettings:
             raise ConfigError(f"tau grid values must lie strictly between 0 and 1, got {list(grid)}")
         normal = {
             "tau": float(self.tau),
-            "target_modules": tuple(self.target_modules) if self.target_modules else None,
+            "target_modules": tuple(name_list(self.target_modules)) if self.target_modules else None,
             "layers": layer_entries(self.layers) if self.layers is not None else None,
             "tau_grid": grid,
             "include_mtp": bool(self.include_mtp),

@@ -55,6 +55,7 @@ from plate_inspect.targets import (
     TargetModule,
     layer_list,
     load_target,
+    name_list,
     select_targets,
 )
 
@@ -161,7 +162,7 @@ def scan(
     seed: int = 0,
     sketch_dim: int | None = None,
     anchors: int = 256,
-    target_modules: Iterable[str] | None = None,
+    target_modules: str | Iterable[str] | None = None,
     layers: Iterable[int | str] | None = None,
     precision: str = "float32",
     q_dtype: str = "float32",
@@ -189,7 +190,7 @@ def scan(
         seed=seed,
         sketch_dim=sketch_dim,
         anchors=anchors,
-        target_modules=tuple(target_modules) if target_modules else None,
+        target_modules=tuple(name_list(target_modules)) if target_modules else None,
         layers=layer_list(layers) if layers is not None else None,
         precision=precision,
         q_dtype=q_dtype,

@@ -489,6 +489,12 @@ def target_matches(target: TargetModule, patterns: Iterable[str]) -> bool:
     return any(_matches(n, p) for p in patterns for n in names)
 
 
+def name_list(names: str | Iterable[str]) -> list[str]:
+    """Module, parameter or pattern names as a list; one string is one name (iterating it would give one-character
+    names: ``"10"`` would pick layers 1 and 0, ``"q_proj"`` the patterns q, _, p, ...)."""
+    return [names] if isinstance(names, str) else list(names)
+
+
 def check_target_patterns(patterns: Iterable[str] | None) -> None:
     """ConfigError for a target-module pattern that looks like a regex but does not compile (``--target-modules '['``);
     call it before any slow work: matching raises the same error, later."""

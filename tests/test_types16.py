@@ -89,3 +89,18 @@ def test_seed_counts_and_lists_are_unchanged():
         seed_list(0)
     with pytest.raises(ConfigError, match="integers in"):
         seed_list([1, True])
+
+
+def test_scan_with_one_target_module_string_scans_that_module(tmp_path):
+    """scan(target_modules="q_proj") and ScanSettings(target_modules="q_proj") took each character as a pattern
+    ('q', '_', 'p', ...): one string is one pattern, the same bundle as the list of it."""
+    from plate_inspect.bundle import ScanSettings
+    from plate_inspect.scanner import scan
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    ckpt = write_llama_like(tmp_path / "ckpt", layers=1, hidden=32, intermediate=48, heads=4, kv_heads=2)
+    assert ScanSettings(target_modules="q_proj").target_modules == ("q_proj",)
+    one = scan(ckpt.path, tmp_path / "one", r=4, max_rank=8, anchors=8, target_modules="q_proj")
+    listed = scan(ckpt.path, tmp_path / "list", r=4, max_rank=8, anchors=8, target_modules=["q_proj"])
+    assert list(one.modules) == list(listed.modules) == ["model.layers.0.self_attn.q_proj"]
+    assert one.manifest.identity == listed.manifest.identity

@@ -31,7 +31,7 @@ from torch import nn
 from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh
 from plate_inspect.progress import ProgressCallback, ProgressCounter
-from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches
+from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches, name_list
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -167,12 +167,11 @@ def linear_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def select_linear_modules(model: nn.Module, target_modules: Sequence[str] | None = None) -> dict[str, nn.Module]:
+def select_linear_modules(model: nn.Module, target_modules: str | Sequence[str] | None = None) -> dict[str, nn.Module]:
     """Target linear layers by name (suffixes or regexes, as in ``scan``); default: the family's or every linear.
 
     One string is one pattern (not a sequence of one-character patterns: ``"10"`` would select layers 1 and 0)."""
-    if isinstance(target_modules, str):
-        target_modules = [target_modules]
+    target_modules = name_list(target_modules) if target_modules is not None else None
     linears = {n: m for n, m in model.named_modules() if n and linear_weight(m) is not None}
     if target_modules:
         chosen = {n: m for n, m in linears.items() if any(_matches(n, p) for p in target_modules)}

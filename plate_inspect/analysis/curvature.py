@@ -41,6 +41,7 @@ from plate_inspect.atomic import make_dirs
 from plate_inspect.errors import ConfigError, CurvatureError
 from plate_inspect.geometry import module_seed
 from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.targets import name_list
 from plate_inspect.train.variants import variant_geometry
 
 if TYPE_CHECKING:
@@ -108,15 +109,10 @@ def _identity_block(name: str, p: torch.Tensor) -> Block:
     return Block(name, p.numel(), lambda c, s=shape: c.reshape(s), lambda d: d.reshape(-1))
 
 
-def _names(names: Sequence[str]) -> list[str]:
-    """Parameter or module names as a list; one string is one name (not a sequence of one-character names)."""
-    return [names] if isinstance(names, str) else list(names)
-
-
 def full_family(model: nn.Module, params: Sequence[str] | None = None, name: str = "full") -> UpdateFamily:
     """Every coordinate of the named parameters (default: all parameters that require grad)."""
     named = dict(model.named_parameters())
-    chosen = _names(params) if params is not None else [n for n, p in named.items() if p.requires_grad]
+    chosen = name_list(params) if params is not None else [n for n, p in named.items() if p.requires_grad]
     _check_params(named, chosen)
     return UpdateFamily(name, [_identity_block(n, named[n].detach()) for n in chosen], {"params": chosen})
 
@@ -198,7 +194,7 @@ def lora_family(
 
     named = dict(model.named_parameters())
     blocks = []
-    for m in _names(modules):
+    for m in name_list(modules):
         pname = f"{m}.weight"
         _check_params(named, [pname])
         conv1d = layout_of(model.get_submodule(m)) == "conv1d"
@@ -232,7 +228,7 @@ def plate_family(
         raise ConfigError(f"unknown PLATE variant '{variant}'; choose one of {', '.join(PLATE_VARIANTS)}")
     named = dict(model.named_parameters())
     blocks = []
-    for m in _names(modules) if modules is not None else bundle.modules:
+    for m in name_list(modules) if modules is not None else bundle.modules:
         pname = f"{m}.weight"
         _check_params(named, [pname])
         module, record = model.get_submodule(m), bundle.record(m)
