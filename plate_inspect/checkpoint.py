@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shlex
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -1150,10 +1151,29 @@ def _cached_revisions(repo_id: str, cache: str, most: int = 4) -> str:
     return (", ".join(refs) + "; " if refs else "no branch or tag (refs/ is empty); ") + f"snapshots {listed}"
 
 
+#: At most this many missing weight files are named in the download command; more are fetched by pattern.
+_HINT_FILES = 4
+
+
 def _fetch_hint(repo_id: str, revision: str | None, cached: Path | None) -> str:
+    """The ``hf download`` command that fetches what the reader needs: the missing shards by name when the cache
+    knows them (a few), else the top-level *.json and *.safetensors without the files the reader never opens
+    (Mistral's ``consolidated.safetensors``, an ``original/`` folder: a whole second copy of the weights)."""
     rev = f" --revision {revision}" if revision else ""
+    missing = _missing_files(cached) if cached is not None else []
+    if missing and len(missing) <= _HINT_FILES and all(_is_file_name(m) for m in missing):
+        names = " ".join(map(shlex.quote, missing))
+        return f"download them on a connected machine with: hf download {repo_id} {names}{rev}"
     what = "the repo" if cached is None else "the missing files"
-    return f"download {what} on a connected machine with: hf download {repo_id} --include '*.safetensors' '*.json'{rev}"
+    return (
+        f"download {what} on a connected machine with: hf download {repo_id} --include '*.safetensors' '*.json' "
+        f"--exclude 'consolidated*' '*/*'{rev}"
+    )
+
+
+def _is_file_name(name: str) -> bool:
+    """A plain file name (not a pattern such as '*.safetensors' or a note such as '... (corrupt)')."""
+    return not re.search(r"[*?\[\s]", name)
 
 
 def _cached_snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path | None:

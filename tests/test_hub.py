@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -198,7 +199,10 @@ def test_download_fetches_only_safetensors_and_json_then_runs_offline(hub, tmp_p
     assert "nor is it a local path" in other["message"]  # a mistyped local path reads as a repo id
     assert offline["type"] == "HubOfflineError" and "offline mode is on" in offline["message"]
     for result in (other, offline):
-        assert "hf download org/other --include '*.safetensors' '*.json'" in result["message"]
+        assert (
+            "hf download org/other --include '*.safetensors' '*.json' --exclude 'consolidated*' '*/*'"
+            in (result["message"])
+        )
 
 
 def test_offline_messages_say_what_is_missing_and_what_to_download(hub, tmp_path):
@@ -219,7 +223,8 @@ def test_offline_messages_say_what_is_missing_and_what_to_download(hub, tmp_path
         "(for a local model, check the path), and "
     )
     fetch_repo = (
-        "; download the repo on a connected machine with: hf download org/other --include '*.safetensors' '*.json'"
+        "; download the repo on a connected machine with: hf download org/other --include '*.safetensors' '*.json' "
+        "--exclude 'consolidated*' '*/*'"
     )
     flag, unreachable, partial, partial_unreachable = open_in_fresh_process(
         [("org/other", None, True), ("org/other", None, None), ("org/model", None, True), ("org/model", None, None)],
@@ -235,7 +240,7 @@ def test_offline_messages_say_what_is_missing_and_what_to_download(hub, tmp_path
     assert partial["type"] == "HubOfflineError" and partial["message"] == (
         f"org/model: not fully in the local Hugging Face cache ({cache}; missing: *.safetensors) and offline mode is "
         "on; download the missing files on a connected machine with: hf download org/model --include "
-        "'*.safetensors' '*.json'"
+        "'*.safetensors' '*.json' --exclude 'consolidated*' '*/*'"
     )
     assert partial_unreachable["message"].startswith(
         f"org/model: not fully in the local Hugging Face cache ({cache}; missing: *.safetensors) and the hub cannot "
@@ -243,7 +248,7 @@ def test_offline_messages_say_what_is_missing_and_what_to_download(hub, tmp_path
     )
     assert partial_unreachable["message"].endswith(
         "; download the missing files on a connected machine with: "
-        "hf download org/model --include '*.safetensors' '*.json'"
+        "hf download org/model --include '*.safetensors' '*.json' --exclude 'consolidated*' '*/*'"
     )
 
 
@@ -290,3 +295,50 @@ def test_each_hub_failure_has_its_own_one_line_message(hub, tmp_path):
     assert not (home / "hub" / "models--org--gated" / "blobs").exists() or not any(
         (home / "hub" / "models--org--gated" / "blobs").iterdir()
     )
+
+
+def _download_selects(command: str, files: list[str]) -> list[str]:
+    """The repo files an ``hf download REPO [FILES...] [--include P...] [--exclude P...]`` command fetches, by
+    huggingface_hub's own pattern matching."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    args = shlex.split(command)[3:]
+    named, include, exclude, current = [], [], [], None
+    for a in args:
+        if a in ("--include", "--exclude", "--revision"):
+            current = {"--include": include, "--exclude": exclude, "--revision": []}[a]
+        elif current is None:
+            named.append(a)
+        else:
+            current.append(a)
+    if named:
+        return sorted(f for f in files if f in named)
+    return sorted(filter_repo_objects(files, allow_patterns=include, ignore_patterns=exclude or None))
+
+
+def test_download_hint_fetches_what_the_reader_opens_and_no_second_copy(tmp_path):
+    """The hint was `--include '*.safetensors' '*.json'`, which in a Mistral repo also fetches
+    consolidated.safetensors (a second full copy of the weights: doubles the download) and original/. Oracle: the
+    reader's own rule (hub_weight_files) plus the top-level JSON files; a few known missing shards are named."""
+    from plate_inspect.checkpoint import _fetch_hint, hub_weight_files
+
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    files = [
+        "config.json", "params.json", "tokenizer.json", "model.safetensors.index.json", *shards,
+        "consolidated.safetensors", "original/consolidated.00.pth", "original/params.json", "README.md",
+    ]  # fmt: skip
+    weights = hub_weight_files(files, {"a": shards[0], "b": shards[1], "c": shards[2]})
+    wanted = sorted([*weights, "config.json", "params.json", "tokenizer.json", "model.safetensors.index.json"])
+    hint = _fetch_hint("org/mistral", None, None)
+    assert _download_selects(hint.split(" with: ")[1], files) == wanted
+    single = ["config.json", "model.safetensors", "consolidated.safetensors"]
+    assert _download_selects(_fetch_hint("org/m", "v1", None).split(" with: ")[1], single) == single[:2]
+
+    snap = tmp_path / "snap"  # cached with its index and one shard: the two missing ones are named
+    snap.mkdir()
+    index = {"weight_map": {"a": shards[0], "b": shards[1], "c": shards[2]}}
+    (snap / "model.safetensors.index.json").write_text(json.dumps(index))
+    (snap / shards[0]).write_bytes(b"")
+    hint = _fetch_hint("org/mistral", "main", snap)
+    assert hint.endswith(f"hf download org/mistral {shards[1]} {shards[2]} --revision main"), hint
+    assert _download_selects(hint.split(" with: ")[1], files) == shards[1:]
