@@ -39,7 +39,6 @@ import torch
 from plate_inspect.bundle import Bundle
 from plate_inspect.checkpoint import (
     Checkpoint,
-    decode_e8m0,
     parse_safetensors_header,
 )
 from plate_inspect.dtypes import DTYPES
@@ -229,18 +228,12 @@ def fp8_storage(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.dtype, to
 
 
 def mxfp4_storage(ckpt: Checkpoint, target: TargetModule) -> torch.Tensor | None:
-    """A module's MXFP4 per-element scale 2^(e8m0 - 127) oriented d_out x d_in (each block's scale repeated over
-    its 32 elements); None when the module is not stored in MXFP4. Reads the scales only (one expert's for a 3-D
-    stack); a NaN code (255) gives NaN, which the delta's finiteness check reports."""
-    weight = ckpt.logical_weight(target.logical_name)
-    if weight.format != "mxfp4" or len(weight.parts) < 2:
+    """A module's MXFP4 per-element scale (:meth:`Checkpoint.mxfp4_scale`) oriented d_out x d_in; None when the
+    module is not stored in MXFP4. A NaN scale code gives NaN, which the delta's finiteness check reports."""
+    if ckpt.logical_weight(target.logical_name).format != "mxfp4":
         return None
-    info = ckpt.tensors[weight.parts[1]]
     expert = target.expert if target.layout in EXPERT_LAYOUTS else None
-    per = info.nbytes // info.shape[0] if expert is not None else info.nbytes
-    codes = torch.frombuffer(ckpt.read_bytes(info.name, (expert or 0) * per, per), dtype=torch.uint8)
-    groups = info.shape[-1]
-    scale = decode_e8m0(codes.reshape(-1, groups)).repeat_interleave(weight.shape[-1] // groups, dim=1)
+    scale = ckpt.mxfp4_scale(target.logical_name, expert)
     return scale.T if target.layout in ("conv1d", "experts_in_major") else scale
 
 

@@ -597,6 +597,20 @@ class Checkpoint:
         scale, _ = self._fp8_scale(weight, expert)
         return _broadcast_scale(scale, shape, weight.block)
 
+    def mxfp4_scale(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """The per-element dequantization scale 2^(e8m0 - 127) of MXFP4 weight ``name`` (expert ``expert``'s
+        slice) in its logical shape: each 32-element block's scale repeated over it; a NaN code (255) gives NaN.
+        Reads the scales only. Used by ``audit`` to round BASE to TUNED's MXFP4 grid (the twin of :meth:`fp8_scale`)."""
+        weight = self.logical_weight(name)
+        if weight.format != "mxfp4":
+            raise CheckpointError(f"{self.root}: weight '{name}' is not stored in MXFP4 ({weight.stored_dtype})")
+        if expert is not None:
+            _check_expert(weight, expert)
+        _require_decodable(weight)
+        info = self.tensors[weight.parts[1]]
+        codes = _view(self._read_slice(info, expert), torch.uint8, _sliced(info.shape, expert))
+        return decode_e8m0(codes).repeat_interleave(weight.shape[-1] // info.shape[-1], dim=-1)
+
     def _fp8_scale(self, weight: LogicalWeight, expert: int | None) -> tuple[torch.Tensor, bytearray]:
         """The flat stored scale of an FP8 weight (expert ``expert``'s share), checked, and its raw bytes."""
         info = self.tensors[weight.parts[0]]

@@ -537,11 +537,11 @@ def logical_weights(ckpt: Checkpoint) -> list[_Weight]:
             continue
         info = ckpt.tensors[weight.parts[0]]
         scales = sum(ckpt.tensors[p].nbytes for p in weight.parts[1:])
+        module = name.removesuffix(".weight")  # a 2-D MXFP4 'X.weight_blocks' is the weight of module X too
         if weight.format == "mxfp4":
             if len(weight.shape) in (2, 3):
-                out.append(_Weight(name, name, tuple(weight.shape), info, scales))
+                out.append(_Weight(module, name, tuple(weight.shape), info, scales))
             continue
-        module = name.removesuffix(".weight")
         plain = len(weight.shape) == 2 and name.endswith(".weight")
         stacked = len(weight.shape) == 3 and ".experts." in name
         if plain or stacked:

@@ -194,3 +194,80 @@ def test_an_mxfp4_fine_tune_of_one_expert_scores_its_update(base, tmp_path):
         assert getattr(rec, key) == pytest.approx(want, rel=1e-6, abs=1e-9), key
     assert rec.rounding_floor == pytest.approx(float(np.linalg.norm(reference - w)), rel=1e-6)
     assert rec.delta_norm == pytest.approx(3 * floor, rel=0.5)  # the planted update, give or take MXFP4's noise
+
+
+def test_mxfp4_two_dimensional_weights(base, tmp_path):
+    """MXFP4 outside the expert stacks: q/k/v_proj stored as ``<name>.weight_blocks`` [d_out, d_in / 32, 16] +
+    ``_scales`` (2-D, rows = outputs; the stacks' path was the only one tested). A planted rank-2 update of q_proj
+    (3x its quantization error) is that module's only change, scored as the dense float64 oracle on
+    dequant(TUNED) - BASE rounded at TUNED's scales; k/v are no update, their floor the test's own ||dequant - W||."""
+    tensors, config = base_tensors(base)
+    names = [f"model.layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
+    w = tensors[names[0]].double().numpy()
+    blocks, scales = quantize(w, "ocp")
+    floor = float(np.linalg.norm(mxfp4_oracle(blocks.numpy(), scales.numpy()) - w))
+    gen = torch.Generator().manual_seed(5)
+    d = (torch.randn(w.shape[0], 2, generator=gen) @ torch.randn(2, w.shape[1], generator=gen)).double()
+    d *= 3 * floor / float(torch.linalg.vector_norm(d))
+    tuned, codes = dict(tensors), {}
+    tuned[names[0]] = (tensors[names[0]].double() + d).float()
+    for name in names:
+        codes[name] = quantize(tuned.pop(name).double().numpy(), "ocp")
+        tuned[name + "_blocks"], tuned[name + "_scales"] = codes[name]
+    (tmp_path / "mx2").mkdir()
+    save_file(tuned, str(tmp_path / "mx2" / "model.safetensors"))
+    quant = {"quant_method": "mxfp4", "modules_to_not_convert": ["experts", "router"]}
+    (tmp_path / "mx2" / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+
+    records = {r.module: r for r in audit(base, tmp_path / "mx2", r=R, tau=TAU, precision="float64")}
+    attn = {m: r for m, r in records.items() if ".self_attn." in m and not m.endswith("o_proj")}
+    assert sorted(attn) == sorted(n.removesuffix(".weight") for n in names)
+    assert {m for m, r in records.items() if r.delta_norm > 0} == {names[0].removesuffix(".weight")}
+    for name in names:
+        rec, (blk, sc) = attn[name.removesuffix(".weight")], codes[name]
+        assert rec.base_rounded_to == "mxfp4", rec
+        dequant = mxfp4_oracle(blk.numpy(), sc.numpy()).astype(np.float64)
+        base_w = tensors[name].double().numpy()
+        reference = rounded_base(base_w, sc)
+        assert rec.rounding_floor == pytest.approx(float(np.linalg.norm(reference - base_w)), rel=1e-6), rec
+        if name != names[0]:
+            assert rec.rounding_floor == pytest.approx(float(np.linalg.norm(dequant - base_w)), rel=1e-6)
+            continue
+        within = np.abs(dequant - base_w) <= half_step(np.minimum(np.abs(dequant), np.abs(base_w)), sc)
+        assert not (within & (dequant != reference)).any()  # no tie rounded the other way: round(BASE) is exact
+        _, b, _, _, _ = dense_oracle(base_w, r=R, tau=TAU, max_rank=512)
+        for key, want in oracle(base_w, dequant - reference, b).items():
+            assert getattr(rec, key) == pytest.approx(want, rel=1e-6, abs=1e-9), key
+    for m, r in records.items():
+        if m not in attn:
+            assert r.base_rounded_to is None and r.delta_norm == 0.0, r
+
+
+def test_scan_names_a_two_dimensional_mxfp4_weight_by_its_module(base, tmp_path):
+    """A 2-D MXFP4 'X.weight_blocks' was module 'X.weight' (the scan's bundle named 'q_proj.weight', which no
+    PEFT module name matches, and audit found no 'q_proj' in TUNED): it is module X, with the dequantized weight's
+    geometry (the same bundle entry as a scan of the dequantized float32 weight stored plainly)."""
+    from plate_inspect.scanner import scan
+
+    tensors, config = base_tensors(base)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    blocks, scales = quantize(tensors[name].double().numpy(), "ocp")
+    plain = {**tensors, name: torch.from_numpy(mxfp4_oracle(blocks.numpy(), scales.numpy())).float()}
+    quantized = {k: v for k, v in tensors.items() if k != name}
+    quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+    for sub, content, cfg in (
+        ("plain", plain, config),
+        ("mx", quantized, {**config, "quantization_config": {"quant_method": "mxfp4"}}),
+    ):
+        (tmp_path / sub).mkdir()
+        save_file(content, str(tmp_path / sub / "model.safetensors"))
+        (tmp_path / sub / "config.json").write_text(json.dumps(cfg))
+    got = {
+        sub: scan(tmp_path / sub, tmp_path / f"b-{sub}", r=R, max_rank=16, anchors=8, target_modules=["q_proj"])
+        for sub in ("plain", "mx")
+    }
+    assert list(got["mx"].modules) == list(got["plain"].modules) == ["model.layers.0.self_attn.q_proj"]
+    (m,) = got["mx"].modules
+    mx, ref = got["mx"], got["plain"]
+    assert mx.record(m).k == ref.record(m).k and torch.equal(mx.b_idx(m), ref.b_idx(m))
+    assert torch.equal(mx.spectrum(m), ref.spectrum(m)) and torch.equal(mx.q(m), ref.q(m))
