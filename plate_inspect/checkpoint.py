@@ -551,10 +551,7 @@ class Checkpoint:
             expert: for a weight with experts on its first dimension (3-D or more), read only expert ``expert``'s
                 slice (and its scales): the result has the logical shape without the first dimension.
         """
-        weight = self.logical_weight(name)
-        if expert is not None:
-            _check_expert(weight, expert)
-        _require_decodable(weight)
+        weight = self._decodable(name, expert)
         if weight.format == "fp8":
             return self._read_fp8(weight, expert)
         if weight.format == "mxfp4":
@@ -566,13 +563,23 @@ class Checkpoint:
 
     def weight_fingerprint(self, name: str, expert: int | None = None) -> str:
         """The fingerprint :meth:`read_weight` returns, computed from the stored bytes alone (no decoding)."""
-        weight = self.logical_weight(name)
-        if expert is not None:
-            _check_expert(weight, expert)
-        _require_decodable(weight)
+        weight = self._decodable(name, expert)
         return fingerprint_parts(
             [self._read_slice(self.tensors[p], _part_expert(weight, p, expert)) for p in weight.parts]
         )
+
+    def _decodable(self, name: str, expert: int | None, storage: str | None = None) -> LogicalWeight:
+        """Logical weight ``name``, checked before any byte is read: ``expert`` within its first dimension, its
+        storage decodable, and (``storage``: 'fp8' or 'mxfp4') stored that way."""
+        weight = self.logical_weight(name)
+        if storage is not None and weight.format != storage:
+            raise CheckpointError(
+                f"{self.root}: weight '{name}' is not stored in {storage.upper()} ({weight.stored_dtype})"
+            )
+        if expert is not None:
+            _check_expert(weight, expert)
+        _require_decodable(weight)
+        return weight
 
     def _read_slice(self, info: TensorInfo, expert: int | None) -> bytearray:
         """A stored tensor's bytes, or only the byte range of slice ``expert`` along its first dimension."""
@@ -585,12 +592,7 @@ class Checkpoint:
         """The per-element dequantization scale of FP8 weight ``name`` (expert ``expert``'s slice), broadcast to its
         logical shape (a 0-d tensor for a per-tensor scale); None for a plain FP8 cast without scales. Checked as
         :meth:`read_weight` checks it. Used by ``audit`` to round BASE to TUNED's FP8 grid."""
-        weight = self.logical_weight(name)
-        if weight.format != "fp8":
-            raise CheckpointError(f"{self.root}: weight '{name}' is not stored in FP8 ({weight.stored_dtype})")
-        if expert is not None:
-            _check_expert(weight, expert)
-        _require_decodable(weight)
+        weight = self._decodable(name, expert, "fp8")
         if len(weight.parts) == 1:
             return None
         shape = _sliced(self.tensors[weight.parts[0]].shape, expert)
@@ -601,12 +603,7 @@ class Checkpoint:
         """The per-element dequantization scale 2^(e8m0 - 127) of MXFP4 weight ``name`` (expert ``expert``'s
         slice) in its logical shape: each 32-element block's scale repeated over it; a NaN code (255) gives NaN.
         Reads the scales only. Used by ``audit`` to round BASE to TUNED's MXFP4 grid (the twin of :meth:`fp8_scale`)."""
-        weight = self.logical_weight(name)
-        if weight.format != "mxfp4":
-            raise CheckpointError(f"{self.root}: weight '{name}' is not stored in MXFP4 ({weight.stored_dtype})")
-        if expert is not None:
-            _check_expert(weight, expert)
-        _require_decodable(weight)
+        weight = self._decodable(name, expert, "mxfp4")
         info = self.tensors[weight.parts[1]]
         codes = _view(self._read_slice(info, expert), torch.uint8, _sliced(info.shape, expert))
         return decode_e8m0(codes).repeat_interleave(weight.shape[-1] // info.shape[-1], dim=-1)
