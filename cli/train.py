@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from plate_inspect.cli.common import console, err_console, progress_bar
-from plate_inspect.formatting import counted, human_bytes
+from plate_inspect.formatting import counted
 
 
 @click.command("merge")
@@ -58,13 +58,14 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
 
     if rescan_out is not None:
         check_rescan_out(rescan_out, overwrite)
-    for note in finish_interrupted_merge(out):  # before the leftover note: it may move a finished temp dir in
+    said = finish_interrupted_merge(out)  # what killed merges left: finished, deleted, or named (before writing)
+    for note in said:
         err_console.print(f"[yellow]note[/]: {note}")
-    _note_leftovers(out)
     with progress_bar("merge", quiet=quiet) as progress:
         result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite, progress=progress)
     for note in result.notes:
-        err_console.print(f"[yellow]note[/]: {note}")
+        if note not in said:  # merge_checkpoint's own finish_interrupted_merge names a left-alone directory again
+            err_console.print(f"[yellow]note[/]: {note}")
     console.print(
         f"merged {counted(len(result.merged_modules), 'module')} into {counted(len(result.files), 'file')} "
         f"in [bold]{result.out}[/]"
@@ -76,20 +77,3 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
         with progress_bar("rescan", quiet=quiet) as progress:
             new = rescan(result.out, bundle or meta["bundle_path"], rescan_out, overwrite=overwrite, progress=progress)
         err_console.print(f"rescanned: {counted(len(new), 'module')} -> {new.path}")
-
-
-def _note_leftovers(out: Path) -> None:
-    """Say where a killed merge into OUT left its temporary directory (as large as the model): merge never deletes
-    one itself, since another merge into OUT may be writing it."""
-    place = out.resolve()  # ``--out .`` has a name and a parent only resolved
-    leftovers = sorted(  # make_temp_dir's names; inside OUT when it is filled in place (a mount point, ``.``)
-        p for d in (place.parent, place) if d.is_dir() for p in d.glob(f".{place.name}.partial-*") if p.is_dir()
-    )
-    if leftovers:
-        size = sum(f.stat().st_size for d in leftovers for f in d.rglob("*") if f.is_file())
-        err_console.print(
-            f"[yellow]note[/]: {counted(len(leftovers), 'temporary directory', 'temporary directories')} of an "
-            f"interrupted merge into {out} ({human_bytes(size)}: {leftovers[0]}"
-            + (", ..." if len(leftovers) > 1 else "")
-            + "); delete them unless a merge into it is running now"
-        )

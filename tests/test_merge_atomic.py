@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from plate_inspect import scan
 from plate_inspect.cli.main import cli
 from plate_inspect.errors import CheckpointError
+from plate_inspect.formatting import human_bytes
 from plate_inspect.testing.synthetic import write_llama_like
 from plate_inspect.train import sequential
 from plate_inspect.train.layer import apply_bundle, save_adapter
@@ -121,6 +122,7 @@ def _crash_at(monkeypatch, n: int, log: list[str]) -> None:
 
 
 def _leftovers(out: Path, kind: str) -> list[str]:
+    """The temporary directories (and their lock files) of merges into ``out`` beside it."""
     return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.{kind}-"))
 
 
@@ -164,8 +166,7 @@ def test_a_crash_at_any_step_leaves_the_old_or_the_new_checkpoint_and_a_rerun_fi
         merge_checkpoint(sharded, adapter2, out, overwrite=True)  # the rerun
         assert _contents(out) == new_c and _leftovers(out, "swap") == []
         assert (out.stat().st_mode & 0o777) == 0o750
-        for partial in _leftovers(out, "partial"):  # a crash while writing: left for the user, never used
-            shutil.rmtree(out.parent / partial)
+        assert _leftovers(out, "partial") == []  # a crash while writing: its lock is free, the rerun deleted it
     assert seen["old"] > 0 and seen["new"] > 0
     assert (seen["missing"] > 0) == (not exchange)  # two renames: a moment without out, finished by the next merge
 
@@ -220,7 +221,9 @@ sequential.merge_checkpoint({str(sharded)!r}, {str(adapter2)!r}, {str(out)!r}, o
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 9, proc.stderr[-2000:]
-    assert not out.exists() and len(_leftovers(out, "swap")) == 1 and len(_leftovers(out, "partial")) == 1
+    assert not out.exists() and len(_leftovers(out, "swap")) == 1
+    partial = _leftovers(out, "swap")[0].replace(".swap-", ".partial-")
+    assert _leftovers(out, "partial") == [partial, f"{partial}.lock"]  # the lock file outlives its dead holder
     result = CliRunner().invoke(
         cli, ["merge", str(sharded), str(adapter2), "--out", str(out), "--overwrite", "-q"], terminal_width=400
     )
@@ -310,3 +313,250 @@ def test_out_as_the_current_directory_is_filled_in_place_and_stays_the_current_d
     assert _contents(out) == _contents(new) and os.listdir(tmp_path) == ["out"]
     assert Path(os.getcwd()) == out and sorted(os.listdir(".")) == sorted(p.name for p in new.iterdir())
     assert "is the current directory" in result.notes[0] and "one by one" in result.notes[0]
+
+
+# --- leftovers of killed merges (session 17) ---------------------------------------------------------------------
+# A merge holds an flock on the lock file beside its temporary directory for as long as it writes it; the kernel
+# drops it when the process dies (SIGKILL too). The next merge deletes the directories whose lock it can take and
+# leaves those of running merges alone. The oracle: real processes, stopped at a chosen step or killed there.
+
+
+def _stopped_merge(source: Path, adapter: Path, out: Path, at: str) -> subprocess.Popen:
+    """A merge into ``out`` in a child process that stops, holding its lock, at ``at`` and goes on when a line
+    arrives on its stdin: "write" after its first shard is written, "swap" right after its finished directory was
+    renamed ``.out.swap-X`` (before the exchange), "renamed" (no exchange) right after ``out`` was renamed away."""
+    script = f"""
+import os, sys
+from plate_inspect.train import sequential
+at, state = {at!r}, {{"stopped": False}}
+def stop():
+    if not state["stopped"]:
+        state["stopped"] = True
+        print("stopped", flush=True)
+        sys.stdin.readline()
+real_save, real_replace = sequential.save_file, os.replace
+def save_file(*args, **kwargs):
+    real_save(*args, **kwargs)
+    if at == "write":
+        stop()
+def replace(a, b):
+    real_replace(a, b)
+    a, b = os.path.basename(str(a)), os.path.basename(str(b))
+    if (at == "swap" and a.startswith(".out.partial-")) or (at == "renamed" and a == "out"):
+        if b.startswith(".out.swap-"):
+            stop()
+sequential.save_file, os.replace = save_file, replace
+if at == "renamed":
+    sequential._exchange = lambda a, b: False
+sequential.merge_checkpoint({str(source)!r}, {str(adapter)!r}, {str(out)!r}, overwrite=True)
+print("merged", flush=True)
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "stopped", proc.communicate(timeout=60)[1][-2000:]
+    return proc
+
+
+def _go_on(proc: subprocess.Popen) -> str:
+    """Let a stopped merge go on; its stdout once it ended (exit status 0 asserted)."""
+    stdout, stderr = proc.communicate("\n", timeout=300)
+    assert proc.returncode == 0, stderr[-2000:]
+    return stdout
+
+
+def _merge_cli(source: Path, adapter: Path, out: Path) -> str:
+    result = CliRunner().invoke(
+        cli, ["merge", str(source), str(adapter), "--out", str(out), "--overwrite", "-q"], terminal_width=400
+    )
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())  # rich wraps long lines at the console's width
+
+
+def _file_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def test_a_killed_merge_s_temporary_directory_is_removed_by_the_next_merge(setup, tmp_path):
+    """SIGKILL while writing (after the first shard) leaves ``.out.partial-X`` and its lock file; the next merge
+    takes the free lock, deletes both, and says so in one line with the bytes freed (the shard's size)."""
+    _, sharded, _, _, adapter2, old, new = setup
+    out = _fresh_out(setup, tmp_path)
+    proc = _stopped_merge(sharded, adapter2, out, "write")
+    partial = out.parent / _leftovers(out, "partial")[0]
+    assert _leftovers(out, "partial") == [partial.name, f"{partial.name}.lock"]
+    written = _file_bytes(partial)
+    assert written > 10_000 and len(list(partial.glob("*.safetensors"))) == 1
+    proc.kill()
+    assert proc.wait(timeout=60) == -9
+    said = _merge_cli(sharded, adapter2, out)
+    assert (
+        f"{out}: removed 1 temporary directory of killed merges into it, {human_bytes(written)} freed ({partial})"
+        in said
+    )
+    assert "running now" not in said and "delete them" not in said and said.count("removed") == 1
+    assert os.listdir(out.parent) == ["out"] and _contents(out) == _contents(new) != _contents(old)
+
+
+def test_a_stopped_merge_keeps_its_temporary_directory_while_another_merge_runs(setup, tmp_path):
+    """A merge holding its lock (stopped after its first shard, then SIGSTOPped too) keeps its directory, byte for
+    byte, while a second merge into the same OUT runs, which says so once; let go, the first one finishes its
+    merge (its own checkpoint: the old one's weights) over the second one's."""
+    import signal
+
+    _, sharded, single, adapter1, adapter2, old, new = setup
+    out = _fresh_out(setup, tmp_path)
+    proc = _stopped_merge(single, adapter1, out, "write")
+    try:
+        partial = out.parent / _leftovers(out, "partial")[0]
+        before = _contents(partial)
+        os.kill(proc.pid, signal.SIGSTOP)
+        said = _merge_cli(sharded, adapter2, out)
+        assert f"{out}: left 1 temporary directory alone ({partial}): a merge into it is running now" in said
+        assert said.count("running now") == 1 and "removed" not in said
+        assert _contents(partial) == before and _contents(out) == _contents(new)
+        os.kill(proc.pid, signal.SIGCONT)
+    except BaseException:
+        proc.kill()
+        raise
+    _go_on(proc)
+    assert os.listdir(out.parent) == ["out"] and _contents(out) == _contents(old)
+
+
+@pytest.mark.parametrize("at", ["swap", "renamed"])
+def test_a_merge_swapping_its_checkpoint_in_is_left_alone(setup, tmp_path, at):
+    """Two merges racing to one OUT: while the first one's finished directory is ``.out.swap-X`` (before the
+    exchange; or, without one, with OUT renamed away), the second one's finish_interrupted_merge must neither delete
+    it (before: rmtree of the directory about to become OUT) nor move it (before: it rolled forward under the first
+    one, which then put the old checkpoint back). The first one then finishes: OUT is its checkpoint."""
+    _, sharded, _, _, adapter2, old, new = setup
+    out = _fresh_out(setup, tmp_path)
+    proc = _stopped_merge(sharded, adapter2, out, at)
+    swap = out.parent / _leftovers(out, "swap")[0]
+    partial = swap.with_name(swap.name.replace(".swap-", ".partial-"))
+    assert out.exists() == (at == "swap") and partial.exists() == (at == "renamed")
+    # without an exchange, its finished directory was renamed back to .out.partial-X before out was renamed away
+    held = (
+        f"1 temporary directory alone ({swap})"
+        if at == "swap"
+        else f"2 temporary directories alone ({swap}, {partial})"
+    )
+    try:
+        notes = finish_interrupted_merge(out)
+        assert notes == [f"{out}: left {held}: a merge into it is running now"]
+        assert swap.is_dir() and out.exists() == (at == "swap")
+    except BaseException:
+        proc.kill()
+        raise
+    assert _go_on(proc).strip() == "merged"
+    assert os.listdir(out.parent) == ["out"] and _contents(out) == _contents(new)
+
+
+def _dead_writer(parent: Path, name: str, body: str = "") -> Path:
+    """The temporary directory of a process that made it with make_temp_dir, ran ``body`` (``tmp``: the directory)
+    and died without cleaning up (os._exit)."""
+    script = f"""
+import os
+from pathlib import Path
+from plate_inspect.atomic import make_temp_dir
+tmp = make_temp_dir({str(parent)!r}, {name!r}).path
+{body}
+print(tmp, flush=True)
+os._exit(9)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    return Path(proc.stdout.strip())
+
+
+def test_the_cleanup_frees_only_dead_writers_space_and_never_touches_out(tmp_path, monkeypatch):
+    """Dead writers' directories are deleted: beside OUT, and inside it (a merge that filled it in place), and a
+    lock file whose directory is gone. Hard links to OUT's files (made while swapping) free nothing and OUT keeps
+    them; a symlink inside is not followed. A ``.out.partial-X`` symlink to OUT and a directory without a lock file
+    (an older version) are not deleted; the latter is named."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"w" * 5000)
+    (out / "README.md").write_text("mine\n")
+    before = _contents(out)
+    body = (
+        "(tmp / 'model.safetensors').write_bytes(b'n' * 1234)\n"
+        f"os.link({str(out / 'README.md')!r}, tmp / 'README.md')\n"
+        f"(tmp / 'link').symlink_to({str(out)!r})"
+    )
+    beside = _dead_writer(tmp_path, "out", body)
+    inside = _dead_writer(out, "out", "(tmp / 'model.safetensors').write_bytes(b'i' * 100)")
+    gone = _dead_writer(tmp_path, "out", "tmp.rmdir()")
+    old_version = tmp_path / ".out.partial-0123456789ab"
+    old_version.mkdir()
+    (old_version / "model.safetensors").write_bytes(b"o" * 2000)
+    (tmp_path / ".out.partial-aaaaaaaaaaaa").symlink_to(out)
+    assert (tmp_path / f"{gone.name}.lock").is_file() and not gone.exists()
+    notes = finish_interrupted_merge(out)
+    removed = f"{out}: removed 2 temporary directories of killed merges into it, 1.33 KB freed ({beside}, {inside})"
+    assert notes == [
+        removed,
+        f"1 temporary directory of an interrupted merge into {out} (2.00 KB: {old_version}); delete them unless a "
+        "merge into it is running now (made without a lock, by an older plate-inspect or on a filesystem without "
+        "flock, so this merge cannot tell)",
+    ]
+    assert _contents(out) == before and (out / "README.md").stat().st_nlink == 1
+    assert sorted(os.listdir(tmp_path)) == [".out.partial-0123456789ab", ".out.partial-aaaaaaaaaaaa", "out"]
+    assert finish_interrupted_merge(out) == notes[1:]  # nothing left to remove: the same note, once per merge
+
+
+def test_without_flock_nothing_is_deleted(tmp_path, monkeypatch):
+    """A filesystem without flock (some network mounts: ENOLCK): a merge there leaves no lock file, and a cleaner
+    that cannot lock deletes nothing; both name the directory as before."""
+    out = tmp_path / "out"
+    no_flock = (
+        "import fcntl, errno\ndef refuse(*a): raise OSError(errno.ENOLCK, 'No locks available')\nfcntl.flock = refuse\n"
+    )
+    script = f"{no_flock}from plate_inspect.atomic import make_temp_dir\nt = make_temp_dir({str(tmp_path)!r}, 'out')\n"
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    (made,) = tmp_path.iterdir()
+    assert made.is_dir() and made.name.startswith(".out.partial-")  # no lock file beside it
+    locked = _dead_writer(tmp_path, "out")
+    import fcntl
+
+    def refuse(*args):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    notes = finish_interrupted_merge(out)
+    assert len(notes) == 1 and notes[0].startswith(f"2 temporary directories of an interrupted merge into {out}")
+    assert made.is_dir() and locked.is_dir() and (tmp_path / f"{locked.name}.lock").is_file()
+
+
+def test_a_directory_that_cannot_be_deleted_is_named_and_its_lock_file_kept(tmp_path, monkeypatch):
+    """Deleting fails (another user's files in a sticky directory, say): one line naming it and why; the lock file
+    stays, so the next merge tries again."""
+    out = tmp_path / "out"
+    dead = _dead_writer(tmp_path, "out", "(tmp / 'model.safetensors').write_bytes(b'x')")
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    assert finish_interrupted_merge(out) == [
+        f"{out}: could not delete {dead}, left by a killed merge into it (Permission denied)"
+    ]
+    assert dead.is_dir() and (tmp_path / f"{dead.name}.lock").is_file()
+    monkeypatch.undo()
+    assert finish_interrupted_merge(out)[0].startswith(f"{out}: removed 1 temporary directory")
+    assert os.listdir(tmp_path) == []
+
+
+def test_make_temp_dir_holds_its_lock_until_released(tmp_path):
+    """While held (this process: another open file of the lock), a claim finds it live; released, the lock file is
+    gone and the directory counts as unknown (no lock file), never as dead."""
+    from plate_inspect.atomic import Claim, claim_temp_dir, make_temp_dir
+
+    temp = make_temp_dir(tmp_path, "out")
+    assert temp.path.is_dir() and (tmp_path / f"{temp.path.name}.lock").is_file()
+    with claim_temp_dir(temp.path) as claim:
+        assert claim is Claim.LIVE
+    temp.release()
+    assert os.listdir(tmp_path) == [temp.path.name]
+    with claim_temp_dir(temp.path) as claim:
+        assert claim is Claim.UNKNOWN

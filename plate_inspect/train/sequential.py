@@ -28,11 +28,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from plate_inspect.atomic import make_temp_dir, new_file_mode, os_error_reason
+from plate_inspect.atomic import Claim, claim_temp_dir, make_temp_dir, new_file_mode, os_error_reason
 from plate_inspect.bundle import MANIFEST, Bundle, ModuleRecord, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.dtypes import FLOAT_DTYPES
 from plate_inspect.errors import BundleError, CheckpointError
+from plate_inspect.formatting import counted, human_bytes
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import EXPERT_LAYOUTS
 from plate_inspect.train.core import geometry_digest, merged_copy
@@ -142,7 +143,8 @@ def merge_checkpoint(
     in_place = _no_swap_reason(place)  # out cannot be renamed: the files are built inside it and moved in
     with _write_errors(out):
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_temp_dir(place if in_place else place.parent, place.name)
+        temp = make_temp_dir(place if in_place else place.parent, place.name)  # locked until released below
+    tmp = temp.path
     counter = ProgressCounter(
         progress, len(ckpt.tensors), "tensors", bytes_total=sum(i.nbytes for i in ckpt.tensors.values())
     )
@@ -180,6 +182,8 @@ def merge_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        temp.release()  # tmp is in place or deleted (or, killed, left for the next merge to finish or delete)
     return MergeResult(out, [out / f.name for f in ckpt.files], merged, notes=notes)
 
 
@@ -302,13 +306,24 @@ def _publish(tmp: Path, out: Path, overwrite: bool, in_place: str | None = None)
 
 
 def finish_interrupted_merge(out: str | os.PathLike) -> list[str]:
-    """Complete what a merge into ``out`` killed while swapping it in (:func:`_publish`) left, and say what was done.
+    """Complete or clear what merges into ``out`` that were killed left beside it, and say what was done.
 
-    ``out`` missing with ``.OUT.swap-X`` (the old checkpoint) and ``.OUT.partial-X`` (the finished new one) beside
-    it: the new one is renamed ``out`` (rolled forward; without its partner the swap directory is put back). Then
-    every ``.OUT.swap-*`` is deleted: with ``out`` in place it holds the old checkpoint, or a new one that was never
-    exchanged in (``out`` stayed the old one: rolled back). ``.OUT.partial-*`` directories alone (killed while
-    writing, maybe incomplete) are left to the user, as another merge may be writing them.
+    Each merge holds the lock of its temporary directory ``.OUT.partial-X`` (``atomic.make_temp_dir``) until it is in
+    place or deleted, also while it is renamed ``.OUT.swap-X`` to be swapped in (:func:`_publish`).
+    Only directories whose lock this call can take (their merge died: the kernel drops a dead process's locks) are
+    touched, each while holding that lock, so a merge running now and another cleanup never lose theirs:
+
+    - ``out`` missing with ``.OUT.swap-X`` (the old checkpoint) and ``.OUT.partial-X`` (the finished new one): the
+      new one is renamed ``out`` (rolled forward; without its partner the swap directory is put back);
+    - with ``out`` in place, a ``.OUT.swap-X`` holds the old checkpoint or a new one never exchanged in (``out``
+      stayed the old one: rolled back): deleted;
+    - a ``.OUT.partial-X`` (beside ``out``, or inside it where the merge filled it in place) of a killed merge,
+      incomplete or never swapped in: deleted; the note says how much space that freed (hard links to ``out``'s
+      own files, made while swapping, free nothing and are not counted; ``out``'s files are never touched).
+
+    A directory whose lock a running merge holds is left alone, with a note. One without a lock file (made by an
+    older version, or on a filesystem without flock, where nothing tells whether its merge still runs) is named
+    and never deleted (swap directories are deleted as before: they are only made after writing finished).
     """
     with _write_errors(Path(out)):
         return _finish_interrupted_merge(out)
@@ -316,30 +331,122 @@ def finish_interrupted_merge(out: str | os.PathLike) -> list[str]:
 
 def _finish_interrupted_merge(out: str | os.PathLike) -> list[str]:
     place = _real_place(Path(out))
-    prefix = f".{place.name}.swap-"
     try:
-        swaps = sorted(
-            p
-            for p in place.parent.iterdir()
-            if p.name.startswith(prefix) and re.fullmatch(r"[0-9a-f]{12}", p.name[len(prefix) :]) and _plain_dir(p)
-        )
+        swaps = _temp_dirs(place.parent, place.name, "swap")
     except OSError:
         return []
     notes = []
-    if swaps and not os.path.lexists(place):
-        partial = place.with_name(f".{place.name}.partial-{swaps[0].name[len(prefix) :]}")
-        if _plain_dir(partial):
-            os.replace(partial, place)
-            notes.append(f"{out}: finished an interrupted merge into it (its complete new checkpoint moved into place)")
-        else:
-            os.replace(swaps[0], place)
-            notes.append(f"{out}: restored it from {swaps[0].name}, left by an interrupted merge into it")
-            swaps = swaps[1:]
-        _sync(place.parent, files=False)
-    for swap in swaps:
-        shutil.rmtree(swap)
-        notes.append(f"{out}: deleted {swap.name}, the checkpoint an interrupted merge into it swapped out")
+    with contextlib.ExitStack() as held:  # the swaps' locks, held until they are moved or deleted
+        claims = {swap: held.enter_context(claim_temp_dir(_partial_name(swap))) for swap in swaps}
+        live = [swap for swap in swaps if claims[swap] is Claim.LIVE]  # a merge swapping its checkpoint in now
+        swaps = [swap for swap in swaps if swap not in live]
+        if swaps and not live and not os.path.lexists(place):
+            partial = _partial_name(swaps[0])
+            if _plain_dir(partial):
+                os.replace(partial, place)
+                notes.append(
+                    f"{out}: finished an interrupted merge into it (its complete new checkpoint moved into place)"
+                )
+            else:
+                os.replace(swaps[0], place)
+                notes.append(f"{out}: restored it from {swaps[0].name}, left by an interrupted merge into it")
+                swaps = swaps[1:]
+            _sync(place.parent, files=False)
+        for swap in swaps if os.path.lexists(place) else []:
+            shutil.rmtree(swap)
+            notes.append(f"{out}: deleted {swap.name}, the checkpoint an interrupted merge into it swapped out")
+    return notes + _clear_partials(out, place, live)
+
+
+def _clear_partials(out: str | os.PathLike, place: Path, live: list[Path]) -> list[str]:
+    """Delete the temporary directories of killed merges into ``place`` (their lock is free), name the others
+    (``live``: the swap directories of running merges, already found)."""
+    homes = [place.parent] + ([place] if _plain_dir(place) else [])  # inside OUT where the merge filled it in place
+    removed: list[Path] = []
+    unknown: list[Path] = []
+    notes: list[str] = []
+    freed = 0
+    for home in homes:
+        try:
+            partials = _temp_dirs(home, place.name, "partial")
+            locks = _temp_dirs(home, place.name, "partial", lock=True)
+        except OSError:
+            continue
+        for partial in partials:
+            with claim_temp_dir(partial) as claim:
+                if claim is Claim.LIVE:
+                    live.append(partial)
+                elif claim is Claim.UNKNOWN:
+                    unknown.append(partial)
+                elif _plain_dir(partial):  # (a claimant before this one may have deleted it)
+                    size = _own_bytes(partial)
+                    try:
+                        shutil.rmtree(partial)
+                    except OSError as e:
+                        why = e.strerror or e
+                        notes.append(f"{out}: could not delete {partial}, left by a killed merge into it ({why})")
+                    else:
+                        removed.append(partial)
+                        freed += size
+        for directory in locks:  # lock files whose merge died before making its directory, or after moving it
+            if not os.path.lexists(directory) and not os.path.lexists(directory.with_name(_swap_name(directory))):
+                with claim_temp_dir(directory):
+                    pass  # a free lock of a missing directory is removed when the claim ends
+    if removed:
+        notes.append(
+            f"{out}: removed {_counted_dirs(removed)} of killed merges into it, {human_bytes(freed)} freed "
+            f"({_names(removed)})"
+        )
+    if live:
+        notes.append(f"{out}: left {_counted_dirs(live)} alone ({_names(live)}): a merge into it is running now")
+    if unknown:
+        size = sum(_own_bytes(p, linked=True) for p in unknown)
+        notes.append(
+            f"{_counted_dirs(unknown)} of an interrupted merge into {out} ({human_bytes(size)}: {unknown[0]}"
+            + (", ..." if len(unknown) > 1 else "")
+            + "); delete them unless a merge into it is running now (made without a lock, by an older "
+            "plate-inspect or on a filesystem without flock, so this merge cannot tell)"
+        )
     return notes
+
+
+def _temp_dirs(home: Path, name: str, kind: str, lock: bool = False) -> list[Path]:
+    """The directories ``.<name>.<kind>-X`` in ``home`` with make_temp_dir's X (12 hex digits), no symlinks; with
+    ``lock``, the directories named by the lock files ``.<name>.<kind>-X.lock`` there (existing or not)."""
+    prefix, suffix = f".{name}.{kind}-", ".lock" if lock else ""
+    found = []
+    for p in home.iterdir():
+        x = p.name[len(prefix) : len(p.name) - len(suffix)]
+        if p.name.startswith(prefix) and p.name.endswith(suffix) and re.fullmatch(r"[0-9a-f]{12}", x):
+            found.append(p.with_name(prefix + x) if lock else p)
+    return sorted(found if lock else filter(_plain_dir, found))
+
+
+def _own_bytes(directory: Path, linked: bool = False) -> int:
+    """The bytes of the files under ``directory`` (symlinks not followed); without ``linked``, only of files with
+    no other hard link, the space deleting it frees (a killed swap's links to OUT's own files free nothing)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for f in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(root, f))
+                if stat.S_ISREG(st.st_mode) and (linked or st.st_nlink == 1):
+                    total += st.st_size
+    return total
+
+
+def _counted_dirs(dirs: list[Path]) -> str:
+    return counted(len(dirs), "temporary directory", "temporary directories")
+
+
+def _names(dirs: list[Path]) -> str:
+    return ", ".join(str(d) for d in dirs[:3]) + (", ..." if len(dirs) > 3 else "")
+
+
+def _partial_name(swap: Path) -> Path:
+    """``.OUT.partial-X`` for the swap directory ``.OUT.swap-X``: the name its lock file is made for."""
+    head, _, suffix = swap.name.rpartition(".swap-")
+    return swap.with_name(f"{head}.partial-{suffix}")
 
 
 def _swap_name(tmp: Path) -> str:
