@@ -227,7 +227,9 @@ class Coordinator:
         try:
             while not self._stop.is_set():
                 try:
-                    store.add(key, 1)
+                    beats = store.add(key, 1)
+                    if self._stop_main:  # (join's): rank 0 also beats in the agent store, for say_once
+                        _tell(self.info, "beat", beats)
                 except RuntimeError as e:
                     if not self._stop.is_set():
                         self._lost = _store_lost(e)
@@ -452,13 +454,18 @@ def _passed(info: RankInfo) -> None:
     agent store (not waiting for it), so that a rank that failed before one of them learns at once that rank 0 got
     past it without this error: its line is its own (:func:`say_once`)."""
     _STAGE[0] += 1
+    _tell(info, "stage", _STAGE[0])
+
+
+def _tell(info: RankInfo, what: str, value: int) -> None:
+    """On rank 0 of a torchrun job: post ``what`` = ``value`` to the agent store, not waiting for it."""
     if not info.is_root or info.world_size == 1 or _STAGE_STORE[0] is False:
         return
     if _STAGE_STORE[0] is None:
         _STAGE_STORE[0] = _agent_store(STORE_TIMEOUT_SECONDS) or False
     if _STAGE_STORE[0]:
-        stage = str(_STAGE[0])
-        _STAGE_STORE[0].post(lambda store: store.set(_job_key("stage", 0), stage))
+        text = str(value)
+        _STAGE_STORE[0].post(lambda store: store.set(_job_key(what, 0), text))
 
 
 def _record_fault(error: BaseException, group: Coordinator) -> None:
@@ -574,17 +581,25 @@ def _spoken(store: BoundedStore | None) -> bool:
 
 def _hear_rank_0(store: BoundedStore | None, stage: int | None) -> str | None:
     """Rank 0's line, waited for at most :data:`SAID_WAIT_SECONDS`; None without it, or (``stage`` given) as soon as
-    rank 0 has got past ``stage`` without saying one."""
+    rank 0 has got past ``stage`` without saying one, or once rank 0's heartbeat in the agent store (posted while it
+    scans) has stopped for 2.5 beats without a line from it."""
     if store is None:
         return None
     deadline = time.monotonic() + SAID_WAIT_SECONDS
-    said, passed = _job_key("said", 0), _job_key("stage", 0)
+    said, passed, beat = _job_key("said", 0), _job_key("stage", 0), _job_key("beat", 0)
+    last: tuple[bytes, float] | None = None  # rank 0's heartbeat while it scans, and when it last moved
     with contextlib.suppress(RuntimeError, ValueError):
-        while time.monotonic() < deadline:
+        while (now := time.monotonic()) < deadline:
             if store.check([said]):
                 return store.get(said).decode(errors="replace")
             if stage is not None and store.check([passed]) and int(store.get(passed)) > stage:
                 return None
+            if store.check([beat]):
+                beats = store.get(beat)
+                if last is None or last[0] != beats:
+                    last = (beats, now)
+                elif now - last[1] > 2.5 * HEARTBEAT_SECONDS:
+                    return None  # rank 0 stopped beating without a word: it is gone (killed, its node down)
             time.sleep(0.05)
     return None
 

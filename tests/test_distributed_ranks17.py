@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 from datetime import timedelta
 
@@ -267,3 +268,30 @@ def test_an_interruption_is_said_by_rank_0_unless_a_rank_said_why(agent_store, m
         monkeypatch.setenv("RANK", rank)
         out, took = timed_say_once(INTERRUPTED, stop)
         assert out == [] and took < 0.5, rank
+
+
+def test_a_rank_whose_rank_0_stopped_beating_does_not_wait_for_the_bound(agent_store, monkeypatch):
+    """torchrun stops rank 1 after rank 0 was killed mid-scan: rank 0 will never say its line. Its heartbeat in the
+    agent store has stopped, so rank 1 says the interrupted line with its rank after 2.5 beats, not the 30 s bound;
+    a rank 0 that still beats is waited for."""
+    monkeypatch.setattr(distributed, "HEARTBEAT_SECONDS", 0.2)
+    agent_store.set("plate-inspect/beat/t17/0/0", "7")  # rank 0's last beat
+    out, took = timed_say_once(INTERRUPTED, KeyboardInterrupt())
+    assert out == [f"rank 1: {INTERRUPTED}"] and 0.5 <= took < 10
+    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 2.0)
+    beating = threading.Event()
+
+    def beat() -> None:
+        n = 7
+        while not beating.wait(0.1):
+            n += 1
+            agent_store.set("plate-inspect/beat/t17/0/0", str(n))
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        out, took = timed_say_once(INTERRUPTED, KeyboardInterrupt())
+    finally:
+        beating.set()
+        thread.join()
+    assert out == [f"rank 1: {INTERRUPTED}"] and took >= 2.0  # waited for the bound: rank 0 was alive
