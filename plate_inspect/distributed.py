@@ -434,13 +434,13 @@ class Fault:
     after_agreement: bool = False
 
 
+#: The attribute :func:`join` sets on an error it lets through: what it is to the job's one line (:class:`Fault`).
+FAULT_ATTRIBUTE = "plate_fault"
 #: The points this process got past that every rank passes in the same order (entering :func:`join`, each
 #: collective): a rank's stage. Rank 0 posts its stage to torchrun's agent store (:func:`_passed`).
 _STAGE = [0]
 #: Rank 0's client of the agent store for its stage (None: not opened yet; False: there is no agent store).
 _STAGE_STORE: list[Any] = [None]
-#: The last error :func:`join` let through on this process and what it is (:class:`Fault`), for :func:`say_once`.
-_FAULT: list[tuple[BaseException, Fault]] = []
 
 
 def _job_key(what: str, rank: int) -> str:
@@ -469,13 +469,14 @@ def _tell(info: RankInfo, what: str, value: int) -> None:
 
 
 def _record_fault(error: BaseException, group: Coordinator) -> None:
-    """Keep what ``error`` is (for :func:`say_once`); for a rank's own error, claim saying it in the agent store, so
-    that a rank that names this failure (``rank N failed: ...``) stays quiet."""
-    _FAULT[:] = []
+    """Note on ``error`` what it is (its :data:`FAULT_ATTRIBUTE`, read by :func:`say_once`); for a rank's own error,
+    claim saying it in the agent store, so that a rank that names this failure (``rank N failed: ...``) stays
+    quiet."""
     if not isinstance(error, Exception) or group.world_size == 1:
         return
     fault = group.fault(error)
-    _FAULT.append((error, fault))
+    with contextlib.suppress(AttributeError, TypeError):  # (an exception type without attributes: an own error)
+        setattr(error, FAULT_ATTRIBUTE, fault)
     if fault.kind == "own":
         _claim(fault.rank)
 
@@ -532,7 +533,7 @@ def say_once(line: str, say: Callable[[str], None], error: BaseException | None 
     if info.world_size == 1:
         say(line)
         return
-    fault = next((f for e, f in _FAULT if e is error), None) if error is not None else None
+    fault = getattr(error, FAULT_ATTRIBUTE, None)
     interrupted = isinstance(error, KeyboardInterrupt)
     store = _agent_store(SAID_WAIT_SECONDS)
     try:

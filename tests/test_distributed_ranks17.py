@@ -198,7 +198,6 @@ def agent_store(monkeypatch):
     monkeypatch.setattr(distributed, "QUIET_EXIT_SECONDS", 0.0)
     monkeypatch.setattr(distributed, "_STAGE", [0])
     monkeypatch.setattr(distributed, "_STAGE_STORE", [None])
-    monkeypatch.setattr(distributed, "_FAULT", [])
     return server
 
 
@@ -234,17 +233,17 @@ def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
     said at once with its rank and how to resume; a rank naming that failure (a relay) is quiet because rank 1
     claimed it; a relay of a failure nobody claimed (a rank that went silent) is said by the first to claim it."""
     verdict, own, relay = BundleError("ranks disagree"), BundleError("disk full"), BundleError("rank 1 failed: x")
-    distributed._FAULT[:] = [(verdict, Fault("verdict", 0))]
+    verdict.plate_fault = Fault("verdict", 0)
     assert timed_say_once("ranks disagree", verdict)[0] == []
-    distributed._FAULT[:] = [(own, Fault("own", 1, after_agreement=True))]
+    own.plate_fault = Fault("own", 1, after_agreement=True)
     distributed._claim(1)  # (join claims a rank's own failure before posting it)
     out, took = timed_say_once("disk full", own)
     assert out == [f"rank 1: disk full; {distributed._RESUME}"] and took < 10
     monkeypatch.setenv("RANK", "0")
-    distributed._FAULT[:] = [(relay, Fault("relay", 1))]
+    relay.plate_fault = Fault("relay", 1)
     assert timed_say_once("rank 1 failed: x", relay)[0] == []  # rank 1 said it
     silent = BundleError("rank 2 has given no sign of life")
-    distributed._FAULT[:] = [(silent, Fault("relay", 2))]
+    silent.plate_fault = Fault("relay", 2)
     assert timed_say_once("rank 2 has given no sign of life", silent)[0] == ["rank 2 has given no sign of life"]
     monkeypatch.setenv("RANK", "1")
     assert timed_say_once("rank 2 has given no sign of life", silent)[0] == []  # rank 0 claimed it
@@ -262,7 +261,7 @@ def test_an_interruption_is_said_by_rank_0_unless_a_rank_said_why(agent_store, m
     assert timed_say_once(INTERRUPTED, stop)[0] == []
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t17b")  # another job: nothing said yet
     own = BundleError("disk full")
-    distributed._FAULT[:] = [(own, Fault("own", 1, after_agreement=True))]
+    own.plate_fault = Fault("own", 1, after_agreement=True)
     assert timed_say_once("disk full", own)[0] == [f"rank 1: disk full; {distributed._RESUME}"]
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
