@@ -515,8 +515,8 @@ def say_once(line: str, say: Callable[[str], None], error: BaseException | None 
     longer than :data:`SAID_WAIT_SECONDS`:
 
     - rank 0's verdict, received by every rank (:meth:`Coordinator.on_root`): only rank 0 says it, at once;
-    - a rank's error in its share of the scan: it says it at once, with its rank and how to resume; a rank that
-      names its failure (``rank N failed: ...``) is quiet (the failing rank claims the line in the store first);
+    - a rank's error in its share of the scan: it says it at once, with how to resume (and its rank, but rank 0's);
+      a rank that names its failure (``rank N failed: ...``) is quiet (the failing rank claims the line first);
     - an error before the ranks agreed on the plan (a bad option, a model missing on one node): a rank other than
       0 waits until rank 0 says a line (quiet when it is the same) or gets past the point where this rank failed
       (:func:`_passed`: then the problem is this rank's own, said at once);
@@ -542,6 +542,8 @@ def say_once(line: str, say: Callable[[str], None], error: BaseException | None 
                 return  # the failed rank said it itself
             if interrupted and _spoken(store):
                 return  # torchrun stops rank 0 after another rank failed, and that rank said why (and how to resume)
+            if fault is not None and fault.after_agreement and _RESUME not in line:
+                line += f"; {_RESUME}"  # (an error in its share of the scan, as another rank says its own)
             say(line)
             if store is not None:
                 with contextlib.suppress(RuntimeError):

@@ -231,7 +231,8 @@ def test_a_rank_that_failed_where_rank_0_got_past_says_its_line_at_once(agent_st
 def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
     """A verdict of rank 0 that every rank received: rank 1 is quiet at once. A failure of rank 1 in its share:
     said at once with its rank and how to resume; a rank naming that failure (a relay) is quiet because rank 1
-    claimed it; a relay of a failure nobody claimed (a rank that went silent) is said by the first to claim it."""
+    claimed it; a relay of a failure nobody claimed (a rank that went silent) is said by the first to claim it.
+    Rank 0's own error in its share is said as it is, with how to resume."""
     verdict, own, relay = BundleError("ranks disagree"), BundleError("disk full"), BundleError("rank 1 failed: x")
     verdict.plate_fault = Fault("verdict", 0)
     assert timed_say_once("ranks disagree", verdict)[0] == []
@@ -247,6 +248,10 @@ def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
     assert timed_say_once("rank 2 has given no sign of life", silent)[0] == ["rank 2 has given no sign of life"]
     monkeypatch.setenv("RANK", "1")
     assert timed_say_once("rank 2 has given no sign of life", silent)[0] == []  # rank 0 claimed it
+    monkeypatch.setenv("RANK", "0")  # rank 0's own error in its share: no rank prefix, how to resume
+    mine = BundleError("disk full on node 0")
+    mine.plate_fault = Fault("own", 0, after_agreement=True)
+    assert timed_say_once("disk full on node 0", mine)[0] == [f"disk full on node 0; {distributed._RESUME}"]
 
 
 def test_an_interruption_is_said_by_rank_0_unless_a_rank_said_why(agent_store, monkeypatch):
