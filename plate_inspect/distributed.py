@@ -590,20 +590,23 @@ def _hear_rank_0(store: BoundedStore | None, stage: int | None) -> str | None:
         return None
     deadline = time.monotonic() + SAID_WAIT_SECONDS
     said, passed, beat = _job_key("said", 0), _job_key("stage", 0), _job_key("beat", 0)
-    last: tuple[bytes, float] | None = None  # rank 0's heartbeat while it scans, and when it last moved
+    last: list[Any] = []  # rank 0's last heartbeat, and when it moved
     with contextlib.suppress(RuntimeError, ValueError):
         while (now := time.monotonic()) < deadline:
-            if store.check([said]):
-                return store.get(said).decode(errors="replace")
-            if stage is not None and store.check([passed]) and int(store.get(passed)) > stage:
-                return None
-            if store.check([beat]):
-                beats = store.get(beat)
-                if last is None or last[0] != beats:
-                    last = (beats, now)
-                elif now - last[1] > 2.5 * HEARTBEAT_SECONDS:
-                    return None  # rank 0 stopped beating without a word: it is gone (killed, its node down)
-            time.sleep(0.05)
+            try:
+                if store.check([said]):
+                    return store.get(said).decode(errors="replace")
+                if stage is not None and store.check([passed]) and int(store.get(passed)) > stage:
+                    return None
+                if store.check([beat]):
+                    beats = store.get(beat)
+                    if not last or last[0] != beats:
+                        last[:] = [beats, now]
+                    elif now - last[1] > 2.5 * HEARTBEAT_SECONDS:
+                        return None  # rank 0 stopped beating without a word: it is gone (killed, its node down)
+                time.sleep(0.05)
+            except KeyboardInterrupt:  # a second signal (the terminal's and torchrun's): the wait is bounded anyway
+                continue
     return None
 
 
