@@ -76,8 +76,9 @@ def test_an_interrupted_job_says_so_once(four_layers, tmp_path, how):
     script, marks = tmp_path / "slow.py", tmp_path / "marks"
     script.write_text(_SLOW_CLI)
     marks.mkdir()
-    cmd = torchrun("--", str(script), str(marks), str(four_layers.path), "--out", str(tmp_path / "b"), "--r", "8",
-                   "--quiet")  # fmt: skip
+    # torchrun's usual 30 s grace before it SIGKILLs a rank (the helper's 2 s is short for a loaded machine)
+    cmd = torchrun("--shutdown-timeout", "30", "--", str(script), str(marks), str(four_layers.path), "--out",
+                   str(tmp_path / "b"), "--r", "8", "--quiet")  # fmt: skip
     env = {**{k: v for k, v in os.environ.items() if k not in JOB_VARS}, **ONE_THREAD}
     job = subprocess.Popen(cmd, env=env, text=True, start_new_session=True, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT)  # fmt: skip
