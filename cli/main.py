@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 import click
@@ -80,17 +81,21 @@ def _apply_runtime_env(env: dict[str, str]) -> None:
 _NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
-def _error(line: str, code: int) -> NoReturn:
-    """One `error:` line, then exit ``code``. Under torchrun (WORLD_SIZE > 1) once per job, not once per rank
+def _error(line: str, code: int, error: BaseException | None = None) -> NoReturn:
+    """One `error:` line (for ``error``), then exit ``code``; once per job under torchrun (:func:`_once_per_job`)."""
+    _once_per_job(line, lambda text: err_console.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True), error)
+    sys.exit(code)
+
+
+def _once_per_job(line: str, say: Callable[[str], None], error: BaseException | None) -> None:
+    """``say(line)``; under torchrun (WORLD_SIZE > 1) once per job, not once per rank
     (:func:`plate_inspect.distributed.say_once`: rank 0 says it, another rank only a problem of its own)."""
-    say = lambda text: err_console.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True)  # noqa: E731
     if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
         from plate_inspect.distributed import say_once
 
-        say_once(line, say)
+        say_once(line, say, error)
     else:
         say(line)
-    sys.exit(code)
 
 
 def _usage_error(e: click.UsageError, command_path: str) -> NoReturn:
@@ -155,11 +160,12 @@ class LazyGroup(click.Group):
         except click.UsageError as e:  # click's own checks (a bad value, a missing argument): one line, like ours
             _usage_error(e, self._command_path(ctx, words))
         except PlateInspectError as e:
-            _error(cli_text(str(e)), 2)  # keyword arguments shown as the CLI's flags; escaped: names are not markup
-        except KeyboardInterrupt:
+            _error(cli_text(str(e)), 2, e)  # keyword arguments shown as the CLI's flags; escaped: names are not markup
+        except KeyboardInterrupt as e:
             name = ctx.invoked_subcommand or ""
             note = INTERRUPT_NOTES.get(" ".join([name, *words]), INTERRUPT_NOTES.get(name))
-            err_console.print("[yellow]interrupted[/]" + (f": {note}" if note else ""))
+            line = "interrupted" + (f": {note}" if note else "")
+            _once_per_job(line, lambda text: err_console.print(f"[yellow]{escape(text)}[/]"), e)
             sys.exit(130)
 
 

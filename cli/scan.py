@@ -214,15 +214,16 @@ def scan_command(
     """
     # the remaining options (--r, --tau, ..., --include-mtp) are ScanSettings fields by name: one settings object
     settings = ScanSettings(target_modules=split_names(target_modules), layers=parse_layers(layers), **settings)
+    root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if model is None:
         model = str(default_model_path())
         out = out or Path("bundles") / "all-MiniLM-L6-v2"
-        err_console.print(f"no model given: scanning {DEFAULT_MODEL_NAME}")
+        if root:
+            err_console.print(f"no model given: scanning {DEFAULT_MODEL_NAME}")
     out = out or default_out_dir(model)
     report_path = scan_report_path(out) if make_report else None  # refused before the scan, not after it
     check_out_dir(out)  # before the checkpoint is opened: a hub model would be downloaded first
     plan = plan_scan(model, settings, revision=revision, offline=True if offline else None)
-    root = rank_from_env().is_root  # under torchrun, rank 0 speaks for the job
     if root:
         ckpt = plan.checkpoint
         if ckpt.source is not None and ckpt.source.kind == "hub":  # which snapshot of the cache: say so
@@ -239,7 +240,9 @@ def scan_command(
                 f"note: {out} holds a bundle of {before.get('id')}; updating it for {now.get('id')} (only modules "
                 "whose weights differ are recomputed; give another --out to keep it)"
             )
-    with sigterm_as_interrupt(), progress_bar("scan", quiet=quiet or not root) as progress:
+    # under torchrun rank 0's bar counts rank 0's share of the modules, not the job's: its label says so
+    label = "scan" if rank_from_env().world_size == 1 else "scan (rank 0's share)"
+    with sigterm_as_interrupt(), progress_bar(label, quiet=quiet or not root) as progress:
         bundle = run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
     if not root:
         return

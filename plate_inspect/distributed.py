@@ -58,7 +58,8 @@ SAMPLE_BYTES = 4096
 #: own timeout does not bound a call whose server stopped answering (a powered-off or unreachable host: the socket
 #: stays open, the client waits for a reply forever), so each call runs on a thread of its own that is waited for.
 STORE_TIMEOUT_SECONDS = 30.0
-#: How long a rank other than 0 waits for rank 0's error line, to stay quiet when it is the same (:func:`say_once`).
+#: At most this long a rank other than 0 waits for rank 0's error line, to stay quiet when it is the same
+#: (:func:`say_once`); it stops waiting as soon as rank 0 has got past the point where this rank failed.
 SAID_WAIT_SECONDS = 10.0
 #: How long a rank that stays quiet lets rank 0 exit first.
 QUIET_EXIT_SECONDS = 1.0
@@ -121,6 +122,9 @@ class Coordinator:
         self._waiting = False  # the main thread waits in the store for the others (and finds a lost store itself)
         self._steps = itertools.count()
         self._failed: str | None = None  # the failure this rank has reported (so join does not report it again)
+        self._verdict: BaseException | None = None  # rank 0's error, received by on_root (rank 0 says it)
+        self._relay: tuple[BaseException, int] | None = None  # another rank's failure named here, and that rank
+        self.agreed = False  # every rank planned the same scan (agree): an error after it is this rank's own
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
         if store is not None and info.world_size > 1:
@@ -153,6 +157,8 @@ class Coordinator:
             outcome = box[0]
         ok, value = outcome
         if not ok:
+            if not self.is_root:
+                self._verdict = value  # rank 0 failed with it and says it (say_once): this rank stays quiet
             raise value
         return value
 
@@ -175,6 +181,7 @@ class Coordinator:
                     )
 
         self.on_root(verdict)
+        self.agreed = True
 
     def gather(self, obj: T) -> list[T] | None:
         """Every rank's ``obj`` at rank 0 (in rank order); None elsewhere."""
@@ -220,7 +227,9 @@ class Coordinator:
         try:
             while not self._stop.is_set():
                 try:
-                    store.add(key, 1)
+                    beats = store.add(key, 1)
+                    if self._stop_main:  # (join's): rank 0 also beats in the agent store, for say_once
+                        _tell(self.info, "beat", beats)
                 except RuntimeError as e:
                     if not self._stop.is_set():
                         self._lost = _store_lost(e)
@@ -240,6 +249,7 @@ class Coordinator:
 
     def _collective(self, run: Callable[[], None]) -> None:
         """Wait until every rank has arrived (failing fast, see the class), then run the collective ``run``."""
+        _passed(self.info)
         self._arrive()
         try:
             run()
@@ -258,7 +268,10 @@ class Coordinator:
             self._store.add(arrived, 1)
             while self._store.add(arrived, 0) < self.world_size:
                 if self._store.add(self._key("failures"), 0) > 0:
-                    raise BundleError(self._first_failure())
+                    failed, message = self._first_failure()
+                    error = BundleError(message)
+                    self._relay = (error, failed)
+                    raise error
                 now = time.monotonic()
                 for rank in watched:
                     beats = self._store.add(self._key("alive", rank), 0)
@@ -270,7 +283,9 @@ class Coordinator:
                             f"stopped, or its node is down): stop the job; {_RESUME}"
                         )
                         self._post_failure(rank, message)
-                        raise BundleError(message)
+                        error = BundleError(message)
+                        self._relay = (error, rank)
+                        raise error
                 time.sleep(pause)
                 pause = min(2 * pause, POLL_SECONDS)
         except PlateInspectError:
@@ -283,12 +298,21 @@ class Coordinator:
         finally:
             self._waiting = False
 
-    def _first_failure(self) -> str:
+    def _first_failure(self) -> tuple[int, str]:
+        """The lowest failed rank and its message."""
         for rank in range(self.world_size):
             key = self._key("failed", rank)
             if self._store.check([key]):
-                return self._store.get(key).decode(errors="replace")
-        return f"another rank failed; {_RESUME}"
+                return rank, self._store.get(key).decode(errors="replace")
+        return -1, f"another rank failed; {_RESUME}"
+
+    def fault(self, error: BaseException) -> Fault:
+        """What ``error``, raised on this rank while it scanned, is for the job's one line (:func:`say_once`)."""
+        if error is self._verdict:
+            return Fault("verdict", 0)
+        if self._relay is not None and error is self._relay[0]:
+            return Fault("relay", self._relay[1])
+        return Fault("own", self.rank, after_agreement=self.agreed)
 
 
 _RESUME = "the part files finished so far are kept: rerun the same command to resume (with any number of ranks)"
@@ -354,6 +378,11 @@ class BoundedStore:
             raise value
         return value
 
+    def post(self, fn: Callable[[Any], Any]) -> None:
+        """``fn(store)`` on the store's thread, not waited for (its result or error is dropped)."""
+        if self._timed_out is None:
+            self._calls.put((fn, [], threading.Event()))
+
     def add(self, key: str, amount: int) -> int:
         return self.call(lambda s: s.add(key, amount))
 
@@ -393,16 +422,109 @@ def _store_lost(error: BaseException) -> str:
     )
 
 
-def say_once(line: str, say: Callable[[str], None]) -> None:
-    """Print a user error once per job, not once per rank: ``say(line)`` on rank 0 (and in a single process); on
-    another rank nothing when rank 0 said the same line or named this rank's failure, else ``say("rank N: line")``.
+@dataclass(frozen=True)
+class Fault:
+    """What an error raised on a rank during a scan is to the job's one line (:func:`say_once`): rank 0's verdict
+    that every rank received (``verdict``: rank 0 says it), another rank's failure named here (``relay``: ``rank``
+    is that rank, which says it itself), or this rank's own (``own``; ``after_agreement``: raised once every rank
+    had planned the same scan, so about this rank's share of it, which no other rank repeats)."""
+
+    kind: str
+    rank: int
+    after_agreement: bool = False
+
+
+#: The attribute :func:`join` sets on an error it lets through: what it is to the job's one line (:class:`Fault`).
+FAULT_ATTRIBUTE = "plate_fault"
+#: The points this process got past that every rank passes in the same order (entering :func:`join`, each
+#: collective): a rank's stage. Rank 0 posts its stage to torchrun's agent store (:func:`_passed`).
+_STAGE = [0]
+#: Rank 0's client of the agent store for its stage (None: not opened yet; False: there is no agent store).
+_STAGE_STORE: list[Any] = [None]
+
+
+def _job_key(what: str, rank: int) -> str:
+    """A key of this torchrun run (and restart) in the agent store."""
+    run, restart = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"plate-inspect/{what}/{run}/{restart}/{rank}"
+
+
+def _passed(info: RankInfo) -> None:
+    """This rank got past one more point that every rank passes in the same order; rank 0 posts how many to the
+    agent store (not waiting for it), so that a rank that failed before one of them learns at once that rank 0 got
+    past it without this error: its line is its own (:func:`say_once`)."""
+    _STAGE[0] += 1
+    _tell(info, "stage", _STAGE[0])
+
+
+def _tell(info: RankInfo, what: str, value: int) -> None:
+    """On rank 0 of a torchrun job: post ``what`` = ``value`` to the agent store, not waiting for it."""
+    if not info.is_root or info.world_size == 1 or _STAGE_STORE[0] is False:
+        return
+    if _STAGE_STORE[0] is None:
+        _STAGE_STORE[0] = _agent_store(STORE_TIMEOUT_SECONDS) or False
+    if _STAGE_STORE[0]:
+        text = str(value)
+        _STAGE_STORE[0].post(lambda store: store.set(_job_key(what, 0), text))
+
+
+def _record_fault(error: BaseException, group: Coordinator) -> None:
+    """Note on ``error`` what it is (its :data:`FAULT_ATTRIBUTE`, read by :func:`say_once`); for a rank's own error,
+    claim saying it in the agent store, so that a rank that names this failure (``rank N failed: ...``) stays
+    quiet."""
+    if not isinstance(error, Exception) or group.world_size == 1:
+        return
+    fault = group.fault(error)
+    with contextlib.suppress(AttributeError, TypeError):  # (an exception type without attributes: an own error)
+        setattr(error, FAULT_ATTRIBUTE, fault)
+    if fault.kind == "own":
+        _claim(fault.rank)
+
+
+def _claim(rank: int, store: BoundedStore | None = None) -> bool:
+    """Take the right to say the failure of ``rank`` (True for the first to ask, and when there is no agent store
+    to ask)."""
+    own = store is None
+    store = store or _agent_store(SAID_WAIT_SECONDS)
+    if store is None:
+        return True
+    try:
+        return store.add(_job_key("claim", rank), 1) == 1
+    except RuntimeError:
+        return True
+    finally:
+        if own:
+            store.close()
+
+
+def _quietly(seconds: float) -> None:
+    """Sleep (a Ctrl-C ends the sleep, not with a traceback: the process is exiting anyway)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        time.sleep(seconds)
+
+
+def say_once(line: str, say: Callable[[str], None], error: BaseException | None = None) -> None:
+    """Print a user error (or, for a KeyboardInterrupt ``error``, the interrupted line) once per job, not once per
+    rank: ``say(line)`` on rank 0 (and in a single process); another rank says ``rank N: line`` only for a problem
+    of its own.
 
     Every rank of a torchrun job runs the same command line on its node's files and mostly fails the same way (a
-    bad --out, a missing model, a setting out of range, a verdict all ranks share): N ranks printed N identical
-    lines. A rank other than 0 learns rank 0's line from the job's store (torchrun's agent holds it from the
-    start, so also for errors before the process group exists), waiting at most :data:`SAID_WAIT_SECONDS`: a rank
-    whose problem is its own (a file missing on its node), or that cannot ask (no agent store: a job started
-    without torchrun), or that asks in vain (rank 0 did not fail, or not in time), prints its line with its rank.
+    bad --out, a missing model, a setting out of range, a verdict all ranks share), and a Ctrl-C or a scheduler's
+    SIGTERM reaches every rank: N ranks printed N identical lines. Ranks learn about each other from torchrun's
+    agent store (it exists from the start, so also for errors before the process group does), never waiting
+    longer than :data:`SAID_WAIT_SECONDS`:
+
+    - rank 0's verdict, received by every rank (:meth:`Coordinator.on_root`): only rank 0 says it, at once;
+    - a rank's error in its share of the scan: it says it at once, with how to resume (and its rank, but rank 0's);
+      a rank that names its failure (``rank N failed: ...``) is quiet (the failing rank claims the line first);
+    - an error before the ranks agreed on the plan (a bad option, a model missing on one node): a rank other than
+      0 waits until rank 0 says a line (quiet when it is the same) or gets past the point where this rank failed
+      (:func:`_passed`: then the problem is this rank's own, said at once);
+    - interrupted (a Ctrl-C, or torchrun's SIGTERM to every rank when one failed): rank 0 says it, another rank
+      only if rank 0 has said nothing within the wait; no rank does once a rank said a line of its own (its error
+      says how to resume; torchrun stops the others).
+
+    A rank without an agent store (a job started without torchrun, or its store gone) says its line with its rank.
     Rank 0 posts its line after printing it, so that no rank falls quiet before rank 0 has spoken."""
     try:
         info = rank_from_env()
@@ -411,33 +533,81 @@ def say_once(line: str, say: Callable[[str], None]) -> None:
     if info.world_size == 1:
         say(line)
         return
+    fault = getattr(error, FAULT_ATTRIBUTE, None)
+    interrupted = isinstance(error, KeyboardInterrupt)
     store = _agent_store(SAID_WAIT_SECONDS)
-    key = "plate-inspect/said/{}/{}/0".format(
-        os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    )
     try:
         if info.is_root:
+            if fault is not None and fault.kind == "relay" and not _claim(fault.rank, store):
+                return  # the failed rank said it itself
+            if interrupted and _spoken(store):
+                return  # torchrun stops rank 0 after another rank failed, and that rank said why (and how to resume)
+            if fault is not None and fault.after_agreement and _RESUME not in line:
+                line += f"; {_RESUME}"  # (an error in its share of the scan, as another rank says its own)
             say(line)
             if store is not None:
                 with contextlib.suppress(RuntimeError):
-                    store.set(key, line)
+                    store.set(_job_key("said", 0), line)
             return
-        heard = None
-        if store is not None:
-            deadline = time.monotonic() + SAID_WAIT_SECONDS
+        mine = f"rank {info.rank}: {line}"
+        if fault is not None and fault.kind == "verdict":
+            mine = None  # rank 0 says it
+        elif fault is not None and fault.kind == "relay":
+            mine = line if _claim(fault.rank, store) else None  # (the line names the failed rank)
+        elif fault is not None and fault.after_agreement:
+            mine += "" if _RESUME in line else f"; {_RESUME}"
+        else:
+            spoken = interrupted and _spoken(store)  # another rank said why the job stops: no interrupted line
+            heard = "" if spoken else _hear_rank_0(store, None if interrupted else _STAGE[0])
+            named = (heard or "").startswith(f"rank {info.rank} failed: ")  # rank 0 named this rank's failure
+            if heard is not None and (interrupted or heard == line or named):
+                mine = None
+        if mine is None:
+            if not interrupted:  # rank 0 exits first, so that torchrun's report names the rank that said it
+                _quietly(QUIET_EXIT_SECONDS)
+            return
+        say(mine)
+        if store is not None and not interrupted:  # before this rank exits (and torchrun stops the others)
             with contextlib.suppress(RuntimeError):
-                while heard is None and time.monotonic() < deadline:
-                    if store.check([key]):
-                        heard = store.get(key).decode(errors="replace")
-                    else:
-                        time.sleep(0.05)
-        if heard != line and not (heard or "").startswith(f"rank {info.rank} failed: "):
-            say(f"rank {info.rank}: {line}")
-        else:  # rank 0 exits first, so that torchrun's report names it (the rank that said it) as the root cause
-            time.sleep(QUIET_EXIT_SECONDS)
+                store.add(_job_key("spoken", 0), 1)
     finally:
         if store is not None:
             store.close()
+
+
+def _spoken(store: BoundedStore | None) -> bool:
+    """Whether a rank other than 0 has said a line of its own for this job."""
+    with contextlib.suppress(RuntimeError):
+        return store is not None and store.add(_job_key("spoken", 0), 0) > 0
+    return False
+
+
+def _hear_rank_0(store: BoundedStore | None, stage: int | None) -> str | None:
+    """Rank 0's line, waited for at most :data:`SAID_WAIT_SECONDS`; None without it, or (``stage`` given) as soon as
+    rank 0 has got past ``stage`` without saying one, or once rank 0's heartbeat in the agent store (posted while it
+    scans) has stopped for 2.5 beats without a line from it."""
+    if store is None:
+        return None
+    deadline = time.monotonic() + SAID_WAIT_SECONDS
+    said, passed, beat = _job_key("said", 0), _job_key("stage", 0), _job_key("beat", 0)
+    last: list[Any] = []  # rank 0's last heartbeat, and when it moved
+    with contextlib.suppress(RuntimeError, ValueError):
+        while (now := time.monotonic()) < deadline:
+            try:
+                if store.check([said]):
+                    return store.get(said).decode(errors="replace")
+                if stage is not None and store.check([passed]) and int(store.get(passed)) > stage:
+                    return None
+                if store.check([beat]):
+                    beats = store.get(beat)
+                    if not last or last[0] != beats:
+                        last[:] = [beats, now]
+                    elif now - last[1] > 2.5 * HEARTBEAT_SECONDS:
+                        return None  # rank 0 stopped beating without a word: it is gone (killed, its node down)
+                time.sleep(0.05)
+            except KeyboardInterrupt:  # a second signal (the terminal's and torchrun's): the wait is bounded anyway
+                continue
+    return None
 
 
 def _agent_store(timeout: float) -> BoundedStore | None:
@@ -535,9 +705,10 @@ def join() -> Iterator[Coordinator]:
     An error on this rank is posted to the job's store before it propagates, so that ranks waiting for this one
     fail at once with its message (:class:`Coordinator`)."""
     info = rank_from_env()
+    _passed(info)
     created = False
     if info.world_size > 1 and not torch.distributed.is_initialized():
-        with _waiting_note(info):
+        with _waiting_note(info), _stop_signals_end_joining():
             torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
         created = True
     store = _job_store() if info.world_size > 1 else None
@@ -548,6 +719,7 @@ def join() -> Iterator[Coordinator]:
     except BaseException as e:
         if group.store_lost is not None:  # the heartbeat thread stopped the scan (KeyboardInterrupt), or the
             raise BundleError(group.store_lost) from None  # main thread found the store gone first: one message
+        _record_fault(e, group)
         group.report_failure(e)
         raise
     finally:
@@ -585,6 +757,31 @@ def _sigterm_interrupts(info: RankInfo) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _stop_signals_end_joining() -> Iterator[None]:
+    """While this rank waits to join the process group, SIGTERM and SIGINT end it at once (their default action).
+
+    Joining waits inside torch's C++ code, where a Python signal handler never runs: when another rank failed
+    before it joined, torchrun's SIGTERM (or a Ctrl-C it passes on) left this rank waiting until torchrun killed it
+    30 s later. Nothing of the scan is written before the group exists (the directory lock is an flock, released
+    with the process). Only in the main thread; a signal ignored (SIG_IGN) stays ignored."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig, handler in saved.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
