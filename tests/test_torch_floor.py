@@ -1,7 +1,8 @@
-"""pyproject's torch floor (2.2): the code paths for APIs an older torch lacks, simulated on the installed torch.
+"""Code paths for APIs an older torch lacks (pyproject's floor is 2.5; these reach back to 2.2), simulated on the
+installed torch.
 
-``TORCH=2.2.2 bash scripts/check_floors.sh`` runs the runtime tests on the floor itself (a multi-GB CUDA build from
-PyPI); these tests keep the fallbacks honest on whatever torch the suite runs with.
+``TORCH=2.5.1 bash scripts/check_floors.sh`` runs the runtime tests on an old torch itself (a multi-GB CUDA build
+from PyPI); these tests keep the fallbacks honest on whatever torch the suite runs with.
 """
 
 from __future__ import annotations
