@@ -264,7 +264,7 @@ def _transposed(block: Block) -> Block:
 
 # --------------------------------------------------------------------------- old-task loss and its derivatives
 def math_attention() -> contextlib.AbstractContextManager[None]:
-    """scaled_dot_product_attention restricted to its math kernel, on every torch the floor allows.
+    """scaled_dot_product_attention restricted to its math kernel, on torch 2.2 too (pyproject's floor is 2.5).
 
     The fused kernels (flash, memory-efficient) have no double backward and no forward-mode derivative. torch >= 2.3
     spells the restriction ``torch.nn.attention.sdpa_kernel``; torch 2.2 only has ``torch.backends.cuda.sdp_kernel``
