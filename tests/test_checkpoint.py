@@ -63,26 +63,31 @@ def test_the_other_modules_use_the_one_table():
 
 
 # --------------------------------------------------------------------------- valid files are never called corrupt
+# every dtype safetensors writes that this torch has (torch 2.2 has no uint16/32/64 and no float8_e8m0fnu)
 _WRITABLE = [
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.float8_e4m3fnuz,
-    torch.float8_e5m2fnuz,
-    torch.float8_e8m0fnu,
-    torch.int16,
-    torch.uint16,
-    torch.float16,
-    torch.bfloat16,
-    torch.int32,
-    torch.uint32,
-    torch.float32,
-    torch.complex64,
-    torch.float64,
-    torch.int64,
-    torch.uint64,
+    getattr(torch, name)
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "int16",
+        "uint16",
+        "float16",
+        "bfloat16",
+        "int32",
+        "uint32",
+        "float32",
+        "complex64",
+        "float64",
+        "int64",
+        "uint64",
+    )
+    if hasattr(torch, name)
 ]
 
 

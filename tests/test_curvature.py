@@ -21,6 +21,7 @@ from plate_inspect.analysis.curvature import (
     full_family,
     lora_family,
     lora_tangent_block,
+    math_attention,
     plate_family,
     restricted_operator,
     selector_basis_block,
@@ -637,9 +638,7 @@ def test_operators_on_a_tiny_transformer_match_dense_oracles():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(10, 5, 4, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (10,), generator=g)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.MATH):  # the oracle's double backward: CPU flash attention has none
+    with math_attention():  # the oracle's double backward: CPU flash attention has none
         hess, ggn, gram, _ = dense_oracles(model, x, y)
     problem = OldTaskProblem(model, F.cross_entropy, [(x, y)])  # default attention kernels outside
     q_in, q = (

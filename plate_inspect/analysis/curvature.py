@@ -23,6 +23,7 @@ and the matched-capacity ablations Random-B, Random-Q and High-energy-Q.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -35,7 +36,11 @@ import torch
 from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # torch 2.2: math_attention falls back to torch.backends.cuda.sdp_kernel
+    SDPBackend = sdpa_kernel = None
 
 from plate_inspect.atomic import make_dirs
 from plate_inspect.errors import ConfigError, CurvatureError
@@ -254,6 +259,18 @@ def _transposed(block: Block) -> Block:
 
 
 # --------------------------------------------------------------------------- old-task loss and its derivatives
+def math_attention() -> contextlib.AbstractContextManager[None]:
+    """scaled_dot_product_attention restricted to its math kernel, on torch 2.2 too (pyproject's floor is 2.5).
+
+    The fused kernels (flash, memory-efficient) have no double backward and no forward-mode derivative. torch >= 2.3
+    spells the restriction ``torch.nn.attention.sdpa_kernel``; torch 2.2 only has ``torch.backends.cuda.sdp_kernel``
+    (its flags choose the CPU kernel too).
+    """
+    if sdpa_kernel is None:
+        return torch.backends.cuda.sdp_kernel(enable_flash=False, enable_math=True, enable_mem_efficient=False)
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 #: Parameter dtypes too coarse for second-order products (8 and 11 significant bits).
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -298,7 +315,7 @@ class OldTaskProblem:
         state = {**self.theta0, **self.buffers, **sub}
         # scaled_dot_product_attention's fused kernels (flash, memory-efficient) have no double backward and no
         # forward-mode derivative: Hessian-vector products through attention need the plain math kernel
-        with sdpa_kernel(SDPBackend.MATH):
+        with math_attention():
             if self.forward is None:
                 return functional_call(self.model, state, (x,))
             return self.forward(_Bound(self.model, state), x)

@@ -427,7 +427,8 @@ class _LayerBuilder:
         if self.fp8:  # W = W_fp8 * weight_scale_inv, one scale per 128 x 128 block
             scale = torch.rand(-(-d_out // 128), -(-d_in // 128), generator=self.gen) * 1e-3 + 1e-3
             full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:d_out, :d_in]
-            self.tensors[f"{name}.weight"] = (w / full).to(torch.float8_e4m3fn)
+            fp8_max = torch.finfo(torch.float8_e4m3fn).max  # saturate: torch 2.2 casts 464+ to NaN
+            self.tensors[f"{name}.weight"] = (w / full).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
             self.tensors[f"{name}.weight_scale_inv"] = scale
         else:
             self.tensors[f"{name}.weight"] = w.to(self.dtype)
