@@ -507,7 +507,14 @@ class Checkpoint:
         owner = next((w.name for w in weights.values() if name in w.parts), None)
         if owner is not None:
             raise CheckpointError(f"tensor '{name}' is part of the quantized weight '{owner}'; read '{owner}'")
-        raise CheckpointError(f"{self.root}: the checkpoint has no weight named '{name}'")
+        if f"{name}.weight" in weights:  # a module's name, as bundles and scans name modules
+            raise CheckpointError(
+                f"{self.root}: the checkpoint has no weight named '{name}' (a module's name); read its weight "
+                f"'{name}.weight'"
+            )
+        raise CheckpointError(
+            f"{self.root}: the checkpoint has no weight named '{name}'; Checkpoint.logical_weights() lists its weights"
+        )
 
     # ----------------------------------------------------------------- reading
     def read_bytes(self, name: str, start: int = 0, length: int | None = None) -> bytearray:

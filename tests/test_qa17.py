@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 from conftest import load_all
@@ -75,3 +76,24 @@ def test_mtp_note_names_the_cli_option_that_scans_it(tmp_path):
     assert with_mtp.exit_code == 0, with_mtp.output
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert any(rec["layer"] == mtp for rec in manifest["modules"].values())
+
+
+def test_read_weight_of_a_module_name_names_its_weight(tmp_path):
+    """QA: the README's API reads weights by name (`read_weight('model.layers.0.self_attn.q_proj.weight')`), while
+    bundles name modules without `.weight`; `ckpt.read_weight(bundle.modules[0])` said only "has no weight named
+    ...". It now names the weight to read, and reading that one gives the stored tensor (safetensors' own loader)."""
+    from safetensors.torch import load_file
+
+    from plate_inspect.checkpoint import Checkpoint
+    from plate_inspect.errors import CheckpointError
+
+    ckpt_dir = write_llama_like(tmp_path / "m", layers=1, dtype=torch.float32).path
+    module = "model.layers.0.self_attn.q_proj"
+    ckpt = Checkpoint.open(ckpt_dir)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.read_weight(module)
+    assert f"read its weight '{module}.weight'" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    weight, _ = ckpt.read_weight(f"{module}.weight")
+    assert torch.equal(weight, load_file(str(ckpt_dir / "model.safetensors"))[f"{module}.weight"])
+    with pytest.raises(CheckpointError, match=r"no weight named 'model\.layers\.0\.nothing'; .*logical_weights"):
+        ckpt.read_weight("model.layers.0.nothing")
