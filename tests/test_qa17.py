@@ -97,3 +97,30 @@ def test_read_weight_of_a_module_name_names_its_weight(tmp_path):
     assert torch.equal(weight, load_file(str(ckpt_dir / "model.safetensors"))[f"{module}.weight"])
     with pytest.raises(CheckpointError, match=r"no weight named 'model\.layers\.0\.nothing'; .*logical_weights"):
         ckpt.read_weight("model.layers.0.nothing")
+
+
+def test_scanning_a_plate_adapter_file_says_it_is_an_adapter(tmp_path):
+    """QA: `plate-inspect scan adapter.safetensors` (a save_adapter file, the README's training output) ended in
+    "no target modules matched (...); weights in this checkpoint have types: none". PEFT and LoRA adapters were
+    already refused as adapters; a PLATE adapter file (or a directory holding one) now is too, in one line naming
+    the file, its base model (the source its bundle records) and the merge command."""
+    from helpers_train import digits_bundle, digits_checkpoint
+
+    from plate_inspect.train.layer import apply_bundle, save_adapter
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=8, tau=0.9)
+    apply_bundle(model, bundle, rho=0.5)
+    adapter = save_adapter(model, tmp_path / "ad" / "adapter.safetensors")
+    base_id = json.loads((tmp_path / "bundle" / "manifest.json").read_text())["source"]["id"]
+    for given in (adapter, adapter.parent):
+        result = CliRunner().invoke(cli, ["scan", str(given), "--out", str(tmp_path / "b"), "-q"])
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"error: {adapter}: a PLATE adapter (save_adapter: 'fc1.plate_A'), not a model"), line
+        assert f"scan its base model ({base_id}, as the adapter records it)" in line, line
+        assert "plate-inspect merge BASE ADAPTER --out OUT" in line, line
+    assert not (tmp_path / "b").exists()
+    # the model it names is scanned as a model
+    ok = CliRunner().invoke(cli, ["scan", base_id, "--out", str(tmp_path / "b"), "--r", "8", "-q"])
+    assert ok.exit_code == 0, ok.output
