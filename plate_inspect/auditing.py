@@ -483,12 +483,17 @@ def resolve_names(wanted: list[str], available: list[str], what: str) -> dict[st
         if name in have:
             out[name] = name
             continue
-        cands = [a for a in available if a.endswith("." + name)] or [a for a in available if name.endswith("." + a)]
+        cands = _suffix_match(name, available)
         if len(cands) != 1:
             why = "no module" if not cands else f"{len(cands)} modules ({', '.join(cands[:3])})"
             raise CheckpointError(f"{what}: module '{name}' matches {why} of the base checkpoint")
         out[name] = cands[0]
     return out
+
+
+def _suffix_match(name: str, available: list[str]) -> list[str]:
+    """The modules of ``available`` that ``name`` is a dotted suffix of, else those that are a dotted suffix of it."""
+    return [a for a in available if a.endswith("." + name)] or [a for a in available if name.endswith("." + a)]
 
 
 def _match_pattern(patterns: dict[str, Any], key: str) -> str | None:
@@ -630,6 +635,15 @@ class LoraUpdate(UpdateSource):
         available = [
             n[: -len(".weight")] for n, t in base.tensors.items() if n.endswith(".weight") and len(t.shape) == 2
         ]
+        if not any(name in available or _suffix_match(name, available) for name in self.pairs):
+            trained_on = self.config.get("base_model_name_or_path")
+            example = next(iter(self.pairs))
+            raise CheckpointError(
+                f"{self.path}: none of the LoRA's {len(self.pairs)} modules (e.g. '{example}') is a module of BASE "
+                f"(model_type {base.config.get('model_type')}): the adapter was trained on another model"
+                + (f" ({trained_on}, says adapter_config.json)" if trained_on else "")
+                + "; pass the model it was trained on as BASE"
+            )
         found = resolve_names(list(self.pairs), available, str(self.path))
         self.mapping = {base_name: peft_name for peft_name, base_name in found.items()}
         for base_name, peft_name in self.mapping.items():  # from the headers, before any weight is read

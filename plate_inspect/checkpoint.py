@@ -508,7 +508,14 @@ class Checkpoint:
         owner = next((w.name for w in weights.values() if name in w.parts), None)
         if owner is not None:
             raise CheckpointError(f"tensor '{name}' is part of the quantized weight '{owner}'; read '{owner}'")
-        raise CheckpointError(f"{self.root}: the checkpoint has no weight named '{name}'")
+        if f"{name}.weight" in weights:  # a module's name, as bundles and scans name modules
+            raise CheckpointError(
+                f"{self.root}: the checkpoint has no weight named '{name}' (a module's name); read its weight "
+                f"'{name}.weight'"
+            )
+        raise CheckpointError(
+            f"{self.root}: the checkpoint has no weight named '{name}'; Checkpoint.logical_weights() lists its weights"
+        )
 
     # ----------------------------------------------------------------- reading
     def read_bytes(self, name: str, start: int = 0, length: int | None = None) -> bytearray:
@@ -855,6 +862,14 @@ def refuse_adapter(ckpt: Checkpoint) -> None:
     base model to scan instead when adapter_config.json names it. (Reading an adapter's tensors, as audit does, is
     fine: this is for target selection.)"""
     root, files = ckpt.root, ckpt.files
+    plate = next((n for n in sorted(ckpt.tensors) if n.endswith(".plate_A")), None)
+    if plate is not None and not files[0].name.startswith("adapter_model"):  # a save_adapter file
+        made_from = _plate_adapter_source(ckpt.tensors[plate].file)
+        raise CheckpointError(
+            f"{ckpt.tensors[plate].file}: a PLATE adapter (save_adapter: '{plate}'), not a model; scan its base model"
+            + (f" ({made_from}, as the adapter records it)" if made_from else "")
+            + ", or merge the adapter into it first (plate-inspect merge BASE ADAPTER --out OUT) and scan OUT"
+        )
     lora = next((n for n in sorted(ckpt.tensors) if any(m in n for m in _LORA_MARKERS)), None)
     if lora is None and not (files and all(f.name.startswith("adapter_model") for f in files)):
         return
@@ -872,6 +887,16 @@ def refuse_adapter(ckpt: Checkpoint) -> None:
         f"{root}: holds {what}, not a model; scan its base model{named}, or merge the adapter into it first (peft: "
         "PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained(OUT))"
     )
+
+
+def _plate_adapter_source(path: Path) -> str | None:
+    """The model a save_adapter file's bundle was scanned from (its metadata's ``source`` id), or None."""
+    try:
+        source = json.loads(parse_safetensors_header(path)[1].get("source", "null"))
+    except (CheckpointError, ValueError, RecursionError):
+        return None
+    made_from = source.get("id") if isinstance(source, dict) else None
+    return made_from if isinstance(made_from, str) and made_from else None
 
 
 def _refuse_packed(ckpt: Checkpoint) -> None:

@@ -705,7 +705,8 @@ def select_targets(
     mtp = mtp_layers(ckpt.config)
     if mtp and not include_mtp:
         chosen = [t for t in chosen if t.layer not in mtp]
-        note += f"; multi-token-prediction layer {', '.join(map(str, sorted(mtp)))} skipped (include_mtp to scan it)"
+        skipped = ", ".join(map(str, sorted(mtp)))
+        note += f"; multi-token-prediction layer {skipped} skipped (scan it with --include-mtp, or include_mtp=True)"
     if layers is not None:
         layers = list(layer_list(layers))
         chosen = select_layers(chosen, layers, (t.name for t in candidates))
