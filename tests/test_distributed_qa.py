@@ -56,10 +56,17 @@ def run(cmd: list[str], check: bool = True, timeout: float = 300) -> subprocess.
     return proc
 
 
+def _torchrun_options() -> set[str]:
+    from torch.distributed.run import get_args_parser
+
+    return {o for action in get_args_parser()._actions for o in action.option_strings}
+
+
 def torchrun(*args: str) -> list[str]:
-    # a stopped rank ignores torchrun's SIGTERM: SIGKILL it after 2 s instead of torchrun's default 30 s
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "--shutdown-timeout", "2", *args]  # fmt: skip
+    # a stopped rank ignores torchrun's SIGTERM: SIGKILL it after 2 s instead of torchrun's default 30 s (torchrun
+    # 2.5, the floor, has no --shutdown-timeout: it waits the 30 s)
+    grace = ["--shutdown-timeout", "2"] if "--shutdown-timeout" in _torchrun_options() else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *grace, *args]
 
 
 def assert_same_bundle(a: Path, b: Path) -> None:
