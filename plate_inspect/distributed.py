@@ -393,8 +393,9 @@ class JobProgress:
         self._stop.set()
         with self._lock:
             self._last = None
-        if self._reads is not None:
-            self._reads.close()
+        reads = self._reads
+        if reads is not None:
+            reads.close()
 
     def _post(self, event: ProgressEvent) -> None:
         modules, nbytes = event.done, event.bytes_done or 0
@@ -408,16 +409,19 @@ class JobProgress:
 
     def _read(self) -> tuple[int, int] | None:
         """The other ranks' modules and bytes, or None once a read failed (not tried again)."""
-        if self._reads is None:
+        reads = self._reads
+        if reads is None:
             return None
         try:
-            return self._reads.add(self._keys[0], 0), self._reads.add(self._keys[1], 0)
+            return reads.add(self._keys[0], 0), reads.add(self._keys[1], 0)
         except RuntimeError:
-            self._reads.close()
             self._reads = None
+            reads.close()
             return None
 
     def _read_on(self) -> None:
+        """Rank 0's thread: the others' news, every :data:`PROGRESS_SECONDS`, until stopped or a read failed (or the
+        callback did: the main thread meets its error itself at its next event)."""
         while not self._stop.wait(PROGRESS_SECONDS):
             counts = self._read()
             if counts is None:
@@ -425,7 +429,10 @@ class JobProgress:
             with self._lock:
                 if counts != self._others and self._last is not None and not self._stop.is_set():
                     self._others = counts
-                    self._send()
+                    try:
+                        self._send()
+                    except Exception:
+                        return
 
     def _send(self) -> None:
         """Rank 0's last event with the job's tally (under the lock)."""
@@ -1135,13 +1142,14 @@ def _device_worker(
     if parent_pid is not None:
         _die_with_parent(parent_pid)
 
-    read = [0]
+    done, read = [0], [0]
 
     def relay(event: ProgressEvent) -> None:
-        """This worker's progress, relayed to the parent process (which counts over all workers)."""
-        if event.done:
+        """This worker's progress, relayed to the parent process (which counts over all workers); an event that
+        repeats ``done`` (worker 0's news of the others, :class:`JobProgress`) is not a module."""
+        if event.done > done[0]:
             messages.put(("module", (event.label, (event.bytes_done or 0) - read[0])))
-        read[0] = event.bytes_done or 0
+        done[0], read[0] = event.done, event.bytes_done or 0
 
     try:
         run_scan(plan, out, overwrite=overwrite, device=device, progress=relay)

@@ -8,6 +8,7 @@ small checkpoint; unit cases drive :meth:`Coordinator.job_progress` of two ranks
 from __future__ import annotations
 
 import json
+import queue
 import re
 import textwrap
 import threading
@@ -205,3 +206,22 @@ def test_old_style_callbacks_get_one_call_per_module_not_the_jobs_news():
     callback(ProgressEvent(1, 2, "modules", "a", job=job))
     callback(ProgressEvent(2, 2, "modules", "b", job=job))
     assert calls == [(1, 2, "a"), (2, 2, "b")]
+
+
+def test_a_devices_worker_relays_modules_not_the_jobs_news(monkeypatch):
+    """``--devices`` workers are ranks too: worker 0's events that repeat ``done`` (the others' news) must not reach
+    the parent as modules, which counts over all workers itself (the bar would pass the total)."""
+    from plate_inspect import scanner
+
+    job = ProgressEvent(3, 4, "modules")
+    events = [ProgressEvent(0, 2, "modules", "", 0, 20), ProgressEvent(1, 2, "modules", "a", 10, 20)]
+    events += [ProgressEvent(1, 2, "modules", "a", 10, 20, job=job), ProgressEvent(2, 2, "modules", "b", 20, 20)]
+
+    def fake_run_scan(plan, out, *, overwrite, device, progress):
+        for event in events:
+            progress(event)
+
+    monkeypatch.setattr(scanner, "run_scan", fake_run_scan)
+    messages = queue.SimpleQueue()
+    distributed._device_worker(None, "out", "cpu", False, messages)
+    assert [messages.get_nowait() for _ in range(messages.qsize())] == [("module", ("a", 10)), ("module", ("b", 10))]
