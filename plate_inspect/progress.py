@@ -14,8 +14,9 @@ argument.
 Under torchrun a scan's events are each rank's own: ``done``/``total`` count the modules of that rank's share. On
 rank 0 every event also carries the whole job's progress as ``event.job`` (another ProgressEvent: modules of all
 ranks done, of all planned modules; kept modules of a resume count as done once their weights were checked, as in
-a single process), and while rank 0 waits for the others, events that repeat its ``done`` bring the job's news;
-once every rank has finished, the last one has ``job.done == job.total``. Elsewhere ``job`` is None.
+a single process), and while rank 0 waits for the others, events that repeat its ``done`` bring the job's news
+(sent from a thread of the scan's, one call at a time); once every rank has finished, the last one has
+``job.done == job.total``. Elsewhere ``job`` is None.
 """
 
 from __future__ import annotations
