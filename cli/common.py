@@ -26,7 +26,8 @@ def split_names(text: str | None) -> list[str] | None:
 @contextlib.contextmanager
 def progress_bar(label: str, quiet: bool = False, transient: bool = False) -> Iterator[ProgressCallback | None]:
     """The one rich bar of every long command, on stderr: done/total units, bytes read (when the events carry
-    them), elapsed time, ETA and what finished last. Yields the callback to pass as ``progress=`` (None if quiet)."""
+    them), elapsed time, ETA and what finished last; under torchrun, the whole job's (``event.job``). Yields the
+    callback to pass as ``progress=`` (None if quiet)."""
     if quiet:
         yield None
         return
@@ -57,10 +58,11 @@ def progress_bar(label: str, quiet: bool = False, transient: bool = False) -> It
     def show(event: ProgressEvent) -> None:
         if not bar.live.is_started:  # drawn from the first event on: an early error is not preceded by "0/?"
             bar.start()
+        shown = event.job or event  # under torchrun, on rank 0: the whole job's progress
         read = ""
-        if event.bytes_done is not None and event.bytes_total is not None:
-            read = f"{human_bytes(event.bytes_done)}/{human_bytes(event.bytes_total)}"
-        bar.update(task, completed=event.done, total=event.total, unit=event.unit, read=read, current=event.label)
+        if shown.bytes_done is not None and shown.bytes_total is not None:
+            read = f"{human_bytes(shown.bytes_done)}/{human_bytes(shown.bytes_total)}"
+        bar.update(task, completed=shown.done, total=shown.total, unit=shown.unit, read=read, current=event.label)
 
     try:
         yield show

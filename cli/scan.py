@@ -240,8 +240,9 @@ def scan_command(
                 f"note: {out} holds a bundle of {before.get('id')}; updating it for {now.get('id')} (only modules "
                 "whose weights differ are recomputed; give another --out to keep it)"
             )
-    # under torchrun rank 0's bar counts rank 0's share of the modules, not the job's: its label says so
-    label = "scan" if rank_from_env().world_size == 1 else "scan (rank 0's share)"
+    # under torchrun rank 0's bar counts the whole job's modules (every rank posts its count to the job's store)
+    world = rank_from_env().world_size
+    label = "scan" if world == 1 else f"scan ({world} ranks)"
     with sigterm_as_interrupt(), progress_bar(label, quiet=quiet or not root) as progress:
         bundle = run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
     if not root:

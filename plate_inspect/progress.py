@@ -10,6 +10,13 @@ events within it that repeat ``done`` with a label saying how far it has got (:m
 most one per :data:`WITHIN_INTERVAL_S`). The CLI draws these events with one rich bar
 (``plate_inspect.cli.common.progress_bar``); anything else (a log line, a GUI, a test) is a plain function of one
 argument.
+
+Under torchrun a scan's events are each rank's own: ``done``/``total`` count the modules of that rank's share. On
+rank 0 every event also carries the whole job's progress as ``event.job`` (another ProgressEvent: modules of all
+ranks done, of all planned modules; kept modules of a resume count as done once their weights were checked, as in
+a single process), and while rank 0 waits for the others, events that repeat its ``done`` bring the job's news
+(sent from a thread of the scan's, one call at a time); once every rank has finished, the last one has
+``job.done == job.total``. Elsewhere ``job`` is None.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ class ProgressEvent:
     label: str = ""  # what just finished ("" for the opening event)
     bytes_done: int | None = None  # bytes read so far, where units differ in size (the scan)
     bytes_total: int | None = None
+    #: Under torchrun, on rank 0: the whole job's progress (all ranks' modules and bytes), as far as rank 0 has
+    #: heard; None elsewhere (see the module's docstring). A bar shows ``event.job or event``.
+    job: ProgressEvent | None = None
 
 
 ProgressCallback = Callable[[ProgressEvent], None]
@@ -123,8 +133,23 @@ def as_callback(progress: object, where: str) -> ProgressCallback | None:
     if _positional_arity(progress) == 3:
         _deprecated(where, "progress(done, total, name)")
         old = progress
-        return lambda e: old(e.done, e.total, e.label) if e.done else None
+        moved = _moved()
+        return lambda e: old(e.done, e.total, e.label) if e.done and moved(e) else None
     return progress  # type: ignore[return-value]
+
+
+def _moved() -> Callable[[ProgressEvent], bool]:
+    """A filter for the old styles, which took one call per finished unit: True for an event whose ``done`` moved
+    (or the opening one), False for one that repeats it (the job's news under torchrun, a unit under way)."""
+    last = [-1]
+
+    def moved(e: ProgressEvent) -> bool:
+        if e.done == last[0]:
+            return False
+        last[0] = e.done
+        return True
+
+    return moved
 
 
 def _deprecated(where: str, style: str) -> None:
@@ -149,8 +174,11 @@ def _positional_arity(fn: object) -> int | None:
 def _from_scan_progress(front: _ScanProgressLike) -> ProgressCallback:
     """Events -> the ScanProgress calls (start on the opening event, module_done per module, finish at the end)."""
     last_bytes = [0]
+    moved = _moved()
 
     def send(e: ProgressEvent) -> None:
+        if not moved(e):
+            return
         if e.done == 0:
             front.start(e.total or 0, e.bytes_total or 0, 0, 0)
         else:

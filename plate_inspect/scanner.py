@@ -225,7 +225,8 @@ def run_scan(
 ) -> Bundle:
     """Execute a :class:`ScanPlan`, writing the bundle to ``out`` (alone, as a torchrun rank, or on ``devices``).
 
-    ``progress`` gets one event per module of this process's share (unit "modules", with bytes read).
+    ``progress`` gets one event per module of this process's share (unit "modules", with bytes read); under torchrun,
+    on rank 0, each also carries the whole job's (``ProgressEvent.job``, see :mod:`plate_inspect.progress`).
     ``expert_group``: experts of one projection solved per batched eigensolve (default: 64 on CUDA, 1 on CPU).
     """
     progress = as_callback(progress, "run_scan")
@@ -261,8 +262,10 @@ def run_scan(
         costs = [(part, sum(distributed.module_cost(*t.shape) for t in members)) for part, members in parts.items()]
         mine = distributed.assign_parts(costs, group.world_size)[group.rank]
         group_size = _group_size(dev, expert_group)
-        result = _scan_share(ckpt, {p: parts[p] for p in mine}, writer, dev, progress, group_size)
-        results = group.gather(result)
+        # under torchrun rank 0's events also carry the whole job's progress, the last one after the gather
+        with group.job_progress(progress, len(plan.targets), sum(t.nbytes for t in plan.targets)) as share_progress:
+            result = _scan_share(ckpt, {p: parts[p] for p in mine}, writer, dev, share_progress, group_size)
+            results = group.gather(result)
         # every rank gets the final manifest from rank 0 (no rank re-reads a file another node just wrote)
         final = group.on_root(lambda: _finish(writer, results or [], group.world_size))
     return Bundle(Path(out), final)
