@@ -206,6 +206,44 @@ def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
         torch.testing.assert_close(merged(input_ids=x).logits, out, rtol=1e-4, atol=1e-4)
 
 
+def test_reentrant_checkpointing_switched_on_after_get_peft_model_trains_a(tiny_qwen):
+    """use_reentrant=True (transformers 4.x's default) with the whole base model frozen, switched on through the
+    PeftModel as the Trainer does: A gets the gradients of the same model run without checkpointing, with or without
+    its embeddings' output requiring grad (equal up to float32 rounding of the backward's sums), and the decoder
+    layers really ran twice (forward, then the recompute)."""
+    from transformers import AutoModelForCausalLM
+
+    root, bundle = tiny_qwen
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def a_grads(mode: str) -> tuple[dict[str, torch.Tensor], int]:
+        model = AutoModelForCausalLM.from_pretrained(root / "model")
+        pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), task_type="CAUSAL_LM"))
+        trainable = {n: p for n, p in pm.named_parameters() if p.requires_grad}
+        helpers_train.randomize_adapters(trainable.values(), seed=4, scale=0.05)
+        calls = []
+        pm.base_model.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *_: calls.append(1))
+        if mode == "checkpointed":  # transformers 5 names it activation_*, 4.x gradient_*
+            name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+            getattr(pm, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": True}})
+            assert model.model.gradient_checkpointing
+        elif mode == "input grads":
+            model.enable_input_require_grads()
+        pm.train()
+        pm(input_ids=ids, labels=ids).loss.backward()
+        assert all(p.grad is not None for p in trainable.values()), mode
+        return {n: p.grad.clone() for n, p in trainable.items()}, len(calls)
+
+    plain, plain_calls = a_grads("plain")
+    same_inputs, _ = a_grads("input grads")
+    checkpointed, ckpt_calls = a_grads("checkpointed")
+    assert len(plain) == 14 and (plain_calls, ckpt_calls) == (1, 2)
+    for n, g in plain.items():
+        assert g.abs().sum() > 0, n
+        for oracle in (g, same_inputs[n]):  # 4.56.2: 4e-7 of the largest (rounding); 5.23: bit for bit
+            assert (checkpointed[n] - oracle).abs().max() <= 2e-6 * oracle.abs().max(), n
+
+
 @pytest.mark.parametrize("autocast_adapter_dtype", [True, False])
 def test_carried_q_stays_in_a_bf16_models_dtype(digits_setup, tmp_path, autocast_adapter_dtype):
     """peft upcasts adapter tensors to float32 by default; the carried Q stays bf16 (half the file), A is float32,
