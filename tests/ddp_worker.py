@@ -62,7 +62,10 @@ def run_trainer(model_dir: str, bundle: str, world: int) -> tuple[torch.nn.Modul
 
     pm = peft_model(model_dir, bundle)
     ids = data()
-    ds = [{"input_ids": row, "labels": row} for row in ids]
+    # labels[0] is never a target (the loss shifts labels by one), so masking it leaves the loss as it is; it makes
+    # transformers 4.x's Trainer divide the summed loss by the 60 tokens the loss has, not 64 (4.x counts the
+    # unshifted labels, 5.x labels[..., 1:]): the hand-written loops' mean, which Adam's eps would otherwise tell apart
+    ds = [{"input_ids": row, "labels": torch.cat([torch.tensor([-100]), row[1:]])} for row in ids]
     args = TrainingArguments(
         output_dir=os.environ.get("OUT_DIR", "/tmp") + "/trainer",
         per_device_train_batch_size=4 // world,

@@ -206,6 +206,44 @@ def test_trainer_on_tiny_qwen2_with_gradient_checkpointing(tiny_qwen, tmp_path):
         torch.testing.assert_close(merged(input_ids=x).logits, out, rtol=1e-4, atol=1e-4)
 
 
+def test_reentrant_checkpointing_switched_on_after_get_peft_model_trains_a(tiny_qwen):
+    """use_reentrant=True (transformers 4.x's default) with the whole base model frozen, switched on through the
+    PeftModel as the Trainer does: A gets the gradients of the same model run without checkpointing, with or without
+    its embeddings' output requiring grad (equal up to float32 rounding of the backward's sums), and the decoder
+    layers really ran twice (forward, then the recompute)."""
+    from transformers import AutoModelForCausalLM
+
+    root, bundle = tiny_qwen
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def a_grads(mode: str) -> tuple[dict[str, torch.Tensor], int]:
+        model = AutoModelForCausalLM.from_pretrained(root / "model")
+        pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), task_type="CAUSAL_LM"))
+        trainable = {n: p for n, p in pm.named_parameters() if p.requires_grad}
+        helpers_train.randomize_adapters(trainable.values(), seed=4, scale=0.05)
+        calls = []
+        pm.base_model.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *_: calls.append(1))
+        if mode == "checkpointed":  # transformers 5 names it activation_*, 4.x gradient_*
+            name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+            getattr(pm, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": True}})
+            assert model.model.gradient_checkpointing
+        elif mode == "input grads":
+            model.enable_input_require_grads()
+        pm.train()
+        pm(input_ids=ids, labels=ids).loss.backward()
+        assert all(p.grad is not None for p in trainable.values()), mode
+        return {n: p.grad.clone() for n, p in trainable.items()}, len(calls)
+
+    plain, plain_calls = a_grads("plain")
+    same_inputs, _ = a_grads("input grads")
+    checkpointed, ckpt_calls = a_grads("checkpointed")
+    assert len(plain) == 14 and (plain_calls, ckpt_calls) == (1, 2)
+    for n, g in plain.items():
+        assert g.abs().sum() > 0, n
+        for oracle in (g, same_inputs[n]):  # 4.56.2: 4e-7 of the largest (rounding); 5.23: bit for bit
+            assert (checkpointed[n] - oracle).abs().max() <= 2e-6 * oracle.abs().max(), n
+
+
 @pytest.mark.parametrize("autocast_adapter_dtype", [True, False])
 def test_carried_q_stays_in_a_bf16_models_dtype(digits_setup, tmp_path, autocast_adapter_dtype):
     """peft upcasts adapter tensors to float32 by default; the carried Q stays bf16 (half the file), A is float32,
@@ -490,9 +528,12 @@ def test_mixing_apply_bundle_and_the_peft_method_is_refused_in_one_line(digits_s
         apply_bundle(pm, bundle)
 
 
-def test_moe_checkpoint_whose_experts_transformers_fuses(tmp_path):
-    """transformers 5 holds Mixtral's per-expert w1/w2/w3 as fused 3-D parameters: the bundle's expert modules have
-    no Linear to wrap. Attention-only targets work (dense oracle); every module is refused in one line saying why."""
+def test_moe_checkpoint_experts_wrapped_or_refused_as_the_model_holds_them(tmp_path):
+    """Mixtral's checkpoint stores per-expert w1/w2/w3. transformers 4.x holds them as those nn.Linears (same names,
+    same [d_out, d_in]): every bundle module is wrapped and the MoE block's output and A gradients equal a dense
+    float64 oracle (router top-2 of softmax, renormalised; sum over the chosen experts of
+    w2'(silu(w1' x) * w3' x), each W' = W + rho E_B A Q^T). transformers 5 fuses them into 3-D parameters: no Linear
+    to wrap, and every module is refused in one line saying why. Attention-only targets work in both (dense oracle)."""
     from transformers import AutoModelForCausalLM
 
     from plate_inspect.testing.synthetic import write_family
@@ -501,8 +542,16 @@ def test_moe_checkpoint_whose_experts_transformers_fuses(tmp_path):
     bundle = scan(tmp_path / "model", tmp_path / "bundle", r=4, tau=0.9, max_rank=16)
     assert any(".experts.0.w1" in m for m in bundle.modules)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
-    with pytest.raises(BundleError, match=r"experts\.0\.w1' \(and \d+ more\): the model \(MixtralForCausalLM\) has no"):
-        get_peft_model(model, PlateConfig(bundle=str(bundle.path)))
+    held = dict(model.named_modules())
+    if all(isinstance(held.get(m), nn.Linear) for m in bundle.modules):  # transformers 4.x
+        _check_moe_block_against_dense_oracle(model, bundle, "model.layers.1.block_sparse_moe")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    else:  # transformers 5: the experts are fused parameters, not modules
+        assert not any(".experts.0.w1" in n for n in held)
+        with pytest.raises(
+            BundleError, match=r"experts\.0\.w1' \(and \d+ more\): the model \(MixtralForCausalLM\) has no"
+        ):
+            get_peft_model(model, PlateConfig(bundle=str(bundle.path)))
     pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), target_modules=["q_proj"], rho=0.5))
     name = "model.layers.1.self_attn.q_proj"
     assert pm.peft_config["default"].target_modules == {"model.layers.0.self_attn.q_proj", name}
@@ -513,6 +562,45 @@ def test_moe_checkpoint_whose_experts_transformers_fuses(tmp_path):
     w = dense_plate_weight(layer.base_layer.weight.detach(), bundle.b_idx(name), a, bundle.q(name), 0.5)
     x = torch.randn(6, w.shape[1], generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def _check_moe_block_against_dense_oracle(model: nn.Module, bundle, moe_name: str) -> None:
+    """Wrap every bundle module of a per-expert-Linear Mixtral; one MoE block's output and its experts' A gradients
+    against float64 autograd through the dense weights W + rho E_B A Q^T."""
+    rho = 0.5
+    pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), rho=rho))
+    layers = {n.removeprefix("base_model.model."): m for n, m in pm.named_modules() if isinstance(m, PlateLayer)}
+    assert set(layers) == set(bundle.modules) and len(layers) == 26  # 3 experts x 3 + 4 attention, 2 layers
+    helpers_train.randomize_adapters([m.plate_A["default"] for m in layers.values()], seed=2, scale=0.2)
+    moe = pm.base_model.model.get_submodule(moe_name)
+    n_experts, hidden = len(moe.experts), moe.gate.weight.shape[1]
+    x = torch.randn(1, 16, hidden, generator=torch.Generator().manual_seed(3))
+    probe = torch.randn(16, hidden, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out = moe(x)[0].reshape(16, hidden)  # 4.x returns (hidden states, router logits)
+    (out.double() * probe).sum().backward()
+
+    h = x.reshape(16, hidden).double()
+    probs = torch.softmax(h @ moe.gate.weight.detach().double().T, dim=-1)
+    top_p, top_e = probs.topk(2, dim=-1)
+    top_p = top_p / top_p.sum(-1, keepdim=True)
+    a64, w = {}, {}
+    for e in range(n_experts):
+        for proj in ("w1", "w2", "w3"):
+            name = f"{moe_name}.experts.{e}.{proj}"
+            a64[name] = layers[name].plate_A["default"].detach().double().requires_grad_()
+            base = layers[name].base_layer.weight.detach()
+            w[e, proj] = dense_plate_weight(base, bundle.b_idx(name), a64[name], bundle.q(name), rho)
+    oracle = torch.zeros(16, hidden, dtype=torch.float64)
+    for t in range(16):
+        for p, e in zip(top_p[t], top_e[t].tolist(), strict=True):
+            act = torch.nn.functional.silu(w[e, "w1"] @ h[t]) * (w[e, "w3"] @ h[t])
+            oracle[t] = oracle[t] + p * (w[e, "w2"] @ act)
+    (oracle * probe).sum().backward()
+    assert len(set(top_e.flatten().tolist())) == n_experts  # every expert is used, so each has a gradient to check
+    torch.testing.assert_close(out.double(), oracle.detach(), rtol=1e-5, atol=1e-6)
+    for name, a in a64.items():
+        assert a.grad.abs().sum() > 0, name
+        torch.testing.assert_close(layers[name].plate_A["default"].grad.double(), a.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_transformers_adapter_integration(tiny_qwen, tmp_path):
