@@ -1,0 +1,42 @@
+"""Session-17 QA rough edges, fixed: each test is what a user met, and what they see now.
+
+Oracles: the paths the test itself writes and moves (an adapter, its bundle), the module names a scan writes to its
+manifest, the CLI's own command names, and the checkpoint's own tensor count.
+"""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from plate_inspect.cli.main import cli
+
+
+def _plate_adapter(tmp_path):
+    """A digits MLP checkpoint, its bundle, and a save_adapter file trained from it (the README's training output)."""
+    from helpers_train import digits_bundle, digits_checkpoint
+
+    from plate_inspect.train.layer import apply_bundle, save_adapter
+
+    model, ckpt = digits_checkpoint(tmp_path / "ckpt")
+    bundle = digits_bundle(ckpt, tmp_path / "bundle", r=8, tau=0.9)
+    apply_bundle(model, bundle, rho=0.5)
+    adapter = save_adapter(model, tmp_path / "ad" / "adapter.safetensors")
+    return ckpt, tmp_path / "bundle", adapter
+
+
+def test_verify_against_an_adapter_says_model_is_an_adapter(tmp_path):
+    """QA: `verify BUNDLE adapter.safetensors` listed one "no weight" problem per module and said the bundle was
+    made for another model. MODEL is an adapter: one line now says so (scan's refusal, worded for verify), naming
+    the base model the adapter records; verifying against that base still passes."""
+    ckpt, bundle, adapter = _plate_adapter(tmp_path)
+    base_id = json.loads((bundle / "manifest.json").read_text())["source"]["id"]
+    result = CliRunner().invoke(cli, ["verify", str(bundle), str(adapter)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {adapter}: a PLATE adapter (save_adapter: 'fc1.plate_A'), not a model"), line
+    assert f"verify the bundle against its base model ({base_id}, as the adapter records it)" in line, line
+    assert "no weight" not in result.output
+    ok = CliRunner().invoke(cli, ["verify", str(bundle), str(ckpt)])
+    assert ok.exit_code == 0 and "ok:" in ok.output, ok.output
