@@ -339,10 +339,15 @@ def info_command(bundle, show_modules, show_groups):
             kind = "a PEFT adapter of the plate method (save_pretrained)"
     except (OSError, ValueError, AttributeError, PlateInspectError):
         made_with = None  # unreadable: Bundle.load says what the path is
-    if made_with:
+    if made_with and (Path(made_with) / "manifest.json").is_file():
         raise BundleError(
             f"{bundle}: {kind}, not a bundle; it was trained with the bundle {made_with}: "
             f"plate-inspect info {made_with}"
+        )
+    if made_with:
+        raise BundleError(
+            f"{bundle}: {kind}, not a bundle; it was trained with the bundle {made_with}, which is not there (moved "
+            "or deleted?): run plate-inspect info on its new place (audit and merge take it as --bundle)"
         )
     b = Bundle.load(bundle, require_complete=False)
     print_summary(b)

@@ -40,3 +40,36 @@ def test_verify_against_an_adapter_says_model_is_an_adapter(tmp_path):
     assert "no weight" not in result.output
     ok = CliRunner().invoke(cli, ["verify", str(bundle), str(ckpt)])
     assert ok.exit_code == 0 and "ok:" in ok.output, ok.output
+
+
+def test_moved_bundle_of_an_adapter_is_named_with_how_to_point_at_it(tmp_path):
+    """QA: with the adapter's bundle moved, `info adapter.safetensors` suggested `plate-inspect info <old path>`
+    (not there) and `audit BASE adapter.safetensors` said "the adapter's bundle is not found" without the path it
+    looked at. Both now name the recorded path, say it is not there, and say how to give the new place; audit with
+    --bundle NEW then runs (and the Python API names the keyword with its flag)."""
+    import pytest
+
+    from plate_inspect.auditing import audit
+    from plate_inspect.errors import BundleError
+
+    ckpt, bundle, adapter = _plate_adapter(tmp_path)
+    moved = bundle.rename(tmp_path / "moved-bundle")
+    runner = CliRunner()
+    info = runner.invoke(cli, ["info", str(adapter)])
+    assert info.exit_code == 2, info.output
+    (line,) = info.stderr.strip().splitlines()
+    assert f"trained with the bundle {bundle}, which is not there" in line, line
+    assert f"plate-inspect info {bundle}" not in line and "--bundle" in line, line
+    result = runner.invoke(cli, ["audit", str(ckpt), str(adapter), "-q"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert f"the bundle this adapter was made with, {bundle}, is not there" in line, line
+    assert line.endswith("pass its new place as --bundle"), line
+    with pytest.raises(BundleError, match=r"pass its new place as bundle=DIR \(CLI: --bundle\)"):
+        audit(ckpt, adapter)
+    ok = runner.invoke(cli, ["audit", str(ckpt), str(adapter), "--bundle", str(moved), "-q"])
+    assert ok.exit_code == 0, ok.output
+    # the bundle in place: info still points at it
+    moved.rename(bundle)
+    there = runner.invoke(cli, ["info", str(adapter)])
+    assert f"plate-inspect info {bundle}" in there.stderr, there.output
