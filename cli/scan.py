@@ -132,11 +132,14 @@ def reuse_line(stats: dict) -> str:
         stats.get("modules_changed_earlier", 0),
         stats.get("resumed"),  # None: statistics of a version that did not record it
     )
-    if damaged:
-        return (
-            f"{counted(damaged, 'module')} damaged in the part files (digest mismatch): recomputed {computed}, "
-            f"kept {kept} of {total}"
-        )
+    if damaged:  # the other recomputed modules are named too: changed weights, missing part files
+        why = [f"{counted(damaged, 'module')} damaged in the part files (digest mismatch)"]
+        if changed:
+            why.append(f"{changed} changed since the bundle was made")
+        rest = computed - damaged - changed
+        if rest > 0:
+            why.append(f"{rest} not written yet" if resumed else f"{rest} whose part files were missing or unreadable")
+        return f"{', '.join(why)}: recomputed {computed}, kept {kept} of {total}"
     if resumed and changed and "modules_changed_earlier" in stats:  # the finished bundle's weights are known
         return (
             f"resumed an interrupted rescan: {changed} of {total} modules changed since the bundle was made; "
