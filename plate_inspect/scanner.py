@@ -651,7 +651,10 @@ def _resolve_device(device: str) -> torch.device:
     except RuntimeError:
         raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was requested but no CUDA device is available; use --device cpu")
+        raise ConfigError(
+            f'device="{device}" (CLI: --device {device}) was requested but no CUDA device is available; use '
+            'device="cpu" (CLI: --device cpu)'
+        )
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device must be cpu or cuda, got {device!r}")
     return dev

@@ -112,3 +112,34 @@ def test_rescan_line_names_damaged_and_missing_part_files(tmp_path):
     repaired = plate_inspect.Bundle.load(out)
     for module in [name, *lost]:
         assert torch.equal(repaired.q(module), ref.q(module)), module
+
+
+def test_no_gpu_errors_name_the_keyword_in_python_and_the_flag_in_the_cli(tmp_path, monkeypatch):
+    """QA: `plate_inspect.scan(..., devices="all")` on a machine without a GPU raised "--devices all: ... use --device
+    cpu": CLI flags in a Python call. The message now names the keyword with its flag (the errors module's
+    "keyword (CLI: --flag)" form); the CLI still prints just the flags. (No GPU is simulated: torch reports none.)"""
+    import pytest
+    import torch
+
+    import plate_inspect
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ckpt = write_llama_like(tmp_path / "ckpt", layers=1).path
+    with pytest.raises(ConfigError) as err:
+        plate_inspect.scan(ckpt, tmp_path / "a", devices="all")
+    assert str(err.value) == (
+        'devices="all" (CLI: --devices all): no CUDA device is visible; use device="cpu" (CLI: --device cpu)'
+    )
+    with pytest.raises(ConfigError, match=r'^device="cuda" \(CLI: --device cuda\) was requested.*device="cpu"'):
+        plate_inspect.scan(ckpt, tmp_path / "b", device="cuda")
+    runner = CliRunner()
+    for flags, said in (
+        (["--devices", "all"], "error: --devices all: no CUDA device is visible; use --device cpu"),
+        (["--device", "cuda"], "error: --device cuda was requested but no CUDA device is available; use --device cpu"),
+    ):
+        result = runner.invoke(cli, ["scan", str(ckpt), "--out", str(tmp_path / "c"), "-q", *flags])
+        assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == said, result.output
+    assert not any((tmp_path / d).exists() for d in "abc")
