@@ -402,6 +402,14 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
     _logical: dict[str, LogicalWeight] | None = field(default=None, init=False, repr=False)
 
+    def __repr__(self) -> str:
+        """One short line (a REPL shows it): where, how many files and tensors, the model_type; not every tensor."""
+        where = self.source.id if self.source is not None else str(self.root)
+        return (
+            f"Checkpoint({where!r}, files={len(self.files)}, tensors={len(self.tensors)}, "
+            f"model_type={self.config.get('model_type')!r})"
+        )
+
     # ----------------------------------------------------------------- construction
     @classmethod
     def open(cls, source: str | os.PathLike, revision: str | None = None, offline: bool | None = None) -> Checkpoint:

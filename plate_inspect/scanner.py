@@ -79,6 +79,10 @@ class ScanPlan:
     selection_note: str
     settings: ScanSettings
 
+    def __repr__(self) -> str:
+        """One short line (a REPL shows it): the checkpoint, how many targets, the settings; not every tensor."""
+        return f"ScanPlan({self.checkpoint!r}, targets={len(self.targets)}, {self.settings!r})"
+
 
 #: Experts per part file: a part is written (and held in memory) whole, and a DeepSeek-V3 layer has 768 experts.
 EXPERTS_PER_PART = 8

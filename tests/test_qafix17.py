@@ -143,3 +143,22 @@ def test_no_gpu_errors_name_the_keyword_in_python_and_the_flag_in_the_cli(tmp_pa
         result = runner.invoke(cli, ["scan", str(ckpt), "--out", str(tmp_path / "c"), "-q", *flags])
         assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == said, result.output
     assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_scan_plan_and_checkpoint_reprs_are_one_short_line(tmp_path):
+    """QA: a ScanPlan's repr (in a REPL) printed every tensor of the checkpoint. ScanPlan and Checkpoint now show
+    one line: the source, the tensor count (counted here with safetensors' own loader), the target count and the
+    settings, and no tensor name."""
+    from conftest import load_all
+
+    from plate_inspect.scanner import ScanSettings, plan_scan
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    ckpt = write_llama_like(tmp_path / "ckpt", layers=4).path
+    names = list(load_all(ckpt))
+    plan = plan_scan(ckpt, ScanSettings(r=8))
+    text = repr(plan)
+    assert "\n" not in text and len(text) < 400, text
+    assert not any(name in text for name in names), text
+    assert text.startswith(f"ScanPlan(Checkpoint({str(ckpt)!r}, files=1, tensors={len(names)}, model_type='qwen2')")
+    assert f"targets={7 * 4}, ScanSettings(r=8, " in text, text
