@@ -162,3 +162,22 @@ def test_scan_plan_and_checkpoint_reprs_are_one_short_line(tmp_path):
     assert not any(name in text for name in names), text
     assert text.startswith(f"ScanPlan(Checkpoint({str(ckpt)!r}, files=1, tensors={len(names)}, model_type='qwen2')")
     assert f"targets={7 * 4}, ScanSettings(r=8, " in text, text
+
+
+def test_misspelt_command_gets_a_did_you_mean():
+    """QA: `plate-inspect scna` said only "No such command 'scna'": the top-level group loads its commands lazily,
+    so click had none to suggest from. The one error line now names the closest command (taken from the CLI's own
+    command list); a word close to none gets no suggestion, and a right command still runs."""
+    from plate_inspect.cli.main import COMMANDS
+
+    runner = CliRunner()
+    for typo, meant in (("scna", "scan"), ("verfy", "verify"), ("audti", "audit")):
+        assert meant in COMMANDS
+        result = runner.invoke(cli, [typo], prog_name="plate-inspect")
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == (
+            f"error: No such command '{typo}'. Did you mean '{meant}'? (see plate-inspect --help)"
+        ), result.stderr
+    far = runner.invoke(cli, ["xyzzy"], prog_name="plate-inspect")
+    assert far.exit_code == 2 and far.stderr.strip() == "error: No such command 'xyzzy'. (see plate-inspect --help)"
+    assert runner.invoke(cli, ["scan", "--help"]).exit_code == 0
