@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -117,6 +118,16 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         return self._load(name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        """click's, with a did-you-mean for a misspelt command (click suggests only among loaded commands, and
+        this group loads none before one runs)."""
+        name = args[0] if args else ""
+        if name and name not in COMMANDS and not name.startswith("-") and not ctx.resilient_parsing:
+            close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+            if close:
+                raise click.UsageError(f"No such command {name!r}. Did you mean {close[0]!r}?", ctx)
+        return super().resolve_command(ctx, args)
 
     @staticmethod
     def _load(name: str) -> click.Command | None:

@@ -132,11 +132,14 @@ def reuse_line(stats: dict) -> str:
         stats.get("modules_changed_earlier", 0),
         stats.get("resumed"),  # None: statistics of a version that did not record it
     )
-    if damaged:
-        return (
-            f"{counted(damaged, 'module')} damaged in the part files (digest mismatch): recomputed {computed}, "
-            f"kept {kept} of {total}"
-        )
+    if damaged:  # the other recomputed modules are named too: changed weights, missing part files
+        why = [f"{counted(damaged, 'module')} damaged in the part files (digest mismatch)"]
+        if changed:
+            why.append(f"{changed} changed since the bundle was made")
+        rest = computed - damaged - changed
+        if rest > 0:
+            why.append(f"{rest} not written yet" if resumed else f"{rest} whose part files were missing or unreadable")
+        return f"{', '.join(why)}: recomputed {computed}, kept {kept} of {total}"
     if resumed and changed and "modules_changed_earlier" in stats:  # the finished bundle's weights are known
         return (
             f"resumed an interrupted rescan: {changed} of {total} modules changed since the bundle was made; "
@@ -339,10 +342,15 @@ def info_command(bundle, show_modules, show_groups):
             kind = "a PEFT adapter of the plate method (save_pretrained)"
     except (OSError, ValueError, AttributeError, PlateInspectError):
         made_with = None  # unreadable: Bundle.load says what the path is
-    if made_with:
+    if made_with and (Path(made_with) / "manifest.json").is_file():
         raise BundleError(
             f"{bundle}: {kind}, not a bundle; it was trained with the bundle {made_with}: "
             f"plate-inspect info {made_with}"
+        )
+    if made_with:
+        raise BundleError(
+            f"{bundle}: {kind}, not a bundle; it was trained with the bundle {made_with}, which is not there (moved "
+            "or deleted?): run plate-inspect info on its new place (audit and merge take it as --bundle)"
         )
     b = Bundle.load(bundle, require_complete=False)
     print_summary(b)

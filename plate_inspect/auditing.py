@@ -699,6 +699,7 @@ class PlateUpdate(UpdateSource):
     digests: dict[str, str] | None = None  # save_adapter files: per-module B/Q digests to check
     kind: str = "plate"
     mapping: dict[str, str] = field(default_factory=dict)  # base module name -> bundle module name
+    recorded: str | None = None  # the bundle path the adapter records (where it was looked for)
 
     def __post_init__(self) -> None:
         rho = f"rho={self.rho:g}" if isinstance(self.rho, float) else "rho per module"
@@ -708,7 +709,12 @@ class PlateUpdate(UpdateSource):
         from plate_inspect.train.core import geometry_digest
 
         if self.bundle is None:
-            raise BundleError(f"{self.path}: the adapter's bundle is not found; pass --bundle with the bundle it used")
+            where = (
+                f"the bundle this adapter was made with, {self.recorded}, is not there (moved or deleted?)"
+                if self.recorded
+                else "the adapter records no bundle"
+            )
+            raise BundleError(f"{self.path}: {where}; pass its new place as bundle=DIR (CLI: --bundle)")
         to_bundle = resolve_names(list(self.a_by_name), self.bundle.modules, f"{self.path} (bundle {self.bundle.path})")
         self.a_by_name = {to_bundle[n]: a for n, a in self.a_by_name.items()}
         if isinstance(self.rho, dict):
@@ -750,7 +756,7 @@ def _plate_file_update(path: Path, bundle: Bundle | None) -> PlateUpdate:
     own = meta.get("bundle_path")
     found = Bundle.load(own) if own and (Path(own) / "manifest.json").exists() else bundle
     rho = float(meta["rho"]) if meta.get("rho") is not None else dict(meta["rhos"])  # per module when they differ
-    return PlateUpdate(path, tensors, rho, found, meta.get("plate_digests") or None)
+    return PlateUpdate(path, tensors, rho, found, meta.get("plate_digests") or None, recorded=own or None)
 
 
 def _plate_peft_update(path: Path, config: dict[str, Any], bundle: Bundle | None) -> PlateUpdate:
@@ -766,7 +772,7 @@ def _plate_peft_update(path: Path, config: dict[str, Any], bundle: Bundle | None
     found = Bundle.load(own) if own and (Path(own) / "manifest.json").exists() else bundle
     if found is not None and config.get("bundle_signature") not in (None, found.manifest.source_signature):
         raise BundleError(f"{path}: the adapter was trained with a bundle of other weights (source signature differs)")
-    return PlateUpdate(path, tensors, float(config.get("rho", 0.5)), found)
+    return PlateUpdate(path, tensors, float(config.get("rho", 0.5)), found, recorded=own or None)
 
 
 def _is_plate_file(path: Path) -> bool:

@@ -402,6 +402,14 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
     _logical: dict[str, LogicalWeight] | None = field(default=None, init=False, repr=False)
 
+    def __repr__(self) -> str:
+        """One short line (a REPL shows it): where, how many files and tensors, the model_type; not every tensor."""
+        where = self.source.id if self.source is not None else str(self.root)
+        return (
+            f"Checkpoint({where!r}, files={len(self.files)}, tensors={len(self.tensors)}, "
+            f"model_type={self.config.get('model_type')!r})"
+        )
+
     # ----------------------------------------------------------------- construction
     @classmethod
     def open(cls, source: str | os.PathLike, revision: str | None = None, offline: bool | None = None) -> Checkpoint:
@@ -856,19 +864,19 @@ def _fp8_weight(info: TensorInfo, scale: TensorInfo, block: tuple[int, int] | No
     raise CorruptCheckpointError(f"{where}: scale shape {list(s_shape)} does not fit weight {list(shape)}{hint}")
 
 
-def refuse_adapter(ckpt: Checkpoint) -> None:
+def refuse_adapter(ckpt: Checkpoint, use: str = "scan") -> None:
     """A PEFT adapter (adapter_model*.safetensors only, or any LoRA tensor such as ``*.lora_A.weight``) is not a
     model to choose target modules in: its lora_A / lora_B matrices would be scanned as modules. Refused, naming the
-    base model to scan instead when adapter_config.json names it. (Reading an adapter's tensors, as audit does, is
-    fine: this is for target selection.)"""
+    base model to ``use`` instead ("scan", "verify the bundle against") when the adapter names it. (Reading an
+    adapter's tensors, as audit does, is fine: this is for target selection and weight checks.)"""
     root, files = ckpt.root, ckpt.files
     plate = next((n for n in sorted(ckpt.tensors) if n.endswith(".plate_A")), None)
     if plate is not None and not files[0].name.startswith("adapter_model"):  # a save_adapter file
         made_from = _plate_adapter_source(ckpt.tensors[plate].file)
         raise CheckpointError(
-            f"{ckpt.tensors[plate].file}: a PLATE adapter (save_adapter: '{plate}'), not a model; scan its base model"
+            f"{ckpt.tensors[plate].file}: a PLATE adapter (save_adapter: '{plate}'), not a model; {use} its base model"
             + (f" ({made_from}, as the adapter records it)" if made_from else "")
-            + ", or merge the adapter into it first (plate-inspect merge BASE ADAPTER --out OUT) and scan OUT"
+            + f", or merge the adapter into it first (plate-inspect merge BASE ADAPTER --out OUT) and {use} OUT"
         )
     lora = next((n for n in sorted(ckpt.tensors) if any(m in n for m in _LORA_MARKERS)), None)
     if lora is None and not (files and all(f.name.startswith("adapter_model") for f in files)):
@@ -884,7 +892,7 @@ def refuse_adapter(ckpt: Checkpoint) -> None:
     else:
         what = f"LoRA adapter tensors ('{lora}')"
     raise CheckpointError(
-        f"{root}: holds {what}, not a model; scan its base model{named}, or merge the adapter into it first (peft: "
+        f"{root}: holds {what}, not a model; {use} its base model{named}, or merge the adapter into it first (peft: "
         "PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained(OUT))"
     )
 

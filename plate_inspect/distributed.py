@@ -1027,7 +1027,10 @@ def parse_devices(spec: str | Sequence[str]) -> list[str]:
         if spec.strip() == "all":
             count = torch.cuda.device_count()
             if count == 0:
-                raise ConfigError("--devices all: no CUDA device is visible; use --device cpu")
+                raise ConfigError(
+                    'devices="all" (CLI: --devices all): no CUDA device is visible; use '
+                    'device="cpu" (CLI: --device cpu)'
+                )
             return [f"cuda:{i}" for i in range(count)]
         spec = [d.strip() for d in spec.split(",") if d.strip()]
     devices = list(spec)

@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import re
 
-#: Messages name a keyword argument with its CLI flag as "overwrite=True (CLI: --overwrite)"; the CLI shows the flag.
-_KEYWORD_AND_FLAG = re.compile(r"\b\w+=\w+ \(CLI: (--[\w-]+)\)")
-_FLAG_NOTE = re.compile(r"\(CLI: (--[\w-]+)\)")
+#: Messages name a keyword argument with its CLI flag as "overwrite=True (CLI: --overwrite)" (a string value as
+#: 'devices="all" (CLI: --devices all)'); the CLI shows the flag.
+_FLAG = r"(--[\w-]+(?: [\w:,.-]+)?)"
+_KEYWORD_AND_FLAG = re.compile(r'\b\w+=(?:\w+|"[^"]*") \(CLI: ' + _FLAG + r"\)")
+_FLAG_NOTE = re.compile(r"\(CLI: " + _FLAG + r"\)")
 
 
 def cli_text(message: str) -> str:
-    """A message as the CLI prints it: ``overwrite=True (CLI: --overwrite)`` -> ``--overwrite``, ``(CLI: --out)``
-    -> ``(--out)``; the Python API keeps both forms."""
+    """A message as the CLI prints it: ``overwrite=True (CLI: --overwrite)`` -> ``--overwrite``,
+    ``device="cpu" (CLI: --device cpu)`` -> ``--device cpu``, ``(CLI: --out)`` -> ``(--out)``; the Python API keeps
+    both forms."""
     return _FLAG_NOTE.sub(r"(\1)", _KEYWORD_AND_FLAG.sub(r"\1", message))
 
 

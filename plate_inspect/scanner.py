@@ -79,6 +79,10 @@ class ScanPlan:
     selection_note: str
     settings: ScanSettings
 
+    def __repr__(self) -> str:
+        """One short line (a REPL shows it): the checkpoint, how many targets, the settings; not every tensor."""
+        return f"ScanPlan({self.checkpoint!r}, targets={len(self.targets)}, {self.settings!r})"
+
 
 #: Experts per part file: a part is written (and held in memory) whole, and a DeepSeek-V3 layer has 768 experts.
 EXPERTS_PER_PART = 8
@@ -651,7 +655,10 @@ def _resolve_device(device: str) -> torch.device:
     except RuntimeError:
         raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was requested but no CUDA device is available; use --device cpu")
+        raise ConfigError(
+            f'device="{device}" (CLI: --device {device}) was requested but no CUDA device is available; use '
+            'device="cpu" (CLI: --device cpu)'
+        )
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device must be cpu or cuda, got {device!r}")
     return dev

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from plate_inspect.bundle import Bundle, ModuleRecord, damaged
-from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.checkpoint import Checkpoint, refuse_adapter
 from plate_inspect.errors import BundleError
 from plate_inspect.geometry import exactness_allowance
 from plate_inspect.progress import ProgressCallback, ProgressCounter
@@ -103,11 +103,14 @@ def verify(
     by default ``orthonormality_tolerance`` of Q's stored dtype); spectrum descending, >= 0. ``progress`` gets one
     event per module checked. ``exact`` (needs ``source``) also checks every Q against the float64 dense oracle on
     the checkpoint's weights (``check_exactness``; minutes for a 7B model): ``report.exactness`` holds the figures.
-    Ablation bundles' Q's are not bottom-k by design and are skipped.
+    Ablation bundles' Q's are not bottom-k by design and are skipped. A ``source`` that is an adapter (PLATE, PEFT,
+    LoRA) is refused with a ``CheckpointError`` naming its base model.
     """
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
     report = VerifyReport(str(b.path), str(source) if source is not None else None)
     ckpt = Checkpoint.open(source, revision=revision) if source is not None else None
+    if ckpt is not None:
+        refuse_adapter(ckpt, use="verify the bundle against")  # not 'no weight' for every module
     if b.manifest.identity and b.manifest.identity != b.manifest.content_identity():
         report.problems.append("manifest: identity does not match its settings and module fingerprints (edited?)")
     modules = modules_by_name(ckpt) if ckpt is not None else {}  # 3-D expert slices included

@@ -412,7 +412,7 @@ def test_click_usage_errors_are_one_error_line_naming_the_commands_help(setup, t
         ("experiment", "continual", "--seeds"): ("Option '--seeds' requires an argument.", "experiment continual"),
         ("experiment", "bogus"): ("No such command 'bogus'.", "experiment"),
         ("verify", bundle.path, "--exact"): ("--exact needs MODEL: the oracle is computed from its weights", "verify"),
-        ("scna",): ("No such command 'scna'.", ""),
+        ("scna",): ("No such command 'scna'. Did you mean 'scan'?", ""),
         ("--bogus",): ("No such option '--bogus'.", ""),
     }
     for args, (message, command) in cases.items():
