@@ -76,6 +76,27 @@ def assert_same_bundle(a: Path, b: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
+def agent_store_for_rank_1(monkeypatch, run_id: str):
+    """A TCPStore server, as torchrun's agent holds it, and the environment torchrun gives rank 1 of two (this
+    process's rank-0 stage counters reset); the caller sets how long say_once waits."""
+    from datetime import timedelta
+
+    from plate_inspect import distributed
+
+    port = distributed._free_port()
+    server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    for var in JOB_VARS:
+        monkeypatch.delenv(var, raising=False)
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(distributed, "QUIET_EXIT_SECONDS", 0.0)
+    monkeypatch.setattr(distributed, "_STAGE", [0])
+    monkeypatch.setattr(distributed, "_STAGE_STORE", [None])
+    return server
+
+
 # --------------------------------------------------------------------------- the environment
 def test_env_without_master_port_or_with_rank_alone_is_one_clear_line(monkeypatch):
     """WORLD_SIZE and MASTER_ADDR without MASTER_PORT used to get past rank_from_env and fail in torch's env://

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from test_distributed_qa import EXE, JOB_VARS, ONE_THREAD, assert_same_bundle, run, torchrun
+from test_distributed_qa import EXE, JOB_VARS, ONE_THREAD, agent_store_for_rank_1, assert_same_bundle, run, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.bundle import Bundle
@@ -95,17 +95,9 @@ def test_an_error_of_one_rank_alone_is_printed_with_its_rank(four_layers, tmp_pa
 
 @pytest.fixture
 def agent_store(monkeypatch):
-    """A TCPStore server, as torchrun's agent holds it, and the environment torchrun gives rank 1 of two."""
-    port = distributed._free_port()
-    server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
-    for var in JOB_VARS:
-        monkeypatch.delenv(var, raising=False)
-    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="t16", TORCHELASTIC_RESTART_COUNT="0")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    """The agent store of a two-rank job, seen from rank 1."""
+    server = agent_store_for_rank_1(monkeypatch, "t16")
     monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 0.5)
-    monkeypatch.setattr(distributed, "QUIET_EXIT_SECONDS", 0.0)
     return server
 
 

@@ -14,11 +14,9 @@ import subprocess
 import textwrap
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-import torch
-from test_distributed_qa import JOB_VARS, ONE_THREAD, run, torchrun
+from test_distributed_qa import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, run, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.distributed import Fault, say_once
@@ -186,19 +184,9 @@ def test_a_model_missing_on_one_node_is_said_at_once_and_the_waiting_rank_ends(f
 # --------------------------------------------------------------------------- say_once over a real store
 @pytest.fixture
 def agent_store(monkeypatch):
-    """A TCPStore server, as torchrun's agent holds it, and the environment torchrun gives rank 1 of two."""
-    port = distributed._free_port()
-    server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
-    for var in JOB_VARS:
-        monkeypatch.delenv(var, raising=False)
-    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="t17", TORCHELASTIC_RESTART_COUNT="0")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    """The agent store of a two-rank job, seen from rank 1."""
+    server = agent_store_for_rank_1(monkeypatch, "t17")
     monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 30.0)
-    monkeypatch.setattr(distributed, "QUIET_EXIT_SECONDS", 0.0)
-    monkeypatch.setattr(distributed, "_STAGE", [0])
-    monkeypatch.setattr(distributed, "_STAGE_STORE", [None])
     return server
 
 
