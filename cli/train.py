@@ -54,18 +54,20 @@ def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 --rescan bundles/task2
       plate-inspect merge ./my-model adapter.safetensors --out ./my-model-task1 -q
     """
-    from plate_inspect.train.sequential import check_rescan_out, finish_interrupted_merge, merge_checkpoint, rescan
+    from plate_inspect.train.sequential import check_rescan_out, merge_checkpoint, rescan
 
     if rescan_out is not None:
         check_rescan_out(rescan_out, overwrite)
-    said = finish_interrupted_merge(out)  # what killed merges left: finished, deleted, or named (before writing)
-    for note in said:
-        err_console.print(f"[yellow]note[/]: {note}")
-    with progress_bar("merge", quiet=quiet) as progress:
-        result = merge_checkpoint(checkpoint, adapter, out, bundle=bundle, overwrite=overwrite, progress=progress)
-    for note in result.notes:
-        if note not in said:  # merge_checkpoint's own finish_interrupted_merge names a left-alone directory again
-            err_console.print(f"[yellow]note[/]: {note}")
+    with progress_bar("merge", quiet=quiet) as progress:  # notes as they arise (what killed merges left: first)
+        result = merge_checkpoint(
+            checkpoint,
+            adapter,
+            out,
+            bundle=bundle,
+            overwrite=overwrite,
+            progress=progress,
+            on_note=lambda note: err_console.print(f"[yellow]note[/]: {note}"),
+        )
     console.print(
         f"merged {counted(len(result.merged_modules), 'module')} into {counted(len(result.files), 'file')} "
         f"in [bold]{result.out}[/]"

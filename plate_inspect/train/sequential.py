@@ -19,7 +19,7 @@ import re
 import shutil
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,7 @@ def merge_checkpoint(
     bundle: Bundle | str | os.PathLike | None = None,
     overwrite: bool = False,
     progress: ProgressCallback | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> MergeResult:
     """Write ``source`` with the adapter merged (W[B] += rho A Q^T) to ``out``: same files, names, dtypes, layout.
 
@@ -100,10 +101,19 @@ def merge_checkpoint(
     as it was. An existing ``out`` is replaced as a whole (see :func:`_publish`): after a crash it holds the old or
     the new checkpoint, and the next merge into it finishes or clears what the crash left
     (:func:`finish_interrupted_merge`). ``progress`` gets one event per tensor written (unit "tensors", with bytes
-    read).
+    read); ``on_note`` each note for the user when it arises (what a killed merge left is said before writing), all
+    of which the result's ``notes`` also hold.
     """
     out = Path(out)
-    notes = finish_interrupted_merge(out)
+    notes: list[str] = []
+
+    def note(text: str) -> None:
+        notes.append(text)
+        if on_note is not None:
+            on_note(text)
+
+    for text in finish_interrupted_merge(out):
+        note(text)
     ckpt = Checkpoint.open(source)
     tensors_a, meta = read_adapter(adapter)
     b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or _recorded_bundle(adapter, meta))
@@ -178,7 +188,8 @@ def merge_checkpoint(
             for written in tmp.iterdir():
                 os.chmod(written, mode)
             _sync(tmp)
-            notes += _publish(tmp, place, overwrite, in_place)
+            for text in _publish(tmp, place, overwrite, in_place):
+                note(text)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
