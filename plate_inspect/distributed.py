@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -71,11 +71,15 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 @dataclass(frozen=True)
 class RankInfo:
-    """This process's place in a distributed job, from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+    """This process's place in a distributed job, from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK; its
+    node: GROUP_RANK of GROUP_WORLD_SIZE nodes, LOCAL_WORLD_SIZE ranks on it)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1
+    node: int = 0
+    nodes: int = 1
 
     @property
     def is_root(self) -> bool:
@@ -95,6 +99,15 @@ def rank_from_env() -> RankInfo:
         local = int(os.environ.get("LOCAL_RANK", str(rank)))
     except ValueError:
         raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
+    env = os.environ.get
+    try:  # its node (default: one node holding every rank); only for saying where a problem is, so never an error
+        place = (
+            int(env("LOCAL_WORLD_SIZE", str(world))),
+            int(env("GROUP_RANK", "0")),
+            int(env("GROUP_WORLD_SIZE", "1")),
+        )
+    except ValueError:
+        place = (world, 0, 1)
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is not a rank of WORLD_SIZE={world}")
     missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if world > 1 and var not in os.environ]
@@ -103,7 +116,7 @@ def rank_from_env() -> RankInfo:
             f"WORLD_SIZE={world} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} unset: launch "
             "distributed scans with torchrun (or unset WORLD_SIZE and RANK for a single-process scan)"
         )
-    return RankInfo(rank, world, local)
+    return RankInfo(rank, world, local, *place)
 
 
 class Coordinator:
@@ -116,8 +129,16 @@ class Coordinator:
     collective with gloo's traceback only). Without a store the collectives wait as gloo does.
     """
 
-    def __init__(self, info: RankInfo, store: Any = None, prefix: str = "", stop_main: bool = False):
+    def __init__(
+        self,
+        info: RankInfo,
+        store: Any = None,
+        prefix: str = "",
+        stop_main: bool = False,
+        track: JobTrack | None = None,
+    ):
         self.info = info
+        self.track = track if track is not None else JobTrack(RankInfo())  # (without one: posts nothing)
         self._stop_main = stop_main  # a lost store interrupts the main thread (the scan): see _heartbeat
         self._store = BoundedStore(store) if store is not None else None
         self._shared, self._prefix = store, prefix
@@ -250,7 +271,7 @@ class Coordinator:
                 try:
                     beats = store.add(key, 1)
                     if self._stop_main:  # (join's): rank 0 also beats in the agent store, for say_once
-                        _tell(self.info, "beat", beats)
+                        self.track.tell("beat", beats)
                 except RuntimeError as e:
                     if not self._stop.is_set():
                         self._lost = _store_lost(e)
@@ -270,7 +291,7 @@ class Coordinator:
 
     def _collective(self, run: Callable[[], None]) -> None:
         """Wait until every rank has arrived (failing fast, see the class), then run the collective ``run``."""
-        _passed(self.info)
+        self.track.passed()
         self._arrive()
         try:
             run()
@@ -329,11 +350,14 @@ class Coordinator:
 
     def fault(self, error: BaseException) -> Fault:
         """What ``error``, raised on this rank while it scanned, is for the job's one line (:func:`say_once`)."""
+        where = {"stage": self.track.stage, "scan": self.track.scan}
         if error is self._verdict:
-            return Fault("verdict", 0)
+            return Fault("verdict", 0, **where)
         if self._relay is not None and error is self._relay[0]:
-            return Fault("relay", self._relay[1])
-        return Fault("own", self.rank, after_agreement=self.agreed)
+            return Fault("relay", self._relay[1], **where)
+        if not isinstance(error, Exception):
+            return Fault("interrupted", self.rank, **where)
+        return Fault("own", self.rank, after_agreement=self.agreed, **where)
 
 
 class JobProgress:
@@ -450,6 +474,13 @@ class JobProgress:
         self._progress(replace(own, job=job))
 
 
+#: What a connection to a store that ended raises (torch's network and store errors, RuntimeErrors).
+_STORE_ERRORS = tuple(
+    getattr(torch.distributed, name)
+    for name in ("DistNetworkError", "DistStoreError")
+    if hasattr(torch.distributed, name)
+) or (RuntimeError,)
+
 _RESUME = "the part files finished so far are kept: rerun the same command to resume (with any number of ranks)"
 
 
@@ -561,70 +592,114 @@ def _store_lost(error: BaseException) -> str:
 class Fault:
     """What an error raised on a rank during a scan is to the job's one line (:func:`say_once`): rank 0's verdict
     that every rank received (``verdict``: rank 0 says it), another rank's failure named here (``relay``: ``rank``
-    is that rank, which says it itself), or this rank's own (``own``; ``after_agreement``: raised once every rank
-    had planned the same scan, so about this rank's share of it, which no other rank repeats)."""
+    is that rank, which says it itself), this rank's own (``own``; ``after_agreement``: raised once every rank had
+    planned the same scan, so about this rank's share of it, which no other rank repeats), a Ctrl-C or SIGTERM
+    (``interrupted``), or the job's store gone while this rank waited to join (``node``: every rank of its node met
+    it, and the first says it for them). ``stage`` and ``scan``: where it happened (:class:`JobTrack`); an error
+    without a Fault belongs to the scan that ended with an error just before, or else to the next (stage 0)."""
 
     kind: str
     rank: int
     after_agreement: bool = False
+    stage: int = 0
+    scan: int = 0
 
 
 #: The attribute :func:`join` sets on an error it lets through: what it is to the job's one line (:class:`Fault`).
 FAULT_ATTRIBUTE = "plate_fault"
-#: The points this process got past that every rank passes in the same order (entering :func:`join`, each
-#: collective): a rank's stage. Rank 0 posts its stage to torchrun's agent store (:func:`_passed`).
-_STAGE = [0]
-#: Rank 0's client of the agent store for its stage (None: not opened yet; False: there is no agent store).
-_STAGE_STORE: list[Any] = [None]
 
 
-def _job_key(what: str, rank: int) -> str:
-    """A key of this torchrun run (and restart) in the agent store."""
-    run, restart = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"plate-inspect/{what}/{run}/{restart}/{rank}"
+@dataclass
+class _RunScans:
+    """The scans of several ranks this process joined in one torchrun run: how many (every rank of a job joins the
+    same scans in the same order, so each scan's keys in the job's stores are its own), and the last one if it ended
+    with an error (an error raised outside it, such as a second Ctrl-C, belongs to it). Only an index: each scan's
+    own state is its :class:`JobTrack`."""
+
+    joined: int = 0
+    failed: int | None = None
 
 
-def _passed(info: RankInfo) -> None:
-    """This rank got past one more point that every rank passes in the same order; rank 0 posts how many to the
-    agent store (not waiting for it), so that a rank that failed before one of them learns at once that rank 0 got
-    past it without this error: its line is its own (:func:`say_once`)."""
-    _STAGE[0] += 1
-    _tell(info, "stage", _STAGE[0])
+#: Each torchrun run's (TORCHELASTIC_RUN_ID and restart; "" without one) scans in this process.
+_RUNS: dict[str, _RunScans] = {}
 
 
-def _tell(info: RankInfo, what: str, value: int) -> None:
-    """On rank 0 of a torchrun job: post ``what`` = ``value`` to the agent store, not waiting for it."""
-    if not info.is_root or info.world_size == 1 or _STAGE_STORE[0] is False:
-        return
-    if _STAGE_STORE[0] is None:
-        _STAGE_STORE[0] = _agent_store(STORE_TIMEOUT_SECONDS) or False
-    if _STAGE_STORE[0]:
-        text = str(value)
-        _STAGE_STORE[0].post(lambda store: store.set(_job_key(what, 0), text))
+def _run() -> str:
+    """This torchrun run (and restart): the agent store outlives a run's scans, and a restart's workers are new."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _job_key(what: str, scan: int, *parts: object) -> str:
+    """A key of scan ``scan`` of this torchrun run in the agent store."""
+    return "/".join(["plate-inspect", what, _run(), str(scan), *map(str, parts)])
+
+
+@dataclass
+class JobTrack:
+    """One scan of a torchrun job, as this rank goes through it: which scan of this run's processes it is (its keys
+    in torchrun's agent store), how many of the points that every rank passes in the same order it got past
+    (entering :func:`join`, each collective: its ``stage``), and its client of the agent store, where it posts
+    them (not waited for) so that a rank that failed before one of them learns who got past it (:func:`say_once`).
+
+    Owned by one scan (its :class:`Coordinator`; :func:`join` closes it): two scans in one process (tests, Python
+    callers) never see each other's stage."""
+
+    info: RankInfo
+    scan: int = 0
+    stage: int = 0
+    _store: BoundedStore | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.info.world_size > 1:
+            self._store = _agent_store(STORE_TIMEOUT_SECONDS)
+
+    def key(self, what: str, *parts: object) -> str:
+        return _job_key(what, self.scan, *parts)
+
+    def passed(self) -> None:
+        """This rank got past one more point: counted in the job's and its node's tally of ranks that reached it."""
+        self.stage += 1
+        keys = (self.key("reached", self.stage), self.key("reached", self.stage, "node", self.info.node))
+        self._post(lambda store: [store.add(key, 1) for key in keys])
+
+    def tell(self, what: str, value: int) -> None:
+        """On rank 0: post ``what`` = ``value`` (its heartbeat, ``beat``), for the ranks that wait for its line."""
+        if self.info.is_root:
+            key, text = self.key(what, 0), str(value)
+            self._post(lambda store: store.set(key, text))
+
+    def close(self) -> None:
+        """Close the client once the posts made so far are sent (without waiting for them)."""
+        if self._store is not None:
+            self._store.close()
+
+    def _post(self, fn: Callable[[Any], Any]) -> None:
+        if self._store is not None:
+            self._store.post(fn)
 
 
 def _record_fault(error: BaseException, group: Coordinator) -> None:
     """Note on ``error`` what it is (its :data:`FAULT_ATTRIBUTE`, read by :func:`say_once`); for a rank's own error,
     claim saying it in the agent store, so that a rank that names this failure (``rank N failed: ...``) stays
     quiet."""
-    if not isinstance(error, Exception) or group.world_size == 1:
+    if group.world_size == 1:
         return
     fault = group.fault(error)
     with contextlib.suppress(AttributeError, TypeError):  # (an exception type without attributes: an own error)
         setattr(error, FAULT_ATTRIBUTE, fault)
     if fault.kind == "own":
-        _claim(fault.rank)
+        _claim(_job_key("claim", fault.scan, fault.rank))
 
 
-def _claim(rank: int, store: BoundedStore | None = None) -> bool:
-    """Take the right to say the failure of ``rank`` (True for the first to ask, and when there is no agent store
-    to ask)."""
+def _claim(key: str, store: BoundedStore | None = None) -> bool:
+    """Take the right to say what ``key`` names (True for the first to ask, and when there is no agent store to
+    ask)."""
     own = store is None
     store = store or _agent_store(SAID_WAIT_SECONDS)
     if store is None:
         return True
     try:
-        return store.add(_job_key("claim", rank), 1) == 1
+        return store.add(key, 1) == 1
     except RuntimeError:
         return True
     finally:
@@ -638,10 +713,13 @@ def _quietly(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def say_once(line: str, say: Callable[[str], None], error: BaseException | None = None) -> None:
+def say_once(
+    line: str, say: Callable[[str], None], error: BaseException | None = None, info: RankInfo | None = None
+) -> None:
     """Print a user error (or, for a KeyboardInterrupt ``error``, the interrupted line) once per job, not once per
-    rank: ``say(line)`` on rank 0 (and in a single process); another rank says ``rank N: line`` only for a problem
-    of its own.
+    rank: ``say(line)`` for a problem of every rank (and in a single process); a problem of some ranks only is said
+    once per node, naming them (``ranks 8-15 on node 1 (host): line``; ``rank 1: line`` in a job on one node).
+    ``info``: this rank (default: from the environment).
 
     Every rank of a torchrun job runs the same command line on its node's files and mostly fails the same way (a
     bad --out, a missing model, a setting out of range, a verdict all ranks share), and a Ctrl-C or a scheduler's
@@ -652,87 +730,211 @@ def say_once(line: str, say: Callable[[str], None], error: BaseException | None 
     - rank 0's verdict, received by every rank (:meth:`Coordinator.on_root`): only rank 0 says it, at once;
     - a rank's error in its share of the scan: it says it at once, with how to resume (and its rank, but rank 0's);
       a rank that names its failure (``rank N failed: ...``) is quiet (the failing rank claims the line first);
-    - an error before the ranks agreed on the plan (a bad option, a model missing on one node): a rank other than
-      0 waits until rank 0 says a line (quiet when it is the same) or gets past the point where this rank failed
-      (:func:`_passed`: then the problem is this rank's own, said at once);
-    - interrupted (a Ctrl-C, or torchrun's SIGTERM to every rank when one failed): rank 0 says it, another rank
-      only if rank 0 has said nothing within the wait; no rank does once a rank said a line of its own (its error
-      says how to resume; torchrun stops the others).
+    - an error before the ranks agreed on the plan (a bad option, a model missing on one node): the first rank of
+      each node to claim the line waits until every rank had it (then one rank says it as it is) or until a rank got
+      past the point where this one failed (:class:`JobTrack`) and the ranks of its node have each failed or got
+      past it: then it says the line once for its node, naming the ranks there that had it
+      (:func:`_say_for_the_ranks`);
+    - interrupted (a Ctrl-C, or torchrun's SIGTERM to every rank when one failed): rank 0 says it; another rank
+      only if rank 0 has said nothing within the wait, and then only the first to claim it, so a rank 0 that gets
+      to it late (inside a long C++ operation when the signal came) stays quiet; no rank says it once a rank said a
+      line of its own (its error says how to resume; torchrun stops the others).
 
     A rank without an agent store (a job started without torchrun, or its store gone) says its line with its rank.
-    Rank 0 posts its line after printing it, so that no rank falls quiet before rank 0 has spoken."""
-    try:
-        info = rank_from_env()
-    except ConfigError:  # the job's variables themselves are wrong: every process says so
-        info = RankInfo()
+    A rank that says a line posts it after printing, so that no rank falls quiet (and exits) before it spoke."""
+    if info is None:
+        try:
+            info = rank_from_env()
+        except ConfigError:  # the job's variables themselves are wrong: every process says so
+            info = RankInfo()
     if info.world_size == 1:
         say(line)
         return
     fault = getattr(error, FAULT_ATTRIBUTE, None)
-    interrupted = isinstance(error, KeyboardInterrupt)
+    if not isinstance(fault, Fault):  # raised before the next scan of this process joined
+        fault = Fault("interrupted" if isinstance(error, KeyboardInterrupt) else "own", info.rank, scan=_scan_now())
+    if fault.kind == "node":  # every rank of this node met it (the store is gone): its first rank says it for them
+        if info.local_rank == 0:
+            first = info.rank - info.local_rank
+            say(f"{_where(range(first, first + info.local_world_size), info)}: {line}")
+        return
     store = _agent_store(SAID_WAIT_SECONDS)
+    if store is None:
+        say(line if info.is_root else f"rank {info.rank}: {line}")
+        return
     try:
-        if info.is_root:
-            if fault is not None and fault.kind == "relay" and not _claim(fault.rank, store):
-                return  # the failed rank said it itself
-            if interrupted and _spoken(store):
-                return  # torchrun stops rank 0 after another rank failed, and that rank said why (and how to resume)
-            if fault is not None and fault.after_agreement and _RESUME not in line:
-                line += f"; {_RESUME}"  # (an error in its share of the scan, as another rank says its own)
-            say(line)
-            if store is not None:
-                with contextlib.suppress(RuntimeError):
-                    store.set(_job_key("said", 0), line)
-            return
-        mine = f"rank {info.rank}: {line}"
-        if fault is not None and fault.kind == "verdict":
-            mine = None  # rank 0 says it
-        elif fault is not None and fault.kind == "relay":
-            mine = line if _claim(fault.rank, store) else None  # (the line names the failed rank)
-        elif fault is not None and fault.after_agreement:
-            mine += "" if _RESUME in line else f"; {_RESUME}"
+        if isinstance(error, KeyboardInterrupt):
+            _say_interrupted(line, say, info, store, fault.scan)
+        elif fault.kind == "verdict" or fault.kind == "relay" or fault.after_agreement:
+            _say_as_fault(line, say, info, store, fault)
         else:
-            spoken = interrupted and _spoken(store)  # another rank said why the job stops: no interrupted line
-            heard = "" if spoken else _hear_rank_0(store, None if interrupted else _STAGE[0])
-            named = (heard or "").startswith(f"rank {info.rank} failed: ")  # rank 0 named this rank's failure
-            if heard is not None and (interrupted or heard == line or named):
-                mine = None
-        if mine is None:
-            if not interrupted:  # rank 0 exits first, so that torchrun's report names the rank that said it
-                _quietly(QUIET_EXIT_SECONDS)
-            return
-        say(mine)
-        if store is not None and not interrupted:  # before this rank exits (and torchrun stops the others)
-            with contextlib.suppress(RuntimeError):
-                store.add(_job_key("spoken", 0), 1)
+            _say_for_the_ranks(line, say, info, store, fault)
     finally:
-        if store is not None:
-            store.close()
+        store.close()
 
 
-def _spoken(store: BoundedStore | None) -> bool:
-    """Whether a rank other than 0 has said a line of its own for this job."""
+def _scan_now() -> int:
+    """The scan of this run that an error raised outside any scan belongs to: the last one this process joined if
+    that ended with an error, else the next one."""
+    scans = _RUNS.get(_run(), _RunScans())
+    return scans.joined if scans.failed is None else scans.failed
+
+
+def _said(store: BoundedStore, scan: int, line: str | None) -> None:
+    """After this rank printed a line of its own (not the interrupted one): no rank adds an interrupted line; with
+    ``line`` (the job's line, unprefixed), the ranks waiting for rank 0's line have it."""
     with contextlib.suppress(RuntimeError):
-        return store is not None and store.add(_job_key("spoken", 0), 0) > 0
+        store.add(_job_key("spoken", scan, 0), 1)
+        if line is not None:
+            store.set(_job_key("said", scan, 0), line)
+
+
+def _say_as_fault(line: str, say: Callable[[str], None], info: RankInfo, store: BoundedStore, fault: Fault) -> None:
+    """A verdict of rank 0 (rank 0 says it), a relay of another rank's failure (the first to claim it says it), or
+    this rank's own error in its share (said at once, with how to resume and its rank but rank 0's)."""
+    mine: str | None = line
+    if fault.kind == "verdict":
+        mine = line if info.is_root else None
+    elif fault.kind == "relay":
+        mine = line if _claim(_job_key("claim", fault.scan, fault.rank), store) else None
+        if mine is None and info.is_root:
+            return  # the failed rank said it itself
+    else:
+        mine = line if _RESUME in line else f"{line}; {_RESUME}"
+        mine = mine if info.is_root else f"rank {info.rank}: {mine}"
+    if mine is None:
+        _quietly(QUIET_EXIT_SECONDS)  # the rank that says it exits first, so that torchrun's report names it
+        return
+    say(mine)
+    _said(store, fault.scan, mine if info.is_root else None)
+
+
+def _say_for_the_ranks(
+    line: str, say: Callable[[str], None], info: RankInfo, store: BoundedStore, fault: Fault
+) -> None:
+    """An error before the ranks agreed on the plan: one line for the job when every rank had it, else one per node.
+
+    The line's ranks are tallied in the agent store, for the job and for each node, with the point where they failed
+    (``fell``), beside :meth:`JobTrack.passed`'s tallies of the ranks that reached each point. The first rank of a
+    node to claim the line waits until every rank had it (then the first such rank of the job to claim it says it
+    as it is: a bad option, a model missing everywhere), or until a rank got past where this one failed (or every
+    rank failed or got past it, not all with this line) and every rank of this node failed or got past it: then it
+    says the line naming the ranks of this node that had it, and the node's name when the job has several (a model
+    or --out missing on one node: the line says so, also on rank 0's node). At :data:`SAID_WAIT_SECONDS` it says
+    what it knows by then; a second signal ends the wait the same way. The other ranks of the node wait until it has
+    spoken, then exit after it."""
+
+    def key(what: str, *parts: object) -> str:
+        return _job_key(what, fault.scan, *parts)
+
+    digest, stage, node = _digest(line), fault.stage, ("node", info.node)
+    said = key("said", digest, *node)
+    spoken = False
+    try:
+        store.set(key("who", digest, *node, store.add(key("same", digest, *node), 1) - 1), str(info.rank))
+        store.add(key("same", digest), 1)
+        store.add(key("fell", stage), 1)
+        store.add(key("fell", stage, *node), 1)
+        if not _claim(key("speak", digest, *node), store):  # another rank of this node says it
+            _wait_for(store, said, 2 * SAID_WAIT_SECONDS)
+            _quietly(QUIET_EXIT_SECONDS)
+            return
+        everyone = _wait_for_the_ranks(store, key, info, stage, digest)
+        if everyone:
+            text = line if _claim(key("speak", digest), store) else None
+        else:
+            count = store.add(key("same", digest, *node), 0)
+            ranks = sorted(
+                int(store.get(k)) for k in (key("who", digest, *node, i) for i in range(count)) if store.check([k])
+            )
+            text = f"{_where(ranks or [info.rank], info)}: {line}"
+        if text is not None:
+            say(text)
+            spoken = True
+            _said(store, fault.scan, text if everyone else None)
+        store.set(said, "1")
+        if text is None:
+            _quietly(QUIET_EXIT_SECONDS)
+    except RuntimeError:  # the store failed or stopped answering: say it with this rank
+        if not spoken:
+            say(line if info.is_root else f"rank {info.rank}: {line}")
+
+
+def _wait_for_the_ranks(store: BoundedStore, key: Callable[..., str], info: RankInfo, stage: int, digest: str) -> bool:
+    """Whether every rank failed with the line ``digest`` (True), or not: a rank got past ``stage`` or every rank
+    failed or got past it, and so did every rank of this node (False; also at :data:`SAID_WAIT_SECONDS`, or when a
+    signal ends the wait)."""
+    node = ("node", info.node)
+    deadline = time.monotonic() + SAID_WAIT_SECONDS
+    try:
+        while True:
+            if store.add(key("same", digest), 0) >= info.world_size:
+                return True
+            past = store.add(key("reached", stage + 1), 0)
+            fell = sum(store.add(key("fell", s), 0) for s in range(stage + 1))
+            here = store.add(key("reached", stage + 1, *node), 0)
+            here += sum(store.add(key("fell", s, *node), 0) for s in range(stage + 1))
+            if (past > 0 or past + fell >= info.world_size) and here >= info.local_world_size:
+                return False
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # (the terminal's Ctrl-C and torchrun's): say what is known now
+        return False
+
+
+def _wait_for(store: BoundedStore, key: str, seconds: float) -> None:
+    """Until ``key`` is in the store, at most ``seconds`` (a signal ends the wait)."""
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(KeyboardInterrupt, RuntimeError):
+        while time.monotonic() < deadline and not store.check([key]):
+            time.sleep(0.05)
+
+
+def _where(ranks: Sequence[int], info: RankInfo) -> str:
+    """``rank 3``, ``ranks 0-7``, ``ranks 0-2, 5``; with the node (its number and host name) in a job of several."""
+    spans: list[str] = []
+    for _, run in itertools.groupby(enumerate(ranks), key=lambda ir: ir[1] - ir[0]):
+        members = [rank for _, rank in run]
+        spans.append(str(members[0]) if len(members) == 1 else f"{members[0]}-{members[-1]}")
+    text = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(spans)}"
+    return f"{text} on node {info.node} ({socket.gethostname()})" if info.nodes > 1 else text
+
+
+def _say_interrupted(line: str, say: Callable[[str], None], info: RankInfo, store: BoundedStore, scan: int) -> None:
+    """Rank 0 says the interrupted line; another rank only when rank 0 said nothing within the wait, and then only
+    the first to claim it (rank 0 claims it too, so a rank 0 that gets to it after that, having been inside a long
+    C++ operation when the signal came, is quiet). Nobody says it once a rank said a line of its own."""
+    if _spoken(store, scan):
+        return  # torchrun stops the ranks after one failed, and that rank said why (and how to resume)
+    if not info.is_root and _hear_rank_0(store, scan) is not None:
+        return
+    if not _claim(_job_key("speak", scan, "interrupted"), store):
+        return
+    say(line if info.is_root else f"rank {info.rank}: {line}")
+    if info.is_root:
+        with contextlib.suppress(RuntimeError):
+            store.set(_job_key("said", scan, 0), line)
+
+
+def _spoken(store: BoundedStore, scan: int) -> bool:
+    """Whether a rank has said a line of its own (not the interrupted one) for this scan."""
+    with contextlib.suppress(RuntimeError):
+        return store.add(_job_key("spoken", scan, 0), 0) > 0
     return False
 
 
-def _hear_rank_0(store: BoundedStore | None, stage: int | None) -> str | None:
-    """Rank 0's line, waited for at most :data:`SAID_WAIT_SECONDS`; None without it, or (``stage`` given) as soon as
-    rank 0 has got past ``stage`` without saying one, or once rank 0's heartbeat in the agent store (posted while it
-    scans) has stopped for 2.5 beats without a line from it."""
-    if store is None:
-        return None
+def _hear_rank_0(store: BoundedStore, scan: int) -> str | None:
+    """Rank 0's line, waited for at most :data:`SAID_WAIT_SECONDS`; None without it, or once rank 0's heartbeat in
+    the agent store (posted while it scans) has stopped for 2.5 beats without a line from it."""
     deadline = time.monotonic() + SAID_WAIT_SECONDS
-    said, passed, beat = _job_key("said", 0), _job_key("stage", 0), _job_key("beat", 0)
+    said, beat = _job_key("said", scan, 0), _job_key("beat", scan, 0)
     last: list[Any] = []  # rank 0's last heartbeat, and when it moved
     with contextlib.suppress(RuntimeError, ValueError):
         while (now := time.monotonic()) < deadline:
             try:
                 if store.check([said]):
                     return store.get(said).decode(errors="replace")
-                if stage is not None and store.check([passed]) and int(store.get(passed)) > stage:
-                    return None
                 if store.check([beat]):
                     beats = store.get(beat)
                     if not last or last[0] != beats:
@@ -829,10 +1031,6 @@ def _digest(obj: Any) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
 
 
-#: Scans this process has joined: every rank counts the same, so each scan's keys in the store are its own.
-_JOINED = itertools.count()
-
-
 @contextlib.contextmanager
 def join() -> Iterator[Coordinator]:
     """The process group of this job (created from torchrun's env:// variables if needed, torn down after).
@@ -840,18 +1038,30 @@ def join() -> Iterator[Coordinator]:
     An error on this rank is posted to the job's store before it propagates, so that ranks waiting for this one
     fail at once with its message (:class:`Coordinator`)."""
     info = rank_from_env()
-    _passed(info)
+    scans = _RUNS.setdefault(_run(), _RunScans()) if info.world_size > 1 else _RunScans()
+    scan, scans.failed = scans.joined, None
+    scans.joined += 1
+    track = JobTrack(info, scan)
+    track.passed()
     created = False
     if info.world_size > 1 and not torch.distributed.is_initialized():
-        with _waiting_note(info), _stop_signals_end_joining():
-            torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+        try:
+            with _waiting_note(info), _stop_signals_end_joining():
+                torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+        except _STORE_ERRORS as e:  # the store's node ended while this rank waited (its ranks failed, or it died)
+            scans.failed = scan
+            track.close()
+            lost = BundleError(_store_lost(e))
+            setattr(lost, FAULT_ATTRIBUTE, Fault("node", info.rank, stage=track.stage, scan=track.scan))
+            raise lost from None
         created = True
     store = _job_store() if info.world_size > 1 else None
-    group = Coordinator(info, store, f"plate-inspect/scan-{next(_JOINED)}/", stop_main=True)
+    group = Coordinator(info, store, f"plate-inspect/scan-{scan}/", stop_main=True, track=track)
     try:
         with _sigterm_interrupts(info):
             yield group
     except BaseException as e:
+        scans.failed = scan
         if group.store_lost is not None:  # the heartbeat thread stopped the scan (KeyboardInterrupt), or the
             raise BundleError(group.store_lost) from None  # main thread found the store gone first: one message
         _record_fault(e, group)
@@ -859,6 +1069,7 @@ def join() -> Iterator[Coordinator]:
         raise
     finally:
         group.close()
+        track.close()
         if created and group.store_lost is None:  # (with the store's host gone, tearing down may wait for it)
             torch.distributed.destroy_process_group()
 

@@ -77,8 +77,8 @@ def assert_same_bundle(a: Path, b: Path) -> None:
 
 
 def agent_store_for_rank_1(monkeypatch, run_id: str):
-    """A TCPStore server, as torchrun's agent holds it, and the environment torchrun gives rank 1 of two (this
-    process's rank-0 stage counters reset); the caller sets how long say_once waits."""
+    """A TCPStore server, as torchrun's agent holds it, and the environment torchrun gives rank 1 of two (on one
+    node); the caller sets how long say_once waits."""
     from datetime import timedelta
 
     from plate_inspect import distributed
@@ -92,8 +92,6 @@ def agent_store_for_rank_1(monkeypatch, run_id: str):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(distributed, "QUIET_EXIT_SECONDS", 0.0)
-    monkeypatch.setattr(distributed, "_STAGE", [0])
-    monkeypatch.setattr(distributed, "_STAGE_STORE", [None])
     return server
 
 

@@ -101,26 +101,30 @@ def agent_store(monkeypatch):
     return server
 
 
-def test_say_once_compares_with_what_rank_0_said(agent_store, monkeypatch):
-    """Rank 1 is quiet when rank 0 said the same line or named rank 1's failure; it prints its own line with its
-    rank when rank 0 said something else or nothing (within the wait); rank 0 always prints, and posts its line."""
+def test_say_once_compares_with_what_the_other_ranks_said(agent_store, monkeypatch):
+    """Both ranks failing with the same line: it is said once, as it is (session 18: whichever rank claims it
+    first). Rank 1 alone, rank 0 silent: rank 1 says it with its rank once the wait is over; rank 1 alone, rank 0
+    past the point where it failed: at once."""
     said: list[str] = []
-    key = "plate-inspect/said/t16/0/0"
-    say_once("no model", said.append)  # nothing from rank 0 yet: rank 1 waits, then speaks for itself
-    assert said == ["rank 1: no model"]
-    monkeypatch.setenv("RANK", "0")
-    say_once("no model", said.append)
-    assert said == ["rank 1: no model", "no model"] and agent_store.get(key) == b"no model"
-    monkeypatch.setenv("RANK", "1")
+    ranks = [
+        threading.Thread(target=say_once, args=("no model", said.append, None, RankInfo(r, 2, r, 2))) for r in (0, 1)
+    ]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    assert said == ["no model"]
     said.clear()
-    say_once("no model", said.append)
-    assert said == []
-    say_once("its own problem", said.append)
+    say_once("its own problem", said.append)  # nothing from rank 0: rank 1 waits, then speaks for itself
     assert said == ["rank 1: its own problem"]
-    agent_store.set(key, "rank 1 failed: disk full; the part files finished so far are kept: ...")
-    said.clear()
-    say_once("disk full", said.append)
-    assert said == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t16b")  # another job, where rank 0 got past the point
+    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 30.0)
+    root = distributed.JobTrack(RankInfo(0, 2, 0, 2))
+    root.passed()
+    root.close()
+    started = time.monotonic()
+    say_once("its own problem", said.append)
+    assert said == ["rank 1: its own problem"] * 2 and time.monotonic() - started < 10
     monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 30.0)
     monkeypatch.setattr(distributed, "_LOST_STORES", {f"127.0.0.1:{os.environ['MASTER_PORT']}"})
     started = time.monotonic()

@@ -19,7 +19,7 @@ import pytest
 from test_distributed_qa import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, run, torchrun
 
 from plate_inspect import distributed
-from plate_inspect.distributed import Fault, say_once
+from plate_inspect.distributed import Fault, RankInfo, say_once
 from plate_inspect.errors import BundleError
 from plate_inspect.testing.synthetic import write_llama_like
 
@@ -198,23 +198,25 @@ def timed_say_once(line: str, error: BaseException | None = None) -> tuple[list[
 
 
 def test_a_rank_that_failed_where_rank_0_got_past_says_its_line_at_once(agent_store, monkeypatch):
-    """Rank 1 failed before any mark (planning); rank 0 has entered the scan (its stage, posted by _passed): rank 1
-    says its line with its rank without waiting for the 30 s bound. Failing at the point rank 0 has reached, it
-    waits for rank 0's line instead, and is quiet when rank 0 says the same."""
-    monkeypatch.setenv("RANK", "0")
-    distributed._passed(distributed.rank_from_env())  # rank 0 entered join: posted, not waited for
-    deadline = time.monotonic() + 10
-    while not agent_store.check(["plate-inspect/stage/t17/0/0"]) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert agent_store.get("plate-inspect/stage/t17/0/0") == b"1"
-    monkeypatch.setenv("RANK", "1")
-    distributed._STAGE[0] = 0
+    """Rank 1 failed before any mark (planning); rank 0 has entered the scan (its stage, posted by JobTrack.passed):
+    rank 1 says its line with its rank without waiting for the 30 s bound. When both fail at the same point with the
+    same line, it is said once, as it is."""
+    root = distributed.JobTrack(RankInfo(0, 2, 0, 2))
+    root.passed()  # rank 0 entered join: posted, not waited for
+    root.close()
     out, took = timed_say_once("model missing")
     assert out == ["rank 1: model missing"] and took < 10
-    distributed._STAGE[0] = 1  # rank 1 failed at the stage rank 0 is at: wait for rank 0's line
-    agent_store.set("plate-inspect/said/t17/0/0", "bad --out")
-    out, took = timed_say_once("bad --out")
-    assert out == [] and took < 10
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t17-same")  # another job: both ranks fail at the same point
+    both: list[str] = []
+    ranks = [
+        threading.Thread(target=say_once, args=("bad --out", both.append, None, RankInfo(r, 2, r, 2))) for r in (0, 1)
+    ]
+    started = time.monotonic()
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    assert both == ["bad --out"] and time.monotonic() - started < 10
 
 
 def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
@@ -226,7 +228,7 @@ def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
     verdict.plate_fault = Fault("verdict", 0)
     assert timed_say_once("ranks disagree", verdict)[0] == []
     own.plate_fault = Fault("own", 1, after_agreement=True)
-    distributed._claim(1)  # (join claims a rank's own failure before posting it)
+    distributed._claim(distributed._job_key("claim", 0, 1))  # (join claims a rank's own failure before posting it)
     out, took = timed_say_once("disk full", own)
     assert out == [f"rank 1: disk full; {distributed._RESUME}"] and took < 10
     monkeypatch.setenv("RANK", "0")
@@ -245,11 +247,14 @@ def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
 
 def test_an_interruption_is_said_by_rank_0_unless_a_rank_said_why(agent_store, monkeypatch):
     """Interrupted: rank 0 says it; rank 1 is quiet once rank 0 has, and says it with its rank when rank 0 said
-    nothing within the wait (rank 0 gone). After a rank said its own error, nobody adds an interrupted line."""
+    nothing within the wait (rank 0 gone, or busy: then rank 0 is quiet when it gets to it, session 18). After a
+    rank said its own error, nobody adds an interrupted line."""
     monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 1.0)
     stop = KeyboardInterrupt()
     assert timed_say_once(INTERRUPTED, stop)[0] == [f"rank 1: {INTERRUPTED}"]  # rank 0 said nothing
     monkeypatch.setenv("RANK", "0")
+    assert timed_say_once(INTERRUPTED, stop)[0] == []  # rank 1 said it
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t17a")  # another job
     assert timed_say_once(INTERRUPTED, stop)[0] == [INTERRUPTED]
     monkeypatch.setenv("RANK", "1")
     assert timed_say_once(INTERRUPTED, stop)[0] == []
@@ -268,17 +273,18 @@ def test_a_rank_whose_rank_0_stopped_beating_does_not_wait_for_the_bound(agent_s
     agent store has stopped, so rank 1 says the interrupted line with its rank after 2.5 beats, not the 30 s bound;
     a rank 0 that still beats is waited for."""
     monkeypatch.setattr(distributed, "HEARTBEAT_SECONDS", 0.2)
-    agent_store.set("plate-inspect/beat/t17/0/0", "7")  # rank 0's last beat
+    agent_store.set(distributed._job_key("beat", 0, 0), "7")  # rank 0's last beat
     out, took = timed_say_once(INTERRUPTED, KeyboardInterrupt())
     assert out == [f"rank 1: {INTERRUPTED}"] and 0.5 <= took < 10
     monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 2.0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t17c")  # another job (rank 1 said the line of the first)
     beating = threading.Event()
 
     def beat() -> None:
         n = 7
         while not beating.wait(0.1):
             n += 1
-            agent_store.set("plate-inspect/beat/t17/0/0", str(n))
+            agent_store.set(distributed._job_key("beat", 0, 0), str(n))
 
     thread = threading.Thread(target=beat)
     thread.start()
