@@ -1046,7 +1046,7 @@ def join() -> Iterator[Coordinator]:
     created = False
     if info.world_size > 1 and not torch.distributed.is_initialized():
         try:
-            with _waiting_note(info), _stop_signals_end_joining():
+            with _waiting_note(info), _stop_signals_end_joining(), _end_joining_once_a_rank_spoke(track):
                 torch.distributed.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
         except _STORE_ERRORS as e:  # the store's node ended while this rank waited (its ranks failed, or it died)
             scans.failed = scan
@@ -1128,6 +1128,42 @@ def _stop_signals_end_joining() -> Iterator[None]:
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _end_joining_once_a_rank_spoke(track: JobTrack) -> Iterator[None]:
+    """While this rank waits to join the process group, end it (as torchrun's SIGTERM does) once another rank of
+    the job has said a line of its own in the agent store (:func:`say_once`): that rank failed before joining and
+    never will, and it said why.
+
+    On one node torchrun stops the waiting ranks when that rank exits; on another node nothing did, and the ranks
+    there waited up to :data:`COLLECTIVE_TIMEOUT` (24 h) after the failed node's line, with a note every minute.
+    Nothing of the scan is written before the group exists. Only under torchrun (its agent store)."""
+    store = _agent_store(STORE_TIMEOUT_SECONDS) if track.info.world_size > 1 else None
+    if store is None:
+        yield
+        return
+    done = threading.Event()
+    key = track.key("spoken", 0)
+
+    def watch() -> None:
+        with contextlib.suppress(RuntimeError):
+            while not done.wait(POLL_SECONDS):
+                if store.add(key, 0) > 0 and not done.is_set():
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGTERM)  # (at its default action while joining, see the caller)
+                    if not done.wait(QUIET_EXIT_SECONDS):  # SIGTERM ignored: end all the same
+                        os._exit(128 + signal.SIGTERM)
+                    return
+
+    thread = threading.Thread(target=watch, name="plate-join-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        store.close()
 
 
 @contextlib.contextmanager
