@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+import torch
 from test_distributed_qa import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, torchrun
 
 from plate_inspect import distributed
@@ -133,6 +134,27 @@ def test_a_rank_0_that_gets_to_the_interrupted_line_late_is_quiet(agent_store, m
     say_once(INTERRUPTED, said.append, KeyboardInterrupt())
     say_once(INTERRUPTED, said.append, KeyboardInterrupt(), RankInfo(0, 2, 0, 2))
     assert said == [f"rank 1: {INTERRUPTED}"]
+
+
+def test_a_second_interrupt_after_a_scan_ended_by_one_belongs_to_that_scan(agent_store, monkeypatch):
+    """scancel gives each rank SIGTERM twice (its own and torchrun's): the second KeyboardInterrupt may come after
+    the first has left the scan, without a Fault. Counted as the next scan's, whose keys are empty, it made rank 1
+    wait for a line rank 0 had said in the scan that ended, then say its own (2 lines; 1 run of 5 of the scancel
+    test). It belongs to the scan that ended with the first: rank 1 hears rank 0's line there at once."""
+    monkeypatch.setattr(distributed, "_RUNS", {})
+    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 5.0)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # (a group that exists: no joining)
+    monkeypatch.setattr(distributed, "_job_store", lambda: None)
+    with pytest.raises(KeyboardInterrupt), distributed.join() as group:
+        scan = group.track.scan
+        raise KeyboardInterrupt
+    first = KeyboardInterrupt()
+    first.plate_fault = distributed.Fault("interrupted", 0, scan=scan)
+    said: list[str] = []
+    say_once(INTERRUPTED, said.append, first, RankInfo(0, 2, 0, 2))  # rank 0 says it, in the scan that ended
+    started = time.monotonic()
+    say_once(INTERRUPTED, said.append, KeyboardInterrupt())  # rank 1's second interrupt, outside the scan
+    assert said == [INTERRUPTED] and time.monotonic() - started < 2
 
 
 # --------------------------------------------------------------------------- end to end: two "nodes"
