@@ -751,7 +751,7 @@ def say_once(
         say(line)
         return
     fault = getattr(error, FAULT_ATTRIBUTE, None)
-    if not isinstance(fault, Fault):  # raised before the next scan of this process joined
+    if not isinstance(fault, Fault):  # raised outside a scan (_scan_now says which one it belongs to)
         fault = Fault("interrupted" if isinstance(error, KeyboardInterrupt) else "own", info.rank, scan=_scan_now())
     if fault.kind == "node":  # every rank of this node met it (the store is gone): its first rank says it for them
         if info.local_rank == 0:
