@@ -90,7 +90,7 @@ def _error(line: str, code: int, error: BaseException | None = None) -> NoReturn
 
 def _once_per_job(line: str, say: Callable[[str], None], error: BaseException | None) -> None:
     """``say(line)``; under torchrun (WORLD_SIZE > 1) once per job, not once per rank
-    (:func:`plate_inspect.distributed.say_once`: rank 0 says it, another rank only a problem of its own)."""
+    (:func:`plate_inspect.distributed.say_once`: a problem of every rank once, one of some ranks once per node)."""
     if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
         from plate_inspect.distributed import say_once
 
