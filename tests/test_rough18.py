@@ -118,6 +118,51 @@ def _checkpoint_reentrant(model, name: str | None = None, reentrant: bool = True
     getattr(model, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": reentrant}})
 
 
+# --------------------------------------------------------------------------- 2. peft's FutureWarning
+
+
+def _warnings_of(fn) -> list[str]:
+    """Every warning ``fn`` emits (repeats too), as 'Category: message', sorted."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return sorted(f"{w.category.__name__}: {w.message}" for w in caught)
+
+
+def test_the_plate_peft_path_warns_exactly_as_lora_does(tiny_qwen, tmp_path):
+    """Measured (peft 0.21.2, transformers 5.23): get_peft_model and PeftModel.from_pretrained warn "FutureWarning:
+    `is_gradient_checkpointing` is deprecated" for LoRA as for PLATE: peft's PeftModel.__init__ reads the property.
+    Our code adds no warning of any kind at any step (model creation, training step, checkpointing switch, save,
+    load, merge), so it is left to peft (README: Supported versions)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from plate_inspect.train.peft import PlateConfig
+
+    root, bundle = tiny_qwen
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def lifecycle(config, save: Path) -> list[list[str]]:
+        steps, state = [], {}
+        model = AutoModelForCausalLM.from_pretrained(root / "model")
+        steps.append(_warnings_of(lambda: state.setdefault("pm", get_peft_model(model, config))))
+        pm = state["pm"]
+        steps.append(_warnings_of(lambda: pm(input_ids=ids, labels=ids).loss.backward()))
+        # not reentrant: LoRA's PeftModel does not make the inputs require grad (4.x: no gradient to reach)
+        steps.append(_warnings_of(lambda: _checkpoint_reentrant(pm, reentrant=False)))
+        pm.train()
+        steps.append(_warnings_of(lambda: pm(input_ids=ids, labels=ids).loss.backward()))
+        steps.append(_warnings_of(lambda: pm.save_pretrained(save)))
+        fresh = AutoModelForCausalLM.from_pretrained(root / "model")
+        steps.append(_warnings_of(lambda: state.setdefault("loaded", PeftModel.from_pretrained(fresh, save))))
+        steps.append(_warnings_of(lambda: state["loaded"].merge_and_unload()))
+        return steps
+
+    lora = lifecycle(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"), tmp_path / "l")
+    plate = lifecycle(PlateConfig(bundle=str(bundle.path), task_type="CAUSAL_LM"), tmp_path / "p")
+    assert plate == lora
+
+
 # --------------------------------------------------------------------------- 3. apply_bundle + checkpointing
 
 
