@@ -708,12 +708,37 @@ def same_model(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
 
 
 def default_out_dir(source: str | os.PathLike) -> Path:
-    """bundles/<model name> in the working directory: a hub repo's name, a local directory's own name (``.``
-    resolved), a file's stem, or its directory's name when the stem is the generic ``model``."""
-    path = Path(str(source))
-    if path.exists():
-        path = path.resolve()
-        if path.is_file():
-            path = path.parent if path.stem in ("model", "") else path.with_suffix("")
-    name = path.name or "model"
-    return Path("bundles") / name
+    """bundles/<model name> in the working directory, the name taken from the path as the user gave it (a symlink is
+    not followed: ``b/model.safetensors`` linked to ``a/model.safetensors`` gives ``bundles/b``): a hub repo's name,
+    a local directory's own name, a file's stem, or its directory's name when the stem is the generic ``model``. A
+    hub cache snapshot (``models--org--name/snapshots/<commit>``) gives the repo's name."""
+    path = Path(str(source)).expanduser()
+    if path.is_file() and path.stem not in ("model", ""):
+        return Path("bundles") / path.with_suffix("").name
+    directory = path.parent if path.is_file() else path
+    name = _typed_dir_name(directory)
+    return Path("bundles") / (name or "model")
+
+
+def _typed_dir_name(directory: Path) -> str:
+    """A directory's name as written (``linkdir`` stays ``linkdir``); ``.`` is the working directory as the shell
+    names it (``$PWD``, when it is that directory), ``..`` and ``/`` their resolved names; a hub cache snapshot
+    gives its repo's name."""
+    if directory.name in ("", ".."):
+        directory = _working_dir() / directory if directory.name == "" else directory.resolve()
+        directory = Path(os.path.normpath(directory))
+    if directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--"):
+        return directory.parent.parent.name.split("--")[-1]
+    return directory.name
+
+
+def _working_dir() -> Path:
+    """The working directory by the path the shell entered it (``$PWD``: ``cd linkdir`` gives ``.../linkdir``), or
+    the resolved one (``os.getcwd()``) when ``$PWD`` is unset or names another directory (a ``chdir`` since)."""
+    logical = os.environ.get("PWD", "")
+    try:
+        if os.path.isabs(logical) and os.path.samefile(logical, "."):
+            return Path(logical)
+    except OSError:
+        pass
+    return Path.cwd()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -432,6 +433,62 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+#: a transformers model's checkpointing switches (4.x: gradient_*; 5.x: activation_*, and the old name until v6)
+CHECKPOINTING_ENABLE = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+
+
+def require_input_grads(model: nn.Module) -> None:
+    """``model.enable_input_require_grads()``, once per model: its input embeddings' output then requires grad.
+
+    Why: reentrant checkpointing (transformers 4.x's default, ``use_reentrant=True``) gives a checkpointed block's
+    output a gradient only when one of its inputs requires grad; with the base model frozen none does, so no gradient
+    reaches A ("element 0 of tensors does not require grad"). peft does the same for its own methods when the model
+    is already checkpointed at ``get_peft_model`` (``_prepare_model_for_gradient_checkpointing``), transformers 4.x
+    when it holds the adapter itself (``add_adapter``), transformers 5 for every model taking ``input_ids``. Models
+    without input embeddings are left as they are (only ``use_reentrant=False`` trains them)."""
+    if model.__dict__.get("_plate_input_grads") or not hasattr(model, "enable_input_require_grads"):
+        return
+    try:
+        model.enable_input_require_grads()
+    except (NotImplementedError, AttributeError):  # no input embeddings (transformers 4.x raises)
+        return
+    model.__dict__["_plate_input_grads"] = True
+
+
+@dataclass(frozen=True, eq=False)
+class CheckpointingWithInputGrads:
+    """A model's checkpointing switch (``enable``) that then calls :func:`require_input_grads` on ``model``: what
+    ``PlateModel`` hands out for the wrapped model's switch (as the Trainer reaches it) and what ``apply_bundle``
+    puts on the model itself. A plain object holding the model, so a deep copy or a pickle of the model keeps it
+    bound to its own model."""
+
+    model: nn.Module = field(repr=False)
+    enable: Callable[..., Any] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "__doc__", getattr(self.enable, "__doc__", None))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.enable(*args, **kwargs)
+        require_input_grads(self.model)
+        return out
+
+
+def keep_input_grads_under_checkpointing(model: nn.Module) -> None:
+    """For ``apply_bundle``'s model, what the PEFT path does: input grads now if the model is checkpointed already,
+    and when its checkpointing switch is called later (5.x's ``activation_checkpointing_enable``, which the
+    deprecated ``gradient_*`` name calls, or 4.x's ``gradient_checkpointing_enable``; the class's own switch is
+    wrapped once, on the instance). Only one name is wrapped: transformers 5 takes a ``gradient_*`` on the instance
+    for an override and would route ``activation_*`` through it (a FutureWarning per call)."""
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        require_input_grads(model)
+    gradient, activation = CHECKPOINTING_ENABLE
+    name = activation if callable(getattr(type(model), activation, None)) else gradient
+    switch = getattr(model, name, None)
+    if callable(switch) and not isinstance(switch, CheckpointingWithInputGrads):
+        model.__dict__[name] = CheckpointingWithInputGrads(model, switch)
+
+
 def apply_bundle(
     model: nn.Module,
     bundle: Bundle | str | os.PathLike,
@@ -451,7 +508,8 @@ def apply_bundle(
     (``"q_proj"``; one may be given as a string). ``q_dtype``: the dtype the layers hold Q in (None: as the bundle
     stores it); B/Q's digest is the bundle's whatever it is. ``plan`` (a plate-plan dict or JSON path) sets a
     smaller k per module (Q[:, :k]); ``references`` are recorded weight sketches (from an adapter). Calling it
-    again for other modules (another rho, say) keeps the earlier calls' A's trainable.
+    again for other modules (another rho, say) keeps the earlier calls' A's trainable. Reentrant checkpointing
+    trains the A's as on a PeftModel: ``keep_input_grads_under_checkpointing``.
     """
     rho = check_rho(rho)
     b = _as_bundle(bundle)
@@ -502,6 +560,7 @@ def apply_bundle(
         layer.weight_sketch = sketches[name]
         _set_submodule(model, mapping[name], layer)
         trainable.append(layer.plate_A)
+    keep_input_grads_under_checkpointing(model)
     return trainable
 
 
@@ -561,6 +620,9 @@ def unload(model: nn.Module, merge: bool = True) -> nn.Module:
             layer.unmerge()
         layer._saved_rows = None
         _set_submodule(model, name, layer.base)
+    for switch in CHECKPOINTING_ENABLE:  # apply_bundle's wrapped switch: a plain model again
+        if isinstance(model.__dict__.get(switch), CheckpointingWithInputGrads):
+            del model.__dict__[switch]
     return model
 
 

@@ -49,7 +49,9 @@ from plate_inspect.train.core import (
     validate_geometry,
 )
 from plate_inspect.train.layer import (
+    CHECKPOINTING_ENABLE,
     AwaitingWeights,
+    CheckpointingWithInputGrads,
     check_module_against_record,
     geometry_device,
     is_meta_tensor,
@@ -462,38 +464,6 @@ def _tuner_base(module: nn.Module, name: str) -> nn.Module:
     return module.get_base_layer()
 
 
-#: a transformers model's checkpointing switches (4.x: gradient_*; 5.x: activation_*, and the old name until v6)
-_CHECKPOINTING_ENABLE = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
-
-
-def _checkpointing_with_input_grads(tuner: nn.Module, enable: Any) -> Any:
-    """``enable`` (the model's checkpointing switch, reached through the PeftModel, as the Trainer calls it), then
-    ``enable_input_require_grads()`` once per adapted model.
-
-    Why: reentrant checkpointing (transformers 4.x's default, ``use_reentrant=True``) gives a checkpointed block's
-    output a gradient only when one of its inputs requires grad; with the base model frozen none does, so no gradient
-    reaches A ("element 0 of tensors does not require grad"). peft does the same for its own methods when the model
-    is already checkpointed at ``get_peft_model`` (``_prepare_model_for_gradient_checkpointing``), transformers 4.x
-    when it holds the adapter itself (``add_adapter``), transformers 5 for every model taking ``input_ids``; this
-    covers checkpointing switched on afterwards (the Trainer's ``gradient_checkpointing=True``). Models without input
-    embeddings are left as they are (only ``use_reentrant=False`` trains them).
-    """
-
-    def enable_with_input_grads(*args: Any, **kwargs: Any) -> Any:
-        out = enable(*args, **kwargs)
-        model = tuner.model
-        if not model.__dict__.get("_plate_input_grads") and hasattr(model, "enable_input_require_grads"):
-            try:
-                model.enable_input_require_grads()
-            except (NotImplementedError, AttributeError):  # no input embeddings (transformers 4.x raises)
-                return out
-            model.__dict__["_plate_input_grads"] = True
-        return out
-
-    enable_with_input_grads.__doc__ = enable.__doc__
-    return enable_with_input_grads
-
-
 def _finite_number(w: object) -> bool:
     return not isinstance(w, bool) and isinstance(w, numbers.Real) and math.isfinite(w)
 
@@ -613,10 +583,11 @@ class PlateModel(BaseTuner):
 
     def __getattr__(self, name: str) -> Any:
         """peft's (attributes of the wrapped model), except that the model's checkpointing switch also makes the
-        embeddings' output require grad (``_checkpointing_with_input_grads``)."""
+        embeddings' output require grad (``layer.require_input_grads``: covers checkpointing switched on after
+        ``get_peft_model``, as the Trainer's ``gradient_checkpointing=True`` does)."""
         attr = super().__getattr__(name)
-        if name in _CHECKPOINTING_ENABLE and callable(attr):
-            return _checkpointing_with_input_grads(self, attr)
+        if name in CHECKPOINTING_ENABLE and callable(attr):
+            return CheckpointingWithInputGrads(self.model, attr)
         return attr
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
