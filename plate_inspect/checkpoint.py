@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from plate_inspect.atomic import path_argument
 from plate_inspect.dtypes import DTYPES, FLOAT_DTYPES
 from plate_inspect.errors import (
     CheckpointError,
@@ -423,7 +424,9 @@ class Checkpoint:
         Returns:
             The checkpoint with every header validated. Raises a :class:`CheckpointError` subclass on bad input.
         """
-        path = Path(source).expanduser()
+        path = path_argument(source, "source").expanduser()
+        if revision is not None and not isinstance(revision, str):
+            raise ConfigError(f"revision must be a branch, tag or commit (str) or None, got {revision!r:.80}")
         if path.exists() and revision is not None:  # it would be ignored: the user believes a revision was read
             raise ConfigError(
                 f"{source}: is a local path, so revision={revision} (CLI: --revision) does not apply (it picks a "
