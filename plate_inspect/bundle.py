@@ -20,6 +20,7 @@ import difflib
 import errno
 import hashlib
 import json
+import numbers
 import os
 import re
 import shlex
@@ -34,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
-from plate_inspect.atomic import atomic_write, stale_temps
+from plate_inspect.atomic import atomic_write, path_argument, stale_temps
 from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
@@ -50,6 +51,8 @@ STACKS_FORMAT_VERSION = 2
 #: The format versions this version reads.
 READ_FORMAT_VERSIONS = (FORMAT_VERSION, STACKS_FORMAT_VERSION)
 MANIFEST = "manifest.json"
+#: The tensors a bundle stores per module, as ``<module>.<kind>`` (:meth:`Bundle.tensor`).
+TENSOR_KINDS = ("plate_B_idx", "plate_Q", "redundancy", "spectrum")
 STATS = "scan_stats.json"
 #: The one metadata key of a part file's safetensors header (one key: safetensors orders several at random).
 PART_METADATA_KEY = "plate_part"
@@ -131,6 +134,8 @@ class ScanSettings:
         )
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if self.q_dtype not in Q_DTYPES:
             raise ConfigError(f"q dtype must be one of {sorted(Q_DTYPES)}, got {self.q_dtype!r}")
         grid = tuple(sorted({float(t) for t in self.tau_grid}))
@@ -138,6 +143,7 @@ class ScanSettings:
             raise ConfigError(f"tau grid values must lie strictly between 0 and 1, got {list(grid)}")
         normal = {
             "tau": float(self.tau),
+            "seed": int(self.seed),
             "target_modules": tuple(name_list(self.target_modules)) if self.target_modules else None,
             "layers": layer_entries(self.layers) if self.layers is not None else None,
             "tau_grid": grid,
@@ -209,7 +215,7 @@ class ModuleRecord:
     module_type: str
     layer: int | None
     shape: list[int]  # [d_out, d_in]
-    layout: str  # linear | conv1d
+    layout: str  # one of plate_inspect.targets.LAYOUTS: linear, conv1d, experts_out_major, experts_in_major
     dtype: str  # stored dtype of the weight in the checkpoint
     r: int
     k: int
@@ -424,7 +430,15 @@ class Bundle:
 
     @classmethod
     def load(cls, path: str | os.PathLike, require_complete: bool = True) -> Bundle:
-        path = Path(path)
+        """Open the bundle in directory ``path``: its manifest is read and checked; tensors are read on demand.
+
+        Args:
+            path: a directory written by :func:`plate_inspect.scan`.
+            require_complete: refuse an unfinished scan's bundle (False: open it with the modules finished so far).
+
+        Raises a :class:`BundleError` saying what to do when ``path`` is no bundle, or an unfinished or damaged one.
+        """
+        path = path_argument(path, "path")
         mpath = path / MANIFEST
         if not mpath.exists():
             raise BundleError(not_a_bundle(path))
@@ -445,10 +459,12 @@ class Bundle:
     # ----------------------------------------------------------------- access
     @property
     def settings(self) -> ScanSettings:
+        """The settings the bundle was scanned with."""
         return self.manifest.settings
 
     @property
     def modules(self) -> list[str]:
+        """The names of the modules the bundle holds geometry for, in scan order."""
         return list(self.manifest.modules)
 
     def __contains__(self, name: str) -> bool:
@@ -469,6 +485,9 @@ class Bundle:
         )
 
     def record(self, name: str) -> ModuleRecord:
+        """The manifest record of module ``name`` (shape, r, k, fingerprint, ...); BundleError if there is none."""
+        if not isinstance(name, str):
+            raise ConfigError(f"name must be a module name (str), got {name!r:.80}")
         try:
             return self.manifest.modules[name]
         except KeyError:
@@ -489,7 +508,9 @@ class Bundle:
         return f"; did you mean '{close[0]}'?" if close else f" (it has {len(self.manifest.modules)}: see .modules)"
 
     def tensor(self, name: str, kind: str) -> torch.Tensor:
-        """One stored tensor: kind is plate_B_idx | plate_Q | redundancy | spectrum."""
+        """One stored tensor of module ``name``: ``kind`` is one of :data:`TENSOR_KINDS`."""
+        if kind not in TENSOR_KINDS:
+            raise ConfigError(f"kind must be one of {', '.join(TENSOR_KINDS)}, got {kind!r:.80}")
         rec = self.record(name)
         part = self.path / rec.file
         key = f"{name}.{kind}"
@@ -522,19 +543,27 @@ class Bundle:
         return b_idx
 
     def b_idx(self, name: str) -> torch.Tensor:
+        """B: the output rows [r] of module ``name`` that PLATE updates (int64, ascending; the r most redundant)."""
         return self.tensor(name, "plate_B_idx")
 
     def q(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Q: module ``name``'s orthonormal low-energy input basis [d_in, k] (the bottom-k eigenvectors of W_f^T W_f,
+        ascending energy), in ``dtype`` (None: as stored, ``settings.q_dtype``)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ConfigError(f"dtype must be a torch floating dtype (e.g. torch.float32) or None, got {dtype!r:.80}")
         q = self.tensor(name, "plate_Q")
         return q.to(dtype) if dtype is not None else q
 
     def redundancy(self, name: str) -> torch.Tensor:
+        """The redundancy score of each of module ``name``'s d_out rows (B holds the r highest)."""
         return self.tensor(name, "redundancy")
 
     def spectrum(self, name: str) -> torch.Tensor:
+        """The eigenvalues of W_f^T W_f of module ``name`` (W without B's rows), descending: [min(d_out - r, d_in)]."""
         return self.tensor(name, "spectrum")
 
     def plate(self, name: str, dtype: torch.dtype | None = torch.float32) -> ModulePlate:
+        """Module ``name``'s record, B and Q (in ``dtype``, as :meth:`q`) together, as a trainer takes them."""
         return ModulePlate(self.record(name), self.b_idx(name), self.q(name, dtype))
 
     def stats(self) -> dict[str, Any]:

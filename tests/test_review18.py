@@ -3,9 +3,12 @@ the argument, not a TypeError/AttributeError from deep inside), and audit takes 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 import plate_inspect
+from plate_inspect.bundle import ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import ConfigError
 from plate_inspect.testing.synthetic import write_gpt2
@@ -18,6 +21,46 @@ def gpt2(tmp_path_factory):
     model = write_gpt2(root / "model").path
     plate_inspect.scan(str(model), out=str(root / "bundle"), r=4, tau=0.9)
     return model, plate_inspect.Bundle.load(root / "bundle")
+
+
+@pytest.mark.parametrize("seed", ["1", 1.5, True, None])
+def test_scan_settings_refuse_a_non_integer_seed(seed):
+    """The seed was taken as it came: "1" and 1 gave the same B (module_seed formats it) but other manifests."""
+    with pytest.raises(ConfigError, match=r"seed must be an integer"):
+        ScanSettings(seed=seed)
+
+
+def test_scan_settings_take_a_numpy_integer_seed_as_int():
+    settings = ScanSettings(seed=np.int64(7))
+    assert type(settings.seed) is int and settings.seed == 7
+    assert settings.digest() == ScanSettings(seed=7).digest()
+
+
+def test_bundle_q_refuses_a_dtype_that_is_not_a_torch_float_dtype(gpt2):
+    """A string dtype reached Tensor.to, which took it for a device: 'Invalid device string: float16'."""
+    _, bundle = gpt2
+    name = bundle.modules[0]
+    for dtype in ("float16", 3, torch.int64):
+        with pytest.raises(ConfigError, match=r"^dtype must be a torch floating dtype"):
+            bundle.q(name, dtype=dtype)
+        with pytest.raises(ConfigError, match=r"^dtype must be a torch floating dtype"):
+            bundle.plate(name, dtype=dtype)
+    stored = bundle.q(name, dtype=None)
+    assert torch.equal(bundle.q(name, dtype=torch.float64), stored.to(torch.float64))
+
+
+def test_bundle_names_a_bad_module_name_or_kind(gpt2):
+    _, bundle = gpt2
+    with pytest.raises(ConfigError, match=r"^name must be a module name \(str\), got None"):
+        bundle.b_idx(None)
+    # an unknown kind is the caller's mistake, not a damaged part file (it said 'the part file is damaged')
+    with pytest.raises(ConfigError, match=r"^kind must be one of plate_B_idx, plate_Q, redundancy, spectrum"):
+        bundle.tensor(bundle.modules[0], "plate_A")
+
+
+def test_bundle_load_names_a_bad_path_argument():
+    with pytest.raises(ConfigError, match=r"^path must be a path"):
+        plate_inspect.Bundle.load(None)
 
 
 @pytest.mark.parametrize("source", [None, 3, ""])
