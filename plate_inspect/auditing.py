@@ -36,12 +36,13 @@ from typing import Any, Union
 
 import torch
 
-from plate_inspect.bundle import Bundle
+from plate_inspect.atomic import path_argument
+from plate_inspect.bundle import Bundle, ScanSettings
 from plate_inspect.checkpoint import (
     Checkpoint,
     parse_safetensors_header,
 )
-from plate_inspect.dtypes import DTYPES
+from plate_inspect.dtypes import DTYPES, PRECISIONS
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import (
     check_sketch_dim,
@@ -52,7 +53,6 @@ from plate_inspect.geometry import (
     redundancy_scores,
     select_redundant_rows,
     symmetric_eigh,
-    validate_settings,
 )
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
@@ -89,7 +89,6 @@ _E2M1_EPS, _E2M1_NORMAL, _E2M1_MAX = 0.5, 1.0, 6.0
 _E2M1_SATURATES_BELOW = 8.0
 #: A coarser storage TUNED may hold: a torch floating dtype (bf16, FP8) or :data:`MXFP4`.
 Storage = Union[torch.dtype, str]  # noqa: UP007 (a runtime alias)
-PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -944,8 +943,8 @@ def audit(
     anchors: int = 256,
     sketch_dim: int | None = None,
     seed: int = 0,
-    target_modules: list[str] | None = None,
-    layers: list[LayerEntry] | None = None,
+    target_modules: str | Iterable[str] | None = None,
+    layers: Iterable[LayerEntry] | None = None,
     precision: str = "float32",
     revision: str | None = None,
     offline: bool | None = None,
@@ -957,16 +956,28 @@ def audit(
     and fingerprints are checked); without one, from a PLATE adapter's own bundle; otherwise B is chosen as the
     scan does with ``r``, ``anchors``, ``sketch_dim`` and ``seed``. Modules: the adapter's, else the bundle's, else
     the scan's targets; ``target_modules`` and ``layers`` narrow any of these. ``progress`` gets one event per module
-    (unit "modules").
+    (unit "modules"). The settings are checked and normalised as :class:`ScanSettings` checks a scan's (one
+    string in ``target_modules`` is one name, as in :func:`plate_inspect.scan`).
     """
-    validate_settings(r=r, tau=tau, max_rank=1, n_anchors=anchors, sketch_dim=sketch_dim)
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    path_argument(base, "base")  # a clear error for None, not a TypeError from deep inside
+    path_argument(tuned, "tuned")
+    settings = ScanSettings(
+        r=r,
+        tau=tau,
+        seed=seed,
+        sketch_dim=sketch_dim,
+        anchors=anchors,
+        target_modules=target_modules,
+        layers=layers,
+        precision=precision,
+    )
+    target_modules = list(settings.target_modules) if settings.target_modules else None
+    layers, tau, seed = settings.layers, settings.tau, settings.seed
     check_target_patterns(target_modules)
     dtype = PRECISIONS[precision]
     _refuse_bundle_dir(base, "BASE")
     _refuse_bundle_dir(tuned, "TUNED")
-    given = bundle if isinstance(bundle, Bundle) or bundle is None else Bundle.load(bundle)
+    given = bundle if isinstance(bundle, Bundle) or bundle is None else Bundle.load(path_argument(bundle, "bundle"))
     base_ckpt = Checkpoint.open(base, revision=revision, offline=offline)
     if given is not None:
         check_bundle_fits_base(given, base_ckpt, base)

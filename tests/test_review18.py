@@ -23,6 +23,15 @@ def gpt2(tmp_path_factory):
     return model, plate_inspect.Bundle.load(root / "bundle")
 
 
+def test_audit_target_modules_string_is_one_name(gpt2):
+    """One string is one module name, as in scan (it was iterated: 'mlp.c_fc' became the patterns m, l, p, ...)."""
+    model, _ = gpt2
+    records = plate_inspect.audit(model, model, target_modules="mlp.c_fc", r=4)
+    as_list = plate_inspect.audit(model, model, target_modules=["mlp.c_fc"], r=4)
+    assert [r.module for r in records] == [r.module for r in as_list] == ["h.0.mlp.c_fc", "h.1.mlp.c_fc"]
+    assert all(r.delta_norm == 0.0 for r in records)  # the model against itself: no update
+
+
 @pytest.mark.parametrize("seed", ["1", 1.5, True, None])
 def test_scan_settings_refuse_a_non_integer_seed(seed):
     """The seed was taken as it came: "1" and 1 gave the same B (module_seed formats it) but other manifests."""
@@ -30,10 +39,31 @@ def test_scan_settings_refuse_a_non_integer_seed(seed):
         ScanSettings(seed=seed)
 
 
+@pytest.mark.parametrize("seed", ["1", 1.5, True, None])
+def test_audit_refuses_a_non_integer_seed(gpt2, seed):
+    model, _ = gpt2
+    with pytest.raises(ConfigError, match=r"seed must be an integer"):
+        plate_inspect.audit(model, model, seed=seed)
+
+
 def test_scan_settings_take_a_numpy_integer_seed_as_int():
     settings = ScanSettings(seed=np.int64(7))
     assert type(settings.seed) is int and settings.seed == 7
     assert settings.digest() == ScanSettings(seed=7).digest()
+
+
+@pytest.mark.parametrize(("kwargs", "argument"), [({"base": None}, "base"), ({"tuned": 3}, "tuned")])
+def test_audit_names_a_missing_path_argument(gpt2, kwargs, argument):
+    model, _ = gpt2
+    args = {"base": model, "tuned": model, **kwargs}
+    with pytest.raises(ConfigError, match=rf"^{argument} must be a path"):
+        plate_inspect.audit(**args)
+
+
+def test_audit_names_a_bad_bundle_argument(gpt2):
+    model, _ = gpt2
+    with pytest.raises(ConfigError, match=r"^bundle must be a path"):
+        plate_inspect.audit(model, model, bundle=3)
 
 
 def test_bundle_q_refuses_a_dtype_that_is_not_a_torch_float_dtype(gpt2):
