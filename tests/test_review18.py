@@ -3,6 +3,8 @@ the argument, not a TypeError/AttributeError from deep inside), and audit takes 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from plate_inspect.bundle import ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import ConfigError
 from plate_inspect.testing.synthetic import write_gpt2
+from plate_inspect.verification import check_exactness
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,43 @@ def test_audit_names_a_bad_bundle_argument(gpt2):
         plate_inspect.audit(model, model, bundle=3)
 
 
+def test_verify_exact_needs_a_source(gpt2):
+    """exact=True without a checkpoint checked nothing and said all was well; the CLI refused it, the API did not."""
+    _, bundle = gpt2
+    with pytest.raises(ConfigError, match=r"exact=True .* needs source"):
+        plate_inspect.verify(bundle, exact=True)
+
+
+@pytest.mark.parametrize("tol", [-1.0, math.nan, math.inf, "1e-3", True])
+def test_verify_refuses_a_bad_orthonormality_tol(gpt2, tol):
+    """A negative tol failed every module as 'not orthonormal'; NaN passed every one; a string raised a TypeError."""
+    _, bundle = gpt2
+    with pytest.raises(ConfigError, match=r"^orthonormality_tol must be a finite number >= 0"):
+        plate_inspect.verify(bundle, orthonormality_tol=tol)
+
+
+def test_verify_takes_a_good_orthonormality_tol(gpt2):
+    model, bundle = gpt2
+    report = plate_inspect.verify(bundle, model, orthonormality_tol=0.5)
+    assert report.ok and report.modules_checked == len(bundle)
+    strict = plate_inspect.verify(bundle, orthonormality_tol=0)  # float32 Q: Q^T Q - I is not exactly 0
+    assert not strict.ok and all("not orthonormal" in p for p in strict.problems)
+
+
+def test_verify_checks_its_progress_argument(gpt2):
+    _, bundle = gpt2
+    with pytest.raises(TypeError, match=r"^verify: progress must be a function"):
+        plate_inspect.verify(bundle, progress=3)
+    events = []
+    plate_inspect.verify(bundle, progress=events.append)
+    assert events[-1].done == events[-1].total == len(bundle)
+
+
+def test_verify_names_a_bad_bundle_argument():
+    with pytest.raises(ConfigError, match=r"^bundle must be a path"):
+        plate_inspect.verify(None)
+
+
 def test_bundle_q_refuses_a_dtype_that_is_not_a_torch_float_dtype(gpt2):
     """A string dtype reached Tensor.to, which took it for a device: 'Invalid device string: float16'."""
     _, bundle = gpt2
@@ -103,3 +143,18 @@ def test_checkpoint_open_names_a_bad_source(source):
 def test_checkpoint_open_names_a_bad_revision():
     with pytest.raises(ConfigError, match=r"^revision must be a branch, tag or commit"):
         Checkpoint.open("org/name", revision=3, offline=True)
+
+
+def test_check_exactness_refuses_shapes_that_do_not_fit():
+    w = torch.randn(8, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"q \[d_in, k\]"):
+        check_exactness(w, torch.tensor([0]), torch.ones(6))
+    with pytest.raises(ValueError, match=r"q \[d_in, k\]"):
+        check_exactness(w, torch.tensor([0]), torch.ones(5, 2))
+    with pytest.raises(ValueError, match=r"b_idx must index weight's 8 rows"):
+        check_exactness(w, torch.tensor([9]), torch.eye(6)[:, :2])
+    # the valid case still agrees with a hand-built oracle: Q = bottom-2 eigenvectors of W_f^T W_f
+    wf = w[1:]
+    values, vectors = torch.linalg.eigh(wf.T @ wf)
+    check = check_exactness(w, torch.tensor([0]), vectors[:, :2])
+    assert check.ok and check.optimum == pytest.approx(float(values[:2].sum()), rel=1e-12)
