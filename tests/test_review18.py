@@ -13,6 +13,7 @@ import plate_inspect
 from plate_inspect.bundle import ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import ConfigError
+from plate_inspect.health import fit_marchenko_pastur, health_of_weight
 from plate_inspect.testing.synthetic import write_gpt2
 from plate_inspect.verification import check_exactness
 
@@ -26,6 +27,7 @@ def gpt2(tmp_path_factory):
     return model, plate_inspect.Bundle.load(root / "bundle")
 
 
+# --------------------------------------------------------------------------- audit takes its settings as scan does
 def test_audit_target_modules_string_is_one_name(gpt2):
     """One string is one module name, as in scan (it was iterated: 'mlp.c_fc' became the patterns m, l, p, ...)."""
     model, _ = gpt2
@@ -69,6 +71,7 @@ def test_audit_names_a_bad_bundle_argument(gpt2):
         plate_inspect.audit(model, model, bundle=3)
 
 
+# --------------------------------------------------------------------------- verify
 def test_verify_exact_needs_a_source(gpt2):
     """exact=True without a checkpoint checked nothing and said all was well; the CLI refused it, the API did not."""
     _, bundle = gpt2
@@ -106,6 +109,7 @@ def test_verify_names_a_bad_bundle_argument():
         plate_inspect.verify(None)
 
 
+# --------------------------------------------------------------------------- Bundle
 def test_bundle_q_refuses_a_dtype_that_is_not_a_torch_float_dtype(gpt2):
     """A string dtype reached Tensor.to, which took it for a device: 'Invalid device string: float16'."""
     _, bundle = gpt2
@@ -133,6 +137,7 @@ def test_bundle_load_names_a_bad_path_argument():
         plate_inspect.Bundle.load(None)
 
 
+# --------------------------------------------------------------------------- Checkpoint.open
 @pytest.mark.parametrize("source", [None, 3, ""])
 def test_checkpoint_open_names_a_bad_source(source):
     """None and 3 raised a TypeError from Path; '' opened the working directory."""
@@ -143,6 +148,23 @@ def test_checkpoint_open_names_a_bad_source(source):
 def test_checkpoint_open_names_a_bad_revision():
     with pytest.raises(ConfigError, match=r"^revision must be a branch, tag or commit"):
         Checkpoint.open("org/name", revision=3, offline=True)
+
+
+# --------------------------------------------------------------------------- pure functions
+def test_health_of_weight_takes_what_weight_spectrum_takes():
+    """A nested list (a Spectrum-like input) reached weight.shape: AttributeError; a 1-D weight an IndexError."""
+    rows = [[3.0, 0.0, 1.0], [0.0, 2.0, 0.0]]
+    from_list = health_of_weight(rows)
+    assert from_list == health_of_weight(torch.tensor(rows))
+    assert from_list["shape"] == [2, 3]
+    assert from_list["spectral_norm"] == pytest.approx(float(np.linalg.norm(np.array(rows), 2) ** 2))
+    with pytest.raises(ValueError, match=r"weight must be a 2-D floating matrix"):
+        health_of_weight(torch.ones(5))
+
+
+def test_fit_marchenko_pastur_refuses_an_empty_shape():
+    with pytest.raises(ValueError, match=r"n, m >= 1"):
+        fit_marchenko_pastur(torch.rand(10), 0, 10)
 
 
 def test_check_exactness_refuses_shapes_that_do_not_fit():
