@@ -506,8 +506,6 @@ def _match_pattern(patterns: dict[str, Any], key: str) -> str | None:
 class UpdateSource:
     """Where dW comes from. ``modules``: base-checkpoint module names it touches (None: every target)."""
 
-    kind = "checkpoint"
-    description = ""
     bundle: Bundle | None = None
 
     def bind(self, base: Checkpoint) -> list[str] | None:
@@ -523,10 +521,8 @@ class CheckpointUpdate(UpdateSource):
     """A full fine-tuned checkpoint: dW = W_tuned - W_base, tensor by tensor."""
 
     tuned: Checkpoint
-    kind: str = "checkpoint"
 
     def __post_init__(self) -> None:
-        self.description = f"fine-tuned checkpoint {self.tuned.root}"
         self._modules: dict[str, TargetModule] | None = None
         # module -> (TUNED's coarser dtype, ||round(BASE) - BASE||_F), where BASE was rounded to it
         self.rounded: dict[str, tuple[str, float]] = {}
@@ -608,7 +604,6 @@ class LoraUpdate(UpdateSource):
     path: Path
     config: dict[str, Any]
     adapter: Checkpoint
-    kind: str = "lora"
     pairs: dict[str, tuple[str, str]] = field(default_factory=dict)  # peft module name -> (A key, B key)
     mapping: dict[str, str] = field(default_factory=dict)  # base module name -> peft module name
 
@@ -628,7 +623,6 @@ class LoraUpdate(UpdateSource):
                 self.pairs[hit.group(1).removeprefix(_PEFT_PREFIX)] = (key, b_key)
         if not self.pairs:
             raise CheckpointError(f"{self.path}: a LoRA adapter dir without any '*.lora_A.weight' tensor")
-        self.description = f"LoRA adapter {self.path} ({len(self.pairs)} modules)"
 
     def bind(self, base: Checkpoint) -> list[str]:
         available = [
@@ -696,13 +690,8 @@ class PlateUpdate(UpdateSource):
     rho: float | dict[str, float]  # one for every module, or per adapter module name
     bundle: Bundle | None = None
     digests: dict[str, str] | None = None  # save_adapter files: per-module B/Q digests to check
-    kind: str = "plate"
     mapping: dict[str, str] = field(default_factory=dict)  # base module name -> bundle module name
     recorded: str | None = None  # the bundle path the adapter records (where it was looked for)
-
-    def __post_init__(self) -> None:
-        rho = f"rho={self.rho:g}" if isinstance(self.rho, float) else "rho per module"
-        self.description = f"PLATE adapter {self.path} ({len(self.a_by_name)} modules, {rho})"
 
     def bind(self, base: Checkpoint) -> list[str]:
         from plate_inspect.train.core import geometry_digest
