@@ -960,10 +960,8 @@ def audit(
         layers=layers,
         precision=precision,
     )
-    target_modules = list(settings.target_modules) if settings.target_modules else None
-    layers, tau, seed = settings.layers, settings.tau, settings.seed
-    check_target_patterns(target_modules)
-    dtype = PRECISIONS[precision]
+    check_target_patterns(settings.target_modules)
+    dtype = PRECISIONS[settings.precision]
     _refuse_bundle_dir(base, "BASE")
     _refuse_bundle_dir(tuned, "TUNED")
     given = bundle if isinstance(bundle, Bundle) or bundle is None else Bundle.load(path_argument(bundle, "bundle"))
@@ -974,6 +972,41 @@ def audit(
     geometry = given if given is not None else source.bundle
     if given is None and geometry is not None:
         check_bundle_fits_base(geometry, base_ckpt, base, adapter=tuned)
+    targets = _audit_targets(base_ckpt, source, geometry, settings, tuned)
+    if geometry is None:  # before any weight is read
+        check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
+    records = []
+    counter = ProgressCounter(as_callback(progress, "audit"), len(targets), "modules")
+    counter.start()
+    for target in targets:
+        stored, fingerprint = load_target(base_ckpt, target)
+        weight = stored.to(dtype).contiguous()
+        del stored
+        b_idx = _audit_b_idx(target, weight, fingerprint, geometry, settings, base)
+        delta = source.delta(target, weight)
+        record = audit_update(target.name, weight, delta, b_idx, settings.tau)
+        if isinstance(source, CheckpointUpdate):
+            if target.name in source.rounded:
+                record.base_rounded_to, record.rounding_floor = source.rounded[target.name]
+            record.tuned_rounds_to_base = source.base_is_rounded_tuned.get(target.name)
+        records.append(record)
+        del weight, delta
+        counter.step(target.name)
+    return records
+
+
+def _audit_targets(
+    base_ckpt: Checkpoint,
+    source: UpdateSource,
+    geometry: Bundle | None,
+    settings: ScanSettings,
+    tuned: str | os.PathLike,
+) -> list[TargetModule]:
+    """The modules to audit, before any weight is read: the adapter's, else the bundle's, else the scan's targets,
+    narrowed by ``settings``' target_modules and layers. Each must have geometry in ``geometry`` (when given) and,
+    for a fine-tuned checkpoint, a weight of the same shape in TUNED."""
+    target_modules = list(settings.target_modules) if settings.target_modules else None
+    layers = settings.layers
     names = source.bind(base_ckpt)
     model = modules_by_name(base_ckpt) if layers is not None else None  # the stacks 'decoder:3' names
     if names is not None:
@@ -995,36 +1028,32 @@ def audit(
             )
     if isinstance(source, CheckpointUpdate):
         source.check_targets(targets, base_ckpt)
-    records = []
-    counter = ProgressCounter(as_callback(progress, "audit"), len(targets), "modules")
-    counter.start()
-    if geometry is None:  # before any weight is read
-        check_sketch_dim(sketch_dim, [(target.name, target.shape[1]) for target in targets])
-    for target in targets:
-        stored, fingerprint = load_target(base_ckpt, target)
-        weight = stored.to(dtype).contiguous()
-        del stored
-        if geometry is not None:
-            rec = geometry.record(target.name)
-            if list(rec.shape) != list(target.shape) or rec.fingerprint != fingerprint:
-                raise BundleError(
-                    f"{geometry.path}: module '{target.name}' was scanned from other weights than BASE {base} "
-                    f"(weight fingerprint differs; the bundle was scanned from {bundle_origin(geometry)}); pass the "
-                    "bundle of the base model, not of a fine-tune or another revision"
-                )
-            b_idx = geometry.checked_b_idx(rec.name, with_digest=True)
-        else:
-            scores = redundancy_scores(
-                weight, n_anchors=anchors, sketch_dim=sketch_dim, seed=module_seed(seed, target.name)
-            )
-            b_idx = select_redundant_rows(scores, effective_r(r, target.shape[0]))
-        delta = source.delta(target, weight)
-        record = audit_update(target.name, weight, delta, b_idx, tau)
-        if isinstance(source, CheckpointUpdate) and target.name in source.rounded:
-            record.base_rounded_to, record.rounding_floor = source.rounded[target.name]
-        if isinstance(source, CheckpointUpdate):
-            record.tuned_rounds_to_base = source.base_is_rounded_tuned.get(target.name)
-        records.append(record)
-        del weight, delta
-        counter.step(target.name)
-    return records
+    return targets
+
+
+def _audit_b_idx(
+    target: TargetModule,
+    weight: torch.Tensor,
+    fingerprint: str,
+    geometry: Bundle | None,
+    settings: ScanSettings,
+    base: str | os.PathLike,
+) -> torch.Tensor:
+    """B of one module: the bundle's (refused when it was scanned from other weights than BASE's), else chosen as
+    the scan chooses it (redundancy scores with the settings' anchors, sketch and per-module seed; the top r)."""
+    if geometry is None:
+        scores = redundancy_scores(
+            weight,
+            n_anchors=settings.anchors,
+            sketch_dim=settings.sketch_dim,
+            seed=module_seed(settings.seed, target.name),
+        )
+        return select_redundant_rows(scores, effective_r(settings.r, target.shape[0]))
+    rec = geometry.record(target.name)
+    if list(rec.shape) != list(target.shape) or rec.fingerprint != fingerprint:
+        raise BundleError(
+            f"{geometry.path}: module '{target.name}' was scanned from other weights than BASE {base} "
+            f"(weight fingerprint differs; the bundle was scanned from {bundle_origin(geometry)}); pass the "
+            "bundle of the base model, not of a fine-tune or another revision"
+        )
+    return geometry.checked_b_idx(rec.name, with_digest=True)
