@@ -14,6 +14,7 @@ from plate_inspect.bundle import ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.errors import ConfigError
 from plate_inspect.health import fit_marchenko_pastur, health_of_weight
+from plate_inspect.targets import check_target_patterns, parse_layers, select_targets, target_matches
 from plate_inspect.testing.synthetic import write_gpt2
 from plate_inspect.verification import check_exactness
 
@@ -180,3 +181,22 @@ def test_check_exactness_refuses_shapes_that_do_not_fit():
     values, vectors = torch.linalg.eigh(wf.T @ wf)
     check = check_exactness(w, torch.tensor([0]), vectors[:, :2])
     assert check.ok and check.optimum == pytest.approx(float(values[:2].sum()), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- targets
+def test_target_selection_takes_one_string_as_one_pattern(gpt2):
+    """select_targets / target_matches / check_target_patterns iterated a string: 'mlp.c_fc' was m, l, p, ..."""
+    model, _ = gpt2
+    chosen, note = select_targets(Checkpoint.open(model), "mlp.c_fc")
+    assert [t.name for t in chosen] == ["h.0.mlp.c_fc", "h.1.mlp.c_fc"]
+    assert note == "--target-modules mlp.c_fc"
+    assert target_matches(chosen[0], "mlp.c_fc") and target_matches(chosen[0], ["mlp.c_fc"])
+    assert not target_matches(chosen[0], "attn.c_attn")
+    with pytest.raises(ConfigError, match=r"'a\[b' is not a valid regular expression"):
+        check_target_patterns("a[b")
+
+
+def test_parse_layers_names_a_spec_that_is_no_string():
+    with pytest.raises(ConfigError, match=r"parse_layers takes a spec string"):
+        parse_layers(3)
+    assert parse_layers("0-2,decoder:1") == [0, 1, 2, "decoder:1"]
