@@ -74,6 +74,11 @@ SELECTION_SETTINGS = frozenset({"target_modules", "layers", "include_mtp"})
 
 
 #: What to do about an output directory that holds another bundle, for Python and CLI users alike.
+#: What to do about a manifest that cannot be read or makes no sense.
+_MANIFEST_MEND = (
+    "the bundle's record is damaged: rescan the model into it with overwrite=True (CLI: --overwrite), or into "
+    "another directory"
+)
 REPLACE_HINT = "replace it with overwrite=True (CLI: --overwrite), or write elsewhere (CLI: --out)"
 #: The same for writers with no CLI command (``make_variant``): the Python keywords only.
 API_REPLACE_HINT = "replace it with overwrite=True, or write elsewhere (another out)"
@@ -303,6 +308,9 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: Path) -> Manifest:
+        """The manifest in ``d`` (manifest.json's content, read from ``where``); BundleError when it is not one."""
+        if not isinstance(d, dict):
+            raise BundleError(f"{where}: corrupt manifest (not a JSON object); {_MANIFEST_MEND}")
         if d.get("format") != FORMAT_NAME:
             raise BundleError(f"{where}: not a PLATE init bundle (format {d.get('format')!r})")
         if d.get("format_version") not in READ_FORMAT_VERSIONS:
@@ -326,8 +334,8 @@ class Manifest:
                 baseline=_baseline(d.get("rescan_baseline")),
                 tool_version=d.get("tool_version", ""),
             )
-        except (KeyError, TypeError) as e:
-            raise BundleError(f"{where}: corrupt manifest ({e})") from None
+        except (KeyError, TypeError, AttributeError, ConfigError) as e:  # missing keys, wrong types, bad settings
+            raise BundleError(f"{where}: corrupt manifest ({type(e).__name__}: {e}); {_MANIFEST_MEND}") from None
 
     def content_identity(self) -> str:
         """The identity of this bundle's content: settings, variant, and every module's weight fingerprint."""
@@ -444,11 +452,8 @@ class Bundle:
             raise BundleError(not_a_bundle(path))
         try:
             data = json.loads(mpath.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise BundleError(
-                f"{mpath}: unreadable manifest ({e}); the bundle's record is damaged: rescan the model into it with "
-                f"overwrite=True (CLI: --overwrite), or into another directory"
-            ) from None
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: invalid JSON or UTF-8
+            raise BundleError(f"{mpath}: unreadable manifest ({e}); {_MANIFEST_MEND}") from None
         manifest = Manifest.from_json(data, mpath)
         if not manifest.complete:  # the finished modules of an unfinished scan are recorded in the part headers
             manifest.modules = finished_modules(path, manifest)
@@ -762,7 +767,7 @@ class BundleWriter:
         if existing.exists() and not self.overwrite:
             try:
                 old = Manifest.from_json(json.loads(existing.read_text()), existing)
-            except (json.JSONDecodeError, OSError, BundleError):
+            except (ValueError, RecursionError, OSError, BundleError):  # ValueError: invalid JSON or UTF-8
                 raise BundleError(
                     f"{self.path}: holds something that is not a matching bundle; {self._replace_hint}"
                 ) from None

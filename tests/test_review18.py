@@ -3,7 +3,10 @@ the argument, not a TypeError/AttributeError from deep inside), and audit takes 
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ import torch
 import plate_inspect
 from plate_inspect.bundle import ScanSettings
 from plate_inspect.checkpoint import Checkpoint
-from plate_inspect.errors import ConfigError
+from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.health import fit_marchenko_pastur, health_of_weight
 from plate_inspect.targets import check_target_patterns, parse_layers, select_targets, target_matches
 from plate_inspect.testing.synthetic import write_gpt2
@@ -200,3 +203,58 @@ def test_parse_layers_names_a_spec_that_is_no_string():
     with pytest.raises(ConfigError, match=r"parse_layers takes a spec string"):
         parse_layers(3)
     assert parse_layers("0-2,decoder:1") == [0, 1, 2, "decoder:1"]
+
+
+# --------------------------------------------------------------------------- damaged manifests
+def _bundle_with_manifest(gpt2, tmp_path, content: bytes):
+    _, bundle = gpt2
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle.path, copy)
+    (copy / "manifest.json").write_bytes(content)
+    return copy
+
+
+def _manifest_with(gpt2, **changes) -> bytes:
+    _, bundle = gpt2
+    data = json.loads((bundle.path / "manifest.json").read_text())
+    for key, value in changes.items():
+        if key in ("r", "seed"):
+            data["config"][key] = value
+        else:
+            data[key] = value
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"[]", "corrupt manifest (not a JSON object)"),  # was AttributeError: 'list' object has no attribute 'get'
+        (
+            b'{"format": "plate-init-bundle", "format_version": 1, "source": {}, "config": [], "modules": {}, '
+            b'"complete": true}',
+            "corrupt manifest (AttributeError",
+        ),  # fmt: skip
+        (b'{"a": "\xff"}', "unreadable manifest"),  # invalid UTF-8: was a UnicodeDecodeError
+    ],
+)
+def test_bundle_load_reports_a_damaged_manifest_as_a_bundle_error(gpt2, tmp_path, content, says):
+    path = _bundle_with_manifest(gpt2, tmp_path, content)
+    with pytest.raises(BundleError, match=re.escape(says)) as caught:
+        plate_inspect.Bundle.load(path)
+    assert "overwrite=True (CLI: --overwrite)" in str(caught.value)
+
+
+@pytest.mark.parametrize(("changes", "says"), [({"r": 0}, "r must be"), ({"modules": []}, "AttributeError")])
+def test_bundle_load_reports_nonsense_in_a_manifest_as_a_bundle_error(gpt2, tmp_path, changes, says):
+    """A manifest edited to r=0 raised the ConfigError of a bad setting, as if the caller had given it."""
+    path = _bundle_with_manifest(gpt2, tmp_path, _manifest_with(gpt2, **changes))
+    with pytest.raises(BundleError, match=r"corrupt manifest \(.*" + says):
+        plate_inspect.Bundle.load(path)
+
+
+def test_scan_into_a_directory_with_a_damaged_manifest_is_refused_in_one_line(gpt2, tmp_path):
+    model, _ = gpt2
+    path = _bundle_with_manifest(gpt2, tmp_path, b"[]")
+    with pytest.raises(BundleError, match=r"holds something that is not a matching bundle"):
+        plate_inspect.scan(str(model), out=str(path), r=4)
+    assert plate_inspect.scan(str(model), out=str(path), r=4, overwrite=True).manifest.complete
