@@ -528,7 +528,7 @@ class _Weight:
     scale_nbytes: int = 0
 
 
-def logical_weights(ckpt: Checkpoint) -> list[_Weight]:
+def _matrix_weights(ckpt: Checkpoint) -> list[_Weight]:
     """Every 2-D or 3-D weight of the checkpoint, from :meth:`Checkpoint.logical_weights` (quantization companions
     already folded in: MXFP4 ``X_blocks`` + ``X_scales`` is the weight X), biases and 1-D tensors left out.
 
@@ -674,7 +674,7 @@ def select_targets(
     check_target_patterns(target_modules)
     refuse_adapter(ckpt)
     model_type = str(ckpt.config.get("model_type", "")) or None
-    weights = logical_weights(ckpt)
+    weights = _matrix_weights(ckpt)
     candidates = [m for w in weights for m in _modules_of(w, model_type)]
     shapes = expected_shapes(ckpt.config, model_type)
     if model_type in LAYOUT_BY_SHAPE_FAMILIES:
@@ -1110,4 +1110,4 @@ def modules_by_name(ckpt: Checkpoint) -> dict[str, TargetModule]:
     """Every module a checkpoint holds (targets or not), by the name a bundle records: how verify and variant
     scans find a recorded module's weight, 3-D expert slices included."""
     model_type = str(ckpt.config.get("model_type", "")) or None
-    return {t.name: t for w in logical_weights(ckpt) for t in _modules_of(w, model_type)}
+    return {t.name: t for w in _matrix_weights(ckpt) for t in _modules_of(w, model_type)}
