@@ -64,7 +64,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
+    """A public name, imported from its module on first use (PEP 562)."""
     if name in _LAZY:
         import importlib
 
@@ -75,6 +76,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
+    """The public API: what tab completion and ``dir(plate_inspect)`` show."""
     return __all__
 
 

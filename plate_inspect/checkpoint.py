@@ -169,7 +169,7 @@ def parse_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[st
     cover the data section exactly (no gap, no overlap, no trailing bytes). Raises
     :class:`CorruptCheckpointError` naming the file and tensor.
     """
-    path = Path(path)
+    path = path_argument(path, "path")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -308,6 +308,8 @@ def fingerprint_tensor(tensor: torch.Tensor, block_bytes: int = 64 << 20) -> str
     Hashed in blocks copied to the CPU: numpy never sees the tensor's own storage (that would make it non-resizable,
     and FSDP2 frees an unsharded parameter by resizing its storage), and no copy of the whole weight is made.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"fingerprint_tensor takes a torch.Tensor, got {type(tensor).__name__}")
     flat = tensor.detach().contiguous().reshape(-1)
     h = hashlib.sha256()
     step = max(1, block_bytes // max(flat.element_size(), 1))

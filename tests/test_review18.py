@@ -3,6 +3,7 @@ the argument, not a TypeError/AttributeError from deep inside), and audit takes 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -14,7 +15,7 @@ import torch
 
 import plate_inspect
 from plate_inspect.bundle import ScanSettings
-from plate_inspect.checkpoint import Checkpoint
+from plate_inspect.checkpoint import Checkpoint, fingerprint_tensor, parse_safetensors_header
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.health import fit_marchenko_pastur, health_of_weight
 from plate_inspect.targets import check_target_patterns, parse_layers, select_targets, target_matches
@@ -258,3 +259,12 @@ def test_scan_into_a_directory_with_a_damaged_manifest_is_refused_in_one_line(gp
     with pytest.raises(BundleError, match=r"holds something that is not a matching bundle"):
         plate_inspect.scan(str(model), out=str(path), r=4)
     assert plate_inspect.scan(str(model), out=str(path), r=4, overwrite=True).manifest.complete
+
+
+def test_checkpoint_helpers_name_a_bad_argument():
+    with pytest.raises(ConfigError, match=r"^path must be a path"):
+        parse_safetensors_header(None)
+    with pytest.raises(TypeError, match=r"fingerprint_tensor takes a torch.Tensor, got list"):
+        fingerprint_tensor([1.0, 2.0])
+    t = torch.arange(6, dtype=torch.float32)
+    assert fingerprint_tensor(t) == "sha256:" + hashlib.sha256(t.numpy().tobytes()).hexdigest()
