@@ -322,6 +322,7 @@ class AuditRecord:
         return self.protected_norm / self.weight_norm if self.weight_norm > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
+        """One ``--json`` record: the keys named in the class docstring."""
         keys = (
             AUDIT_KEYS
             + (ROUNDING_KEYS if self.base_rounded_to else ())
@@ -513,6 +514,7 @@ class UpdateSource:
         return None
 
     def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        """dW of one module, oriented d_out x d_in like ``base_weight`` (dense or low-rank)."""
         raise NotImplementedError
 
 

@@ -158,6 +158,7 @@ class ScanSettings:
             object.__setattr__(self, key, value)
 
     def to_json(self) -> dict[str, Any]:
+        """The settings as the manifest's ``config`` holds them (lists for tuples)."""
         d = asdict(self)
         for key in ("target_modules", "layers", "tau_grid"):
             d[key] = list(d[key]) if d[key] is not None else None
@@ -173,6 +174,7 @@ class ScanSettings:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ScanSettings:
+        """Settings from a manifest's ``config`` (keys this version does not know are ignored), checked."""
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
@@ -237,14 +239,17 @@ class ModuleRecord:
 
     @property
     def d_out(self) -> int:
+        """Output features (rows of W)."""
         return self.shape[0]
 
     @property
     def d_in(self) -> int:
+        """Input features (columns of W)."""
         return self.shape[1]
 
     @property
     def trainable_params(self) -> int:
+        """PLATE's trainable parameters for this module: A is r x k."""
         return self.r * self.k
 
     @property
@@ -264,6 +269,9 @@ def _record_json(rec: ModuleRecord) -> dict[str, Any]:
 
 @dataclass
 class Manifest:
+    """A bundle's manifest.json in memory: the source, the settings, one record per module, and whether the scan
+    finished (an unfinished one lists the modules it planned)."""
+
     source: dict[str, Any]
     settings: ScanSettings
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
@@ -288,6 +296,7 @@ class Manifest:
         return STACKS_FORMAT_VERSION if stacked else FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
+        """manifest.json's content."""
         extra = {"rescan_baseline": self.baseline} if self.baseline is not None else {}
         return {
             "format": self.format,

@@ -114,6 +114,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
+        """Stored bytes of the tensor."""
         return self.end - self.start
 
 
@@ -140,10 +141,12 @@ class LogicalWeight:
 
     @property
     def dtype(self) -> str:
+        """The stored dtype, under TensorInfo's name for it (so either record fits require_float_dtype)."""
         return self.stored_dtype
 
     @property
     def is_quantized(self) -> bool:
+        """Stored as FP8 or MXFP4 codes with scales (read dequantized to float32)."""
         return self.format in ("fp8", "mxfp4")
 
 
@@ -157,6 +160,7 @@ class SourceRef:
     commit: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest's ``source`` entry."""
         return {"kind": self.kind, "id": self.id, "revision": self.revision, "commit": self.commit}
 
 

@@ -165,10 +165,12 @@ class TargetModule:
 
     @property
     def logical_name(self) -> str:
+        """The weight :meth:`Checkpoint.read_weight` reads for this module."""
         return self.weight_name or self.tensor.name
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
+        """That weight's logical (dequantized) shape, all experts of a 3-D stack included."""
         return tuple(self.weight_shape or self.tensor.shape)
 
     @property

@@ -32,6 +32,7 @@ class ExactnessCheck:
 
     @property
     def ok(self) -> bool:
+        """Q is exact: sqrt(energy) within sqrt(optimum + allowance), plus what rounding Q to its dtype may add."""
         return math.sqrt(max(self.energy, 0.0)) <= math.sqrt(self.optimum + self.allowance) + self.rounding
 
     @property
@@ -87,6 +88,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """No problem found (notes do not count)."""
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
