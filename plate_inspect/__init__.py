@@ -7,6 +7,21 @@ Main entry points::
     bundle = plate_inspect.Bundle.load("bundles/qwen7b")
     b_idx, q = bundle.b_idx(name), bundle.q(name)
     trainable = plate_inspect.apply_bundle(model, bundle, rho=0.5)   # PLATE layers, weights checked
+
+The public API (``__all__``), by job:
+
+- make a bundle: :func:`scan` (its settings: :class:`ScanSettings`)
+- read one: :class:`Bundle` (``Bundle.load``; a :class:`ModuleRecord` per module)
+- check one against a checkpoint's weights: :func:`verify`
+- train with one: :func:`apply_bundle` (:func:`finish_meta_init` after a meta-device load); choose k per module
+  for a parameter budget: :func:`plan_budget`
+- measure a fine-tune or adapter against the geometry: :func:`audit`
+- errors: :class:`PlateInspectError`, and its :class:`ConfigError` (a bad setting or argument),
+  :class:`CheckpointError`, :class:`BundleError` (the full tree: ``plate_inspect.errors``)
+
+Each name is imported on first use, so ``import plate_inspect`` does not load torch. The building blocks live in
+the modules: ``checkpoint`` (lazy safetensors reading), ``geometry`` (the math, pure functions), ``scanner``,
+``bundle``, ``targets``, ``auditing``, ``verification``, ``health``, ``train``, ``analysis``.
 """
 
 __version__ = "0.1.0"
@@ -49,7 +64,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
+    """A public name, imported from its module on first use (PEP 562)."""
     if name in _LAZY:
         import importlib
 
@@ -60,6 +76,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
+    """The public API: what tab completion and ``dir(plate_inspect)`` show."""
     return __all__
 
 

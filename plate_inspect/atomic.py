@@ -263,3 +263,13 @@ def os_error_reason(path: str | os.PathLike, e: OSError) -> str:
     if e.errno == errno.ENOSPC:
         return "disk full"
     return str(e.strerror or e)
+
+
+def path_argument(value: object, argument: str) -> Path:
+    """``value`` as a Path, or a ConfigError naming ``argument`` when it is no path (None, a number, ''): the check
+    at the boundary of the public functions that take one (else a TypeError from deep inside ``Path``)."""
+    from plate_inspect.errors import ConfigError
+
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise ConfigError(f"{argument} must be a path (str or os.PathLike), got {value!r:.80}")
+    return Path(value)

@@ -36,12 +36,13 @@ from typing import Any, Union
 
 import torch
 
-from plate_inspect.bundle import Bundle
+from plate_inspect.atomic import path_argument
+from plate_inspect.bundle import Bundle, ScanSettings
 from plate_inspect.checkpoint import (
     Checkpoint,
     parse_safetensors_header,
 )
-from plate_inspect.dtypes import DTYPES
+from plate_inspect.dtypes import DTYPES, PRECISIONS
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import (
     check_sketch_dim,
@@ -52,7 +53,6 @@ from plate_inspect.geometry import (
     redundancy_scores,
     select_redundant_rows,
     symmetric_eigh,
-    validate_settings,
 )
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
@@ -89,7 +89,6 @@ _E2M1_EPS, _E2M1_NORMAL, _E2M1_MAX = 0.5, 1.0, 6.0
 _E2M1_SATURATES_BELOW = 8.0
 #: A coarser storage TUNED may hold: a torch floating dtype (bf16, FP8) or :data:`MXFP4`.
 Storage = Union[torch.dtype, str]  # noqa: UP007 (a runtime alias)
-PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -323,6 +322,7 @@ class AuditRecord:
         return self.protected_norm / self.weight_norm if self.weight_norm > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
+        """One ``--json`` record: the keys named in the class docstring."""
         keys = (
             AUDIT_KEYS
             + (ROUNDING_KEYS if self.base_rounded_to else ())
@@ -507,8 +507,6 @@ def _match_pattern(patterns: dict[str, Any], key: str) -> str | None:
 class UpdateSource:
     """Where dW comes from. ``modules``: base-checkpoint module names it touches (None: every target)."""
 
-    kind = "checkpoint"
-    description = ""
     bundle: Bundle | None = None
 
     def bind(self, base: Checkpoint) -> list[str] | None:
@@ -516,6 +514,7 @@ class UpdateSource:
         return None
 
     def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        """dW of one module, oriented d_out x d_in like ``base_weight`` (dense or low-rank)."""
         raise NotImplementedError
 
 
@@ -524,10 +523,8 @@ class CheckpointUpdate(UpdateSource):
     """A full fine-tuned checkpoint: dW = W_tuned - W_base, tensor by tensor."""
 
     tuned: Checkpoint
-    kind: str = "checkpoint"
 
     def __post_init__(self) -> None:
-        self.description = f"fine-tuned checkpoint {self.tuned.root}"
         self._modules: dict[str, TargetModule] | None = None
         # module -> (TUNED's coarser dtype, ||round(BASE) - BASE||_F), where BASE was rounded to it
         self.rounded: dict[str, tuple[str, float]] = {}
@@ -609,7 +606,6 @@ class LoraUpdate(UpdateSource):
     path: Path
     config: dict[str, Any]
     adapter: Checkpoint
-    kind: str = "lora"
     pairs: dict[str, tuple[str, str]] = field(default_factory=dict)  # peft module name -> (A key, B key)
     mapping: dict[str, str] = field(default_factory=dict)  # base module name -> peft module name
 
@@ -629,7 +625,6 @@ class LoraUpdate(UpdateSource):
                 self.pairs[hit.group(1).removeprefix(_PEFT_PREFIX)] = (key, b_key)
         if not self.pairs:
             raise CheckpointError(f"{self.path}: a LoRA adapter dir without any '*.lora_A.weight' tensor")
-        self.description = f"LoRA adapter {self.path} ({len(self.pairs)} modules)"
 
     def bind(self, base: Checkpoint) -> list[str]:
         available = [
@@ -697,13 +692,8 @@ class PlateUpdate(UpdateSource):
     rho: float | dict[str, float]  # one for every module, or per adapter module name
     bundle: Bundle | None = None
     digests: dict[str, str] | None = None  # save_adapter files: per-module B/Q digests to check
-    kind: str = "plate"
     mapping: dict[str, str] = field(default_factory=dict)  # base module name -> bundle module name
     recorded: str | None = None  # the bundle path the adapter records (where it was looked for)
-
-    def __post_init__(self) -> None:
-        rho = f"rho={self.rho:g}" if isinstance(self.rho, float) else "rho per module"
-        self.description = f"PLATE adapter {self.path} ({len(self.a_by_name)} modules, {rho})"
 
     def bind(self, base: Checkpoint) -> list[str]:
         from plate_inspect.train.core import geometry_digest
@@ -944,8 +934,8 @@ def audit(
     anchors: int = 256,
     sketch_dim: int | None = None,
     seed: int = 0,
-    target_modules: list[str] | None = None,
-    layers: list[LayerEntry] | None = None,
+    target_modules: str | Iterable[str] | None = None,
+    layers: Iterable[LayerEntry] | None = None,
     precision: str = "float32",
     revision: str | None = None,
     offline: bool | None = None,
@@ -957,16 +947,26 @@ def audit(
     and fingerprints are checked); without one, from a PLATE adapter's own bundle; otherwise B is chosen as the
     scan does with ``r``, ``anchors``, ``sketch_dim`` and ``seed``. Modules: the adapter's, else the bundle's, else
     the scan's targets; ``target_modules`` and ``layers`` narrow any of these. ``progress`` gets one event per module
-    (unit "modules").
+    (unit "modules"). The settings are checked and normalised as :class:`ScanSettings` checks a scan's (one
+    string in ``target_modules`` is one name, as in :func:`plate_inspect.scan`).
     """
-    validate_settings(r=r, tau=tau, max_rank=1, n_anchors=anchors, sketch_dim=sketch_dim)
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    check_target_patterns(target_modules)
-    dtype = PRECISIONS[precision]
+    path_argument(base, "base")  # a clear error for None, not a TypeError from deep inside
+    path_argument(tuned, "tuned")
+    settings = ScanSettings(
+        r=r,
+        tau=tau,
+        seed=seed,
+        sketch_dim=sketch_dim,
+        anchors=anchors,
+        target_modules=target_modules,
+        layers=layers,
+        precision=precision,
+    )
+    check_target_patterns(settings.target_modules)
+    dtype = PRECISIONS[settings.precision]
     _refuse_bundle_dir(base, "BASE")
     _refuse_bundle_dir(tuned, "TUNED")
-    given = bundle if isinstance(bundle, Bundle) or bundle is None else Bundle.load(bundle)
+    given = bundle if isinstance(bundle, Bundle) or bundle is None else Bundle.load(path_argument(bundle, "bundle"))
     base_ckpt = Checkpoint.open(base, revision=revision, offline=offline)
     if given is not None:
         check_bundle_fits_base(given, base_ckpt, base)
@@ -974,6 +974,41 @@ def audit(
     geometry = given if given is not None else source.bundle
     if given is None and geometry is not None:
         check_bundle_fits_base(geometry, base_ckpt, base, adapter=tuned)
+    targets = _audit_targets(base_ckpt, source, geometry, settings, tuned)
+    if geometry is None:  # before any weight is read
+        check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
+    records = []
+    counter = ProgressCounter(as_callback(progress, "audit"), len(targets), "modules")
+    counter.start()
+    for target in targets:
+        stored, fingerprint = load_target(base_ckpt, target)
+        weight = stored.to(dtype).contiguous()
+        del stored
+        b_idx = _audit_b_idx(target, weight, fingerprint, geometry, settings, base)
+        delta = source.delta(target, weight)
+        record = audit_update(target.name, weight, delta, b_idx, settings.tau)
+        if isinstance(source, CheckpointUpdate):
+            if target.name in source.rounded:
+                record.base_rounded_to, record.rounding_floor = source.rounded[target.name]
+            record.tuned_rounds_to_base = source.base_is_rounded_tuned.get(target.name)
+        records.append(record)
+        del weight, delta
+        counter.step(target.name)
+    return records
+
+
+def _audit_targets(
+    base_ckpt: Checkpoint,
+    source: UpdateSource,
+    geometry: Bundle | None,
+    settings: ScanSettings,
+    tuned: str | os.PathLike,
+) -> list[TargetModule]:
+    """The modules to audit, before any weight is read: the adapter's, else the bundle's, else the scan's targets,
+    narrowed by ``settings``' target_modules and layers. Each must have geometry in ``geometry`` (when given) and,
+    for a fine-tuned checkpoint, a weight of the same shape in TUNED."""
+    target_modules = list(settings.target_modules) if settings.target_modules else None
+    layers = settings.layers
     names = source.bind(base_ckpt)
     model = modules_by_name(base_ckpt) if layers is not None else None  # the stacks 'decoder:3' names
     if names is not None:
@@ -995,36 +1030,32 @@ def audit(
             )
     if isinstance(source, CheckpointUpdate):
         source.check_targets(targets, base_ckpt)
-    records = []
-    counter = ProgressCounter(as_callback(progress, "audit"), len(targets), "modules")
-    counter.start()
-    if geometry is None:  # before any weight is read
-        check_sketch_dim(sketch_dim, [(target.name, target.shape[1]) for target in targets])
-    for target in targets:
-        stored, fingerprint = load_target(base_ckpt, target)
-        weight = stored.to(dtype).contiguous()
-        del stored
-        if geometry is not None:
-            rec = geometry.record(target.name)
-            if list(rec.shape) != list(target.shape) or rec.fingerprint != fingerprint:
-                raise BundleError(
-                    f"{geometry.path}: module '{target.name}' was scanned from other weights than BASE {base} "
-                    f"(weight fingerprint differs; the bundle was scanned from {bundle_origin(geometry)}); pass the "
-                    "bundle of the base model, not of a fine-tune or another revision"
-                )
-            b_idx = geometry.checked_b_idx(rec.name, with_digest=True)
-        else:
-            scores = redundancy_scores(
-                weight, n_anchors=anchors, sketch_dim=sketch_dim, seed=module_seed(seed, target.name)
-            )
-            b_idx = select_redundant_rows(scores, effective_r(r, target.shape[0]))
-        delta = source.delta(target, weight)
-        record = audit_update(target.name, weight, delta, b_idx, tau)
-        if isinstance(source, CheckpointUpdate) and target.name in source.rounded:
-            record.base_rounded_to, record.rounding_floor = source.rounded[target.name]
-        if isinstance(source, CheckpointUpdate):
-            record.tuned_rounds_to_base = source.base_is_rounded_tuned.get(target.name)
-        records.append(record)
-        del weight, delta
-        counter.step(target.name)
-    return records
+    return targets
+
+
+def _audit_b_idx(
+    target: TargetModule,
+    weight: torch.Tensor,
+    fingerprint: str,
+    geometry: Bundle | None,
+    settings: ScanSettings,
+    base: str | os.PathLike,
+) -> torch.Tensor:
+    """B of one module: the bundle's (refused when it was scanned from other weights than BASE's), else chosen as
+    the scan chooses it (redundancy scores with the settings' anchors, sketch and per-module seed; the top r)."""
+    if geometry is None:
+        scores = redundancy_scores(
+            weight,
+            n_anchors=settings.anchors,
+            sketch_dim=settings.sketch_dim,
+            seed=module_seed(settings.seed, target.name),
+        )
+        return select_redundant_rows(scores, effective_r(settings.r, target.shape[0]))
+    rec = geometry.record(target.name)
+    if list(rec.shape) != list(target.shape) or rec.fingerprint != fingerprint:
+        raise BundleError(
+            f"{geometry.path}: module '{target.name}' was scanned from other weights than BASE {base} "
+            f"(weight fingerprint differs; the bundle was scanned from {bundle_origin(geometry)}); pass the "
+            "bundle of the base model, not of a fine-tune or another revision"
+        )
+    return geometry.checked_b_idx(rec.name, with_digest=True)

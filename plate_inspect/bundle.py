@@ -20,6 +20,7 @@ import difflib
 import errno
 import hashlib
 import json
+import numbers
 import os
 import re
 import shlex
@@ -34,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
-from plate_inspect.atomic import atomic_write, stale_temps
+from plate_inspect.atomic import atomic_write, path_argument, stale_temps
 from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
@@ -50,6 +51,8 @@ STACKS_FORMAT_VERSION = 2
 #: The format versions this version reads.
 READ_FORMAT_VERSIONS = (FORMAT_VERSION, STACKS_FORMAT_VERSION)
 MANIFEST = "manifest.json"
+#: The tensors a bundle stores per module, as ``<module>.<kind>`` (:meth:`Bundle.tensor`).
+TENSOR_KINDS = ("plate_B_idx", "plate_Q", "redundancy", "spectrum")
 STATS = "scan_stats.json"
 #: The one metadata key of a part file's safetensors header (one key: safetensors orders several at random).
 PART_METADATA_KEY = "plate_part"
@@ -71,6 +74,11 @@ SELECTION_SETTINGS = frozenset({"target_modules", "layers", "include_mtp"})
 
 
 #: What to do about an output directory that holds another bundle, for Python and CLI users alike.
+#: What to do about a manifest that cannot be read or makes no sense.
+_MANIFEST_MEND = (
+    "the bundle's record is damaged: rescan the model into it with overwrite=True (CLI: --overwrite), or into "
+    "another directory"
+)
 REPLACE_HINT = "replace it with overwrite=True (CLI: --overwrite), or write elsewhere (CLI: --out)"
 #: The same for writers with no CLI command (``make_variant``): the Python keywords only.
 API_REPLACE_HINT = "replace it with overwrite=True, or write elsewhere (another out)"
@@ -131,6 +139,8 @@ class ScanSettings:
         )
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if self.q_dtype not in Q_DTYPES:
             raise ConfigError(f"q dtype must be one of {sorted(Q_DTYPES)}, got {self.q_dtype!r}")
         grid = tuple(sorted({float(t) for t in self.tau_grid}))
@@ -138,6 +148,7 @@ class ScanSettings:
             raise ConfigError(f"tau grid values must lie strictly between 0 and 1, got {list(grid)}")
         normal = {
             "tau": float(self.tau),
+            "seed": int(self.seed),
             "target_modules": tuple(name_list(self.target_modules)) if self.target_modules else None,
             "layers": layer_entries(self.layers) if self.layers is not None else None,
             "tau_grid": grid,
@@ -147,6 +158,7 @@ class ScanSettings:
             object.__setattr__(self, key, value)
 
     def to_json(self) -> dict[str, Any]:
+        """The settings as the manifest's ``config`` holds them (lists for tuples)."""
         d = asdict(self)
         for key in ("target_modules", "layers", "tau_grid"):
             d[key] = list(d[key]) if d[key] is not None else None
@@ -162,6 +174,7 @@ class ScanSettings:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ScanSettings:
+        """Settings from a manifest's ``config`` (keys this version does not know are ignored), checked."""
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
@@ -209,7 +222,7 @@ class ModuleRecord:
     module_type: str
     layer: int | None
     shape: list[int]  # [d_out, d_in]
-    layout: str  # linear | conv1d
+    layout: str  # one of plate_inspect.targets.LAYOUTS: linear, conv1d, experts_out_major, experts_in_major
     dtype: str  # stored dtype of the weight in the checkpoint
     r: int
     k: int
@@ -226,14 +239,17 @@ class ModuleRecord:
 
     @property
     def d_out(self) -> int:
+        """Output features (rows of W)."""
         return self.shape[0]
 
     @property
     def d_in(self) -> int:
+        """Input features (columns of W)."""
         return self.shape[1]
 
     @property
     def trainable_params(self) -> int:
+        """PLATE's trainable parameters for this module: A is r x k."""
         return self.r * self.k
 
     @property
@@ -253,6 +269,9 @@ def _record_json(rec: ModuleRecord) -> dict[str, Any]:
 
 @dataclass
 class Manifest:
+    """A bundle's manifest.json in memory: the source, the settings, one record per module, and whether the scan
+    finished (an unfinished one lists the modules it planned)."""
+
     source: dict[str, Any]
     settings: ScanSettings
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
@@ -277,6 +296,7 @@ class Manifest:
         return STACKS_FORMAT_VERSION if stacked else FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
+        """manifest.json's content."""
         extra = {"rescan_baseline": self.baseline} if self.baseline is not None else {}
         return {
             "format": self.format,
@@ -297,6 +317,9 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: Path) -> Manifest:
+        """The manifest in ``d`` (manifest.json's content, read from ``where``); BundleError when it is not one."""
+        if not isinstance(d, dict):
+            raise BundleError(f"{where}: corrupt manifest (not a JSON object); {_MANIFEST_MEND}")
         if d.get("format") != FORMAT_NAME:
             raise BundleError(f"{where}: not a PLATE init bundle (format {d.get('format')!r})")
         if d.get("format_version") not in READ_FORMAT_VERSIONS:
@@ -320,8 +343,8 @@ class Manifest:
                 baseline=_baseline(d.get("rescan_baseline")),
                 tool_version=d.get("tool_version", ""),
             )
-        except (KeyError, TypeError) as e:
-            raise BundleError(f"{where}: corrupt manifest ({e})") from None
+        except (KeyError, TypeError, AttributeError, ConfigError) as e:  # missing keys, wrong types, bad settings
+            raise BundleError(f"{where}: corrupt manifest ({type(e).__name__}: {e}); {_MANIFEST_MEND}") from None
 
     def content_identity(self) -> str:
         """The identity of this bundle's content: settings, variant, and every module's weight fingerprint."""
@@ -424,17 +447,22 @@ class Bundle:
 
     @classmethod
     def load(cls, path: str | os.PathLike, require_complete: bool = True) -> Bundle:
-        path = Path(path)
+        """Open the bundle in directory ``path``: its manifest is read and checked; tensors are read on demand.
+
+        Args:
+            path: a directory written by :func:`plate_inspect.scan`.
+            require_complete: refuse an unfinished scan's bundle (False: open it with the modules finished so far).
+
+        Raises a :class:`BundleError` saying what to do when ``path`` is no bundle, or an unfinished or damaged one.
+        """
+        path = path_argument(path, "path")
         mpath = path / MANIFEST
         if not mpath.exists():
             raise BundleError(not_a_bundle(path))
         try:
             data = json.loads(mpath.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise BundleError(
-                f"{mpath}: unreadable manifest ({e}); the bundle's record is damaged: rescan the model into it with "
-                f"overwrite=True (CLI: --overwrite), or into another directory"
-            ) from None
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: invalid JSON or UTF-8
+            raise BundleError(f"{mpath}: unreadable manifest ({e}); {_MANIFEST_MEND}") from None
         manifest = Manifest.from_json(data, mpath)
         if not manifest.complete:  # the finished modules of an unfinished scan are recorded in the part headers
             manifest.modules = finished_modules(path, manifest)
@@ -445,10 +473,12 @@ class Bundle:
     # ----------------------------------------------------------------- access
     @property
     def settings(self) -> ScanSettings:
+        """The settings the bundle was scanned with."""
         return self.manifest.settings
 
     @property
     def modules(self) -> list[str]:
+        """The names of the modules the bundle holds geometry for, in scan order."""
         return list(self.manifest.modules)
 
     def __contains__(self, name: str) -> bool:
@@ -469,6 +499,9 @@ class Bundle:
         )
 
     def record(self, name: str) -> ModuleRecord:
+        """The manifest record of module ``name`` (shape, r, k, fingerprint, ...); BundleError if there is none."""
+        if not isinstance(name, str):
+            raise ConfigError(f"name must be a module name (str), got {name!r:.80}")
         try:
             return self.manifest.modules[name]
         except KeyError:
@@ -489,7 +522,9 @@ class Bundle:
         return f"; did you mean '{close[0]}'?" if close else f" (it has {len(self.manifest.modules)}: see .modules)"
 
     def tensor(self, name: str, kind: str) -> torch.Tensor:
-        """One stored tensor: kind is plate_B_idx | plate_Q | redundancy | spectrum."""
+        """One stored tensor of module ``name``: ``kind`` is one of :data:`TENSOR_KINDS`."""
+        if kind not in TENSOR_KINDS:
+            raise ConfigError(f"kind must be one of {', '.join(TENSOR_KINDS)}, got {kind!r:.80}")
         rec = self.record(name)
         part = self.path / rec.file
         key = f"{name}.{kind}"
@@ -522,19 +557,27 @@ class Bundle:
         return b_idx
 
     def b_idx(self, name: str) -> torch.Tensor:
+        """B: the output rows [r] of module ``name`` that PLATE updates (int64, ascending; the r most redundant)."""
         return self.tensor(name, "plate_B_idx")
 
     def q(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Q: module ``name``'s orthonormal low-energy input basis [d_in, k] (the bottom-k eigenvectors of W_f^T W_f,
+        ascending energy), in ``dtype`` (None: as stored, ``settings.q_dtype``)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ConfigError(f"dtype must be a torch floating dtype (e.g. torch.float32) or None, got {dtype!r:.80}")
         q = self.tensor(name, "plate_Q")
         return q.to(dtype) if dtype is not None else q
 
     def redundancy(self, name: str) -> torch.Tensor:
+        """The redundancy score of each of module ``name``'s d_out rows (B holds the r highest)."""
         return self.tensor(name, "redundancy")
 
     def spectrum(self, name: str) -> torch.Tensor:
+        """The eigenvalues of W_f^T W_f of module ``name`` (W without B's rows), descending: [min(d_out - r, d_in)]."""
         return self.tensor(name, "spectrum")
 
     def plate(self, name: str, dtype: torch.dtype | None = torch.float32) -> ModulePlate:
+        """Module ``name``'s record, B and Q (in ``dtype``, as :meth:`q`) together, as a trainer takes them."""
         return ModulePlate(self.record(name), self.b_idx(name), self.q(name, dtype))
 
     def stats(self) -> dict[str, Any]:
@@ -733,7 +776,7 @@ class BundleWriter:
         if existing.exists() and not self.overwrite:
             try:
                 old = Manifest.from_json(json.loads(existing.read_text()), existing)
-            except (json.JSONDecodeError, OSError, BundleError):
+            except (ValueError, RecursionError, OSError, BundleError):  # ValueError: invalid JSON or UTF-8
                 raise BundleError(
                     f"{self.path}: holds something that is not a matching bundle; {self._replace_hint}"
                 ) from None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from plate_inspect.atomic import path_argument
 from plate_inspect.dtypes import DTYPES, FLOAT_DTYPES
 from plate_inspect.errors import (
     CheckpointError,
@@ -113,6 +114,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
+        """Stored bytes of the tensor."""
         return self.end - self.start
 
 
@@ -139,10 +141,12 @@ class LogicalWeight:
 
     @property
     def dtype(self) -> str:
+        """The stored dtype, under TensorInfo's name for it (so either record fits require_float_dtype)."""
         return self.stored_dtype
 
     @property
     def is_quantized(self) -> bool:
+        """Stored as FP8 or MXFP4 codes with scales (read dequantized to float32)."""
         return self.format in ("fp8", "mxfp4")
 
 
@@ -156,6 +160,7 @@ class SourceRef:
     commit: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest's ``source`` entry."""
         return {"kind": self.kind, "id": self.id, "revision": self.revision, "commit": self.commit}
 
 
@@ -168,7 +173,7 @@ def parse_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[st
     cover the data section exactly (no gap, no overlap, no trailing bytes). Raises
     :class:`CorruptCheckpointError` naming the file and tensor.
     """
-    path = Path(path)
+    path = path_argument(path, "path")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -307,6 +312,8 @@ def fingerprint_tensor(tensor: torch.Tensor, block_bytes: int = 64 << 20) -> str
     Hashed in blocks copied to the CPU: numpy never sees the tensor's own storage (that would make it non-resizable,
     and FSDP2 frees an unsharded parameter by resizing its storage), and no copy of the whole weight is made.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"fingerprint_tensor takes a torch.Tensor, got {type(tensor).__name__}")
     flat = tensor.detach().contiguous().reshape(-1)
     h = hashlib.sha256()
     step = max(1, block_bytes // max(flat.element_size(), 1))
@@ -423,7 +430,9 @@ class Checkpoint:
         Returns:
             The checkpoint with every header validated. Raises a :class:`CheckpointError` subclass on bad input.
         """
-        path = Path(source).expanduser()
+        path = path_argument(source, "source").expanduser()
+        if revision is not None and not isinstance(revision, str):
+            raise ConfigError(f"revision must be a branch, tag or commit (str) or None, got {revision!r:.80}")
         if path.exists() and revision is not None:  # it would be ignored: the user believes a revision was read
             raise ConfigError(
                 f"{source}: is a local path, so revision={revision} (CLI: --revision) does not apply (it picks a "

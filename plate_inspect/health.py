@@ -184,6 +184,8 @@ def fit_marchenko_pastur(spectrum: Spectrum, n: int, m: int, bandwidth: float = 
     from scipy import optimize
     from sklearn.neighbors import KernelDensity
 
+    if min(n, m) < 1:
+        raise ValueError(f"fit_marchenko_pastur needs the matrix's shape n, m >= 1, got {n} x {m}")
     n, m = max(n, m), min(n, m)
     q = n / m
     evals = _as_numpy(spectrum)
@@ -263,6 +265,8 @@ def weight_spectrum(weight: torch.Tensor | np.ndarray) -> torch.Tensor:
     from plate_inspect.geometry import gram_spectrum, ieee_float32_matmul, matmul
 
     w = weight if isinstance(weight, torch.Tensor) else torch.as_tensor(weight)
+    if w.ndim != 2 or not w.is_floating_point():
+        raise ValueError(f"weight must be a 2-D floating matrix [d_out, d_in], got {w.dtype} {list(w.shape)}")
     with ieee_float32_matmul():  # no TF32 Gram on CUDA, whatever the process's setting
         gram = matmul(w, w.T) if w.shape[0] <= w.shape[1] else matmul(w.T, w)  # a.T @ a: a syrk in numpy
         return gram_spectrum(gram).values.cpu()
@@ -271,4 +275,5 @@ def weight_spectrum(weight: torch.Tensor | np.ndarray) -> torch.Tensor:
 def health_of_weight(weight: torch.Tensor | np.ndarray) -> dict:
     """:func:`health_record` of W itself (d_out x d_in); the scanner records W_frozen's instead, from the spectrum
     it already has (W's own costs one more Gram and eigvalsh: ``benchmarks/health_cost.py``)."""
-    return health_record(weight_spectrum(weight), tuple(weight.shape), "W")
+    spectrum = weight_spectrum(weight)
+    return health_record(spectrum, tuple(np.shape(weight)), "W")

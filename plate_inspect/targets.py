@@ -165,10 +165,12 @@ class TargetModule:
 
     @property
     def logical_name(self) -> str:
+        """The weight :meth:`Checkpoint.read_weight` reads for this module."""
         return self.weight_name or self.tensor.name
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
+        """That weight's logical (dequantized) shape, all experts of a 3-D stack included."""
         return tuple(self.weight_shape or self.tensor.shape)
 
     @property
@@ -229,6 +231,8 @@ def parse_layers(spec: str | None) -> list[LayerEntry] | None:
     qualifier applies to its own comma part); 'encoder,decoder:0' -> ['decoder:0', 'encoder'] (a bare stack name, or
     'stack:*', is every layer of it); None or '' -> None (all layers). Entries sorted, plain ones first; an index of
     a stack also given whole is dropped."""
+    if spec is not None and not isinstance(spec, str):
+        raise ConfigError(f"layers: parse_layers takes a spec string such as '0-3,7' (or None), got {spec!r:.80}")
     if spec is None or spec.strip() == "":
         return None
     out: set[tuple[str, int | None]] = set()
@@ -482,11 +486,12 @@ def _matches(module: str, pattern: str) -> bool:
     return module == pattern or module.endswith("." + pattern)
 
 
-def target_matches(target: TargetModule, patterns: Iterable[str]) -> bool:
+def target_matches(target: TargetModule, patterns: str | Iterable[str]) -> bool:
     """Does any ``--target-modules`` pattern select ``target``: by module name, by its weight's name (a 3-D expert
-    stack) or by module type, each as an exact name, a dotted suffix or a regex (peft's rules)."""
+    stack) or by module type, each as an exact name, a dotted suffix or a regex (peft's rules); one string is one
+    pattern."""
     names = (target.name, target.logical_name.removesuffix(".weight"), target.module_type)
-    return any(_matches(n, p) for p in patterns for n in names)
+    return any(_matches(n, p) for p in name_list(patterns) for n in names)
 
 
 def name_list(names: str | Iterable[str]) -> list[str]:
@@ -495,10 +500,10 @@ def name_list(names: str | Iterable[str]) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
 
-def check_target_patterns(patterns: Iterable[str] | None) -> None:
+def check_target_patterns(patterns: str | Iterable[str] | None) -> None:
     """ConfigError for a target-module pattern that looks like a regex but does not compile (``--target-modules '['``);
-    call it before any slow work: matching raises the same error, later."""
-    for pattern in patterns or ():
+    call it before any slow work: matching raises the same error, later. One string is one pattern."""
+    for pattern in name_list(patterns) if patterns else ():
         if _REGEX_CHARS.search(pattern):
             try:
                 re.compile(pattern)
@@ -525,7 +530,7 @@ class _Weight:
     scale_nbytes: int = 0
 
 
-def logical_weights(ckpt: Checkpoint) -> list[_Weight]:
+def _matrix_weights(ckpt: Checkpoint) -> list[_Weight]:
     """Every 2-D or 3-D weight of the checkpoint, from :meth:`Checkpoint.logical_weights` (quantization companions
     already folded in: MXFP4 ``X_blocks`` + ``X_scales`` is the weight X), biases and 1-D tensors left out.
 
@@ -655,7 +660,7 @@ def _natural_key(name: str) -> tuple:
 
 def select_targets(
     ckpt: Checkpoint,
-    target_modules: list[str] | None = None,
+    target_modules: str | Iterable[str] | None = None,
     layers: Iterable[LayerEntry] | None = None,
     include_mtp: bool = False,
 ) -> tuple[list[TargetModule], str]:
@@ -664,12 +669,14 @@ def select_targets(
 
     Defaults come from config.json's model_type (:data:`FAMILY_TARGETS`); multimodal wrappers contribute only
     their language model's modules. Routers/gates are never default targets. DeepSeek's multi-token-prediction
-    layer is left out unless ``include_mtp``. ``layers``: see :func:`select_layers` (None: every layer).
+    layer is left out unless ``include_mtp``. ``target_modules``: names, suffixes, regexes or module types (one
+    string is one); ``layers``: see :func:`select_layers` (None: every layer).
     """
+    target_modules = name_list(target_modules) if target_modules else None
     check_target_patterns(target_modules)
     refuse_adapter(ckpt)
     model_type = str(ckpt.config.get("model_type", "")) or None
-    weights = logical_weights(ckpt)
+    weights = _matrix_weights(ckpt)
     candidates = [m for w in weights for m in _modules_of(w, model_type)]
     shapes = expected_shapes(ckpt.config, model_type)
     if model_type in LAYOUT_BY_SHAPE_FAMILIES:
@@ -1105,4 +1112,4 @@ def modules_by_name(ckpt: Checkpoint) -> dict[str, TargetModule]:
     """Every module a checkpoint holds (targets or not), by the name a bundle records: how verify and variant
     scans find a recorded module's weight, 3-D expert slices included."""
     model_type = str(ckpt.config.get("model_type", "")) or None
-    return {t.name: t for w in logical_weights(ckpt) for t in _modules_of(w, model_type)}
+    return {t.name: t for w in _matrix_weights(ckpt) for t in _modules_of(w, model_type)}

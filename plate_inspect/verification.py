@@ -4,6 +4,7 @@ request, that every Q is the exact bottom-k eigenspace of those weights (a float
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,11 +12,12 @@ from typing import Any
 
 import torch
 
+from plate_inspect.atomic import path_argument
 from plate_inspect.bundle import Bundle, ModuleRecord, damaged
 from plate_inspect.checkpoint import Checkpoint, refuse_adapter
-from plate_inspect.errors import BundleError
+from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.geometry import exactness_allowance
-from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import EXPERT_LAYOUTS, TargetModule, load_target, modules_by_name
 
 
@@ -30,6 +32,7 @@ class ExactnessCheck:
 
     @property
     def ok(self) -> bool:
+        """Q is exact: sqrt(energy) within sqrt(optimum + allowance), plus what rounding Q to its dtype may add."""
         return math.sqrt(max(self.energy, 0.0)) <= math.sqrt(self.optimum + self.allowance) + self.rounding
 
     @property
@@ -45,6 +48,14 @@ def check_exactness(weight: torch.Tensor, b_idx: torch.Tensor, q: torch.Tensor) 
     W_f W_f^T, with the null space's zeros). A Q stored in a narrow dtype is the exact one rounded entrywise
     (|E| <= u |Q|, ||E||_F <= u sqrt(k)), which may add up to ||W_f||_2 u sqrt(k) to sqrt(energy).
     """
+    if weight.ndim != 2 or q.ndim != 2 or q.shape[0] != weight.shape[1] or not q.is_floating_point():
+        raise ValueError(
+            f"check_exactness needs weight [d_out, d_in] and a floating q [d_in, k], got {list(weight.shape)} and "
+            f"{q.dtype} {list(q.shape)}"
+        )
+    if b_idx.numel() and (int(b_idx.min()) < 0 or int(b_idx.max()) >= weight.shape[0]):
+        lo, hi = int(b_idx.min()), int(b_idx.max())
+        raise ValueError(f"b_idx must index weight's {weight.shape[0]} rows, got indices in [{lo}, {hi}]")
     w = weight.detach().to("cpu", torch.float64)
     keep = torch.ones(w.shape[0], dtype=torch.bool)
     keep[b_idx.to(torch.long)] = False
@@ -77,6 +88,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """No problem found (notes do not count)."""
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
@@ -106,7 +118,17 @@ def verify(
     Ablation bundles' Q's are not bottom-k by design and are skipped. A ``source`` that is an adapter (PLATE, PEFT,
     LoRA) is refused with a ``CheckpointError`` naming its base model.
     """
-    b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
+    if exact and source is None:
+        raise ConfigError(
+            "exact=True (CLI: --exact) needs source: the oracle is computed from the checkpoint's weights"
+        )
+    if orthonormality_tol is not None and not (
+        isinstance(orthonormality_tol, numbers.Real)
+        and not isinstance(orthonormality_tol, bool)
+        and 0 <= orthonormality_tol < math.inf
+    ):
+        raise ConfigError(f"orthonormality_tol must be a finite number >= 0 or None, got {orthonormality_tol!r:.80}")
+    b = bundle if isinstance(bundle, Bundle) else Bundle.load(path_argument(bundle, "bundle"))
     report = VerifyReport(str(b.path), str(source) if source is not None else None)
     ckpt = Checkpoint.open(source, revision=revision) if source is not None else None
     if ckpt is not None:
@@ -122,7 +144,7 @@ def verify(
                 "fingerprint checks decide whether its weights are the same; a trainer applies the bundle by "
                 "module name, so check that the names mean the same layers in both"
             )
-    counter = ProgressCounter(progress, len(b.manifest.modules), "modules")
+    counter = ProgressCounter(as_callback(progress, "verify"), len(b.manifest.modules), "modules")
     counter.start()
     for rec in b:
         report.modules_checked += 1

@@ -1,0 +1,270 @@
+"""Session 18 review: the public API of the core library checks its arguments at the boundary (a ConfigError naming
+the argument, not a TypeError/AttributeError from deep inside), and audit takes its settings as scan does."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import plate_inspect
+from plate_inspect.bundle import ScanSettings
+from plate_inspect.checkpoint import Checkpoint, fingerprint_tensor, parse_safetensors_header
+from plate_inspect.errors import BundleError, ConfigError
+from plate_inspect.health import fit_marchenko_pastur, health_of_weight
+from plate_inspect.targets import check_target_patterns, parse_layers, select_targets, target_matches
+from plate_inspect.testing.synthetic import write_gpt2
+from plate_inspect.verification import check_exactness
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A small GPT-2 checkpoint and its bundle (r=4)."""
+    root = tmp_path_factory.mktemp("review18")
+    model = write_gpt2(root / "model").path
+    plate_inspect.scan(str(model), out=str(root / "bundle"), r=4, tau=0.9)
+    return model, plate_inspect.Bundle.load(root / "bundle")
+
+
+# --------------------------------------------------------------------------- audit takes its settings as scan does
+def test_audit_target_modules_string_is_one_name(gpt2):
+    """One string is one module name, as in scan (it was iterated: 'mlp.c_fc' became the patterns m, l, p, ...)."""
+    model, _ = gpt2
+    records = plate_inspect.audit(model, model, target_modules="mlp.c_fc", r=4)
+    as_list = plate_inspect.audit(model, model, target_modules=["mlp.c_fc"], r=4)
+    assert [r.module for r in records] == [r.module for r in as_list] == ["h.0.mlp.c_fc", "h.1.mlp.c_fc"]
+    assert all(r.delta_norm == 0.0 for r in records)  # the model against itself: no update
+
+
+@pytest.mark.parametrize("seed", ["1", 1.5, True, None])
+def test_scan_settings_refuse_a_non_integer_seed(seed):
+    """The seed was taken as it came: "1" and 1 gave the same B (module_seed formats it) but other manifests."""
+    with pytest.raises(ConfigError, match=r"seed must be an integer"):
+        ScanSettings(seed=seed)
+
+
+@pytest.mark.parametrize("seed", ["1", 1.5, True, None])
+def test_audit_refuses_a_non_integer_seed(gpt2, seed):
+    model, _ = gpt2
+    with pytest.raises(ConfigError, match=r"seed must be an integer"):
+        plate_inspect.audit(model, model, seed=seed)
+
+
+def test_scan_settings_take_a_numpy_integer_seed_as_int():
+    settings = ScanSettings(seed=np.int64(7))
+    assert type(settings.seed) is int and settings.seed == 7
+    assert settings.digest() == ScanSettings(seed=7).digest()
+
+
+@pytest.mark.parametrize(("kwargs", "argument"), [({"base": None}, "base"), ({"tuned": 3}, "tuned")])
+def test_audit_names_a_missing_path_argument(gpt2, kwargs, argument):
+    model, _ = gpt2
+    args = {"base": model, "tuned": model, **kwargs}
+    with pytest.raises(ConfigError, match=rf"^{argument} must be a path"):
+        plate_inspect.audit(**args)
+
+
+def test_audit_names_a_bad_bundle_argument(gpt2):
+    model, _ = gpt2
+    with pytest.raises(ConfigError, match=r"^bundle must be a path"):
+        plate_inspect.audit(model, model, bundle=3)
+
+
+# --------------------------------------------------------------------------- verify
+def test_verify_exact_needs_a_source(gpt2):
+    """exact=True without a checkpoint checked nothing and said all was well; the CLI refused it, the API did not."""
+    _, bundle = gpt2
+    with pytest.raises(ConfigError, match=r"exact=True .* needs source"):
+        plate_inspect.verify(bundle, exact=True)
+
+
+@pytest.mark.parametrize("tol", [-1.0, math.nan, math.inf, "1e-3", True])
+def test_verify_refuses_a_bad_orthonormality_tol(gpt2, tol):
+    """A negative tol failed every module as 'not orthonormal'; NaN passed every one; a string raised a TypeError."""
+    _, bundle = gpt2
+    with pytest.raises(ConfigError, match=r"^orthonormality_tol must be a finite number >= 0"):
+        plate_inspect.verify(bundle, orthonormality_tol=tol)
+
+
+def test_verify_takes_a_good_orthonormality_tol(gpt2):
+    model, bundle = gpt2
+    report = plate_inspect.verify(bundle, model, orthonormality_tol=0.5)
+    assert report.ok and report.modules_checked == len(bundle)
+    strict = plate_inspect.verify(bundle, orthonormality_tol=0)  # float32 Q: Q^T Q - I is not exactly 0
+    assert not strict.ok and all("not orthonormal" in p for p in strict.problems)
+
+
+def test_verify_checks_its_progress_argument(gpt2):
+    _, bundle = gpt2
+    with pytest.raises(TypeError, match=r"^verify: progress must be a function"):
+        plate_inspect.verify(bundle, progress=3)
+    events = []
+    plate_inspect.verify(bundle, progress=events.append)
+    assert events[-1].done == events[-1].total == len(bundle)
+
+
+def test_verify_names_a_bad_bundle_argument():
+    with pytest.raises(ConfigError, match=r"^bundle must be a path"):
+        plate_inspect.verify(None)
+
+
+# --------------------------------------------------------------------------- Bundle
+def test_bundle_q_refuses_a_dtype_that_is_not_a_torch_float_dtype(gpt2):
+    """A string dtype reached Tensor.to, which took it for a device: 'Invalid device string: float16'."""
+    _, bundle = gpt2
+    name = bundle.modules[0]
+    for dtype in ("float16", 3, torch.int64):
+        with pytest.raises(ConfigError, match=r"^dtype must be a torch floating dtype"):
+            bundle.q(name, dtype=dtype)
+        with pytest.raises(ConfigError, match=r"^dtype must be a torch floating dtype"):
+            bundle.plate(name, dtype=dtype)
+    stored = bundle.q(name, dtype=None)
+    assert torch.equal(bundle.q(name, dtype=torch.float64), stored.to(torch.float64))
+
+
+def test_bundle_names_a_bad_module_name_or_kind(gpt2):
+    _, bundle = gpt2
+    with pytest.raises(ConfigError, match=r"^name must be a module name \(str\), got None"):
+        bundle.b_idx(None)
+    # an unknown kind is the caller's mistake, not a damaged part file (it said 'the part file is damaged')
+    with pytest.raises(ConfigError, match=r"^kind must be one of plate_B_idx, plate_Q, redundancy, spectrum"):
+        bundle.tensor(bundle.modules[0], "plate_A")
+
+
+def test_bundle_load_names_a_bad_path_argument():
+    with pytest.raises(ConfigError, match=r"^path must be a path"):
+        plate_inspect.Bundle.load(None)
+
+
+# --------------------------------------------------------------------------- Checkpoint.open
+@pytest.mark.parametrize("source", [None, 3, ""])
+def test_checkpoint_open_names_a_bad_source(source):
+    """None and 3 raised a TypeError from Path; '' opened the working directory."""
+    with pytest.raises(ConfigError, match=r"^source must be a path"):
+        Checkpoint.open(source)
+
+
+def test_checkpoint_open_names_a_bad_revision():
+    with pytest.raises(ConfigError, match=r"^revision must be a branch, tag or commit"):
+        Checkpoint.open("org/name", revision=3, offline=True)
+
+
+# --------------------------------------------------------------------------- pure functions
+def test_health_of_weight_takes_what_weight_spectrum_takes():
+    """A nested list (a Spectrum-like input) reached weight.shape: AttributeError; a 1-D weight an IndexError."""
+    rows = [[3.0, 0.0, 1.0], [0.0, 2.0, 0.0]]
+    from_list = health_of_weight(rows)
+    assert from_list == health_of_weight(torch.tensor(rows))
+    assert from_list["shape"] == [2, 3]
+    assert from_list["spectral_norm"] == pytest.approx(float(np.linalg.norm(np.array(rows), 2) ** 2))
+    with pytest.raises(ValueError, match=r"weight must be a 2-D floating matrix"):
+        health_of_weight(torch.ones(5))
+
+
+def test_fit_marchenko_pastur_refuses_an_empty_shape():
+    with pytest.raises(ValueError, match=r"n, m >= 1"):
+        fit_marchenko_pastur(torch.rand(10), 0, 10)
+
+
+def test_check_exactness_refuses_shapes_that_do_not_fit():
+    w = torch.randn(8, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"q \[d_in, k\]"):
+        check_exactness(w, torch.tensor([0]), torch.ones(6))
+    with pytest.raises(ValueError, match=r"q \[d_in, k\]"):
+        check_exactness(w, torch.tensor([0]), torch.ones(5, 2))
+    with pytest.raises(ValueError, match=r"b_idx must index weight's 8 rows"):
+        check_exactness(w, torch.tensor([9]), torch.eye(6)[:, :2])
+    # the valid case still agrees with a hand-built oracle: Q = bottom-2 eigenvectors of W_f^T W_f
+    wf = w[1:]
+    values, vectors = torch.linalg.eigh(wf.T @ wf)
+    check = check_exactness(w, torch.tensor([0]), vectors[:, :2])
+    assert check.ok and check.optimum == pytest.approx(float(values[:2].sum()), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- targets
+def test_target_selection_takes_one_string_as_one_pattern(gpt2):
+    """select_targets / target_matches / check_target_patterns iterated a string: 'mlp.c_fc' was m, l, p, ..."""
+    model, _ = gpt2
+    chosen, note = select_targets(Checkpoint.open(model), "mlp.c_fc")
+    assert [t.name for t in chosen] == ["h.0.mlp.c_fc", "h.1.mlp.c_fc"]
+    assert note == "--target-modules mlp.c_fc"
+    assert target_matches(chosen[0], "mlp.c_fc") and target_matches(chosen[0], ["mlp.c_fc"])
+    assert not target_matches(chosen[0], "attn.c_attn")
+    with pytest.raises(ConfigError, match=r"'a\[b' is not a valid regular expression"):
+        check_target_patterns("a[b")
+
+
+def test_parse_layers_names_a_spec_that_is_no_string():
+    with pytest.raises(ConfigError, match=r"parse_layers takes a spec string"):
+        parse_layers(3)
+    assert parse_layers("0-2,decoder:1") == [0, 1, 2, "decoder:1"]
+
+
+# --------------------------------------------------------------------------- damaged manifests
+def _bundle_with_manifest(gpt2, tmp_path, content: bytes):
+    _, bundle = gpt2
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle.path, copy)
+    (copy / "manifest.json").write_bytes(content)
+    return copy
+
+
+def _manifest_with(gpt2, **changes) -> bytes:
+    _, bundle = gpt2
+    data = json.loads((bundle.path / "manifest.json").read_text())
+    for key, value in changes.items():
+        if key in ("r", "seed"):
+            data["config"][key] = value
+        else:
+            data[key] = value
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"[]", "corrupt manifest (not a JSON object)"),  # was AttributeError: 'list' object has no attribute 'get'
+        (
+            b'{"format": "plate-init-bundle", "format_version": 1, "source": {}, "config": [], "modules": {}, '
+            b'"complete": true}',
+            "corrupt manifest (AttributeError",
+        ),  # fmt: skip
+        (b'{"a": "\xff"}', "unreadable manifest"),  # invalid UTF-8: was a UnicodeDecodeError
+    ],
+)
+def test_bundle_load_reports_a_damaged_manifest_as_a_bundle_error(gpt2, tmp_path, content, says):
+    path = _bundle_with_manifest(gpt2, tmp_path, content)
+    with pytest.raises(BundleError, match=re.escape(says)) as caught:
+        plate_inspect.Bundle.load(path)
+    assert "overwrite=True (CLI: --overwrite)" in str(caught.value)
+
+
+@pytest.mark.parametrize(("changes", "says"), [({"r": 0}, "r must be"), ({"modules": []}, "AttributeError")])
+def test_bundle_load_reports_nonsense_in_a_manifest_as_a_bundle_error(gpt2, tmp_path, changes, says):
+    """A manifest edited to r=0 raised the ConfigError of a bad setting, as if the caller had given it."""
+    path = _bundle_with_manifest(gpt2, tmp_path, _manifest_with(gpt2, **changes))
+    with pytest.raises(BundleError, match=r"corrupt manifest \(.*" + says):
+        plate_inspect.Bundle.load(path)
+
+
+def test_scan_into_a_directory_with_a_damaged_manifest_is_refused_in_one_line(gpt2, tmp_path):
+    model, _ = gpt2
+    path = _bundle_with_manifest(gpt2, tmp_path, b"[]")
+    with pytest.raises(BundleError, match=r"holds something that is not a matching bundle"):
+        plate_inspect.scan(str(model), out=str(path), r=4)
+    assert plate_inspect.scan(str(model), out=str(path), r=4, overwrite=True).manifest.complete
+
+
+def test_checkpoint_helpers_name_a_bad_argument():
+    with pytest.raises(ConfigError, match=r"^path must be a path"):
+        parse_safetensors_header(None)
+    with pytest.raises(TypeError, match=r"fingerprint_tensor takes a torch.Tensor, got list"):
+        fingerprint_tensor([1.0, 2.0])
+    t = torch.arange(6, dtype=torch.float32)
+    assert fingerprint_tensor(t) == "sha256:" + hashlib.sha256(t.numpy().tobytes()).hexdigest()
