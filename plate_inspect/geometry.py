@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -714,7 +715,7 @@ def validate_settings(
     """Reject out-of-range PLATE settings with a message that says what is allowed."""
     if not isinstance(r, int) or r < 1:
         raise ConfigError(f"r must be a positive integer, got {r!r}")
-    if not (0.0 < float(tau) < 1.0):
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 0.0 < float(tau) < 1.0:
         raise ConfigError(f"tau must lie strictly between 0 and 1, got {tau!r}")
     if not isinstance(max_rank, int) or max_rank < 1:
         raise ConfigError(f"max_rank must be a positive integer, got {max_rank!r}")

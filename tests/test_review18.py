@@ -268,3 +268,19 @@ def test_checkpoint_helpers_name_a_bad_argument():
         fingerprint_tensor([1.0, 2.0])
     t = torch.arange(6, dtype=torch.float32)
     assert fingerprint_tensor(t) == "sha256:" + hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("tau", ["0.5", "x", True, None])
+def test_plate_settings_refuse_a_tau_that_is_no_real_number(tau):
+    """tau is a real number in (0, 1): a string was read by float() ('0.5' passed, 'x' raised a bare ValueError)."""
+    from plate_inspect.geometry import validate_settings
+
+    with pytest.raises(ConfigError, match="tau must lie strictly between 0 and 1"):
+        validate_settings(r=4, tau=tau, max_rank=8)
+
+
+def test_plate_settings_take_numpy_floats_as_tau():
+    from plate_inspect.geometry import validate_settings
+
+    validate_settings(r=4, tau=np.float32(0.9), max_rank=8)
+    validate_settings(r=4, tau=np.float64(0.5), max_rank=8)
