@@ -334,8 +334,9 @@ def _milp_counts(groups: list[_RankGroup], units: int, unit: int) -> list[int] |
     return [int(v) for v in found]
 
 
-#: Most candidate allocations the exact mean search (:func:`_mean_counts`) may score, and the most spends (in units
-#: of the gcd of the r's) its table of reachable spends may hold, before the greedy runs instead.
+#: Most candidate allocations the exact mean search (:func:`_mean_counts`) may score, and the most entries (spends in
+#: units of the gcd of the r's, times r-groups) its table of reachable spends may hold; past either the dynamic
+#: program runs if it fits, else the greedy.
 MEAN_SEARCH_LIMIT = 10_000_000
 REACH_LIMIT = 50_000_000
 
@@ -391,7 +392,7 @@ def _pair_best(
 
 def _mean_counts(groups: list[_RankGroup], units: int, unit: int, limit: int) -> tuple[list[int] | None, str]:
     """The mean objective's optimum (the largest spend <= units * unit, then the smallest sum of the groups' f at
-    it) for programs too large to enumerate, with a certificate; (None, why) when a guard trips.
+    it) with a certificate, for three or more r-groups (or a program too large); (None, why) when a guard trips.
 
     The spend: :func:`_top_reachable_spend`. At that spend S, for any multiplier mu, h_g(n) = f_g(n) - mu*w_g*n
     gives sum_g f_g(n_g) = mu*S + sum_g h_g(n_g) on every allocation spending S; each h_g is convex (f_g's
