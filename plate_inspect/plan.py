@@ -17,7 +17,9 @@ Within one r the best n columns are the n smallest levels (minimax) or increment
 solved in closed form; across different r (effective r capped at 90% of small modules' rows, a router at r = 0
 aside) a dynamic program over the spend in units of the gcd of the r's finds the optimum, or, when that program
 would be too large (:data:`EXACT_WORK_LIMIT`), for minimax integer feasibility programs over one count per r
-(scipy's HiGHS, answers checked in integers). Otherwise (mean, or no checked answer) the greedy of session 15 runs
+(scipy's HiGHS, answers checked in integers); for mean with three or more different r a search certified by a
+Lagrangian lower bound (:func:`_mean_counts`) runs before the program. Only when those give no answer within their
+guards does the greedy of session 15 run
 (:func:`allocate_greedy`: one column at a time, optimal with equal r), and the plan says so, with a lower bound on
 the optimum.
 """
@@ -195,6 +197,7 @@ class _RankGroup:
     rank: int
     owners: np.ndarray  # module index of each item, best first
     f: np.ndarray  # [count + 1]
+    values: np.ndarray  # [count]: each item's level (minimax) or increment (mean), ascending
 
 
 def _rank_groups(curves: list[torch.Tensor], ranks: list[int], k_max: list[int], objective: str) -> list[_RankGroup]:
@@ -218,7 +221,7 @@ def _rank_groups(curves: list[torch.Tensor], ranks: list[int], k_max: list[int],
             f = np.maximum(max(base), np.concatenate([[-np.inf], value[order]]))
         else:
             f = sum(base) + np.concatenate([[0.0], np.cumsum(value[order])])
-        groups.append(_RankGroup(rank, owner[order], f))
+        groups.append(_RankGroup(rank, owner[order], f, value[order]))
     return groups
 
 
@@ -227,7 +230,15 @@ def _exact_counts(groups: list[_RankGroup], units: int, unit: int, objective: st
 
     A dynamic program over the spend (in units of the gcd of the r's) across groups: the states are the distinct
     spends of the first groups (each with its best objective and how it was reached), the last group is closed
-    form. None when a step would enumerate more than ``limit`` (state, choice) pairs."""
+    form. None when a step would enumerate more than ``limit`` (state, choice) pairs, found before any step runs
+    from a bound on each step's states (distinct spends: at most the product of the earlier groups' count choices,
+    their summed spend, or the budget, plus 1), so a program too large costs nothing."""
+    states, reach = 1, 0
+    for group in groups[:-1]:
+        if states * group.f.size > limit:
+            return None
+        reach += (group.rank // unit) * (group.f.size - 1)
+        states = min(states * group.f.size, reach + 1, units + 1)
     combine = np.maximum if objective == "minimax" else np.add
     spend = np.zeros(1, dtype=np.int64)
     value = np.array([-np.inf if objective == "minimax" else 0.0])
@@ -323,6 +334,176 @@ def _milp_counts(groups: list[_RankGroup], units: int, unit: int) -> list[int] |
     return [int(v) for v in found]
 
 
+#: Most candidate allocations the exact mean search (:func:`_mean_counts`) may score, and the most entries (spends in
+#: units of the gcd of the r's, times r-groups) its table of reachable spends may hold; past either the dynamic
+#: program runs if it fits, else the greedy.
+MEAN_SEARCH_LIMIT = 10_000_000
+REACH_LIMIT = 50_000_000
+
+
+def _top_reachable_spend(weights: list[int], caps: list[int], units: int) -> int:
+    """The largest s <= units with s = sum w_g n_g for some integers 0 <= n_g <= cap_g: a table of reachable spends,
+    one group at a time (a spend is reachable with group g if one of s, s - w_g, ..., s - cap_g*w_g was without it:
+    a sliding window over each residue class mod w_g)."""
+    reach = np.zeros(units + 1, dtype=bool)
+    reach[0] = True
+    for w, cap in zip(weights, caps, strict=True):
+        rows = -(-(units + 1) // w)
+        table = np.zeros(rows * w, dtype=np.int32)
+        table[: units + 1] = reach
+        seen = np.cumsum(table.reshape(rows, w), axis=0, dtype=np.int32)  # row q, column s mod w: spend q*w + col
+        window = seen.copy()
+        if cap + 1 < rows:
+            window[cap + 1 :] -= seen[: rows - cap - 1]
+        reach = (window > 0).ravel()[: units + 1]
+    return int(np.flatnonzero(reach)[-1])
+
+
+def _pair_best(
+    ea: np.ndarray, eb: np.ndarray, wa: int, wb: int, spend: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each spend T: min ea[na] + eb[nb] over integers with wa*na + wb*nb = T, 0 <= na < len(ea), 0 <= nb <
+    len(eb) (inf where there is none), and the minimiser. The solutions lie on a line, na = na0 + t*wb/g, nb = nb0 -
+    t*wa/g (g = gcd), along which the sum of two convex sequences is convex in t: a bisection on its slope."""
+    g = math.gcd(wa, wb)
+    a, b = wa // g, wb // g
+    whole = (spend >= 0) & (spend % g == 0)
+    tp = np.where(whole, spend, 0) // g
+    na0 = (tp % b) * (pow(a, -1, b) if b > 1 else 0) % b
+    nb0 = (tp - a * na0) // b
+    lo = np.maximum(0, -((eb.size - 1 - nb0) // a))  # nb <= len(eb) - 1
+    hi = np.minimum((ea.size - 1 - na0) // b, nb0 // a)  # na <= len(ea) - 1, nb >= 0
+    ok = whole & (lo <= hi)
+    lo, hi = np.where(ok, lo, 0), np.where(ok, hi, 0)
+    na0, nb0 = np.where(ok, na0, 0), np.where(ok, nb0, 0)
+
+    def phi(t: np.ndarray) -> np.ndarray:
+        return ea[na0 + t * b] + eb[nb0 - t * a]
+
+    while bool((lo < hi).any()):
+        mid = (lo + hi) // 2
+        active = lo < hi
+        up = np.where(active, phi(np.where(active, mid + 1, lo)) >= phi(np.where(active, mid, lo)), False)
+        hi = np.where(active & up, mid, hi)
+        lo = np.where(active & ~up, mid + 1, lo)
+    na, nb = na0 + lo * b, nb0 - lo * a
+    return np.where(ok, phi(lo), np.inf), na, nb
+
+
+def _mean_counts(groups: list[_RankGroup], units: int, unit: int, limit: int) -> tuple[list[int] | None, str]:
+    """The mean objective's optimum (the largest spend <= units * unit, then the smallest sum of the groups' f at
+    it) with a certificate, for three or more r-groups (or a program too large); (None, why) when a guard trips.
+
+    The spend: :func:`_top_reachable_spend`. At that spend S, for any multiplier mu, h_g(n) = f_g(n) - mu*w_g*n
+    gives sum_g f_g(n_g) = mu*S + sum_g h_g(n_g) on every allocation spending S; each h_g is convex (f_g's
+    increments ascend), so with n_g* its minimiser and e_g = h_g - h_g(n_g*) >= 0, an allocation's objective is the
+    Lagrangian lower bound mu*S + sum_g h_g(n_g*) plus sum_g e_g(n_g). mu is the continuous relaxation's marginal
+    price (its bound is the best one). The search: every count of the other groups whose excesses sum to at most a
+    threshold, the two groups with the most counts near their optimum solved exactly for the rest of the spend
+    (:func:`_pair_best`); the best allocation found with excess <= the threshold is optimal (any better one has a
+    smaller excess, so it was scored). The threshold starts at the excess of moving max(w) columns per group and
+    grows x16 until an allocation is found. Compared in float64 with a tolerance of 32 ulps of the objective's terms
+    (the dynamic program compares the same float64 sums). ``limit`` caps the candidates scored."""
+    weights = [grp.rank // unit for grp in groups]
+    caps = [grp.f.size - 1 for grp in groups]
+    if (units + 1) * len(groups) > REACH_LIMIT:
+        return (
+            None,
+            f"its table of reachable spends would hold {(units + 1) * len(groups):,} entries (> {REACH_LIMIT:,})",
+        )
+    spend = _top_reachable_spend(weights, caps, units)
+    ratio = np.concatenate([grp.values / w for grp, w in zip(groups, weights, strict=True)])
+    cost = np.concatenate([np.full(grp.values.size, w) for grp, w in zip(groups, weights, strict=True)])
+    order = np.argsort(ratio, kind="stable")  # ties in group order: each group's taken columns are a prefix
+    filled = int(np.searchsorted(np.cumsum(cost[order]), spend))  # the column the relaxation takes in part
+    mu = float(ratio[order[min(filled, order.size - 1)]]) if spend > 0 else 0.0
+    owner = np.concatenate([np.full(grp.values.size, g) for g, grp in enumerate(groups)])
+    best_n = np.bincount(owner[order[:filled]], minlength=len(groups)).tolist()  # the relaxation's whole columns
+    excess = []
+    for grp, w, n_star in zip(groups, weights, best_n, strict=True):
+        h = grp.f - mu * w * np.arange(grp.f.size)  # minimal at n_star: columns priced <= mu before it, >= mu after
+        excess.append(h - h[n_star])
+    tol = (
+        32
+        * np.finfo(float).eps
+        * sum(float(np.abs(grp.f).max()) + abs(mu) * w * cap for grp, w, cap in zip(groups, weights, caps, strict=True))
+    )
+    if len(groups) == 1:
+        return [spend // weights[0]], ""
+    threshold = sum(
+        float(e[min(n + max(weights), e.size - 1)] + e[max(n - max(weights), 0)])
+        for e, n in zip(excess, best_n, strict=True)
+    )
+    # the pair solved on its line: the two groups that can move furthest both ways from the relaxation's counts
+    # within the threshold (flat excess: ties at mu, e.g. null-space columns at mu = 0); of the rest, the widest is
+    # scored in one vectorised step, the others looped over
+    near = [np.flatnonzero(e <= threshold + tol) for e in excess]  # an interval around best_n (e is convex)
+    both_ways = [min(n - int(x.min()), int(x.max()) - n) for x, n in zip(near, best_n, strict=True)]
+    by_freedom = sorted(range(len(groups)), key=lambda g: (both_ways[g], near[g].size))
+    ia, ib = by_freedom[-2:]
+    outer = sorted(by_freedom[:-2], key=lambda g: near[g].size)
+    # what the groups after each outer level can spend: a multiple of their gcd, at most their capacity
+    after = [[*outer[level + 1 :], ia, ib] for level in range(len(outer))]
+    step = [math.gcd(*(weights[g] for g in rest)) for rest in after]
+    room = [sum(weights[g] * caps[g] for g in rest) for rest in after]
+    work = 0
+    found: tuple[float, list[int]] | None = None
+
+    def search(level: int, rest: int, partial: float, counts: list[int], threshold: float) -> bool:
+        """Score the allocations extending ``counts`` (the first ``level`` outer groups); False when over the limit."""
+        nonlocal work, found
+        if found is not None and found[0] <= tol:
+            return True  # at the lower bound (every allocation's excess is >= 0): nothing is better
+        bound = min(threshold, found[0] if found else np.inf) + tol - partial
+        g = outer[level]
+        e = excess[g]
+        xs = np.flatnonzero(e[: min(caps[g], rest // weights[g]) + 1] <= bound)
+        left = rest - xs * weights[g]
+        xs = xs[(left % step[level] == 0) & (left <= room[level])]  # the later groups can spend what is left
+        if level < len(outer) - 1:
+            # smallest excess first, ties (flat excess) nearest the relaxation's count: good allocations early
+            for x in xs[np.lexsort((np.abs(xs - best_n[g]), e[xs]))]:
+                if partial + e[x] > min(threshold, found[0] if found else np.inf) + tol or (found and found[0] <= tol):
+                    break
+                if not search(
+                    level + 1, rest - int(x) * weights[g], partial + float(e[x]), [*counts, int(x)], threshold
+                ):
+                    return False
+            return True
+        work += xs.size + 64  # a call costs about as much as scoring 64 candidates
+        if work > limit:
+            return False
+        value, na, nb = _pair_best(excess[ia], excess[ib], weights[ia], weights[ib], rest - xs * weights[g])
+        total = partial + e[xs] + value
+        if xs.size and np.isfinite(total).any():
+            j = int(np.argmin(total))
+            if found is None or total[j] < found[0]:
+                found = (float(total[j]), [*counts, int(xs[j]), int(na[j]), int(nb[j])])
+        return True
+
+    while True:
+        if outer:
+            if not search(0, spend, 0.0, [], threshold):
+                return None, f"the exact mean search scored more than {limit:,} candidate allocations"
+        else:
+            value, na, nb = _pair_best(excess[ia], excess[ib], weights[ia], weights[ib], np.array([spend]))
+            if np.isfinite(value[0]):
+                found = (float(value[0]), [int(na[0]), int(nb[0])])
+        if found is not None and found[0] <= threshold + tol:
+            break
+        if not np.isfinite(threshold):
+            return None, "the exact mean search found no allocation at the reachable spend"  # not expected
+        threshold = (
+            threshold * 16
+            if threshold > 0
+            else min((float(e[e > tol].min()) for e in excess if (e > tol).any()), default=np.inf)
+        )
+    counts = [0] * len(groups)
+    for g, n in zip([*outer, ia, ib], found[1], strict=True):
+        counts[g] = n
+    return counts, ""
+
+
 def _lower_bound(curves: list[torch.Tensor], ranks: list[int], k_max: list[int], spent: int, objective: str) -> float:
     """No allocation spending >= ``spent`` has a smaller objective. minimax: the smallest level lambda whose
     columns at or below it (every module up to its largest k with c(k) <= lambda) hold ``spent`` parameters;
@@ -356,38 +537,47 @@ def allocation(
     budget: int,
     objective: str = "minimax",
     limit: int | None = None,
-    integer_program: bool = True,
+    large_solvers: bool = True,
 ) -> Allocation:
     """Per-module k in [1, k_max] with sum r*k <= budget: exactly optimal (the most parameters the budget allows,
     then the smallest objective among allocations spending that much). Modules of one r in closed form; across r
     a dynamic program over the spend (:func:`_exact_counts`), or, when that would enumerate more than ``limit``
-    (default :data:`EXACT_WORK_LIMIT`), for minimax integer programs (:func:`_milp_counts`; ``integer_program=False``
-    skips them); the greedy with a lower bound when neither gives a checked answer. A module with r = 0 (it trains
-    nothing) stays at k = 1."""
+    (default :data:`EXACT_WORK_LIMIT`), integer programs for minimax (:func:`_milp_counts`). For mean with three or
+    more different r a search certified by a Lagrangian bound (:func:`_mean_counts`) runs first (faster than the
+    program there), the program if it trips its guard. ``large_solvers=False`` skips the integer programs and the
+    search; the greedy with a lower bound when none gives a checked answer. A module with r = 0 (it trains nothing)
+    stays at k = 1."""
     _check(curves, ranks, budget, objective)
     limit = EXACT_WORK_LIMIT if limit is None else limit
     groups = sorted(_rank_groups(curves, ranks, k_max, objective), key=lambda g: g.f.size)  # largest: closed form
     ks = [1] * len(curves)
     counts: list[int] | None = []
     solver = "closed form" if len(groups) <= 1 else "dynamic program"
+    why = ""
     if len(groups) > 0:
         unit = math.gcd(*(g.rank for g in groups))
         capacity = sum(g.rank * (g.f.size - 1) for g in groups)
         units = min(budget - sum(ranks), capacity) // unit
-        counts = _exact_counts(groups, units, unit, objective, limit)
-        if counts is None and integer_program and objective == "minimax":
+        search_first = objective == "mean" and large_solvers and len(groups) >= 3  # faster than the program there
+        counts = None
+        if search_first:
+            counts, why = _mean_counts(groups, units, unit, MEAN_SEARCH_LIMIT)
+            solver, why = "Lagrangian search", f", and {why}"
+        if counts is None:
+            counts = _exact_counts(groups, units, unit, objective, limit)
+            solver = "closed form" if len(groups) <= 1 else "dynamic program"
+        if counts is None and large_solvers and objective == "minimax":
             counts, solver = _milp_counts(groups, units, unit), "integer program"
+            why = ", and the integer programs gave no checked answer"
+        if counts is None and large_solvers and objective == "mean" and not search_first:
+            counts, why = _mean_counts(groups, units, unit, MEAN_SEARCH_LIMIT)
+            solver, why = "Lagrangian search", f", and {why}"
     if counts is None:
         ks = allocate_greedy(curves, ranks, k_max, budget, objective)
         spent = sum(r * k for r, k in zip(ranks, ks, strict=True))
         reason = (
             f"the exact program over {len(groups)} different r ({', '.join(str(g.rank) for g in groups)}) exceeds "
-            f"{limit:,} states x choices"
-            + (
-                ", and the integer programs gave no checked answer"
-                if integer_program and objective == "minimax"
-                else ""
-            )
+            f"{limit:,} states x choices{why}"
         )
         value = objective_value(curves, ks, objective)
         bound = min(_lower_bound(curves, ranks, k_max, spent, objective), value)  # summation order: a 1e-21 excess
