@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from plate_inspect import __version__
 from plate_inspect.cli.common import err_console
-from plate_inspect.errors import PlateInspectError, cli_text
+from plate_inspect.errors import PlateInspectError, cli_text, os_error_text
 
 # command name -> ("module:attribute" under plate_inspect.cli, one-line help shown by `plate-inspect --help`).
 # The help lives here so that listing the commands imports none of them (no torch: `--help` stays instant).
@@ -172,6 +172,11 @@ class LazyGroup(click.Group):
             _usage_error(e, self._command_path(ctx, words))
         except PlateInspectError as e:
             _error(cli_text(str(e)), 2, e)  # keyword arguments shown as the CLI's flags; escaped: names are not markup
+        except OSError as e:  # the one rule for a file the OS refused (no permission, a directory it may not list)
+            line = os_error_text(e)
+            if line is None:
+                raise
+            _error(line, 2, e)
         except KeyboardInterrupt as e:
             name = ctx.invoked_subcommand or ""
             note = INTERRUPT_NOTES.get(" ".join([name, *words]), INTERRUPT_NOTES.get(name))

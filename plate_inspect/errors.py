@@ -24,6 +24,7 @@ One hierarchy, grouped by domain, so callers can catch broadly (``PlateInspectEr
 
 from __future__ import annotations
 
+import errno
 import re
 
 #: Messages name a keyword argument with its CLI flag as "overwrite=True (CLI: --overwrite)" (a string value as
@@ -38,6 +39,33 @@ def cli_text(message: str) -> str:
     ``device="cpu" (CLI: --device cpu)`` -> ``--device cpu``, ``(CLI: --out)`` -> ``(--out)``; the Python API keeps
     both forms."""
     return _FLAG_NOTE.sub(r"(\1)", _KEYWORD_AND_FLAG.sub(r"\1", message))
+
+
+#: What to do about an OSError on a named file, by errno (:func:`os_error_text`).
+_OS_ERROR_TODO: dict[int, str] = {
+    errno.EACCES: "check the permissions of it and of its directories (ls -ld), or run as a user who may use it",
+    errno.EPERM: "check the permissions of it and of its directories (ls -ld), or run as a user who may use it",
+    errno.EROFS: "it is on a read-only file system: choose a place on a writable one",
+    errno.ENOSPC: "the disk is full: free space and rerun",
+    errno.EDQUOT: "the disk quota is used up: free space and rerun",
+    errno.ENOENT: "check the path",
+    errno.EISDIR: "it is a directory: give a file",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+    errno.ENAMETOOLONG: "give a shorter path",
+    errno.ELOOP: "a symbolic link in the path points back at itself: check the path",
+}
+
+
+def os_error_text(e: OSError) -> str | None:
+    """The one line the CLI prints for an OSError on a named file that no command turned into its own error (a
+    model directory it may not list, a file it may not read): the file, why, what to do. None for an OSError that
+    names no file: that is not the user's input, so the traceback stays."""
+    if e.filename is None:
+        return None
+    where = str(e.filename) + (f" -> {e.filename2}" if e.filename2 is not None else "")
+    why = e.strerror or type(e).__name__
+    todo = _OS_ERROR_TODO.get(e.errno or 0, "check the path and rerun")
+    return f"{where}: {why}; {todo}"
 
 
 class PlateInspectError(Exception):
