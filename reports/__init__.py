@@ -22,6 +22,7 @@ from plate_inspect.progress import ProgressCallback, as_callback
 from plate_inspect.reports.data import (
     DEFAULT_BINS,
     DEFAULT_MAX_POINTS,
+    MAX_BINS,
     BundleSummary,
     Heatmap,
     KTauCurve,
@@ -58,8 +59,8 @@ def render_report(
     progress = as_callback(progress, "render_report")  # a deprecation warning names the function called
     if max_points < 16:
         raise ConfigError(f"--max-points (max_points) must be at least 16, got {max_points}")
-    if bins < 2:
-        raise ConfigError(f"--bins (bins) must be at least 2, got {bins}")
+    if not 2 <= bins <= MAX_BINS:
+        raise ConfigError(f"--bins (bins) must be between 2 and {MAX_BINS}, got {bins}")
     rd = report_data(list(bundles), labels=labels, max_points=max_points, bins=bins, progress=progress)
     return render_page(rd, plotly_js())
 
