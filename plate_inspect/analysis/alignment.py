@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError
+from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError, os_error_text
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches, name_list
@@ -317,14 +317,20 @@ def sklearn_descr_text() -> str:
 def read_text(path: str | Path) -> str:
     """The text of a UTF-8 file, with a one-line error when it cannot be read or is empty."""
     p = Path(path)
+    todo = "give a UTF-8 text file (CLI: --text)"
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{p}: text file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read as UTF-8 text ({e})") from None
+        raise ConfigError(f"{p}: text file not found; check the path, or {todo}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: is a directory; {todo}") from None
+    except UnicodeDecodeError as e:
+        where = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise ConfigError(f"{p}: not UTF-8 text ({where}: a binary file?); {todo}") from None
+    except OSError as e:
+        raise ConfigError(os_error_text(e) or f"{p}: cannot read ({e}); {todo}") from None
     if not text.strip():
-        raise ConfigError(f"{p}: text file is empty")
+        raise ConfigError(f"{p}: text file is empty; {todo}")
     return text
 
 
