@@ -1,0 +1,258 @@
+"""Session-18 QA: bad input to every command, systematically (missing, wrong kind, empty, corrupt, unreadable
+paths; unwritable outputs; out-of-range numbers). Each case: exit 2, exactly one `error:` line naming the file and
+what to do, no traceback, nothing written where the command refused.
+
+The unreadable-path cases need a process that file permissions apply to: as root, a child process without
+CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH (``setpriv --bounding-set``), which obeys mode bits like any user.
+Oracles: the OS's own errno (a mode-000 directory cannot be listed), the files left on disk, and click's
+exit code.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+from test_bad_input import assert_user_error
+from test_cli_user_errors import setup  # noqa: F401 - the fixture: (root, model, its bundle, an adapter)
+
+from plate_inspect.cli.main import cli
+from plate_inspect.errors import os_error_text
+
+#: Run CliRunner over a JSON list of argument lists in a fresh process; print one JSON record per case.
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from click.testing import CliRunner
+    from plate_inspect.cli.main import cli
+
+    out = []
+    for args in json.loads(sys.argv[1]):
+        res = CliRunner().invoke(cli, args)
+        exc = res.exception
+        crashed = exc is not None and not isinstance(exc, SystemExit)
+        out.append({"code": res.exit_code, "output": res.output, "crash": repr(exc) if crashed else None})
+    print(json.dumps(out))
+    """
+)
+
+
+def _unprivileged() -> list[str] | None:
+    """The command prefix that makes a child obey file permissions; None where that cannot be had."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    prefix = [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import os; os.listdir('/root')"], capture_output=True)
+    # /root is root's own: still listable (owner bits); what matters is that setpriv itself runs here
+    return prefix if probe.returncode == 0 else None
+
+
+@pytest.fixture(scope="module")
+def locked(setup, tmp_path_factory):  # noqa: F811 - the fixture
+    """Unreadable copies of the model dir (mode 000) and of the bundle's manifest, a read-only directory, and the
+    CLI results of every case below, run in one unprivileged child process."""
+    prefix = _unprivileged()
+    if prefix is None:
+        pytest.skip("no way to drop root's permission override here (setpriv missing or refused)")
+    root, model, bundle, adapter = setup
+    place = tmp_path_factory.mktemp("locked")
+    noread_dir = place / "model_noreaddir"
+    shutil.copytree(model, noread_dir)
+    noread_manifest = place / "bundle_noread"
+    shutil.copytree(bundle.path, noread_manifest)
+    rodir = place / "rodir"
+    rodir.mkdir()
+    cases = {
+        "scan": ["scan", noread_dir, "--out", place / "scan-out", "-q"],
+        "verify": ["verify", bundle.path, noread_dir],
+        "audit": ["audit", noread_dir, model, "-q"],
+        "merge": ["merge", noread_dir, adapter, "-o", place / "merge-out", "-q"],
+        "align": ["align", noread_dir, "-q"],
+        "info-manifest": ["info", noread_manifest],  # qa18-bundle.patch
+        "rescan-rodir": ["merge", model, adapter, "-o", place / "rescan-merged", "--rescan", rodir / "b", "-q"],
+        "plan-rodir": ["plan", bundle.path, "--budget", "1%", "-o", rodir / "plan.json"],
+        "report-rodir": ["report", bundle.path, "-o", rodir / "r.html", "-q"],
+        "scan-rodir": ["scan", model, "--out", rodir / "b", "-q"],
+    }
+    os.chmod(noread_dir, 0)
+    os.chmod(noread_manifest / "manifest.json", 0)
+    os.chmod(rodir, 0o555)
+    try:
+        proc = subprocess.run(
+            [*prefix, sys.executable, "-c", _CHILD, json.dumps([[str(a) for a in v] for v in cases.values()])],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        # the real console script, once: what a user sees has no traceback either
+        console = subprocess.run(
+            [*prefix, sys.executable, "-m", "plate_inspect", "scan", str(noread_dir), "-q", "--out", str(place / "o")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.chmod(noread_dir, 0o755)
+        os.chmod(noread_manifest / "manifest.json", 0o644)
+        os.chmod(rodir, 0o755)
+    assert proc.returncode == 0, proc.stderr
+    results = dict(zip(cases, json.loads(proc.stdout.splitlines()[-1]), strict=True))
+    return place, noread_dir, results, console
+
+
+def _one_error_line(result: dict, *needles: str) -> str:
+    assert result["crash"] is None, result
+    assert result["code"] == 2, result["output"]
+    assert "Traceback" not in result["output"]
+    errors = [line for line in result["output"].splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result["output"]
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+# --------------------------------------------------------------------------- the OS's refusals: one rule
+@pytest.mark.parametrize("command", ["scan", "verify", "audit", "merge", "align"])
+def test_a_model_directory_that_cannot_be_listed_is_one_line(locked, command):
+    """Before: PermissionError traceback from every command that opens a model (cli/main.py now turns an OSError
+    on a named file into one line: errors.os_error_text)."""
+    place, noread_dir, results, _ = locked
+    line = _one_error_line(results[command], str(noread_dir), "Permission denied", "check the permissions")
+    assert line.count(str(noread_dir)) == 1
+    assert not (place / "scan-out").exists() and not (place / "merge-out").exists()
+
+
+def test_the_console_script_prints_the_same_line_without_traceback(locked):
+    place, noread_dir, _, console = locked
+    assert console.returncode == 2, console.stderr
+    assert "Traceback" not in console.stderr
+    lines = [line for line in console.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Permission denied" in lines[0] and str(noread_dir) in lines[0], console.stderr
+    assert not (place / "o").exists()
+
+
+@pytest.mark.parametrize("case, option", [("plan-rodir", "-o"), ("report-rodir", "-o"), ("scan-rodir", "--out")])
+def test_outputs_in_a_read_only_directory_are_one_line(locked, case, option):
+    """Already one line before this session: kept so (regression)."""
+    _one_error_line(locked[2][case], "rodir", f"choose another {option}")
+
+
+# qa18-bundle.patch (plate_inspect/bundle.py): needs that patch applied.
+def test_an_unreadable_manifest_is_not_called_damaged(locked):
+    """Before: "unreadable manifest ([Errno 13] Permission denied ...); the bundle's record is damaged: rescan the
+    model into it with --overwrite" -- a rescan would not help, and --overwrite would replace a sound bundle."""
+    line = _one_error_line(locked[2]["info-manifest"], "manifest.json", "Permission denied", "check the permissions")
+    assert "damaged" not in line and "--overwrite" not in line
+
+
+# qa18-rescan.patch (plate_inspect/train/sequential.py, scanner.py): needs that patch applied.
+def test_a_rescan_into_a_read_only_directory_is_refused_before_the_merge(locked):
+    """Before: the merge was written, then the rescan failed with "... not writable; choose another --out" (the
+    flag of the merge that had worked)."""
+    place, _, results, _ = locked
+    _one_error_line(results["rescan-rodir"], "rodir", "not writable", "choose another --rescan")
+    assert not (place / "rescan-merged").exists()
+
+
+# qa18-rescan.patch: needs that patch applied.
+def test_a_rescan_under_a_file_is_refused_before_the_merge(setup, tmp_path):  # noqa: F811
+    root, model, bundle, adapter = setup
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = tmp_path / "merged"
+    text = assert_user_error(["merge", model, adapter, "-o", out, "--rescan", afile / "b", "-q"], "--rescan")
+    assert f"{afile} is a file, not a directory" in text
+    assert not out.exists()
+
+
+# qa18-rescan.patch: needs that patch applied.
+def test_a_merge_that_cannot_be_written_does_not_say_free_space(setup, tmp_path):  # noqa: F811
+    """Before: "(afile is a file, not a directory); free space or choose another --out"."""
+    root, model, bundle, adapter = setup
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    text = assert_user_error(["merge", model, adapter, "-o", afile / "out", "-q"], "choose another --out")
+    assert "free space" not in text
+    assert afile.read_text() == "x"
+
+
+def test_os_error_text_keeps_the_traceback_for_an_error_that_names_no_file():
+    assert os_error_text(OSError(errno.EIO, "Input/output error")) is None
+    line = os_error_text(PermissionError(errno.EACCES, "Permission denied", "/x/y"))
+    assert line == (
+        "/x/y: Permission denied; check the permissions of it and of its directories (ls -ld), "
+        "or run as a user who may use it"
+    )
+
+
+def test_an_os_error_without_a_file_is_not_hidden(setup, tmp_path, monkeypatch):  # noqa: F811
+    """The rule is narrow: an OSError that names no file is no user input, so it is not made into a user error."""
+    import plate_inspect.reports as reports
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(reports, "write_report", broken)
+    result = CliRunner().invoke(cli, ["report", str(setup[2].path), "-o", str(tmp_path / "r.html"), "-q"])
+    assert isinstance(result.exception, OSError) and result.exception.filename is None
+
+    def broken_file(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error", str(tmp_path / "r.html"))
+
+    monkeypatch.setattr(reports, "write_report", broken_file)
+    assert_user_error(
+        ["report", setup[2].path, "-o", tmp_path / "r.html", "-q"], "r.html: Input/output error; check the path"
+    )
+
+
+# --------------------------------------------------------------------------- numbers
+@pytest.mark.parametrize("bins", [str(10**30), "1001", "1", "0", "-1"])
+def test_report_bins_out_of_range_is_one_line(setup, tmp_path, bins):  # noqa: F811
+    """Before: --bins 10**30 ended in numpy's ValueError traceback ('Maximum allowed size exceeded')."""
+    out = tmp_path / "r.html"
+    assert_user_error(["report", setup[2].path, "-o", out, "--bins", bins, "-q"], "--bins", "between 2 and 1000")
+    assert not out.exists()
+
+
+def test_report_bins_at_the_cap_works(setup, tmp_path):  # noqa: F811
+    from plate_inspect.reports import report_data
+
+    out = tmp_path / "r.html"
+    result = CliRunner().invoke(cli, ["report", str(setup[2].path), "-o", str(out), "--bins", "1000", "-q"])
+    assert result.exit_code == 0, result.output
+    assert out.stat().st_size > 0
+    data = report_data([setup[2]], bins=1000)
+    assert data.histograms and all(len(h.counts) == 1000 for hs in data.histograms.values() for h in hs)
+
+
+# --------------------------------------------------------------------------- align --text
+@pytest.mark.parametrize(
+    "kind, needle",
+    [
+        ("dir", "is a directory; give a UTF-8 text file (--text)"),
+        ("binary", "not UTF-8 text (byte 0xff at offset 0: a binary file?)"),
+        ("empty", "text file is empty; give a UTF-8 text file (--text)"),
+        ("missing", "text file not found; check the path"),
+    ],
+)
+def test_align_text_that_is_not_text_says_what_to_give(tmp_path, kind, needle):
+    """Before: "cannot read as UTF-8 text ([Errno 21] Is a directory: '...')" and "'utf-8' codec can't decode
+    byte ..." with nothing to do."""
+    path = tmp_path / "text"
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    elif kind == "empty":
+        path.write_text("  \n")
+    assert_user_error(["align", "-q", "--text", path, "--max-tokens", "64", "--k", "1"], str(path), needle)
