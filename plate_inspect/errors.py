@@ -63,9 +63,13 @@ def os_error_text(e: OSError) -> str | None:
     if e.filename is None:
         return None
     where = str(e.filename) + (f" -> {e.filename2}" if e.filename2 is not None else "")
-    why = e.strerror or type(e).__name__
-    todo = _OS_ERROR_TODO.get(e.errno or 0, "check the path and rerun")
-    return f"{where}: {why}; {todo}"
+    return f"{where}: {e.strerror or type(e).__name__}; {os_error_advice(e)}"
+
+
+def os_error_advice(e: OSError) -> str:
+    """What to do about ``e`` (by errno: permissions, a read-only or full disk, a wrong path), for messages that
+    word the failure themselves ("cannot read: Permission denied; <advice>")."""
+    return _OS_ERROR_TODO.get(e.errno or 0, "check the path and rerun")
 
 
 class PlateInspectError(Exception):
