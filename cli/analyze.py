@@ -69,6 +69,30 @@ def _write_json_out(path: Path | None, records: list) -> None:
 
 
 JSON_OUT_HELP = "Also write the records as JSON to this file, atomically (after the run; checked before it)."
+#: Counts above these are typos (10^30 ran for ever, or died in numpy after the training): (flag, cap, default).
+MAX_EPOCHS = ("--epochs", 10_000, 30)
+MAX_PROBES = ("--probes", 100_000, 100)
+MAX_RANDOM_DRAWS = ("--random-draws", 10_000, 8)
+
+
+def _check_count(value: int, cap: tuple[str, int, int]) -> None:
+    """ConfigError for a count above its cap, naming the flag, the cap and the default."""
+    flag, most, default = cap
+    if value > most:
+        raise ConfigError(
+            f"{flag} {value:,} is more than {most:,} (~{most // default:,}x the default {default}); "
+            f"give a count such as {default}"
+        )
+
+
+def _check_seed(seed: int) -> None:
+    """A seed torch and numpy both take: 0 <= seed < 2^63 (10^30 was an OverflowError traceback)."""
+    from plate_inspect.experiments.continual import MAX_SEED
+
+    if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
+        raise ConfigError(f"--seed must be a non-negative integer, got {seed}")
+    if seed > MAX_SEED:
+        raise ConfigError(f"--seed {seed:,} is more than 2^63 - 1 (torch's largest seed); give a seed such as 0")
 
 
 def _family(name: str, model, bundle, lora_rank: int, seed: int):
@@ -136,6 +160,8 @@ def align_command(
         raise ConfigError(f"--seq-len must be at least 2, got {seq_len}")
     if random_draws < 1:
         raise ConfigError(f"--random-draws must be positive, got {random_draws}")
+    _check_count(random_draws, MAX_RANDOM_DRAWS)
+    _check_seed(seed)
     targets = split_names(target_modules)
     check_target_patterns(targets)
     _check_json_out(json_out)
@@ -264,8 +290,9 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     for name, value in (*counts, ("--probes", probes)):  # --probes 0: medians over no probes are NaN
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value}")
-    if seed < 0:  # before the stage-1 training: the Lanczos start vectors and the probes need seeds >= 0
-        raise ConfigError(f"--seed must be a non-negative integer, got {seed}")
+    _check_count(epochs, MAX_EPOCHS)  # all before the stage-1 training
+    _check_count(probes, MAX_PROBES)
+    _check_seed(seed)
     _check_digits_ranks(r, lora_rank)
     validate_settings(r=r, tau=tau, max_rank=max_rank)  # before the minute of stage-1 training
     _check_json_out(json_out)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -566,10 +566,13 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
-def random_unit_probes(dim: int, n: int, seed: int) -> np.ndarray:
-    """n unit vectors uniform on the sphere of R^dim (seeded), as rows."""
-    g = np.random.default_rng(seed).standard_normal((n, dim))
-    return g / np.linalg.norm(g, axis=1, keepdims=True)
+def random_unit_probes(dim: int, n: int, seed: int) -> Iterator[np.ndarray]:
+    """n unit vectors uniform on the sphere of R^dim (seeded), one at a time: the same vectors as the rows of one
+    (n, dim) draw, without holding n x dim numbers (--probes 10^5 on the full backbone, dim 148,224: 119 GB)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        g = rng.standard_normal(dim)
+        yield g / np.linalg.norm(g)
 
 
 def gn_decomposition(
@@ -652,6 +655,8 @@ def _analyze_family(
         raise CurvatureError(f"family {family.name} is empty")
     if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
         raise ConfigError(f"seed must be a non-negative integer, got {seed}")
+    if seed >= 2**63:  # torch.manual_seed (the LoRA family's draws) overflows
+        raise ConfigError(f"seed must be below 2^63, got {seed}")
     beta = problem.output_hessian_bound() if beta is None else float(beta)
     top = {}
     for i, (kind, what) in enumerate(_SOLVES):
