@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
-from plate_inspect.errors import ConfigError
+from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import (
     DATA_USING,
@@ -467,6 +467,8 @@ def run_continual(
     if jsonl.exists():
         try:
             recorded = json.loads(settings_path.read_text())
+        except PermissionError as e:  # there, but not this user's to read: not "other settings"
+            raise ConfigError(os_error_text(e) or str(e)) from None
         except (OSError, ValueError):
             recorded = None
         differ = settings_diff(*_shared_runs(recorded, settings_dict), _FLAGS) if recorded is not None else ""
@@ -591,6 +593,8 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
         for key in ("methods", "steps"):
             raw[key] = tuple(raw[key])
         settings = ContinualSettings(**raw)
+    except PermissionError as e:  # there, but not this user's to read: rerunning would not help
+        raise ConfigError(os_error_text(e) or str(e)) from None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise ConfigError(
             f"{out / 'settings.json'}: missing or unreadable ({type(e).__name__}: {e}); it is written by "
