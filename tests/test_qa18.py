@@ -21,7 +21,7 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 from test_bad_input import assert_user_error
-from test_cli_user_errors import setup  # noqa: F401 - the fixture: (root, model, its bundle, an adapter)
+from test_cli_user_errors import setup, tiny_bert  # noqa: F401 - fixtures: (root, model, bundle, adapter), a BERT
 
 from plate_inspect.cli.main import cli
 from plate_inspect.errors import os_error_text
@@ -57,8 +57,16 @@ def _unprivileged() -> list[str] | None:
     return prefix if probe.returncode == 0 else None
 
 
+def _bert_with_vocab(tiny_bert, minilm_dir, path):  # noqa: F811 - the fixture
+    """The tiny BERT with MiniLM's tokenizer files beside it: a model dir align loads."""
+    shutil.copytree(tiny_bert, path)
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm_dir / name, path / name)
+    return path
+
+
 @pytest.fixture(scope="module")
-def locked(setup, tmp_path_factory):  # noqa: F811 - the fixture
+def locked(setup, tiny_bert, minilm_dir, tmp_path_factory):  # noqa: F811 - the fixture
     """Unreadable copies of the model dir (mode 000) and of the bundle's manifest, a read-only directory, and the
     CLI results of every case below, run in one unprivileged child process."""
     prefix = _unprivileged()
@@ -72,6 +80,20 @@ def locked(setup, tmp_path_factory):  # noqa: F811 - the fixture
     shutil.copytree(bundle.path, noread_manifest)
     rodir = place / "rodir"
     rodir.mkdir()
+    noread_file = place / "model_noread"  # the weights file, not the directory, unreadable
+    shutil.copytree(model, noread_file)
+    bert = _bert_with_vocab(tiny_bert, minilm_dir, place / "bert_noread")
+    # experiment outputs whose records this user may not read (a sound record: nothing to delete or redo)
+    continual_report, continual_resume, seq = place / "c", place / "c2", place / "s"
+    for d in (continual_report, continual_resume):
+        d.mkdir()
+        (d / "settings.json").write_text("{}")
+        (d / "runs.jsonl").touch()
+    (seq / "seed0" / "lora").mkdir(parents=True)
+    (seq / "seed0" / "lora" / "records.json").write_text("{}")
+    unreadable = [d / "settings.json" for d in (continual_report, continual_resume)]
+    unreadable.append(seq / "seed0" / "lora" / "records.json")
+    unreadable += [noread_file / "model.safetensors", bert / "model.safetensors"]
     cases = {
         "scan": ["scan", noread_dir, "--out", place / "scan-out", "-q"],
         "verify": ["verify", bundle.path, noread_dir],
@@ -83,9 +105,16 @@ def locked(setup, tmp_path_factory):  # noqa: F811 - the fixture
         "plan-rodir": ["plan", bundle.path, "--budget", "1%", "-o", rodir / "plan.json"],
         "report-rodir": ["report", bundle.path, "-o", rodir / "r.html", "-q"],
         "scan-rodir": ["scan", model, "--out", rodir / "b", "-q"],
+        "scan-file": ["scan", noread_file, "--out", place / "scan-file-out", "-q"],  # qa18-checkpoint.patch
+        "align-file": ["align", bert, "-q", "--max-tokens", "64", "--k", "1"],  # qa18-checkpoint.patch
+        "continual-report": ["experiment", "continual", "-o", continual_report, "--report-only", "-q"],
+        "continual-resume": ["experiment", "continual", "-o", continual_resume, "--quick", "-q"],
+        "sequential-resume": ["experiment", "sequential", "-o", seq, "--quick", "--methods", "lora", "-q"],
     }
     os.chmod(noread_dir, 0)
     os.chmod(noread_manifest / "manifest.json", 0)
+    for path in unreadable:
+        os.chmod(path, 0)
     os.chmod(rodir, 0o555)
     try:
         proc = subprocess.run(
@@ -102,6 +131,8 @@ def locked(setup, tmp_path_factory):  # noqa: F811 - the fixture
             timeout=300,
         )
     finally:
+        for path in unreadable:
+            os.chmod(path, 0o644)
         os.chmod(noread_dir, 0o755)
         os.chmod(noread_manifest / "manifest.json", 0o644)
         os.chmod(rodir, 0o755)
@@ -145,6 +176,25 @@ def test_the_console_script_prints_the_same_line_without_traceback(locked):
 def test_outputs_in_a_read_only_directory_are_one_line(locked, case, option):
     """Already one line before this session: kept so (regression)."""
     _one_error_line(locked[2][case], "rodir", f"choose another {option}")
+
+
+# qa18-checkpoint.patch (plate_inspect/checkpoint.py): needs that patch applied.
+@pytest.mark.parametrize("case", ["scan-file", "align-file"])
+def test_a_weights_file_that_cannot_be_read_says_what_to_do(locked, case):
+    """Before: scan said "model.safetensors: cannot read: Permission denied" (nothing to do); align said
+    "cannot load the model (FileNotFoundError: No such file or directory ...)" of a file that is there."""
+    line = _one_error_line(
+        locked[2][case], "model.safetensors: cannot read: Permission denied", "check the permissions"
+    )
+    assert "No such file" not in line
+
+
+@pytest.mark.parametrize("case", ["continual-report", "continual-resume", "sequential-resume"])
+def test_an_experiment_record_this_user_may_not_read_is_named_not_called_other_or_damaged(locked, case):
+    """Before: continual said "holds runs made with other settings (settings.json is missing or unreadable)" and
+    sequential "unreadable ([Errno 13] ...); delete it (its run reruns)": deleting a sound record loses a run."""
+    line = _one_error_line(locked[2][case], "Permission denied", "check the permissions")
+    assert "delete" not in line and "other settings" not in line
 
 
 # qa18-bundle.patch (plate_inspect/bundle.py): needs that patch applied.
@@ -256,3 +306,81 @@ def test_align_text_that_is_not_text_says_what_to_give(tmp_path, kind, needle):
     elif kind == "empty":
         path.write_text("  \n")
     assert_user_error(["align", "-q", "--text", path, "--max-tokens", "64", "--k", "1"], str(path), needle)
+
+
+# --------------------------------------------------------------------------- align / curvature counts and seeds
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--epochs", str(10**30)], "--epochs 1,000,000,000,000,000,000,000,000,000,000 is more than 10,000"),
+        (["--probes", str(10**30)], "--probes 1,000,000,000,000,000,000,000,000,000,000 is more than 100,000"),
+        (["--probes", "100001"], "--probes 100,001 is more than 100,000 (~1,000x the default 100)"),
+        (["--seed", str(2**63)], "--seed 9,223,372,036,854,775,808 is more than 2^63 - 1"),
+        (["--seed", "-1"], "--seed must be a non-negative integer, got -1"),
+    ],
+)
+def test_curvature_counts_and_seeds_beyond_reason_are_refused_before_training(monkeypatch, args, needle):
+    """Before: --epochs 10^30 trained for ever; --probes 10^30 trained, then died in numpy ("Maximum allowed
+    dimension exceeded"); --seed 10^30 was torch's OverflowError traceback."""
+    from plate_inspect.experiments import digits
+
+    def must_not_train(*a, **k):
+        raise AssertionError("stage 1 trained before the settings were checked")
+
+    monkeypatch.setattr(digits, "train_stage1", must_not_train)
+    assert_user_error(["curvature", "-q", *args], needle)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--random-draws", str(10**30)], "is more than 10,000 (~1,250x the default 8)"),
+        (["--seed", str(10**30)], "is more than 2^63 - 1"),
+        (["--seed", "-3"], "--seed must be a non-negative integer, got -3"),
+    ],
+)
+def test_align_counts_and_seeds_beyond_reason_are_refused_before_the_model_loads(monkeypatch, args, needle):
+    """Before: --random-draws 10^30 ran for ever; --seed 10^30 was torch's OverflowError traceback."""
+    import plate_inspect.analysis.alignment as alignment
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the model ran before the settings were checked")
+
+    monkeypatch.setattr(alignment, "hf_text_alignment", must_not_run)
+    assert_user_error(["align", "-q", *args], needle)
+
+
+def test_curvature_probes_are_drawn_one_at_a_time_and_equal_one_draw():
+    """Oracle: the rows of one seeded (n, dim) draw, normalised (what the probes were); a count of 10^12 must not
+    allocate n x dim numbers up front (it was numpy's 'Maximum allowed dimension exceeded' after the training)."""
+    import numpy as np
+
+    from plate_inspect.analysis.curvature import random_unit_probes
+
+    g = np.random.default_rng(11).standard_normal((5, 37))
+    oracle = g / np.linalg.norm(g, axis=1, keepdims=True)
+    assert np.allclose(np.stack(list(random_unit_probes(37, 5, 11))), oracle, rtol=0, atol=1e-15)  # norm's rounding
+    first = next(iter(random_unit_probes(148_224, 10**12, 0)))
+    assert first.shape == (148_224,) and abs(np.linalg.norm(first) - 1) < 1e-12
+
+
+# --------------------------------------------------------------------------- align: broken model directories
+def test_align_truncated_weights_are_named_with_what_to_do(tiny_bert, minilm_dir, tmp_path):  # noqa: F811
+    """Before: "cannot load the model (SafetensorError: ... incomplete metadata, file not fully covered)"."""
+    path = _bert_with_vocab(tiny_bert, minilm_dir, tmp_path / "bert")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert_user_error(["align", path, "-q", "--k", "1"], f"{weights}: file is truncated", "re-download")
+
+
+def test_align_a_tokenizer_that_fails_on_the_text_is_one_line(tiny_bert, minilm_dir, tmp_path):  # noqa: F811
+    """Before: an empty vocab.txt loaded, then the tokenizer's "WordPiece error: Missing [UNK] token" was a
+    traceback."""
+    path = _bert_with_vocab(tiny_bert, minilm_dir, tmp_path / "bert")
+    (path / "vocab.txt").write_text("")
+    assert_user_error(
+        ["align", path, "-q", "--k", "1"],
+        f"{path}: its tokenizer failed on the text",
+        "Missing [UNK]",
+        "tokenizer files",
+    )
