@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 
 from plate_inspect.cli.common import console, err_console, progress_bar, split_names
-from plate_inspect.errors import ConfigError, cli_text
+from plate_inspect.errors import ConfigError, cli_text, json_file_holds, refuse_to_replace
 
 
 def _int_list(value: str, what: str) -> list[int]:
@@ -36,14 +36,30 @@ def _float_list(value: str, what: str) -> list[float]:
     return out
 
 
-def _check_json_out(path: Path | None) -> None:
-    """Refuse an unusable --json-out before the long work (a directory, a device, a parent that cannot be made)."""
+def _records_of(key: str):
+    """Whether a JSON value is a list of this command's records (each an object with ``key``): an earlier
+    --json-out, which a rerun may replace."""
+    return lambda value: isinstance(value, list) and all(isinstance(r, dict) and key in r for r in value)
+
+
+def _check_json_out(path: Path | None, key: str) -> None:
+    """Refuse an unusable --json-out before the long work (a directory, a device, a parent that cannot be made, an
+    existing file that is not this command's records: a model's weights, a bundle's manifest). ``key``: a field
+    every record of the command has."""
     from plate_inspect.atomic import make_dirs, os_error_reason, refuse_special_file
 
     if path is None:
         return
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory; give a file name, e.g. --json-out {path / 'records.json'}")
+    refuse_to_replace(
+        path,
+        lambda p: json_file_holds(p, _records_of(key)),
+        f"a JSON list of {key} records",
+        "the records",
+        "--json-out",
+        "records.json",
+    )
     try:
         refuse_special_file(path)
     except OSError as e:
@@ -164,7 +180,7 @@ def align_command(
     _check_seed(seed)
     targets = split_names(target_modules)
     check_target_patterns(targets)
-    _check_json_out(json_out)
+    _check_json_out(json_out, "module")
     if model is None:
         from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 
@@ -295,7 +311,7 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     _check_seed(seed)
     _check_digits_ranks(r, lora_rank)
     validate_settings(r=r, tau=tau, max_rank=max_rank)  # before the minute of stage-1 training
-    _check_json_out(json_out)
+    _check_json_out(json_out, "family")
 
     tmp = None
     if out is None:

@@ -25,7 +25,11 @@ One hierarchy, grouped by domain, so callers can catch broadly (``PlateInspectEr
 from __future__ import annotations
 
 import errno
+import json
+import os
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 #: Messages name a keyword argument with its CLI flag as "overwrite=True (CLI: --overwrite)" (a string value as
 #: 'devices="all" (CLI: --devices all)'); the CLI shows the flag.
@@ -70,6 +74,37 @@ def os_error_advice(e: OSError) -> str:
     """What to do about ``e`` (by errno: permissions, a read-only or full disk, a wrong path), for messages that
     word the failure themselves ("cannot read: Permission denied; <advice>")."""
     return _OS_ERROR_TODO.get(e.errno or 0, "check the path and rerun")
+
+
+def refuse_to_replace(
+    path: str | os.PathLike,
+    is_ours: Callable[[Path], bool],
+    what: str,
+    thing: str,
+    option: str,
+    example: str,
+    error: type[PlateInspectError] | None = None,
+) -> None:
+    """The one rule for an output file that already exists: replace it only when ``is_ours(path)`` (an earlier
+    output of the same kind, ``what``: "an HTML page", "a plan JSON"); anything else (a bundle's manifest, a model's
+    weights, the user's data) is refused in one line: ``thing`` ("the plan") would replace it, give another
+    ``option``, e.g. ``example``. ``error``: the class raised (default ConfigError)."""
+    path = Path(path)
+    if path.is_file() and not is_ours(path):
+        raise (error or ConfigError)(
+            f"{path}: exists and is not {what} ({thing} would replace it: a bundle's manifest, a model's weights, "
+            f"your data); choose another {option}, e.g. {option} {example}"
+        )
+
+
+def json_file_holds(path: Path, accept: Callable[[object], bool]) -> bool:
+    """Whether ``path`` is a JSON file whose value ``accept`` recognises (an earlier output: it may be replaced)."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    return bool(accept(value))
 
 
 class PlateInspectError(Exception):

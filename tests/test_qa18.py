@@ -24,7 +24,7 @@ from test_bad_input import assert_user_error
 from test_cli_user_errors import setup, tiny_bert  # noqa: F401 - fixtures: (root, model, bundle, adapter), a BERT
 
 from plate_inspect.cli.main import cli
-from plate_inspect.errors import os_error_text
+from plate_inspect.errors import ConfigError, os_error_text
 
 #: Run CliRunner over a JSON list of argument lists in a fresh process; print one JSON record per case.
 _CHILD = textwrap.dedent(
@@ -384,3 +384,53 @@ def test_align_a_tokenizer_that_fails_on_the_text_is_one_line(tiny_bert, minilm_
         "Missing [UNK]",
         "tokenizer files",
     )
+
+
+# --------------------------------------------------------------------------- outputs onto someone else's file
+def _victims(setup, tmp_path):  # noqa: F811
+    """Files an output path must not replace: a model's weights, a bundle's manifest, the user's own JSON data."""
+    _, model, bundle, _ = setup
+    shutil.copytree(model, tmp_path / "model")
+    shutil.copytree(bundle.path, tmp_path / "bundle")
+    (tmp_path / "data.json").write_text('{"mine": [1, 2, 3]}\n')
+    weights = next((tmp_path / "model").glob("*.safetensors"))
+    return [weights, tmp_path / "bundle" / "manifest.json", tmp_path / "data.json"]
+
+
+# qa18-plan.patch (plate_inspect/plan.py): needs that patch applied.
+def test_plan_out_onto_a_model_manifest_or_data_is_refused_and_an_old_plan_is_replaced(setup, tmp_path):  # noqa: F811
+    """Before: `plan BUNDLE -o MODEL/model.safetensors` replaced the model's weights with the plan JSON (and
+    -o BUNDLE/manifest.json the bundle's manifest): data lost, exit 0."""
+    bundle = setup[2]
+    for victim in _victims(setup, tmp_path):
+        before = victim.read_bytes()
+        assert_user_error(["plan", bundle.path, "--budget", "1%", "-o", victim], f"{victim}: exists and is not a plan")
+        assert victim.read_bytes() == before
+    old = tmp_path / "plan.json"
+    for budget in ("1%", "2%"):  # an earlier plan is the one file -o replaces
+        result = CliRunner().invoke(cli, ["plan", str(bundle.path), "--budget", budget, "-o", str(old)])
+        assert result.exit_code == 0, result.output
+        assert json.loads(old.read_text())["budget"]["spec"] == budget
+
+
+@pytest.mark.parametrize("command, key", [("align", "module"), ("curvature", "family")])
+def test_json_out_onto_a_model_manifest_or_data_is_refused_before_any_work(setup, tmp_path, monkeypatch, command, key):  # noqa: F811
+    """Before: --json-out MODEL/model.safetensors replaced the weights with the records after the run."""
+    import plate_inspect.analysis.alignment as alignment
+    from plate_inspect.cli.analyze import _check_json_out
+    from plate_inspect.experiments import digits
+
+    def must_not_run(*a, **k):
+        raise AssertionError("work ran before --json-out was checked")
+
+    monkeypatch.setattr(alignment, "hf_text_alignment", must_not_run)
+    monkeypatch.setattr(digits, "train_stage1", must_not_run)
+    for victim in _victims(setup, tmp_path):
+        before = victim.read_bytes()
+        assert_user_error([command, "-q", "--json-out", victim], f"{victim}: exists and is not a JSON list of {key}")
+        assert victim.read_bytes() == before
+    earlier = tmp_path / "records.json"  # an earlier --json-out of the same command may be replaced
+    earlier.write_text(json.dumps([{key: "x", "k": 1}]))
+    _check_json_out(earlier, key)
+    with pytest.raises(ConfigError):
+        _check_json_out(earlier, "family" if key == "module" else "module")
