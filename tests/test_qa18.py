@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -434,3 +435,41 @@ def test_json_out_onto_a_model_manifest_or_data_is_refused_before_any_work(setup
     _check_json_out(earlier, key)
     with pytest.raises(ConfigError):
         _check_json_out(earlier, "family" if key == "module" else "module")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["experiment", "continual", "--quick", "-q", "-o"],
+        ["experiment", "sequential", "--quick", "-q", "-o"],
+        ["experiment", "continual", "--report-only", "-q", "-o"],
+        ["curvature", "-q", "--epochs", "1", "--probes", "2", "--out"],
+    ],
+)
+def test_a_run_into_a_model_or_bundle_directory_is_refused_and_adds_nothing(setup, tmp_path, command):  # noqa: F811
+    """Before: curvature and experiment continual wrote digits_task1.safetensors (and runs, a bundle/) into a model
+    directory, exit 0: a second *.safetensors there makes it another checkpoint to every reader (scan included);
+    into a bundle directory curvature wrote it, then failed on it."""
+    _, model, bundle, _ = setup
+    for target, needle in ((model, "holds a model checkpoint"), (bundle.path, "holds a PLATE bundle (manifest.json)")):
+        place = tmp_path / target.name
+        shutil.copytree(target, place)
+        before = sorted(p.name for p in place.rglob("*"))
+        assert_user_error([*command, place], f"{place}: {needle}", "a directory of its own")
+        assert sorted(p.name for p in place.rglob("*")) == before
+
+
+def test_curvature_reruns_into_its_own_directory():
+    """Its own earlier output (the stage-1 checkpoint and bundle/) is no model directory to protect."""
+    import tempfile
+
+    from plate_inspect.analysis.curvature import STAGE1_CHECKPOINT
+    from plate_inspect.experiments.continual import check_own_directory
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / STAGE1_CHECKPOINT).touch()
+        (Path(d) / "bundle").mkdir()
+        (Path(d) / "bundle" / "manifest.json").write_text("{}")
+        check_own_directory(d, ours=(STAGE1_CHECKPOINT,))
+        with pytest.raises(ConfigError, match="holds a model checkpoint"):
+            check_own_directory(d)

@@ -734,6 +734,10 @@ class DigitsSetup:
     task1_test_accuracy: float
 
 
+#: The stage-1 checkpoint digits_stage1 saves in its output directory (its own: a rerun may replace it).
+STAGE1_CHECKPOINT = "digits_task1.safetensors"
+
+
 def digits_stage1(
     out_dir: str | os.PathLike,
     epochs: int = 30,
@@ -748,15 +752,17 @@ def digits_stage1(
     The scan settings are checked first: a bad ``tau`` is refused before the training, not after it. ``progress``
     gets one event per Adam step of the training (unit "steps"; the scan of three modules is instant)."""
     from plate_inspect.experiments import digits
+    from plate_inspect.experiments.continual import check_own_directory
     from plate_inspect.geometry import validate_settings
     from plate_inspect.scanner import scan
 
     validate_settings(r=r, tau=tau, max_rank=max_rank)
+    check_own_directory(out_dir, ours=(STAGE1_CHECKPOINT,))  # not a model's or a bundle's directory
 
     out_dir = make_dirs(out_dir, "the output directory")
     task1, _ = digits.load_digit_tasks()
     model = digits.train_stage1(task1, seed=seed, epochs=epochs, progress=progress)
-    ckpt = out_dir / "digits_task1.safetensors"
+    ckpt = out_dir / STAGE1_CHECKPOINT
     digits.save_model(model, ckpt)
     bundle = scan(
         ckpt, out_dir / "bundle", r=r, tau=tau, max_rank=max_rank, target_modules=list(digits.BACKBONE), overwrite=True
