@@ -473,3 +473,26 @@ def test_curvature_reruns_into_its_own_directory():
         check_own_directory(d, ours=(STAGE1_CHECKPOINT,))
         with pytest.raises(ConfigError, match="holds a model checkpoint"):
             check_own_directory(d)
+
+
+# --------------------------------------------------------------------------- empty arguments: one rule
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["scan", "{model}", "-q", "--out", ""], "an empty value ('') after --out"),
+        (["scan", "{model}", "-q", "--out="], "an empty value ('') for --out"),
+        (["scan", ""], "an empty value ('') after scan"),
+        (["plan", "{bundle}", "--budget", "1%", "-o", ""], "an empty value ('') after -o"),
+        (["merge", "{model}", "{adapter}", "-o", "", "-q"], "an empty value ('') after -o"),
+        (["report", "{bundle}", "-o", "", "-q"], "an empty value ('') after -o"),
+        (["scan", "{model}", "-q", "--target-modules", ""], "an empty value ('') after --target-modules"),
+    ],
+)
+def test_an_empty_argument_is_refused_and_nothing_is_written(setup, tmp_path, monkeypatch, args, needle):  # noqa: F811
+    """Before: `scan MODEL --out ""` (an unset shell variable) wrote a bundle into the current directory, exit 0;
+    `merge ... -o ""` said ".: holds a PLATE bundle" of it; `scan ""` scanned the current directory."""
+    _, model, bundle, adapter = setup
+    monkeypatch.chdir(tmp_path)
+    args = [a.format(model=model, bundle=bundle.path, adapter=adapter) for a in args]
+    assert_user_error(args, needle, "an unset shell variable?", "--help")
+    assert list(tmp_path.iterdir()) == []
