@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 
 from plate_inspect.cli.common import console, err_console, progress_bar, split_names
-from plate_inspect.errors import ConfigError, cli_text
+from plate_inspect.errors import ConfigError, cli_text, json_file_holds, refuse_to_replace
 
 
 def _int_list(value: str, what: str) -> list[int]:
@@ -36,14 +36,30 @@ def _float_list(value: str, what: str) -> list[float]:
     return out
 
 
-def _check_json_out(path: Path | None) -> None:
-    """Refuse an unusable --json-out before the long work (a directory, a device, a parent that cannot be made)."""
+def _records_of(key: str):
+    """Whether a JSON value is a list of this command's records (each an object with ``key``): an earlier
+    --json-out, which a rerun may replace."""
+    return lambda value: isinstance(value, list) and all(isinstance(r, dict) and key in r for r in value)
+
+
+def _check_json_out(path: Path | None, key: str) -> None:
+    """Refuse an unusable --json-out before the long work (a directory, a device, a parent that cannot be made, an
+    existing file that is not this command's records: a model's weights, a bundle's manifest). ``key``: a field
+    every record of the command has."""
     from plate_inspect.atomic import make_dirs, os_error_reason, refuse_special_file
 
     if path is None:
         return
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory; give a file name, e.g. --json-out {path / 'records.json'}")
+    refuse_to_replace(
+        path,
+        lambda p: json_file_holds(p, _records_of(key)),
+        f"a JSON list of {key} records",
+        "the records",
+        "--json-out",
+        "records.json",
+    )
     try:
         refuse_special_file(path)
     except OSError as e:
@@ -69,6 +85,30 @@ def _write_json_out(path: Path | None, records: list) -> None:
 
 
 JSON_OUT_HELP = "Also write the records as JSON to this file, atomically (after the run; checked before it)."
+#: Counts above these are typos (10^30 ran for ever, or died in numpy after the training): (flag, cap, default).
+MAX_EPOCHS = ("--epochs", 10_000, 30)
+MAX_PROBES = ("--probes", 100_000, 100)
+MAX_RANDOM_DRAWS = ("--random-draws", 10_000, 8)
+
+
+def _check_count(value: int, cap: tuple[str, int, int]) -> None:
+    """ConfigError for a count above its cap, naming the flag, the cap and the default."""
+    flag, most, default = cap
+    if value > most:
+        raise ConfigError(
+            f"{flag} {value:,} is more than {most:,} (~{most // default:,}x the default {default}); "
+            f"give a count such as {default}"
+        )
+
+
+def _check_seed(seed: int) -> None:
+    """A seed torch and numpy both take: 0 <= seed < 2^63 (10^30 was an OverflowError traceback)."""
+    from plate_inspect.experiments.continual import MAX_SEED
+
+    if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
+        raise ConfigError(f"--seed must be a non-negative integer, got {seed}")
+    if seed > MAX_SEED:
+        raise ConfigError(f"--seed {seed:,} is more than 2^63 - 1 (torch's largest seed); give a seed such as 0")
 
 
 def _family(name: str, model, bundle, lora_rank: int, seed: int):
@@ -136,9 +176,11 @@ def align_command(
         raise ConfigError(f"--seq-len must be at least 2, got {seq_len}")
     if random_draws < 1:
         raise ConfigError(f"--random-draws must be positive, got {random_draws}")
+    _check_count(random_draws, MAX_RANDOM_DRAWS)
+    _check_seed(seed)
     targets = split_names(target_modules)
     check_target_patterns(targets)
-    _check_json_out(json_out)
+    _check_json_out(json_out, "module")
     if model is None:
         from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 
@@ -264,11 +306,12 @@ def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, fa
     for name, value in (*counts, ("--probes", probes)):  # --probes 0: medians over no probes are NaN
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value}")
-    if seed < 0:  # before the stage-1 training: the Lanczos start vectors and the probes need seeds >= 0
-        raise ConfigError(f"--seed must be a non-negative integer, got {seed}")
+    _check_count(epochs, MAX_EPOCHS)  # all before the stage-1 training
+    _check_count(probes, MAX_PROBES)
+    _check_seed(seed)
     _check_digits_ranks(r, lora_rank)
     validate_settings(r=r, tau=tau, max_rank=max_rank)  # before the minute of stage-1 training
-    _check_json_out(json_out)
+    _check_json_out(json_out, "family")
 
     tmp = None
     if out is None:

@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from plate_inspect import __version__
 from plate_inspect.cli.common import err_console
-from plate_inspect.errors import PlateInspectError, cli_text
+from plate_inspect.errors import PlateInspectError, cli_text, os_error_text
 
 # command name -> ("module:attribute" under plate_inspect.cli, one-line help shown by `plate-inspect --help`).
 # The help lives here so that listing the commands imports none of them (no torch: `--help` stays instant).
@@ -99,6 +99,23 @@ def _once_per_job(line: str, say: Callable[[str], None], error: BaseException | 
         say(line)
 
 
+def _refuse_empty_arguments(prog: str, args: list[str]) -> None:
+    """One rule for an empty argument ('' or --out=), most often an unset shell variable ("$OUT"): refused, since
+    as a path it means the current directory (`scan M --out ""` wrote a bundle into it) and as any other value it
+    means nothing."""
+    words = [a for a in args if not a.startswith("-")][:1]  # the command, for the --help hint
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and arg.endswith("=") and len(arg) > 3:
+            what = f"an empty value ('') for {arg[:-1]}"
+        elif arg == "":
+            before = args[i - 1] if i > 0 else ""
+            what = f"an empty value ('') after {before}" if before else "an empty argument ('')"
+        else:
+            continue
+        hint = f"{prog} {words[0]}" if words else prog
+        _error(f"{what} (an unset shell variable?); give a value, or leave it out (see {hint} --help)", 2)
+
+
 def _usage_error(e: click.UsageError, command_path: str) -> NoReturn:
     """A click usage error (bad option value, missing argument, unknown option or command) as one `error:` line,
     like every other error, naming the command's --help instead of click's Usage/Try/Error block; exit 2."""
@@ -145,6 +162,8 @@ class LazyGroup(click.Group):
         return getattr(mod, attr, None)
 
     def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        if parent is None:
+            _refuse_empty_arguments(info_name or "plate-inspect", list(args))
         try:
             return super().make_context(info_name, args, parent, **extra)
         except _NO_ARGS_HELP:  # `plate-inspect` alone: the help, as click prints it
@@ -172,6 +191,11 @@ class LazyGroup(click.Group):
             _usage_error(e, self._command_path(ctx, words))
         except PlateInspectError as e:
             _error(cli_text(str(e)), 2, e)  # keyword arguments shown as the CLI's flags; escaped: names are not markup
+        except OSError as e:  # the one rule for a file the OS refused (no permission, a directory it may not list)
+            line = os_error_text(e)
+            if line is None:
+                raise
+            _error(line, 2, e)
         except KeyboardInterrupt as e:
             name = ctx.invoked_subcommand or ""
             note = INTERRUPT_NOTES.get(" ".join([name, *words]), INTERRUPT_NOTES.get(name))

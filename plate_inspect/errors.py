@@ -24,7 +24,12 @@ One hierarchy, grouped by domain, so callers can catch broadly (``PlateInspectEr
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 #: Messages name a keyword argument with its CLI flag as "overwrite=True (CLI: --overwrite)" (a string value as
 #: 'devices="all" (CLI: --devices all)'); the CLI shows the flag.
@@ -38,6 +43,68 @@ def cli_text(message: str) -> str:
     ``device="cpu" (CLI: --device cpu)`` -> ``--device cpu``, ``(CLI: --out)`` -> ``(--out)``; the Python API keeps
     both forms."""
     return _FLAG_NOTE.sub(r"(\1)", _KEYWORD_AND_FLAG.sub(r"\1", message))
+
+
+#: What to do about an OSError on a named file, by errno (:func:`os_error_text`).
+_OS_ERROR_TODO: dict[int, str] = {
+    errno.EACCES: "check the permissions of it and of its directories (ls -ld), or run as a user who may use it",
+    errno.EPERM: "check the permissions of it and of its directories (ls -ld), or run as a user who may use it",
+    errno.EROFS: "it is on a read-only file system: choose a place on a writable one",
+    errno.ENOSPC: "the disk is full: free space and rerun",
+    errno.EDQUOT: "the disk quota is used up: free space and rerun",
+    errno.ENOENT: "check the path",
+    errno.EISDIR: "it is a directory: give a file",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+    errno.ENAMETOOLONG: "give a shorter path",
+    errno.ELOOP: "a symbolic link in the path points back at itself: check the path",
+}
+
+
+def os_error_text(e: OSError) -> str | None:
+    """The one line the CLI prints for an OSError on a named file that no command turned into its own error (a
+    model directory it may not list, a file it may not read): the file, why, what to do. None for an OSError that
+    names no file: that is not the user's input, so the traceback stays."""
+    if e.filename is None:
+        return None
+    where = str(e.filename) + (f" -> {e.filename2}" if e.filename2 is not None else "")
+    return f"{where}: {e.strerror or type(e).__name__}; {os_error_advice(e)}"
+
+
+def os_error_advice(e: OSError) -> str:
+    """What to do about ``e`` (by errno: permissions, a read-only or full disk, a wrong path), for messages that
+    word the failure themselves ("cannot read: Permission denied; <advice>")."""
+    return _OS_ERROR_TODO.get(e.errno or 0, "check the path and rerun")
+
+
+def refuse_to_replace(
+    path: str | os.PathLike,
+    is_ours: Callable[[Path], bool],
+    what: str,
+    thing: str,
+    option: str,
+    example: str,
+    error: type[PlateInspectError] | None = None,
+) -> None:
+    """The one rule for an output file that already exists: replace it only when ``is_ours(path)`` (an earlier
+    output of the same kind, ``what``: "an HTML page", "a plan JSON"); anything else (a bundle's manifest, a model's
+    weights, the user's data) is refused in one line: ``thing`` ("the plan") would replace it, give another
+    ``option``, e.g. ``example``. ``error``: the class raised (default ConfigError)."""
+    path = Path(path)
+    if path.is_file() and not is_ours(path):
+        raise (error or ConfigError)(
+            f"{path}: exists and is not {what} ({thing} would replace it: a bundle's manifest, a model's weights, "
+            f"your data); choose another {option}, e.g. {option} {example}"
+        )
+
+
+def json_file_holds(path: Path, accept: Callable[[object], bool]) -> bool:
+    """Whether ``path`` is a JSON file whose value ``accept`` recognises (an earlier output: it may be replaced)."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    return bool(accept(value))
 
 
 class PlateInspectError(Exception):

@@ -17,11 +17,12 @@ from pathlib import Path
 
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
 from plate_inspect.bundle import Bundle
-from plate_inspect.errors import ConfigError, ReportError
+from plate_inspect.errors import ConfigError, ReportError, refuse_to_replace
 from plate_inspect.progress import ProgressCallback, as_callback
 from plate_inspect.reports.data import (
     DEFAULT_BINS,
     DEFAULT_MAX_POINTS,
+    MAX_BINS,
     BundleSummary,
     Heatmap,
     KTauCurve,
@@ -58,8 +59,8 @@ def render_report(
     progress = as_callback(progress, "render_report")  # a deprecation warning names the function called
     if max_points < 16:
         raise ConfigError(f"--max-points (max_points) must be at least 16, got {max_points}")
-    if bins < 2:
-        raise ConfigError(f"--bins (bins) must be at least 2, got {bins}")
+    if not 2 <= bins <= MAX_BINS:
+        raise ConfigError(f"--bins (bins) must be between 2 and {MAX_BINS}, got {bins}")
     rd = report_data(list(bundles), labels=labels, max_points=max_points, bins=bins, progress=progress)
     return render_page(rd, plotly_js())
 
@@ -104,11 +105,7 @@ def check_report_path(path: str | os.PathLike, option: str = "-o", example: str 
             f"{path}: is not a regular file (a device, FIFO or socket; writing would replace it); "
             f"give a file name, e.g. {option} {example}"
         )
-    if path.is_file() and not is_html_page(path):
-        raise ReportError(
-            f"{path}: exists and is not an HTML page (the report would replace it: a bundle's manifest, a model's "
-            f"weights, your data); choose another {option}, e.g. {option} {example}"
-        )
+    refuse_to_replace(path, is_html_page, "an HTML page", "the report", option, example, ReportError)
     make_dirs(path.parent, "the report's directory", option)
     if not os.access(path.parent, os.W_OK):
         raise ReportError(

@@ -43,6 +43,9 @@ HEATMAP_METRICS: dict[str, tuple[str, str]] = {
 DEFAULT_MAX_POINTS = 300
 #: Bins of the per-module redundancy score histograms.
 DEFAULT_BINS = 40
+#: The most bins a histogram gets: every bin count is written into the page (per module and bundle), and finer bins
+#: than this draw no more detail on a screen; numpy refuses far larger counts outright ("Maximum allowed size").
+MAX_BINS = 1000
 #: Eigenvalues kept per expert for the drill-down spectrum (evenly spaced; experts can number tens of thousands).
 EXPERT_SPECTRUM_POINTS = 24
 OTHER_LAYER = "other"

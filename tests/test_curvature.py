@@ -592,10 +592,11 @@ def test_curvature_json_out_is_checked_first_and_left_alone_by_a_failed_run(monk
 
     monkeypatch.setattr(curvature_mod, "digits_stage1", fail)
     target = tmp_path / "curv.json"
-    target.write_text("previous records\n")
+    previous = '[{"family": "plate"}]\n'  # earlier records (another kind of file is refused up front: test_qa18)
+    target.write_text(previous)
     res = CliRunner().invoke(cli, [*args, "--json-out", str(target)])
     assert res.exit_code != 0 and "simulated failure" in res.output
-    assert target.read_text() == "previous records\n"
+    assert target.read_text() == previous
 
 
 def test_analyze_families_leaves_the_models_training_mode_as_it_was():

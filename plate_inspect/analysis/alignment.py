@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError
+from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError, PlateInspectError, os_error_text
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches, name_list
@@ -317,14 +317,20 @@ def sklearn_descr_text() -> str:
 def read_text(path: str | Path) -> str:
     """The text of a UTF-8 file, with a one-line error when it cannot be read or is empty."""
     p = Path(path)
+    todo = "give a UTF-8 text file (CLI: --text)"
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{p}: text file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read as UTF-8 text ({e})") from None
+        raise ConfigError(f"{p}: text file not found; check the path, or {todo}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: is a directory; {todo}") from None
+    except UnicodeDecodeError as e:
+        where = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise ConfigError(f"{p}: not UTF-8 text ({where}: a binary file?); {todo}") from None
+    except OSError as e:
+        raise ConfigError(os_error_text(e) or f"{p}: cannot read ({e}); {todo}") from None
     if not text.strip():
-        raise ConfigError(f"{p}: text file is empty")
+        raise ConfigError(f"{p}: text file is empty; {todo}")
     return text
 
 
@@ -348,6 +354,16 @@ TOKENIZER_FILES = (
 )
 #: Weights after the hidden layers (poolers, task heads): missing ones do not change the activations align reads.
 _HEAD_WEIGHT = re.compile(r"(^|\.)(pooler|classifier|score|lm_head|qa_outputs)\.")
+
+
+def _diagnose_weights(path: Path) -> None:
+    """After transformers failed to load ``path``: raise the checkpoint reader's own error for its safetensors
+    files (truncated: re-download; no read permission), which says more than transformers' (a file it may not
+    read is "No such file"); nothing when the reader finds no fault."""
+    from plate_inspect.checkpoint import Checkpoint
+
+    if any(path.glob("*.safetensors")):
+        Checkpoint.open(path)
 
 
 def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
@@ -386,6 +402,7 @@ def load_hf_model(model_dir: str | Path) -> tuple[nn.Module, PreTrainedTokenizer
         transformers.utils.logging.set_verbosity_error()  # its load report: the missing weights are checked below
         model, info = transformers.AutoModel.from_pretrained(str(path), local_files_only=True, output_loading_info=True)
     except Exception as e:
+        _diagnose_weights(path)  # the project's own reader names a truncated or unreadable file and what to do
         raise CheckpointError(f"{path}: cannot load the model ({type(e).__name__}: {e})") from None
     finally:
         transformers.utils.logging.set_verbosity(verbosity)
@@ -470,6 +487,14 @@ def hf_text_alignment(
             notes(note)
         else:
             warnings.warn(note, SeqLenCappedWarning, stacklevel=2)
-    inputs = hf_text_inputs(tokenizer, text, seq_len=seq_len, max_tokens=max_tokens)
+    try:
+        inputs = hf_text_inputs(tokenizer, text, seq_len=seq_len, max_tokens=max_tokens)
+    except PlateInspectError:
+        raise
+    except Exception as e:  # the tokenizer's own failure (an empty vocab.txt: "Missing [UNK] token")
+        raise CheckpointError(
+            f"{model_dir}: its tokenizer failed on the text ({type(e).__name__}: {e}); check the directory's "
+            "tokenizer files (save them again with tokenizer.save_pretrained)"
+        ) from None
     moments = collect_input_moments(model, inputs, target_modules, progress=progress)
     return _records_from_moments(model, moments, ks, n_random, seed)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -566,10 +566,13 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
-def random_unit_probes(dim: int, n: int, seed: int) -> np.ndarray:
-    """n unit vectors uniform on the sphere of R^dim (seeded), as rows."""
-    g = np.random.default_rng(seed).standard_normal((n, dim))
-    return g / np.linalg.norm(g, axis=1, keepdims=True)
+def random_unit_probes(dim: int, n: int, seed: int) -> Iterator[np.ndarray]:
+    """n unit vectors uniform on the sphere of R^dim (seeded), one at a time: the same vectors as the rows of one
+    (n, dim) draw, without holding n x dim numbers (--probes 10^5 on the full backbone, dim 148,224: 119 GB)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        g = rng.standard_normal(dim)
+        yield g / np.linalg.norm(g)
 
 
 def gn_decomposition(
@@ -652,6 +655,8 @@ def _analyze_family(
         raise CurvatureError(f"family {family.name} is empty")
     if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
         raise ConfigError(f"seed must be a non-negative integer, got {seed}")
+    if seed >= 2**63:  # torch.manual_seed (the LoRA family's draws) overflows
+        raise ConfigError(f"seed must be below 2^63, got {seed}")
     beta = problem.output_hessian_bound() if beta is None else float(beta)
     top = {}
     for i, (kind, what) in enumerate(_SOLVES):
@@ -729,6 +734,10 @@ class DigitsSetup:
     task1_test_accuracy: float
 
 
+#: The stage-1 checkpoint digits_stage1 saves in its output directory (its own: a rerun may replace it).
+STAGE1_CHECKPOINT = "digits_task1.safetensors"
+
+
 def digits_stage1(
     out_dir: str | os.PathLike,
     epochs: int = 30,
@@ -743,15 +752,17 @@ def digits_stage1(
     The scan settings are checked first: a bad ``tau`` is refused before the training, not after it. ``progress``
     gets one event per Adam step of the training (unit "steps"; the scan of three modules is instant)."""
     from plate_inspect.experiments import digits
+    from plate_inspect.experiments.continual import check_own_directory
     from plate_inspect.geometry import validate_settings
     from plate_inspect.scanner import scan
 
     validate_settings(r=r, tau=tau, max_rank=max_rank)
+    check_own_directory(out_dir, ours=(STAGE1_CHECKPOINT,))  # not a model's or a bundle's directory
 
     out_dir = make_dirs(out_dir, "the output directory")
     task1, _ = digits.load_digit_tasks()
     model = digits.train_stage1(task1, seed=seed, epochs=epochs, progress=progress)
-    ckpt = out_dir / "digits_task1.safetensors"
+    ckpt = out_dir / STAGE1_CHECKPOINT
     digits.save_model(model, ckpt)
     bundle = scan(
         ckpt, out_dir / "bundle", r=r, tau=tau, max_rank=max_rank, target_modules=list(digits.BACKBONE), overwrite=True

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
-from plate_inspect.errors import ConfigError
+from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import (
     DATA_USING,
@@ -131,9 +131,30 @@ def check_data_root(data: str, data_root: str | os.PathLike | None) -> None:
 _MARKERS = {"continual": "runs.jsonl", "sequential": "sequential.json"}  # the file each experiment's OUT holds
 
 
+def check_own_directory(out: str | os.PathLike, ours: tuple[str, ...] = ()) -> None:
+    """ConfigError when an existing ``out`` is a model checkpoint (config.json, or *.safetensors other than
+    ``ours``) or a PLATE bundle (manifest.json): the run would add its files to it (a model directory with a second
+    *.safetensors is another checkpoint to every reader, the scan included)."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    if (out / "manifest.json").is_file():
+        found = "a PLATE bundle (manifest.json)"
+    else:
+        weights = sorted(p.name for p in out.glob("*.safetensors") if p.name not in ours)
+        if not weights and not (out / "config.json").is_file():
+            return
+        found = f"a model checkpoint ({weights[0] if weights else 'config.json'})"
+    raise ConfigError(
+        f"{out}: holds {found}; the run would add its own files to it: give the run a directory of its own (--out)"
+    )
+
+
 def check_not_other_experiment(out: str | os.PathLike, experiment: str) -> None:
-    """ConfigError when ``out`` holds the other experiment's runs: both write seed<N>/ directories, so one OUT mixed
-    would make each resume and report read the other's files."""
+    """ConfigError when ``out`` holds the other experiment's runs (both write seed<N>/ directories, so one OUT mixed
+    would make each resume and report read the other's files), a model checkpoint or a bundle
+    (:func:`check_own_directory`)."""
+    check_own_directory(out)
     for other, marker in _MARKERS.items():
         if other != experiment and (Path(out) / marker).exists():
             raise ConfigError(
@@ -467,6 +488,8 @@ def run_continual(
     if jsonl.exists():
         try:
             recorded = json.loads(settings_path.read_text())
+        except PermissionError as e:  # there, but not this user's to read: not "other settings"
+            raise ConfigError(os_error_text(e) or str(e)) from None
         except (OSError, ValueError):
             recorded = None
         differ = settings_diff(*_shared_runs(recorded, settings_dict), _FLAGS) if recorded is not None else ""
@@ -591,6 +614,8 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
         for key in ("methods", "steps"):
             raw[key] = tuple(raw[key])
         settings = ContinualSettings(**raw)
+    except PermissionError as e:  # there, but not this user's to read: rerunning would not help
+        raise ConfigError(os_error_text(e) or str(e)) from None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise ConfigError(
             f"{out / 'settings.json'}: missing or unreadable ({type(e).__name__}: {e}); it is written by "

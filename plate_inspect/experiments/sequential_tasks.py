@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plate_inspect.atomic import atomic_write, make_dirs
-from plate_inspect.errors import ConfigError
+from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.continual import (
     check_data_root,
@@ -411,6 +411,8 @@ def _unit_path(out: Path, seed: int, method: str) -> Path:
 def _read_json(path: Path, after_delete: str = "its run reruns") -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
+    except PermissionError as e:  # a sound record this user may not read: deleting it would lose a finished run
+        raise ConfigError(os_error_text(e) or str(e)) from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: unreadable ({e}); delete it ({after_delete}) or choose another --out") from None
     if not isinstance(value, dict):
