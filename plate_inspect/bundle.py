@@ -38,7 +38,7 @@ from plate_inspect import __version__
 from plate_inspect.atomic import atomic_write, path_argument, stale_temps
 from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
-from plate_inspect.errors import BundleError, ConfigError, PlateInspectError
+from plate_inspect.errors import BundleError, ConfigError, PlateInspectError, os_error_text
 from plate_inspect.geometry import DEFAULT_TAU_GRID, validate_settings
 from plate_inspect.targets import LayerEntry, layer_entries, name_list
 
@@ -461,6 +461,8 @@ class Bundle:
             raise BundleError(not_a_bundle(path))
         try:
             data = json.loads(mpath.read_text())
+        except PermissionError as e:  # not damaged: this user may not read it, and a rescan would not help
+            raise BundleError(os_error_text(e) or str(e)) from None
         except (OSError, ValueError, RecursionError) as e:  # ValueError: invalid JSON or UTF-8
             raise BundleError(f"{mpath}: unreadable manifest ({e}); {_MANIFEST_MEND}") from None
         manifest = Manifest.from_json(data, mpath)

@@ -37,6 +37,7 @@ from plate_inspect.errors import (
     HubRevisionNotFoundError,
     HubUnauthorizedError,
     UnsupportedWeightError,
+    os_error_advice,
 )
 
 __all__ = [
@@ -188,7 +189,7 @@ def parse_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[st
                 )
             raw = f.read(n)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}; {os_error_advice(e)}") from None
     header = _parse_header_json(path, raw)
     metadata = _header_metadata(path, header.pop("__metadata__", None))
     data_start, data_len = 8 + n, size - 8 - n
@@ -549,7 +550,9 @@ class Checkpoint:
                 f.seek(info.start + start)
                 got = f.readinto(buf)
         except OSError as e:
-            raise CheckpointError(f"{info.file}: cannot read tensor '{name}': {e.strerror or e}") from None
+            raise CheckpointError(
+                f"{info.file}: cannot read tensor '{name}': {e.strerror or e}; {os_error_advice(e)}"
+            ) from None
         if got != length:
             raise CorruptCheckpointError(f"{info.file}: file is truncated while reading tensor '{name}'")
         self.bytes_read += length
@@ -1073,7 +1076,9 @@ def _same_stored(a: TensorInfo, b: TensorInfo) -> bool:
                 if fa.read(n) != fb.read(n):
                     return False
     except OSError as e:
-        raise CheckpointError(f"{a.file}: cannot read tensor '{a.name}': {e.strerror or e}") from None
+        raise CheckpointError(
+            f"{a.file}: cannot read tensor '{a.name}': {e.strerror or e}; {os_error_advice(e)}"
+        ) from None
     return True
 
 

@@ -681,13 +681,22 @@ def refuse_ablation_bundle(b: Bundle) -> None:
         )
 
 
+def _holds_a_plan(path: Path) -> bool:
+    """Whether an existing file is a plan JSON (an earlier plan, which -o may replace)."""
+    from plate_inspect.errors import json_file_holds
+
+    return json_file_holds(path, lambda v: isinstance(v, dict) and v.get("format") == PLAN_FORMAT)
+
+
 def write_plan(plan: Plan, path: str | os.PathLike) -> Path:
     """Write the plan JSON (atomically); ConfigError naming the path when it cannot be written."""
     from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
+    from plate_inspect.errors import refuse_to_replace
 
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory; give a file name, e.g. -o {path / 'plan.json'}")
+    refuse_to_replace(path, _holds_a_plan, "a plan JSON", "the plan", "-o", "plan.json")  # weights, a manifest
     make_dirs(path.parent, "the plan's directory", "-o")
     try:
         atomic_write(path, json.dumps(plan.to_json(), indent=2) + "\n")

@@ -140,18 +140,19 @@ def refuse_bundle_as_model(source: str | os.PathLike) -> None:
     )
 
 
-def check_out_dir(out: str | os.PathLike) -> None:
+def check_out_dir(out: str | os.PathLike, option: str = "--out") -> None:
     """Refuse an --out that cannot hold a bundle before the checkpoint is opened (a hub model would be downloaded
-    first): a file in the way, a directory that is not writable, or one holding a model's safetensors files."""
+    first): a file in the way, a directory that is not writable, or one holding a model's safetensors files.
+    ``option``: the flag the message names (merge's ``--rescan``)."""
     out = Path(out)
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
     if existing is None:
         return
     if not existing.is_dir():
         what = "it is" if existing == out else f"{existing} is"
-        raise BundleError(f"{out}: cannot write the bundle: {what} a file, not a directory; choose another --out")
+        raise BundleError(f"{out}: cannot write the bundle: {what} a file, not a directory; choose another {option}")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise BundleError(f"{existing}: output directory is not writable; choose another --out")
+        raise BundleError(f"{existing}: output directory is not writable; choose another {option}")
     if existing == out:
         refuse_foreign_safetensors(out)
 

@@ -188,7 +188,12 @@ def test_cli_plan_json_writes_no_file_unless_asked(bundle, tmp_path, monkeypatch
     result = CliRunner().invoke(cli, ["plan", str(b.path), "--budget", "1%", "--json", "-o", str(out)])
     assert result.exit_code == 0 and json.loads(out.read_text()) == json.loads(result.stdout)
     assert f"plan: {out}" in result.stderr
-    result = CliRunner().invoke(cli, ["plan", str(b.path), "--budget", "1%"])  # the summary: ./plan.json as before
+    result = CliRunner().invoke(cli, ["plan", str(b.path), "--budget", "1%"])  # the summary: ./plan.json as before,
+    assert result.exit_code == 2 and "exists and is not a plan JSON" in result.output  # which is not a plan: kept
+    assert (tmp_path / "plan.json").read_text() == "my other plan\n"
+    (tmp_path / "plan.json").write_text(out.read_text().replace('"1%"', '"2%"'))  # an earlier plan: replaced
+    assert json.loads((tmp_path / "plan.json").read_text())["budget"]["spec"] == "2%"
+    result = CliRunner().invoke(cli, ["plan", str(b.path), "--budget", "1%"])
     assert result.exit_code == 0 and json.loads((tmp_path / "plan.json").read_text())["budget"]["spec"] == "1%"
 
 

@@ -233,9 +233,8 @@ def _write_errors(out: Path) -> Iterator[None]:
             reason = os_error_reason(out, e)
         else:
             reason = "disk full" if "No space left" in str(e) else str(e)
-        raise CheckpointError(
-            f"{out}: cannot write the merged checkpoint ({reason}); free space or choose another --out"
-        ) from None
+        todo = "free space or choose another --out" if reason == "disk full" else "choose another --out"
+        raise CheckpointError(f"{out}: cannot write the merged checkpoint ({reason}); {todo}") from None
 
 
 def _sync(directory: Path, files: bool = True) -> None:
@@ -615,9 +614,12 @@ def _header_metadata(file: Path) -> dict[str, str]:
 def check_rescan_out(out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Refuse a rescan target that already holds a bundle (unless ``overwrite``) or is a file: checked before the
     merge writes anything, so a refused rescan leaves no merged checkpoint behind either."""
+    from plate_inspect.scanner import check_out_dir
+
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise BundleError(f"{out}: exists and is not a directory; choose another --rescan directory")
+    check_out_dir(out, option="--rescan")  # a file in the way, not writable: refused before the merge writes
     if (out / MANIFEST).exists() and not overwrite:
         raise BundleError(
             f"{out}: already holds a bundle; pass overwrite=True (CLI: --overwrite) to replace it, "
