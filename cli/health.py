@@ -86,6 +86,7 @@ def health_command(bundle, as_json, experts):
     lacking = len(b.modules) - len(records)
     if as_json:
         click.echo(json.dumps(records, indent=2))
+        b.check_parts()
         return
     table = Table(title=f"spectral health ({next(iter(records.values()))['spectrum_of']})", box=box.SIMPLE_HEAD)
     table.add_column("module", no_wrap=True)
@@ -108,3 +109,4 @@ def health_command(bundle, as_json, experts):
         console.print(f"alpha: mean {sum(alphas) / len(alphas):.3f}; {inside}/{len(alphas)} modules in [2, 6]{without}")
     elif unfitted:
         console.print(f"alpha: no module has a power-law fit{without}")
+    b.check_parts()  # the health records are the manifest's: a missing or truncated part file is an error after them

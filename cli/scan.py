@@ -63,13 +63,6 @@ def print_summary(bundle: Bundle) -> None:
     console.print(f"[bold]{bundle.path}[/]  ({'complete' if m.complete else 'UNFINISHED: ' + unfinished_state(m)})")
     if not m.complete:
         console.print(f"[red]{escape(unfinished_note(m))}[/]")
-    missing = sorted({rec.file for rec in bundle} - {p.name for p in bundle.path.glob("*.safetensors")})
-    if missing:
-        console.print(
-            f"[red]missing[/]: {counted(len(missing), 'part file')} the manifest lists ({', '.join(missing[:3])}"
-            + (", ..." if len(missing) > 3 else "")
-            + "); rerun the scan to restore them (plate-inspect verify lists the modules)"
-        )
     console.print(f"source: {src}   model_type: {m.model_type}   modules: {len(m.modules)}")
     console.print(
         f"r={s.r} tau={s.tau} max_rank={s.max_rank} seed={s.seed} anchors={s.anchors} "
@@ -318,6 +311,8 @@ def info_command(bundle, show_modules, show_groups):
 
     Mixture-of-experts bundles also get one row per expert module type: how many layers x experts, and the
     spread of k, captured energy and mean redundancy over all of them.
+    Part files that are missing or truncated (their headers are read, not their tensors: `verify` checks those)
+    are named after the summary, and the exit status is then non-zero.
 
     \b
     Example:
@@ -408,6 +403,7 @@ def info_command(bundle, show_modules, show_groups):
                 f"{rec.mean_redundancy:.4f}",
             )
         console.print(table)
+    b.check_parts()  # the summary is the manifest's: a missing or truncated part file is an error after it
 
 
 @click.command("verify")

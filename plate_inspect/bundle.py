@@ -545,6 +545,40 @@ class Bundle:
             f"kept (plate-inspect verify {shlex.quote(str(self.path))} lists the damage)"
         )
 
+    def damaged_parts(self) -> dict[str, str]:
+        """{part file: what is wrong} for the part files the manifest names that are missing, unreadable or truncated.
+
+        Reads each file's header only (its size checked against the tensors it describes), not the tensors: a cheap
+        check for commands that show the manifest alone (info, health); ``verify`` checks every tensor.
+        """
+        from plate_inspect.checkpoint import parse_safetensors_header
+
+        problems = {}
+        for file in sorted({rec.file for rec in self.manifest.modules.values()}):
+            path = self.path / file
+            if not path.is_file():
+                problems[file] = "missing"
+                continue
+            try:
+                parse_safetensors_header(path)
+            except PlateInspectError as e:
+                problems[file] = str(e).removeprefix(f"{path}: ").split("; ")[0]  # the reader's mend is for models
+        return problems
+
+    def check_parts(self) -> None:
+        """BundleError naming the missing or damaged part files (:meth:`damaged_parts`) and the mend; else nothing."""
+        problems = self.damaged_parts()
+        if not problems:
+            return
+        named = ", ".join(f"{file} ({problem})" for file, problem in list(problems.items())[:3])
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        n_parts = len({rec.file for rec in self.manifest.modules.values()})
+        raise BundleError(
+            f"{self.path}: {len(problems)} of {n_parts} part files missing or damaged: {named}{more}; rerun the scan "
+            f"that made this bundle (same model and settings) into {self.path}: missing or damaged part files are "
+            f"recomputed, the others kept (plate-inspect verify {shlex.quote(str(self.path))} lists the modules)"
+        )
+
     def checked_b_idx(self, name: str, with_digest: bool = False) -> torch.Tensor:
         """A module's stored B indices, refused (``damaged``) when they are not what a scan writes, or (``with_digest``:
         Q is read too) not the B and Q the scan recorded."""

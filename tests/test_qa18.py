@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_bad_input import assert_user_error
+from test_bad_input import assert_user_error, run_cli
 from test_cli_user_errors import setup, tiny_bert  # noqa: F401 - fixtures: (root, model, bundle, adapter), a BERT
 
+import plate_inspect
 from plate_inspect.cli.main import cli
 from plate_inspect.errors import ConfigError, os_error_text
 
@@ -496,3 +497,48 @@ def test_an_empty_argument_is_refused_and_nothing_is_written(setup, tmp_path, mo
     args = [a.format(model=model, bundle=bundle.path, adapter=adapter) for a in args]
     assert_user_error(args, needle, "an unset shell variable?", "--help")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- info/health of a bundle with damaged parts
+def _damaged_copy(bundle, dest: Path) -> Path:
+    """A copy of ``bundle`` with layer-00000's part truncated by 100 bytes and layer-00001's deleted."""
+    shutil.copytree(bundle.path, dest)
+    part = dest / "layer-00000.safetensors"
+    os.truncate(part, part.stat().st_size - 100)
+    (dest / "layer-00001.safetensors").unlink()
+    return dest
+
+
+def test_damaged_parts_reads_headers_and_names_each_problem(setup, tmp_path):  # noqa: F811 - the fixture
+    """Bundle.damaged_parts: {} for a sound bundle; a truncated part's own size check and a missing one by name."""
+    _, _, bundle, _ = setup
+    assert plate_inspect.Bundle.load(bundle.path).damaged_parts() == {}
+    damaged = plate_inspect.Bundle.load(_damaged_copy(bundle, tmp_path / "b"))
+    problems = damaged.damaged_parts()
+    assert problems["layer-00001.safetensors"] == "missing"
+    assert problems["layer-00000.safetensors"].startswith("file is truncated")
+    assert "re-download" not in problems["layer-00000.safetensors"]  # the reader's mend is for models, not bundles
+
+
+@pytest.mark.parametrize("command", [["info"], ["info", "--modules"], ["health"], ["health", "--json"]])
+def test_info_and_health_name_missing_or_truncated_part_files(setup, tmp_path, command):  # noqa: F811 - the fixture
+    """They show the manifest (still shown), then name the damaged part files and the mend, exit 2 (was exit 0)."""
+    _, _, bundle, _ = setup
+    path = _damaged_copy(bundle, tmp_path / "b")
+    output = assert_user_error(
+        [*command, str(path)],
+        "2 of 2 part files missing or damaged",
+        "layer-00000.safetensors (file is truncated",
+        "layer-00001.safetensors (missing)",
+        "rerun the scan that made this bundle",
+    )
+    assert "q_proj" in run_cli(*command, str(path))[1].split("error:")[0]  # the summary came first
+    assert output
+
+
+def test_info_and_health_of_a_sound_bundle_exit_zero(setup):  # noqa: F811 - the fixture
+    _, _, bundle, _ = setup
+    for command in (["info"], ["health"]):
+        code, output = run_cli(*command, str(bundle.path))
+        assert code == 0, output
+        assert "error" not in output
