@@ -103,6 +103,13 @@ def not_a_bundle(path: Path) -> str:
     if (path.parent / MANIFEST).is_file():
         return f"{path}: is a part file of the bundle {path.parent}; give the bundle directory: {path.parent}"
     if path.suffix == ".safetensors":
+        from plate_inspect.checkpoint import parse_safetensors_header
+
+        try:
+            parse_safetensors_header(path)
+        except PlateInspectError as e:  # not a model either: say what it is, not to scan it
+            why = str(e).removeprefix(f"{path}: ")
+            return f"{path}: is a file, not a bundle directory, and no readable safetensors file: {why}"
         return (
             f"{path}: is a file, not a bundle directory; to make a bundle of a model checkpoint in it: "
             f"plate-inspect scan {shlex.quote(str(path))} --out <a directory>"

@@ -542,3 +542,11 @@ def test_info_and_health_of_a_sound_bundle_exit_zero(setup):  # noqa: F811 - the
         code, output = run_cli(*command, str(bundle.path))
         assert code == 0, output
         assert "error" not in output
+
+
+def test_info_of_a_file_that_is_no_safetensors_does_not_advise_scanning_it(tmp_path):
+    """`info garbage.safetensors` advised `plate-inspect scan garbage.safetensors` (which fails on it)."""
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\xff" * 100)
+    output = assert_user_error(["info", str(garbage)], "not a bundle directory", "no readable safetensors file")
+    assert "plate-inspect scan" not in output
