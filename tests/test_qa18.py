@@ -550,3 +550,14 @@ def test_info_of_a_file_that_is_no_safetensors_does_not_advise_scanning_it(tmp_p
     garbage.write_bytes(b"\xff" * 100)
     output = assert_user_error(["info", str(garbage)], "not a bundle directory", "no readable safetensors file")
     assert "plate-inspect scan" not in output
+
+
+def test_merge_of_a_garbage_adapter_says_what_to_give(setup, tmp_path):  # noqa: F811 - the fixture
+    """A cut-short or garbage adapter file: one line that says what the file should be (it had no what-to-do)."""
+    _, model, _, adapter = setup
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(Path(adapter).read_bytes()[:50])
+    assert_user_error(
+        ["merge", str(model), str(cut), "--out", str(tmp_path / "out")], "give the file save_adapter wrote"
+    )
+    assert not (tmp_path / "out").exists()

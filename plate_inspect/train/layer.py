@@ -716,7 +716,10 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
             meta = dict(f.metadata() or {})
             tensors = {k.removesuffix(".plate_A"): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     except Exception as e:  # safetensors raises its own error types
-        raise BundleError(f"{path}: not a readable safetensors adapter ({e})") from None
+        raise BundleError(
+            f"{path}: not a readable safetensors adapter ({e}): truncated or not a safetensors file; give the file "
+            "save_adapter wrote (copy it again if it was cut short)"
+        ) from None
     if meta.get("format") != ADAPTER_FORMAT:
         if (path.parent / "adapter_config.json").exists():
             raise _not_a_plate_file(path)
