@@ -397,3 +397,9 @@ def print_curvature_table(records) -> None:
         for rec in records:
             curve.add_row(rec.family, *(f"{f:.3g}" for _, f in rec.forgetting_curve))
         console.print(curve)
+        overflowed = sorted({rho for rec in records for rho, f in rec.forgetting_curve if not math.isfinite(f)})
+        if overflowed:
+            console.print(
+                f"F is not finite at rho = {', '.join(f'{rho:g}' for rho in overflowed)}: a step that long overflows "
+                "the model's float32 loss; give smaller --rho values"
+            )

@@ -695,3 +695,14 @@ def test_half_precision_models_are_refused_with_the_remedy(tiny):
         with pytest.raises(ConfigError, match=rf"{str(dtype)[6:]} parameters.*copy\.deepcopy\(model\)\.float\(\)"):
             OldTaskProblem(low, F.cross_entropy, [(x.to(dtype), y)])
     OldTaskProblem(copy.deepcopy(model).float(), F.cross_entropy, [(x.float(), y)])
+
+
+def test_curvature_cli_explains_a_forgetting_curve_that_overflows(tmp_path):
+    """--rho 1e30: F was 'nan' in the table, unexplained; now a line names the rho and what to do."""
+    from plate_inspect.cli.main import cli
+
+    args = ["curvature", "--epochs", "2", "--probes", "3", "--families", "plate", "--rho", "0,1,1e30"]
+    res = CliRunner().invoke(cli, [*args, "--r", "1", "--max-rank", "2", "--out", str(tmp_path / "run")])
+    assert res.exit_code == 0, res.output
+    assert "F is not finite at rho = 1e+30" in " ".join(res.output.split())
+    assert "rho = 1," not in res.output and "rho = 0" not in res.output  # finite values are not named
