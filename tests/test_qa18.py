@@ -561,3 +561,26 @@ def test_merge_of_a_garbage_adapter_says_what_to_give(setup, tmp_path):  # noqa:
         ["merge", str(model), str(cut), "--out", str(tmp_path / "out")], "give the file save_adapter wrote"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("error", "fix"),
+    [
+        (
+            PermissionError(errno.EACCES, "Permission denied", "OUT/runs.jsonl"),
+            "let this user write there (ls -ld shows who may)",
+        ),
+        (OSError(errno.ENOSPC, "No space left on device", "OUT/runs.jsonl"), "free space"),
+        (OSError(errno.EIO, "Input/output error", "OUT/runs.jsonl"), "mend that"),
+    ],
+)
+def test_an_experiment_that_cannot_write_says_mend_then_resume_or_start_elsewhere(error, fix):
+    """Was "cannot write (Permission denied); ...: rerun the same command to resume; choose another --out": two
+    conflicting orders. Now: what to mend, then resume, or another --out."""
+    from plate_inspect.experiments.continual import writing_errors
+
+    with pytest.raises(ConfigError) as caught, writing_errors(Path("OUT"), "the runs that finished are kept in X"):
+        raise error
+    text = str(caught.value)
+    assert text.startswith("OUT/runs.jsonl: cannot write (")
+    assert f"kept in X: {fix}, then rerun the same command to resume; or choose another --out" in text

@@ -15,6 +15,7 @@ probabilities, averaged over the task-1 test inputs. Summaries: mean and 95% CI 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -397,8 +398,21 @@ def writing_errors(out: Path, kept: str) -> Iterator[None]:
     except OSError as e:
         where = Path(e.filename) if e.filename else out  # atomic_write names its target, not its temp file
         reason = os_error_reason(where, e)
-        todo = "free space or choose another --out" if reason == "disk full" else "choose another --out"
-        raise ConfigError(f"{where}: cannot write ({reason}); {kept}; {todo}") from None
+        fix = _WRITE_FIX.get(e.errno or 0, "mend that")
+        raise ConfigError(
+            f"{where}: cannot write ({reason}); {kept}: {fix}, then rerun the same command to resume; or choose "
+            "another --out"
+        ) from None
+
+
+#: What to mend, by errno, before a rerun resumes a run that could not write (else "mend that").
+_WRITE_FIX = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space",
+    errno.EACCES: "let this user write there (ls -ld shows who may)",
+    errno.EPERM: "let this user write there (ls -ld shows who may)",
+    errno.EROFS: "make that file system writable",
+}
 
 
 def settings_diff(old: Any, new: dict[str, Any], flags: dict[str, str] | None = None) -> str:
@@ -502,7 +516,7 @@ def run_continual(
         # methods/steps added to a run: settings.json lists every one run
         settings_dict = _all_runs(recorded, settings_dict)
         settings_json = json.dumps(settings_dict, indent=2, sort_keys=True) + "\n"
-    kept = f"the runs that finished are kept in {jsonl}: rerun the same command to resume"
+    kept = f"the runs that finished are kept in {jsonl}"
     with writing_errors(out, kept):
         atomic_write(settings_path, settings_json)
         _drop_torn_tail(jsonl)

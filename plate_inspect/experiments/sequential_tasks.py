@@ -262,7 +262,7 @@ def run_sequential(
     counter.start()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    note = f"the (seed, method) runs that finished are kept under {out}/seed<N>/: rerun the same command to resume"
+    note = f"the (seed, method) runs that finished are kept under {out}/seed<N>/"
     try:
         with writing_errors(out, note):
             for seed in seeds_run:
