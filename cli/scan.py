@@ -255,7 +255,13 @@ def sigterm_as_interrupt() -> Iterator[None]:
     being written is finished, the same "interrupted ... rerun to resume" line is printed, exit code 130. Without
     it the process died mid-write: no message, a stray temp file, the layer being written lost."""
 
+    fired = False
+
     def interrupt(signum: int, frame: object) -> None:
+        nonlocal fired
+        if fired:  # a second SIGTERM (scancel sends two) while the first unwinds: raising again would land anywhere,
+            return  # e.g. in a GC callback ("Exception ignored in ... KeyboardInterrupt") or the part being finished
+        fired = True
         raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread

@@ -584,3 +584,18 @@ def test_an_experiment_that_cannot_write_says_mend_then_resume_or_start_elsewher
     text = str(caught.value)
     assert text.startswith("OUT/runs.jsonl: cannot write (")
     assert f"kept in X: {fix}, then rerun the same command to resume; or choose another --out" in text
+
+
+def test_a_second_sigterm_while_the_first_unwinds_raises_nothing():
+    """scancel sends SIGTERM twice: the first ends the scan (KeyboardInterrupt), the second must not raise again
+    while the first unwinds (it landed in a GC callback once: "Exception ignored in ... KeyboardInterrupt")."""
+    import signal
+
+    from plate_inspect.cli.scan import sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_as_interrupt():
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # the second: nothing raised
+    assert signal.getsignal(signal.SIGTERM) == before
