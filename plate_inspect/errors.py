@@ -73,7 +73,28 @@ def os_error_text(e: OSError) -> str | None:
 def os_error_advice(e: OSError) -> str:
     """What to do about ``e`` (by errno: permissions, a read-only or full disk, a wrong path), for messages that
     word the failure themselves ("cannot read: Permission denied; <advice>")."""
+    if e.errno in (errno.EACCES, errno.EPERM) and e.filename is not None:
+        closed = _closed_directory(os.fspath(e.filename))
+        if closed is not None:  # name the directory in the way, not only the file asked for inside it
+            return (
+                f"this user may not enter the directory {closed} (ls -ld {closed}): change its permissions, or run as "
+                "a user who may"
+            )
     return _OS_ERROR_TODO.get(e.errno or 0, "check the path and rerun")
+
+
+def _closed_directory(path: str | bytes) -> str | None:
+    """The outermost existing directory on ``path`` that this process may not enter (no search permission), if any."""
+    path = os.path.abspath(os.fsdecode(path))
+    parents = []
+    head = os.path.dirname(path)
+    while head and head not in parents:
+        parents.append(head)
+        head = os.path.dirname(head)
+    for directory in reversed(parents):
+        if os.path.isdir(directory) and not os.access(directory, os.X_OK):
+            return directory
+    return None
 
 
 def refuse_to_replace(

@@ -26,7 +26,7 @@ from test_cli_user_errors import setup, tiny_bert  # noqa: F401 - fixtures: (roo
 
 import plate_inspect
 from plate_inspect.cli.main import cli
-from plate_inspect.errors import ConfigError, os_error_text
+from plate_inspect.errors import ConfigError, os_error_advice, os_error_text
 
 #: Run CliRunner over a JSON list of argument lists in a fresh process; print one JSON record per case.
 _CHILD = textwrap.dedent(
@@ -160,8 +160,8 @@ def test_a_model_directory_that_cannot_be_listed_is_one_line(locked, command):
     """Before: PermissionError traceback from every command that opens a model (cli/main.py now turns an OSError
     on a named file into one line: errors.os_error_text)."""
     place, noread_dir, results, _ = locked
-    line = _one_error_line(results[command], str(noread_dir), "Permission denied", "check the permissions")
-    assert line.count(str(noread_dir)) == 1
+    line = _one_error_line(results[command], str(noread_dir), "Permission denied")
+    assert f"may not enter the directory {noread_dir} (ls -ld {noread_dir})" in line  # the directory in the way
     assert not (place / "scan-out").exists() and not (place / "merge-out").exists()
 
 
@@ -599,3 +599,26 @@ def test_a_second_sigterm_while_the_first_unwinds_raises_nothing():
             signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGTERM)  # the second: nothing raised
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_permission_advice_names_the_directory_that_may_not_be_entered(tmp_path):
+    """A model dir this user may not enter: the line named DIR/manifest.json (the first file tried) and said "check
+    the permissions of it and of its directories"; now it names DIR itself."""
+    prefix = _unprivileged()
+    if prefix is None:
+        pytest.skip("no way to drop root's permission override here (setpriv missing)")
+    closed = tmp_path / "model"
+    closed.mkdir()
+    closed.chmod(0)
+    code = (
+        "import errno, sys; from plate_inspect.errors import os_error_advice; "
+        "print(os_error_advice(PermissionError(errno.EACCES, 'Permission denied', sys.argv[1])))"
+    )
+    try:
+        done = subprocess.run([*prefix, sys.executable, "-c", code, str(closed / "manifest.json")], capture_output=True)
+    finally:
+        closed.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    assert f"may not enter the directory {closed} (ls -ld {closed})" in done.stdout.decode()
+    # a file that may not be read, in directories that may be entered: the general advice
+    assert "check the permissions" in os_error_advice(PermissionError(errno.EACCES, "no", str(tmp_path / "f")))
