@@ -7,14 +7,17 @@ from __future__ import annotations
 import math
 
 import helpers_train
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers_train import load_digits
 from safetensors.torch import load_file
 from torch import nn
 
+from plate_inspect.analysis import alignment, curvature
 from plate_inspect.bundle import Bundle
-from plate_inspect.errors import BundleError, ConfigError
+from plate_inspect.errors import AlignmentError, BundleError, ConfigError
 from plate_inspect.train.layer import (
     PlateLinear,
     apply_bundle,
@@ -173,3 +176,302 @@ def test_save_adapter_does_not_replace_the_model_weights(setup, tmp_path):
     save_adapter(model, adapter)
     saved = load_file(str(adapter))["fc1.plate_A"]
     assert torch.equal(saved, torch.full_like(saved, 0.25))
+
+
+# --------------------------------------------------------------------------- analysis.alignment
+def _inputs(n=32, d=64, seed=0):
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+    return [x[: n // 2], x[n // 2 :]]
+
+
+@pytest.mark.parametrize(
+    ("function", "call"),
+    [
+        ("weight_activation_alignment", lambda m: alignment.weight_activation_alignment(m, _inputs(), ks=[4])),
+        ("collect_input_moments", lambda m: alignment.collect_input_moments(m, _inputs())),
+        ("full_family", lambda m: curvature.full_family(m)),
+        ("lora_family", lambda m: curvature.lora_family(m, ["fc1"], rank=2)),
+        ("OldTaskProblem", lambda m: curvature.OldTaskProblem(m, F.cross_entropy, _old_task())),
+        ("analyze_families", lambda m: curvature.analyze_families(m, F.cross_entropy, _old_task(), [])),
+    ],
+)
+def test_analysis_names_a_model_that_is_no_module(function, call):
+    """Each raised "'NoneType' object has no attribute 'named_modules'" (or 'named_parameters', 'training')."""
+    with pytest.raises(ConfigError, match=rf"^{function}: model must be a torch.nn.Module, got None"):
+        call(None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ks": 4}, r"^ks must be a list of positive integers"),  # TypeError: 'int' object is not iterable
+        ({"ks": [2.5]}, r"^ks must be a list of positive integers"),  # was truncated to k=2 without a word
+        ({"ks": [math.nan]}, r"^ks must be a list of positive integers"),  # ValueError from int()
+        ({"ks": ["a"]}, r"^ks must be a list of positive integers"),
+        ({"n_random": 0}, r"^n_random must be a positive integer"),  # ve_random was NaN in every record
+        ({"n_random": -1}, r"^n_random must be a positive integer"),
+        ({"seed": -1}, r"^seed must be a non-negative integer"),
+        ({"seed": "a"}, r"^seed must be a non-negative integer"),  # TypeError: can only concatenate str
+        ({"target_modules": 3}, r"^target_modules must be a list of module names"),  # 'int' object is not iterable
+        ({"inputs": None}, r"^inputs must be an iterable of model inputs"),
+    ],
+)
+def test_weight_activation_alignment_names_a_bad_argument(setup, kwargs, message):
+    _, ckpt, _ = setup
+    args = {"inputs": _inputs(), "ks": [4], **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        alignment.weight_activation_alignment(load_digits(ckpt), **args)
+
+
+def test_weight_activation_alignment_takes_numpy_integers(setup):
+    """The checks let NumPy integers through (a k from np.arange), with the same records as Python ints."""
+    _, ckpt, _ = setup
+    model = load_digits(ckpt)
+    as_numpy = alignment.weight_activation_alignment(model, _inputs(), ks=np.array([4]), n_random=np.int64(2))
+    as_int = alignment.weight_activation_alignment(model, _inputs(), ks=[4], n_random=2)
+    assert as_numpy == as_int and all(r.k == 4 for r in as_int)
+
+
+def test_alignment_refuses_non_finite_inputs(setup):
+    """NaN inputs gave records of NaN (ve_weight=nan, ve_oracle=0.0) without a word."""
+    _, ckpt, _ = setup
+    bad = [torch.full((4, 64), math.nan)]
+    with pytest.raises(AlignmentError, match=r"^fc1: the activation moment holds NaN or Inf"):
+        alignment.weight_activation_alignment(load_digits(ckpt), bad, ks=[4])
+
+
+def test_alignment_names_inputs_of_the_wrong_width(setup):
+    """A 7-feature input for a 64-input layer raised "RuntimeError: shape '[-1, 64]' is invalid" from the hook."""
+    _, ckpt, _ = setup
+    with pytest.raises(AlignmentError, match=r"^fc1: its input has 7 features .* the layer takes 64"):
+        alignment.weight_activation_alignment(load_digits(ckpt), [torch.randn(4, 7)], ks=[4])
+
+
+def test_alignment_from_moments_checks_its_arguments():
+    w = torch.randn(5, 5, dtype=torch.float64)
+    with pytest.raises(ConfigError, match=r"^m: sigma must be a torch tensor, got ndarray"):  # AttributeError
+        alignment.alignment_from_moments("m", w, np.eye(5), [2])
+    with pytest.raises(ConfigError, match=r"^ks must be a list of positive integers"):  # max() of an empty sequence
+        alignment.alignment_from_moments("m", w, torch.eye(5), [])
+    with pytest.raises(AlignmentError, match=r"^m: the activation moment holds NaN or Inf"):  # LinAlgError from eigh
+        alignment.alignment_from_moments("m", w, torch.full((5, 5), math.nan), [2])
+    # the oracle: with Sigma = I every 2-frame explains 2/5 of the variance
+    (rec,) = alignment.alignment_from_moments("m", w, torch.eye(5, dtype=torch.float64), [2])
+    assert rec.ve_weight == pytest.approx(0.4) and rec.ve_random == pytest.approx(0.4)
+
+
+def test_hf_text_alignment_and_read_text_name_a_bad_path():
+    """None raised "TypeError: expected str, bytes or os.PathLike object, not NoneType" from Path."""
+    with pytest.raises(ConfigError, match=r"^model_dir must be a path"):
+        alignment.hf_text_alignment(None, "some text", ks=[2])
+    with pytest.raises(ConfigError, match=r"^path must be a path"):
+        alignment.read_text(None)
+    with pytest.raises(ConfigError, match=r"^seq_len must be a positive integer"):  # '<' not supported
+        alignment.hf_text_alignment("model", "some text", ks=[2], seq_len="256")
+    with pytest.raises(ConfigError, match=r"^max_tokens must be a positive integer"):
+        alignment.hf_text_alignment("model", "some text", ks=[2], max_tokens=0)
+
+
+# --------------------------------------------------------------------------- analysis.curvature
+def _old_task(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return curvature.batches(torch.randn(n, 64, generator=g), torch.randint(0, 5, (n,), generator=g), batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def problem(setup):
+    _, ckpt, _ = setup
+    model = load_digits(ckpt)
+    return model, curvature.OldTaskProblem(model, F.cross_entropy, _old_task())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n_probes": -1}, r"^n_probes must be an integer >= 0"),  # ran, as if 0
+        ({"n_probes": 2.5}, r"^n_probes must be an integer >= 0"),  # TypeError from range()
+        ({"rhos": [math.nan]}, r"^rhos must be a list of finite numbers"),  # ran: F(nan) = nan
+        ({"rhos": 0.5}, r"^rhos must be a list of finite numbers"),  # TypeError: 'float' object is not iterable
+        ({"rhos": ["0.5"]}, r"^rhos must be a list of finite numbers"),
+        ({"seed": 1.5}, r"^seed must be a non-negative integer"),  # TypeError from numpy's SeedSequence
+        ({"seed": "0"}, r"^seed must be a non-negative integer"),
+        ({"families": []}, r"^families must be a non-empty list of UpdateFamily"),  # returned [] without a word
+        ({"families": "full"}, r"^families must be a non-empty list of UpdateFamily"),
+        ({"families": [None]}, r"^families: each must be an UpdateFamily"),
+    ],
+)
+def test_analyze_families_names_a_bad_argument(problem, kwargs, message):
+    model, _ = problem
+    args = {"families": [curvature.lora_family(model, ["fc1"], rank=2)], "n_probes": 2, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        curvature.analyze_families(model, F.cross_entropy, _old_task(), **args)
+
+
+def test_analyze_families_refuses_one_family_not_in_a_list(problem):
+    """One UpdateFamily raised "TypeError: object of type 'UpdateFamily' has no len()"."""
+    model, _ = problem
+    family = curvature.lora_family(model, ["fc1"], rank=2)
+    with pytest.raises(ConfigError, match=r"^families must be a non-empty list of UpdateFamily objects"):
+        curvature.analyze_families(model, F.cross_entropy, _old_task(), family, n_probes=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tol": -1}, r"^tol must be a finite number >= 0"),  # ran
+        ({"beta": math.nan}, r"^beta must be a finite number >= 0"),  # ran: the bound was NaN
+        ({"beta": "1"}, r"^beta must be a finite number >= 0"),  # ValueError from float()
+        ({"family": None}, r"^family: each must be an UpdateFamily"),  # AttributeError: no attribute 'dim'
+        ({"problem": None}, r"^problem must be an OldTaskProblem"),
+    ],
+)
+def test_analyze_family_names_a_bad_argument(problem, kwargs, message):
+    model, prob = problem
+    args = {"problem": prob, "family": curvature.lora_family(model, ["fc1"], rank=2), "n_probes": 2, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        curvature.analyze_family(**args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loss_fn": None}, r"^loss_fn must be a function"),  # TypeError at the first loss
+        ({"data": None}, r"^data must be an iterable of \(x, y\) batches"),
+        ({"data": [torch.randn(4, 64)]}, r"^data must hold \(x, y\) batches .* batch 0 is Tensor"),  # unpack error
+        ({"forward": 3}, r"^forward must be a function"),
+    ],
+)
+def test_old_task_problem_names_a_bad_argument(setup, kwargs, message):
+    _, ckpt, _ = setup
+    args = {"model": load_digits(ckpt), "loss_fn": F.cross_entropy, "data": _old_task(), **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        curvature.OldTaskProblem(**args)
+
+
+def test_lora_family_names_a_non_integer_rank(setup):
+    """rank=2.5 raised torch.randn's "received an invalid combination of arguments"."""
+    _, ckpt, _ = setup
+    with pytest.raises(ConfigError, match=r"^rank must be a positive integer, got 2.5"):
+        curvature.lora_family(load_digits(ckpt), ["fc1"], rank=2.5)
+    with pytest.raises(ConfigError, match=r"^modules must be a list of names"):
+        curvature.lora_family(load_digits(ckpt), 3, rank=2)
+
+
+def test_plate_family_takes_a_bundle_path_as_apply_bundle_does(setup):
+    """A path raised "'str' object has no attribute 'modules'"; the family equals the one of the loaded bundle."""
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    by_path = curvature.plate_family(model, str(bundle.path))
+    loaded = curvature.plate_family(model, bundle)
+    c = torch.randn(by_path.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert by_path.dim == loaded.dim == sum(bundle.record(m).r * bundle.record(m).k for m in bundle.modules)
+    for name, delta in by_path.embed(c).items():
+        assert torch.equal(delta, loaded.embed(c)[name])
+    with pytest.raises(ConfigError, match=r"^path must be a path"):
+        curvature.plate_family(model, None)
+
+
+def test_batches_checks_its_arguments():
+    x, y = torch.randn(10, 3), torch.arange(10)
+    for size in (0, -1, 2.0):  # 0: range() arg 3 must not be zero; -1: an empty list (no data)
+        with pytest.raises(ConfigError, match=r"^batch_size must be a positive integer"):
+            curvature.batches(x, y, batch_size=size)
+    with pytest.raises(ConfigError, match=r"^x and y must be tensors with one row each per sample"):
+        curvature.batches(x, y[:5])  # the last batches had x rows without targets
+    assert [len(b[1]) for b in curvature.batches(x, y, batch_size=4)] == [4, 4, 2]
+
+
+# --------------------------------------------------------------------------- the plate PEFT method's config
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bundle": 3}, r"^bundle must be a path \(str or os.PathLike\), got 3"),  # TypeError from Path
+        ({"plan": 3}, r"^plan must be a plate-plan \(a dict or a JSON file's path\) or None, got 3"),  # TypeError
+        ({"check_fingerprints": "no"}, r"^check_fingerprints must be True or False, got 'no'"),  # truthy: checked
+        ({"carry_geometry": "yes"}, r"^carry_geometry must be True or False, got 'yes'"),
+    ],
+)
+def test_plate_config_names_a_bad_argument(setup, kwargs, message):
+    pytest.importorskip("peft")
+    from plate_inspect.train.peft import PlateConfig
+
+    _, _, bundle = setup
+    with pytest.raises(ConfigError, match=message):
+        PlateConfig(**{"bundle": str(bundle.path), **kwargs})
+    good = PlateConfig(bundle=str(bundle.path), check_fingerprints=False, carry_geometry=True)
+    assert good.check_fingerprints is False and good.carry_geometry is True
+
+
+# --------------------------------------------------------------------------- experiments
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": math.nan}, r"^lr must be a positive finite number"),  # trained to NaN, then summarised
+        ({"lr": -1e-3}, r"^lr must be a positive finite number"),
+        ({"lr": "1e-3"}, r"^lr must be a positive finite number"),  # TypeError from Adam, after stage 1
+        ({"batch_size": 0}, r"^batch_size must be an integer >= 1"),
+        ({"batch_size": 2.5}, r"^batch_size must be an integer >= 1"),
+        ({"max_rank": 0}, r"^max_rank must be an integer >= 1"),  # the first PLATE scan failed, mid-run
+        ({"budgets": 3}, r"^budgets must map method names to lists of Budget"),  # AttributeError: no 'get'
+        ({"budgets": {"plate": 3}}, r"^budgets must map method names to lists of Budget"),  # 'int' not iterable
+    ],
+)
+def test_continual_settings_validate_checks_every_setting(kwargs, message):
+    from plate_inspect.experiments.continual import ContinualSettings
+
+    with pytest.raises(ConfigError, match=message):
+        ContinualSettings(**kwargs).validate()
+
+
+@pytest.mark.parametrize(
+    ("method", "budget", "message"),
+    [
+        ("plate", ("r0", {"r": 0, "tau": 0.9}), r"^plate: budget 'r0': r must be an integer >= 1, got 0"),
+        ("plate", ("t", {"r": 8, "tau": 1.5}), r"^plate: budget 't': tau must be a number strictly between 0 and 1"),
+        ("lora", ("r", {"rank": 2.5}), r"^lora: budget 'r': rank must be an integer >= 1, got 2.5"),
+        ("l2_init", ("l", {"lam": math.nan}), r"^l2_init: budget 'l': lam must be a finite number >= 0"),
+        ("osf", ("n", {"n_low": 0}), r"^osf: budget 'n': n_low must be an integer >= 1, got 0"),
+    ],
+)
+def test_a_budget_value_is_checked_before_anything_trains(method, budget, message):
+    """The keys were checked up front, the values only when the run started (r=0: after hours of other runs)."""
+    from plate_inspect.experiments.continual import ContinualSettings
+    from plate_inspect.experiments.methods import Budget
+
+    with pytest.raises(ConfigError, match=message):
+        ContinualSettings(budgets={method: [Budget(*budget)]}).validate()
+
+
+def test_continual_settings_take_one_method_and_one_step_count():
+    """methods="plate" was iterated (unknown method 'p'); steps=60 raised "Value after * must be an iterable"."""
+    from plate_inspect.experiments.continual import ContinualSettings
+
+    s = ContinualSettings(methods="plate", steps=60)
+    assert s.methods == ("plate",) and s.steps == (60,)
+    s.validate()
+    ContinualSettings().validate()  # the defaults stay valid
+
+
+def test_experiments_name_a_bad_out_argument():
+    """None raised "TypeError: expected str, bytes or os.PathLike object, not NoneType" from Path."""
+    from plate_inspect.experiments.continual import ContinualSettings, records_from_dir, run_continual
+    from plate_inspect.experiments.sequential_tasks import report_sequential, run_sequential
+
+    with pytest.raises(ConfigError, match=r"^out_dir must be a path"):
+        run_continual(None, seeds=1, settings=ContinualSettings.quick())
+    with pytest.raises(ConfigError, match=r"^settings must be a ContinualSettings or None, got 3"):  # AttributeError
+        run_continual("out", seeds=1, settings=3)
+    calls = (lambda: run_sequential(None, seeds=1), lambda: report_sequential(None), lambda: records_from_dir(None))
+    for call in calls:
+        with pytest.raises(ConfigError, match=r"^out must be a path"):
+            call()
+
+
+def test_run_sequential_takes_one_method_as_a_string(tmp_path):
+    """methods="plate" was iterated: "unknown method 'p'". Now it is one method; the next check (lora_rank) speaks."""
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    with pytest.raises(ConfigError, match=r"^lora_rank must be an integer >= 1, got 0"):
+        run_sequential(tmp_path / "out", methods="plate", seeds=1, steps=2, lora_rank=0)
+    with pytest.raises(ConfigError, match=r"^unknown method 'plat'"):
+        run_sequential(tmp_path / "out", methods="plat", seeds=1, steps=2)
