@@ -475,3 +475,32 @@ def test_run_sequential_takes_one_method_as_a_string(tmp_path):
         run_sequential(tmp_path / "out", methods="plate", seeds=1, steps=2, lora_rank=0)
     with pytest.raises(ConfigError, match=r"^unknown method 'plat'"):
         run_sequential(tmp_path / "out", methods="plat", seeds=1, steps=2)
+
+
+# --------------------------------------------------------------------------- merging into a checkpoint
+def test_merge_checkpoint_names_a_bad_argument(setup, tmp_path):
+    """out=None raised a TypeError from Path; overwrite="no" (truthy) would replace OUT; progress=3 failed mid-merge."""
+    from plate_inspect.train.sequential import finish_interrupted_merge, merge_checkpoint, sequential_step
+
+    _, ckpt, bundle = setup
+    model = load_digits(ckpt)
+    apply_bundle(model, bundle)
+    adapter = save_adapter(model, tmp_path / "adapter.safetensors")
+    out = tmp_path / "merged"
+    with pytest.raises(ConfigError, match=r"^out must be a path"):
+        merge_checkpoint(ckpt, adapter, None)
+    with pytest.raises(ConfigError, match=r"^adapter must be a path"):
+        merge_checkpoint(ckpt, None, out)
+    with pytest.raises(ConfigError, match=r"^overwrite must be True or False, got 'no'"):
+        merge_checkpoint(ckpt, adapter, out, overwrite="no")
+    with pytest.raises(TypeError, match=r"^merge_checkpoint: progress must be a function, got int"):
+        merge_checkpoint(ckpt, adapter, out, progress=3)
+    assert not out.exists()  # refused before anything was written
+    with pytest.raises(ConfigError, match=r"^out must be a path"):
+        sequential_step(ckpt, adapter, None)
+    with pytest.raises(ConfigError, match=r"^out must be a path"):
+        finish_interrupted_merge(None)
+    events = []
+    result = merge_checkpoint(ckpt, adapter, out, progress=events.append)
+    assert result.out == out and events[-1].done == events[-1].total
+    assert torch.equal(load_file(str(out / ckpt.name))["fc1.weight"], load_file(str(ckpt))["fc1.weight"])  # A = 0
