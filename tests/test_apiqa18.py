@@ -504,3 +504,20 @@ def test_merge_checkpoint_names_a_bad_argument(setup, tmp_path):
     result = merge_checkpoint(ckpt, adapter, out, progress=events.append)
     assert result.out == out and events[-1].done == events[-1].total
     assert torch.equal(load_file(str(out / ckpt.name))["fc1.weight"], load_file(str(ckpt))["fc1.weight"])  # A = 0
+
+
+def test_digits_helpers_name_a_bad_argument():
+    """accuracy(..., task_id=3) of a two-head model raised "'DigitsMLP' object has no attribute 'head3'";
+    train_stage1(None) "'NoneType' object has no attribute 'd_in'"; load_model(None) "No such file: None"."""
+    from plate_inspect.experiments import digits
+
+    model = digits.initial_model(64, seed=0)
+    x, y = torch.randn(6, 64), torch.zeros(6, dtype=torch.int64)
+    for task in (3, 0, "1", True):
+        with pytest.raises(ConfigError, match=r"^task must be a task number 1..2 \(this model has 2 heads\)"):
+            digits.accuracy(model, x, y, task_id=task)
+    assert torch.equal(model(x, task=2), model.head2(model.features(x)))
+    with pytest.raises(ConfigError, match=r"^task1 must be a Task"):
+        digits.train_stage1(None, epochs=1)
+    with pytest.raises(ConfigError, match=r"^path must be a path"):
+        digits.load_model(None)
