@@ -132,7 +132,7 @@ def test_errors_are_one_line_plate_inspect_errors():
         weight_activation_alignment(model, [torch.randn(2, 4)], target_modules=["nope"])
     with pytest.raises(PlateInspectError, match="saw no input"):
         weight_activation_alignment(model, [], ks=[2])
-    with pytest.raises(PlateInspectError, match="k values"):
+    with pytest.raises(PlateInspectError, match="ks must be a list of positive integers"):
         weight_activation_alignment(model, [torch.randn(2, 4)], ks=[0])
     with pytest.raises(PlateInspectError, match="not a directory"):
         load_hf_model("/nonexistent/model")

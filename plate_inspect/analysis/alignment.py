@@ -28,10 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from plate_inspect.analysis.checks import iterable_argument, positive_int, positive_ints, seed_argument
+from plate_inspect.atomic import path_argument
 from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError, PlateInspectError, os_error_text
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches, name_list
+from plate_inspect.train.layer import model_argument
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -111,12 +114,22 @@ def alignment_from_moments(
     n_samples: int = 0,
 ) -> list[AlignmentRecord]:
     """VE_k (weight, oracle, random), AL_k and chance for one layer, from W [d_out, d_in] and Sigma [d_in, d_in]."""
+    for argument, value in (("weight", weight), ("sigma", sigma)):
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"{module}: {argument} must be a torch tensor, got {type(value).__name__}")
+    ks = positive_ints(ks, "ks")
+    n_random, seed = positive_int(n_random, "n_random"), seed_argument(seed)
     if weight.ndim != 2:
         raise AlignmentError(f"{module}: weight must be 2-D, got shape {list(weight.shape)}")
     d_in = weight.shape[1]
     if tuple(sigma.shape) != (d_in, d_in):
         raise AlignmentError(f"{module}: activation moment is {list(sigma.shape)}, weight has d_in={d_in}")
     sigma = sigma.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(sigma).all()):  # eigh fails on it (LinAlgError), or every figure is NaN
+        raise AlignmentError(
+            f"{module}: the activation moment holds NaN or Inf: the layer's inputs were not finite (check the inputs "
+            "and the model's earlier layers)"
+        )
     sigma = 0.5 * (sigma + sigma.T)
     evals, evecs = symmetric_eigh(sigma)
     evals, evecs = evals.flip(0), evecs.flip(1)
@@ -171,7 +184,14 @@ def select_linear_modules(model: nn.Module, target_modules: str | Sequence[str] 
     """Target linear layers by name (suffixes or regexes, as in ``scan``); default: the family's or every linear.
 
     One string is one pattern (not a sequence of one-character patterns: ``"10"`` would select layers 1 and 0)."""
-    target_modules = name_list(target_modules) if target_modules is not None else None
+    model_argument(model, "select_linear_modules")
+    if target_modules is not None:
+        names = name_list(target_modules) if isinstance(target_modules, (str, Iterable)) else None
+        if names is None or not all(isinstance(t, str) for t in names):
+            raise ConfigError(
+                f"target_modules must be a list of module names or patterns (or one), got {target_modules!r:.80}"
+            )
+        target_modules = names
     linears = {n: m for n, m in model.named_modules() if n and linear_weight(m) is not None}
     if target_modules:
         chosen = {n: m for n, m in linears.items() if any(_matches(n, p) for p in target_modules)}
@@ -213,12 +233,19 @@ def collect_input_moments(
     ``forward(model, item)`` overrides that. Every leading dimension of a layer input counts as a sample row.
     ``progress`` gets one event per forward pass (unit "batches"; total known when ``inputs`` has a length).
     """
+    model_argument(model, "collect_input_moments")
+    iterable_argument(inputs, "inputs", "model inputs (a list of batches, a DataLoader)")
     modules = select_linear_modules(model, target_modules)
     moments: dict[str, ActivationMoments] = {}
     handles = []
 
     def make_hook(name: str, d_in: int):
         def hook(_mod: nn.Module, args: tuple) -> None:
+            if args[0].shape[-1] != d_in:  # else a RuntimeError from reshape: "shape '[-1, 64]' is invalid"
+                raise AlignmentError(
+                    f"{name}: its input has {args[0].shape[-1]} features in the last dimension, the layer takes "
+                    f"{d_in}: the inputs do not fit this model (check their shape)"
+                )
             x = args[0].detach().reshape(-1, d_in).to(torch.float64)
             m = moments.get(name)
             if m is None:
@@ -266,6 +293,9 @@ def weight_activation_alignment(
     forward: Callable[[nn.Module, Any], Any] | None = None,
 ) -> list[AlignmentRecord]:
     """VE_k / AL_k records for every target linear layer of any torch model, fed an iterable of inputs."""
+    model_argument(model, "weight_activation_alignment")
+    iterable_argument(inputs, "inputs", "model inputs (a list of batches, a DataLoader)")
+    n_random, seed = positive_int(n_random, "n_random"), seed_argument(seed)
     ks = _check_ks(ks, select_linear_modules(model, target_modules))
     moments = collect_input_moments(model, inputs, target_modules, forward=forward)
     return _records_from_moments(model, moments, ks, n_random, seed)
@@ -287,9 +317,7 @@ def _records_from_moments(
 def _check_ks(ks: Sequence[int], modules: dict[str, nn.Module] | None = None) -> list[int]:
     """Positive k values, each at most min(d_out, d_in) of every target layer (W's rank bound; when the layers are
     known): beyond it W's top-k right singular directions are arbitrary."""
-    ks = [int(k) for k in ks]
-    if not ks or any(k < 1 for k in ks):
-        raise ConfigError(f"k values must be positive integers, got {ks}")
+    ks = positive_ints(ks, "ks")
     if modules:
         sides = {name: min(linear_weight(m).shape) for name, m in modules.items()}
         smallest = min(sides.values())
@@ -316,7 +344,7 @@ def sklearn_descr_text() -> str:
 
 def read_text(path: str | Path) -> str:
     """The text of a UTF-8 file, with a one-line error when it cannot be read or is empty."""
-    p = Path(path)
+    p = path_argument(path, "path")
     todo = "give a UTF-8 text file (CLI: --text)"
     try:
         text = p.read_text(encoding="utf-8")
@@ -476,9 +504,15 @@ def hf_text_alignment(
     A ``seq_len`` beyond the model's ``max_position_embeddings`` is capped there, and said so: through ``notes``
     (one call with the sentence; the CLI prints it on stderr), else as a :class:`SeqLenCappedWarning`.
     """
+    path_argument(model_dir, "model_dir")
+    if not isinstance(text, str):
+        raise ConfigError(f"text must be a str (read a file with read_text), got {type(text).__name__}")
     ks = _check_ks(ks)
-    if seq_len < 2:
+    if positive_int(seq_len, "seq_len") < 2:
         raise ConfigError(f"seq_len must be at least 2 (CLI: --seq-len), got {seq_len}")
+    if max_tokens is not None:
+        positive_int(max_tokens, "max_tokens")
+    n_random, seed = positive_int(n_random, "n_random"), seed_argument(seed)
     model, tokenizer = load_hf_model(model_dir)
     _check_ks(ks, select_linear_modules(model, target_modules))  # before any forward pass
     seq_len, note = capped_seq_len(seq_len, getattr(model.config, "max_position_embeddings", None))

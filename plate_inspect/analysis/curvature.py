@@ -42,11 +42,20 @@ try:
 except ImportError:  # torch 2.2: math_attention falls back to torch.backends.cuda.sdp_kernel
     SDPBackend = sdpa_kernel = None
 
+from plate_inspect.analysis.checks import (
+    finite_numbers,
+    iterable_argument,
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+    seed_argument,
+)
 from plate_inspect.atomic import make_dirs
 from plate_inspect.errors import ConfigError, CurvatureError
 from plate_inspect.geometry import module_seed
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import name_list
+from plate_inspect.train.layer import model_argument
 from plate_inspect.train.variants import variant_geometry
 
 if TYPE_CHECKING:
@@ -116,10 +125,18 @@ def _identity_block(name: str, p: torch.Tensor) -> Block:
 
 def full_family(model: nn.Module, params: Sequence[str] | None = None, name: str = "full") -> UpdateFamily:
     """Every coordinate of the named parameters (default: all parameters that require grad)."""
-    named = dict(model.named_parameters())
-    chosen = name_list(params) if params is not None else [n for n, p in named.items() if p.requires_grad]
+    named = dict(model_argument(model, "full_family").named_parameters())
+    chosen = _names(params, "params") if params is not None else [n for n, p in named.items() if p.requires_grad]
     _check_params(named, chosen)
     return UpdateFamily(name, [_identity_block(n, named[n].detach()) for n in chosen], {"params": chosen})
+
+
+def _names(names: object, argument: str) -> list[str]:
+    """Parameter or module names as a list (one string is one name); else a ConfigError naming ``argument``."""
+    listed = name_list(names) if isinstance(names, (str, Iterable)) else None  # type: ignore[arg-type]
+    if listed is None or not all(isinstance(n, str) for n in listed):
+        raise ConfigError(f"{argument} must be a list of names (or one name), got {names!r:.80}")
+    return listed
 
 
 def _check_params(named: dict[str, Any], chosen: Iterable[str]) -> None:
@@ -197,9 +214,10 @@ def lora_family(
     [d_in, d_out]): with ``zero_b`` the update's input side stays in row(A0), as in PEFT's LoRA."""
     from plate_inspect.train.layer import layout_of
 
-    named = dict(model.named_parameters())
+    named = dict(model_argument(model, "lora_family").named_parameters())
+    rank, seed = positive_int(rank, "rank"), seed_argument(seed)
     blocks = []
-    for m in name_list(modules):
+    for m in _names(modules, "modules"):
         pname = f"{m}.weight"
         _check_params(named, [pname])
         conv1d = layout_of(model.get_submodule(m)) == "conv1d"
@@ -211,7 +229,7 @@ def lora_family(
 
 def plate_family(
     model: nn.Module,
-    bundle: Bundle,
+    bundle: Bundle | str | os.PathLike,
     variant: str = "plate",
     seed: int = 0,
     modules: Sequence[str] | None = None,
@@ -227,13 +245,16 @@ def plate_family(
     weights are not the ones the bundle was made for (the fingerprint check of ``apply_bundle``): a bundle of
     another model with the same shapes would otherwise give a silently meaningless family.
     """
-    from plate_inspect.train.layer import check_module_against_record, layout_of
+    from plate_inspect.train.layer import _as_bundle, check_module_against_record, layout_of
 
+    model_argument(model, "plate_family")
+    bundle = _as_bundle(bundle)  # a Bundle or its directory, as apply_bundle takes it
+    seed = seed_argument(seed)
     if variant not in PLATE_VARIANTS:
         raise ConfigError(f"unknown PLATE variant '{variant}'; choose one of {', '.join(PLATE_VARIANTS)}")
     named = dict(model.named_parameters())
     blocks = []
-    for m in name_list(modules) if modules is not None else bundle.modules:
+    for m in _names(modules, "modules") if modules is not None else bundle.modules:
         pname = f"{m}.weight"
         _check_params(named, [pname])
         module, record = model.get_submodule(m), bundle.record(m)
@@ -291,6 +312,12 @@ class OldTaskProblem:
         data: Iterable[tuple[Any, torch.Tensor]],
         forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     ):
+        model_argument(model, "OldTaskProblem")
+        if not callable(loss_fn):
+            raise ConfigError(f"loss_fn must be a function loss_fn(outputs, targets), got {loss_fn!r:.80}")
+        if forward is not None and not callable(forward):
+            raise ConfigError(f"forward must be a function forward(model, x) or None, got {forward!r:.80}")
+        iterable_argument(data, "data", "(x, y) batches (a list or a DataLoader)")
         low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dtype in _LOW_PRECISION})
         if low:
             raise ConfigError(
@@ -303,6 +330,13 @@ class OldTaskProblem:
         self.batches = list(data)
         if not self.batches:
             raise CurvatureError("the old-task data is empty")
+        for i, batch in enumerate(self.batches):
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor)):
+                raise ConfigError(
+                    f"data must hold (x, y) batches with y a tensor of targets; batch {i} is {type(batch).__name__}"
+                    + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+                    + " (curvature.batches(x, y) makes them)"
+                )
         self.sizes = [int(y.shape[0]) for _, y in self.batches]
         self.n = sum(self.sizes)
         self.forward = forward
@@ -607,6 +641,7 @@ def forgetting_curve(
     problem: OldTaskProblem, direction: Params, rhos: Sequence[float] = DEFAULT_RHOS
 ) -> list[tuple[float, float]]:
     """F(rho) = L0(theta0 + rho v) - L0(theta0) for each rho."""
+    rhos = finite_numbers(rhos, "rhos", empty=True)
     base = problem.loss()
     return [(float(r), problem.loss({n: r * d for n, d in direction.items()}) - base) for r in rhos]
 
@@ -635,6 +670,12 @@ def analyze_family(
 
     The top-curvature direction v* is signed so that g0 . v* >= 0 (the worse of +-v*, as g0 is rarely exactly 0).
     ``progress`` gets :func:`family_parts` events (unit "parts": a solve, a probe, the curve)."""
+    if not isinstance(problem, OldTaskProblem):
+        raise ConfigError(f"problem must be an OldTaskProblem(model, loss_fn, data), got {problem!r:.80}")
+    n_probes, rhos, seed = _check_settings(family, n_probes, rhos, seed, "family")
+    if beta is not None:
+        beta = non_negative_number(beta, "beta")
+    tol = non_negative_number(tol, "tol")
     counter = ProgressCounter(progress, family_parts(n_probes), "parts")
     counter.start()
     return _analyze_family(problem, family, n_probes, rhos, seed, beta, tol, counter)
@@ -653,10 +694,6 @@ def _analyze_family(
     """:func:`analyze_family`, stepping ``counter`` after each of its :func:`family_parts` parts."""
     if family.dim < 1:
         raise CurvatureError(f"family {family.name} is empty")
-    if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
-        raise ConfigError(f"seed must be a non-negative integer, got {seed}")
-    if seed >= 2**63:  # torch.manual_seed (the LoRA family's draws) overflows
-        raise ConfigError(f"seed must be below 2^63, got {seed}")
     beta = problem.output_hessian_bound() if beta is None else float(beta)
     top = {}
     for i, (kind, what) in enumerate(_SOLVES):
@@ -693,6 +730,20 @@ def _analyze_family(
     )
 
 
+def _check_settings(
+    family: object, n_probes: object, rhos: object, seed: object, argument: str = "families"
+) -> tuple[int, list[float], int]:
+    """(n_probes, rhos, seed) checked: n_probes >= 0 (0: no GN probes, the medians are undefined), finite rhos
+    (none: no forgetting curve), a seed numpy and torch take (0..2^63-1); ``family`` an UpdateFamily. ConfigError
+    naming the argument otherwise."""
+    if not isinstance(family, UpdateFamily):
+        raise ConfigError(
+            f"{argument}: each must be an UpdateFamily (from full_family, lora_family or plate_family), "
+            f"got {family!r:.80}"
+        )
+    return non_negative_int(n_probes, "n_probes"), finite_numbers(rhos, "rhos", empty=True), seed_argument(seed)
+
+
 def analyze_families(
     model: nn.Module,
     loss_fn: LossFn,
@@ -708,6 +759,11 @@ def analyze_families(
 
     ``progress`` gets :func:`family_parts` events per family (unit "parts": each top-eigenvalue solve, GN probe and
     forgetting curve), so the bar moves within a large family too."""
+    model_argument(model, "analyze_families")
+    if isinstance(families, (UpdateFamily, str)) or not isinstance(families, Sequence) or not families:
+        raise ConfigError(f"families must be a non-empty list of UpdateFamily objects, got {families!r:.80}")
+    for fam in families:
+        n_probes, rhos, seed = _check_settings(fam, n_probes, rhos, seed)
     counter = ProgressCounter(progress, len(families) * family_parts(n_probes), "parts")
     counter.start()
     was_training = model.training
@@ -773,4 +829,10 @@ def digits_stage1(
 
 def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed list of (x, y) minibatches in order (a re-iterable old-task data loader)."""
+    batch_size = positive_int(batch_size, "batch_size")
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.shape[:1] != y.shape[:1]:
+        raise ConfigError(
+            "x and y must be tensors with one row each per sample, got "
+            f"{getattr(x, 'shape', type(x).__name__)} and {getattr(y, 'shape', type(y).__name__)}"
+        )
     return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)]

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import json
 import math
+import numbers
 import os
 import statistics
 from collections.abc import Iterable, Iterator
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason
+from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason, path_argument
 from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import (
@@ -82,6 +83,14 @@ class ContinualSettings:
     budgets: dict[str, list[Budget]] = field(default_factory=dict)  # method -> budgets; missing = default grid
     data_root: str | None = None
 
+    def __post_init__(self) -> None:
+        """One string is one method and one int one step count, as elsewhere (``methods="plate"`` was iterated: the
+        methods p, l, a, t, e; ``steps=60`` raised "Value after * must be an iterable")."""
+        if isinstance(self.methods, str):
+            self.methods = (self.methods,)
+        if _is_int(self.steps):
+            self.steps = (self.steps,)  # type: ignore[assignment]
+
     def budgets_of(self, method: str) -> list[Budget]:
         return self.budgets.get(method) or default_budgets(method)
 
@@ -95,6 +104,19 @@ class ContinualSettings:
         """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
         be counted as a second seed: a fake confidence interval)."""
         check_data_root(self.data, self.data_root)
+        lr = self.lr
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (math.isfinite(lr) and lr > 0):
+            raise ConfigError(f"lr must be a positive finite number (Adam's step size, e.g. 1e-3), got {self.lr!r:.80}")
+        for what, value in (("batch_size", self.batch_size), ("max_rank", self.max_rank)):
+            if not (_is_int(value) and value >= 1):
+                raise ConfigError(f"{what} must be an integer >= 1, got {value!r:.80}")
+        if not isinstance(self.budgets, dict) or not all(
+            isinstance(b, (list, tuple)) and all(isinstance(x, Budget) for x in b) for b in self.budgets.values()
+        ):
+            raise ConfigError(
+                f"budgets must map method names to lists of Budget (e.g. {{'lora': [Budget('r8', {{'rank': 8}})]}}), "
+                f"got {self.budgets!r:.80}"
+            )
         if not self.methods:
             raise ConfigError(f"no methods given; choose from {', '.join(METHODS)}")
         for m in self.methods:
@@ -484,6 +506,9 @@ def run_continual(
     run of ``plan``, so a sweep of 60 to 2,400 steps gets a true ETA; the steps of runs already in runs.jsonl count
     as done in the opening event).
     """
+    path_argument(out_dir, "out_dir")
+    if settings is not None and not isinstance(settings, ContinualSettings):
+        raise ConfigError(f"settings must be a ContinualSettings or None, got {settings!r:.80}")
     s = settings or ContinualSettings()
     s.validate()
     seeds_run = seed_list(seeds)
@@ -617,7 +642,7 @@ def write_outputs(
 def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], ContinualSettings]:
     """The finished runs of an output directory and its settings (for reports of partial runs): from runs.jsonl, or
     from results.json where runs.jsonl is absent (a published directory such as docs/arena/steps keeps only that)."""
-    out = Path(out)
+    out = path_argument(out, "out")
     if not (out / "runs.jsonl").exists() and not (out / "results.json").exists():
         raise ConfigError(
             f"{out}: no runs.jsonl or results.json here; run `plate-inspect experiment continual --out {out}` first"

@@ -105,7 +105,11 @@ class DigitsMLP(nn.Module):
         return torch.relu(self.fc3(x))
 
     def forward(self, x: torch.Tensor, task: int = 1) -> torch.Tensor:
-        return getattr(self, f"head{task}")(self.features(x))
+        head = getattr(self, f"head{task}", None) if isinstance(task, int) and not isinstance(task, bool) else None
+        if not isinstance(head, nn.Module):  # was AttributeError: 'DigitsMLP' object has no attribute 'head3'
+            n = sum(1 for name, _ in self.named_children() if name.startswith("head"))
+            raise ConfigError(f"task must be a task number 1..{n} (this model has {n} heads), got {task!r:.80}")
+        return head(self.features(x))
 
 
 def train(
@@ -172,6 +176,8 @@ def train_stage1(
 ) -> DigitsMLP:
     """Stage 1: a fresh seeded MLP with backbone + head 1 trained on task 1 (the one stage-1 trainer); ``progress``:
     one event per Adam step."""
+    if not isinstance(task1, Task):  # was AttributeError: 'NoneType' object has no attribute 'd_in'
+        raise ConfigError(f"task1 must be a Task (load_tasks gives them), got {task1!r:.80}")
     torch.manual_seed(seed)
     model = DigitsMLP(d_in=task1.d_in, n_classes=int(task1.y_train.max()) + 1, n_tasks=n_tasks)
     params = [p for n, p in model.named_parameters() if n.split(".")[0] in (*BACKBONE, "head1")]
@@ -201,7 +207,9 @@ def load_model(path) -> DigitsMLP:
     """A DigitsMLP with the weights of a safetensors file written by :func:`save_model` (shapes from the file)."""
     from safetensors.torch import load_file
 
-    state = load_file(str(path))
+    from plate_inspect.atomic import path_argument
+
+    state = load_file(str(path_argument(path, "path")))
     n_tasks = sum(1 for k in state if k.startswith("head") and k.endswith(".weight"))
     n_classes, hidden = state["head1.weight"].shape
     model = DigitsMLP(d_in=state["fc1.weight"].shape[1], hidden=hidden, n_classes=n_classes, n_tasks=n_tasks)

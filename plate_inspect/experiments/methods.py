@@ -24,6 +24,8 @@ Every method gets the stage-1 checkpoint and returns a :class:`Prepared` model w
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +98,19 @@ def check_budget(method: str, budget: Budget) -> None:
             f"{method}: budget {getattr(budget, 'id', budget)!r} has config keys {got}; {method} needs exactly "
             f"{list(want)} (e.g. {default_budgets(method)[0]})"
         )
+    for key, value in config.items():  # a run reads its budget only when it starts: check the values now too
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if key == "tau":
+            ok = number and 0 < value < 1
+            need = "a number strictly between 0 and 1"
+        elif key == "lam":
+            ok = number and math.isfinite(value) and value >= 0
+            need = "a finite number >= 0"
+        else:  # rank, n_low, r
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+            need = "an integer >= 1"
+        if not ok:
+            raise ConfigError(f"{method}: budget {budget.id!r}: {key} must be {need}, got {value!r:.80}")
 
 
 def plate_budget(r: int, tau: float) -> Budget:

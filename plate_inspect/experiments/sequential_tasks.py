@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plate_inspect.atomic import atomic_write, make_dirs
+from plate_inspect.atomic import atomic_write, make_dirs, path_argument
 from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.continual import (
@@ -51,6 +51,7 @@ from plate_inspect.experiments.methods import (
     repeated_values,
 )
 from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.targets import name_list
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -216,7 +217,8 @@ def run_sequential(
     seed's task-1 training, ``steps``, where one of its methods still runs, and the ``(N_TASKS - 1) * steps`` of tasks
     2..4 of every (seed, method); those of kept runs count as done in the opening event).
     """
-    names = list(methods)
+    path_argument(out, "out")
+    names = name_list(methods)  # one string is one method (it was iterated: the methods p, l, a, t, e)
     unknown = [m for m in names if m not in SEQUENTIAL_METHODS]
     if not names or unknown:
         got = f"unknown method '{unknown[0]}'" if unknown else "no methods given"
@@ -312,6 +314,7 @@ def _with_legacy_data(payload: dict[str, Any]) -> Any:
 
 def recorded_settings(out: str | os.PathLike) -> dict[str, Any]:
     """The settings OUT's sequential runs were made with (read only); ConfigError for an OUT without them."""
+    path_argument(out, "out")
     check_not_other_experiment(out, "sequential")
     path = Path(out) / "sequential.json"
     if not path.exists():

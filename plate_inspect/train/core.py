@@ -42,10 +42,14 @@ def validate_geometry(
     if b.is_floating_point() or b.dtype == torch.bool:
         raise BundleError(f"{where}: B must be an integer index of output rows, got dtype {b.dtype}")
     b = b.to(torch.int64).flatten()
+    if not isinstance(q, torch.Tensor):  # a NumPy array: 'ndarray' object has no attribute 'is_floating_point'
+        raise ConfigError(f"{where}: Q must be a torch tensor [d_in, k], got {type(q).__name__}")
     if q.ndim != 2 or q.shape[0] != d_in:
         raise BundleError(f"{where}: Q has shape {list(q.shape)} but the layer has d_in={d_in} (Q must be [d_in, k])")
     if not q.is_floating_point():
         raise BundleError(f"{where}: Q must be a floating tensor, got dtype {q.dtype}")
+    if not bool(torch.isfinite(q).all()):  # a NaN in Q makes every output of the layer NaN once A moves
+        raise BundleError(f"{where}: Q holds NaN or Inf entries; the bundle is corrupt (verify it, rescan)")
     if b.numel() and (int(b.min()) < 0 or int(b.max()) >= d_out):
         raise BundleError(f"{where}: B indexes rows outside 0..{d_out - 1}; the bundle belongs to another model")
     if torch.unique(b).numel() != b.numel():

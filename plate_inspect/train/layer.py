@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from plate_inspect.atomic import path_argument
 from plate_inspect.bundle import Bundle, ModuleRecord
-from plate_inspect.errors import BundleError, ConfigError
+from plate_inspect.errors import BundleError, ConfigError, refuse_to_replace
 from plate_inspect.train.core import (
     add_branch,
     check_rho,
@@ -41,6 +42,22 @@ from plate_inspect.train.weightcheck import WeightSketch, check_weight
 ADAPTER_FORMAT = "plate-adapter"
 ADAPTER_VERSION = 1
 PLAN_FORMAT = "plate-plan"
+
+
+def model_argument(model: object, function: str) -> nn.Module:
+    """``model`` when it is a torch module; else a ConfigError naming the argument (not an AttributeError from
+    deep inside: ``'NoneType' object has no attribute 'named_modules'``)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{function}: model must be a torch.nn.Module, got {model!r:.80}")
+    return model
+
+
+def q_dtype_argument(q_dtype: object) -> torch.dtype | None:
+    """``q_dtype`` when it is None or a torch floating dtype; else a ConfigError naming it (a string reached
+    ``Tensor.to`` as a device name: 'Invalid device string'; an integer dtype was blamed on the bundle)."""
+    if q_dtype is not None and not (isinstance(q_dtype, torch.dtype) and q_dtype.is_floating_point):
+        raise ConfigError(f"q_dtype must be a torch floating dtype (e.g. torch.bfloat16) or None, got {q_dtype!r:.80}")
+    return q_dtype
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -377,6 +394,8 @@ def load_plan(plan: dict[str, Any] | str | os.PathLike | None, bundle: Bundle) -
         return {}
     where = "plan"
     if not isinstance(plan, dict):
+        if not isinstance(plan, (str, os.PathLike)) or not os.fspath(plan):
+            raise ConfigError(f"plan must be a plate-plan (a dict or a JSON file's path) or None, got {plan!r:.80}")
         where = str(plan)
         try:
             plan = json.loads(Path(plan).read_text())
@@ -419,6 +438,8 @@ def module_geometry(
     """(B, Q[:, :k]) of one bundle module: Q's columns ascend in energy, so a prefix is the bottom-k eigenspace."""
     q = bundle.q(name, dtype=q_dtype)
     if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= q.shape[1]:
+            raise ConfigError(f"module '{name}': k must be an integer in 1..{q.shape[1]} (the bundle's k), got {k!r}")
         q = q[:, :k].contiguous()
     return bundle.b_idx(name), q
 
@@ -511,7 +532,13 @@ def apply_bundle(
     again for other modules (another rho, say) keeps the earlier calls' A's trainable. Reentrant checkpointing
     trains the A's as on a PeftModel: ``keep_input_grads_under_checkpointing``.
     """
+    model_argument(model, "apply_bundle")
     rho = check_rho(rho)
+    q_dtype_argument(q_dtype)
+    if not isinstance(check_fingerprints, bool):
+        raise ConfigError(f"check_fingerprints must be True or False, got {check_fingerprints!r:.80}")
+    if references is not None and not isinstance(references, dict):
+        raise ConfigError(f"references must be a dict of weight sketches by module name, got {references!r:.80}")
     b = _as_bundle(bundle)
     names = _module_names(modules, b)
     ks = load_plan(plan, b)
@@ -577,6 +604,8 @@ def _module_names(modules: list[str] | str | None, bundle: Bundle) -> list[str]:
         names = None
     if names is None or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"modules must be a list of the bundle's module names (or one name), got {modules!r}")
+    if not names:  # nothing would be wrapped, and every parameter frozen: a training run that learns nothing
+        raise ConfigError("modules is empty: give the bundle's module names or name suffixes, or None for all of them")
     chosen: list[str] = []
     for n in names:
         matches = [n] if n in bundle else [m for m in bundle.modules if m.endswith("." + n)]
@@ -596,23 +625,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def plate_layers(model: nn.Module) -> dict[str, PlateLinear]:
     """The model's PLATE layers by module name."""
+    model_argument(model, "plate_layers")
     return {n: m for n, m in model.named_modules() if isinstance(m, PlateLinear)}
 
 
 def merge_all(model: nn.Module) -> None:
     """merge() every PLATE layer."""
-    for layer in plate_layers(model).values():
+    for layer in plate_layers(model_argument(model, "merge_all")).values():
         layer.merge()
 
 
 def unmerge_all(model: nn.Module) -> None:
     """unmerge() every PLATE layer."""
-    for layer in plate_layers(model).values():
+    for layer in plate_layers(model_argument(model, "unmerge_all")).values():
         layer.unmerge()
 
 
 def unload(model: nn.Module, merge: bool = True) -> nn.Module:
     """Replace every PLATE layer by its base layer (merged first unless ``merge=False``); returns the model."""
+    model_argument(model, "unload")
     for name, layer in plate_layers(model).items():
         if merge:
             layer.merge()
@@ -646,6 +677,13 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     """
     from safetensors.torch import save_file
 
+    model_argument(model, "save_adapter")
+    path = path_argument(path, "path")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; give save_adapter a file path, e.g. {path / 'adapter.safetensors'}")
+    refuse_to_replace(
+        path, _is_adapter_file, "a PLATE adapter", "the adapter", "path", str(path.with_name("adapter.safetensors"))
+    )
     layers = plate_layers(model)
     if not layers:
         raise ConfigError("the model has no PLATE layers to save; call apply_bundle first")
@@ -678,10 +716,20 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
         "rho": repr(next(iter(rhos.values()))) if uniform else json.dumps(rhos),  # per module when they differ
         "q_dtypes": json.dumps(q_dtypes),
     }
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
     return path
+
+
+def _is_adapter_file(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file save_adapter wrote (an earlier adapter: it may be replaced)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == ADAPTER_FORMAT
+    except Exception:  # safetensors raises its own error types: not a safetensors file, so not ours
+        return False
 
 
 def _not_a_plate_file(path: Path) -> BundleError:
@@ -706,7 +754,7 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
     """(A tensors by bundle module name, metadata with JSON fields decoded; ``rhos``/``q_dtypes`` per module)."""
     from safetensors import safe_open
 
-    path = Path(path)
+    path = path_argument(path, "path")
     if not path.exists():
         raise BundleError(f"{path}: adapter file not found")
     if path.is_dir():
@@ -791,6 +839,7 @@ def load_adapter(
     Refuses (BundleError) an adapter whose weight fingerprints, B/Q geometry or shapes differ from the layers'; a
     refused load leaves the model as it was.
     """
+    model_argument(model, "load_adapter")
     tensors, meta = read_adapter(path)
     path = Path(path)
     layers = plate_layers(model)

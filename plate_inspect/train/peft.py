@@ -37,6 +37,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_t
 from peft.utils import PeftType, register_peft_method
 from torch import nn
 
+from plate_inspect.atomic import path_argument
 from plate_inspect.bundle import Bundle
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.train.core import (
@@ -141,8 +142,11 @@ class PlateConfig(PeftConfig):
         self.peft_type = PLATE_TYPE
         if not self.bundle:
             raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
-        self.bundle = str(Path(self.bundle).expanduser().resolve())
+        self.bundle = str(path_argument(self.bundle, "bundle").expanduser().resolve())
         self.rho = check_rho(self.rho)
+        for flag in ("check_fingerprints", "carry_geometry"):  # 'no' is truthy: the opposite of what was meant
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r:.80}")
         tm = self.target_modules
         if isinstance(tm, (list, tuple, set, frozenset)) and all(isinstance(t, str) for t in tm):
             self.target_modules = set(tm)
@@ -154,6 +158,10 @@ class PlateConfig(PeftConfig):
         elif tm is not None:
             raise ConfigError(f"target_modules must be a list of module names, a regex string or None, got {tm!r}")
         if self.plan is not None and not isinstance(self.plan, dict):
+            if not isinstance(self.plan, (str, os.PathLike)) or not os.fspath(self.plan):
+                raise ConfigError(
+                    f"plan must be a plate-plan (a dict or a JSON file's path) or None, got {self.plan!r:.80}"
+                )
             path = Path(self.plan)
             try:
                 self.plan = json.loads(path.read_text())

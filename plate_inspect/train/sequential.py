@@ -28,11 +28,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from plate_inspect.atomic import Claim, claim_temp_dir, make_temp_dir, new_file_mode, os_error_reason
+from plate_inspect.atomic import Claim, claim_temp_dir, make_temp_dir, new_file_mode, os_error_reason, path_argument
 from plate_inspect.bundle import MANIFEST, Bundle, ModuleRecord, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
 from plate_inspect.dtypes import FLOAT_DTYPES
-from plate_inspect.errors import BundleError, CheckpointError
+from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.formatting import counted, human_bytes
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import EXPERT_LAYOUTS
@@ -104,7 +104,13 @@ def merge_checkpoint(
     read); ``on_note`` each note for the user when it arises (what a killed merge left is said before writing), all
     of which the result's ``notes`` also hold.
     """
-    out = Path(out)
+    out = path_argument(out, "out")
+    path_argument(adapter, "adapter")
+    if not isinstance(overwrite, bool):  # 'no' is truthy: it would replace OUT
+        raise ConfigError(f"overwrite must be True or False, got {overwrite!r:.80}")
+    for name, function in (("progress", progress), ("on_note", on_note)):
+        if function is not None and not callable(function):  # else a TypeError after the checks, mid-merge
+            raise TypeError(f"merge_checkpoint: {name} must be a function, got {type(function).__name__}")
     notes: list[str] = []
 
     def note(text: str) -> None:
@@ -335,7 +341,7 @@ def finish_interrupted_merge(out: str | os.PathLike) -> list[str]:
     older version, or on a filesystem without flock, where nothing tells whether its merge still runs) is named
     and never deleted (swap directories are deleted as before: they are only made after writing finished).
     """
-    with _write_errors(Path(out)):
+    with _write_errors(path_argument(out, "out")):
         return _finish_interrupted_merge(out)
 
 
@@ -656,6 +662,7 @@ def sequential_step(
     """Merge the adapter into ``source``, write it to ``out``, rescan it into ``bundle_out`` (default out/bundle).
 
     A ``bundle_out`` that already holds a bundle is refused before anything is written, unless ``overwrite``."""
+    path_argument(out, "out")
     bundle_out = check_rescan_out(bundle_out or Path(out) / "bundle", overwrite)
     result = merge_checkpoint(source, adapter, out, bundle=bundle, overwrite=overwrite)
     _, meta = read_adapter(adapter)

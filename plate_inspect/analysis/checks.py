@@ -1,0 +1,77 @@
+"""Argument checks at the boundary of the analysis API: a ConfigError naming the argument (as scikit-learn does),
+not a TypeError from deep inside torch, NumPy or SciPy, and no silent NaN record from a setting that means nothing
+(``n_random=0``, ``n_probes=0``, ``rhos=[nan]``). The CLI checks its flags itself, with the flags' names."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+from plate_inspect.errors import ConfigError
+
+#: torch.manual_seed's largest seed (NumPy's generators take it too)
+MAX_SEED = 2**63 - 1
+
+
+def is_integer(value: object) -> bool:
+    """An int (NumPy integers included), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_int(value: object, argument: str) -> int:
+    """``value`` as an int >= 1, else a ConfigError naming ``argument``."""
+    if not is_integer(value) or int(value) < 1:  # type: ignore[call-overload]
+        raise ConfigError(f"{argument} must be a positive integer, got {value!r:.80}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def non_negative_int(value: object, argument: str) -> int:
+    """``value`` as an int >= 0, else a ConfigError naming ``argument``."""
+    if not is_integer(value) or int(value) < 0:  # type: ignore[call-overload]
+        raise ConfigError(f"{argument} must be an integer >= 0, got {value!r:.80}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def seed_argument(seed: object) -> int:
+    """``seed`` as an int in 0..2^63-1 (the seeds torch and NumPy both take), else a ConfigError."""
+    if not is_integer(seed) or not 0 <= int(seed) <= MAX_SEED:  # type: ignore[call-overload]
+        raise ConfigError(f"seed must be a non-negative integer below 2^63, got {seed!r:.80}")
+    return int(seed)  # type: ignore[call-overload]
+
+
+def positive_ints(values: object, argument: str) -> list[int]:
+    """A non-empty list of integers >= 1 (one int is refused too: ``ks=8`` is written ``ks=[8]``)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ConfigError(f"{argument} must be a list of positive integers (e.g. [8, 32]), got {values!r:.80}")
+    items = list(values)
+    if not items or not all(is_integer(v) and int(v) >= 1 for v in items):
+        raise ConfigError(f"{argument} must be a list of positive integers (e.g. [8, 32]), got {items!r:.80}")
+    return [int(v) for v in items]
+
+
+def finite_numbers(values: object, argument: str, empty: bool = False) -> list[float]:
+    """A list of finite real numbers (non-empty unless ``empty``), else a ConfigError naming ``argument``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ConfigError(f"{argument} must be a list of finite numbers (e.g. [0, 0.5, 1]), got {values!r:.80}")
+    items = list(values)
+    if (not items and not empty) or not all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in items
+    ):
+        raise ConfigError(f"{argument} must be a list of finite numbers (e.g. [0, 0.5, 1]), got {items!r:.80}")
+    return [float(v) for v in items]
+
+
+def non_negative_number(value: object, argument: str) -> float:
+    """``value`` as a finite float >= 0, else a ConfigError naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{argument} must be a finite number >= 0, got {value!r:.80}")
+    return float(value)
+
+
+def iterable_argument(value: Any, argument: str, what: str) -> Any:
+    """``value`` when it can be iterated (a list, a DataLoader), else a ConfigError saying what it should hold."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{argument} must be an iterable of {what}, got {value!r:.80}")
+    return value
