@@ -786,7 +786,9 @@ def test_verify_lists_every_module_of_missing_or_truncated_parts(tmp_path, qwen_
     from plate_inspect.cli.main import cli
 
     info = CliRunner().invoke(cli, ["info", str(b.path)])
-    assert info.exit_code == 0 and "missing" in info.output and first in info.output, info.output
+    # info shows the manifest, then names the missing and the truncated part (session 18: exit 2, was 0)
+    assert info.exit_code == 2 and f"{first} (missing)" in info.output, info.output
+    assert f"{second} (file is truncated" in info.output, info.output
     plate_inspect.scan(qwen_ckpt.path, b.path, r=R)
     assert verify(b.path, qwen_ckpt.path).ok
 
