@@ -103,7 +103,7 @@ def _check_count(value: int, cap: tuple[str, int, int]) -> None:
 
 def _check_seed(seed: int) -> None:
     """A seed torch and numpy both take: 0 <= seed < 2^63 (10^30 was an OverflowError traceback)."""
-    from plate_inspect.experiments.continual import MAX_SEED
+    from plate_inspect.arguments import MAX_SEED
 
     if seed < 0:  # numpy's generators (Lanczos start, probes) refuse negative seeds
         raise ConfigError(f"--seed must be a non-negative integer, got {seed}")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from plate_inspect.analysis.checks import iterable_argument, positive_int, positive_ints, seed_argument
+from plate_inspect.arguments import iterable_argument, positive_int, positive_ints, seed_argument
 from plate_inspect.atomic import path_argument
 from plate_inspect.errors import AlignmentError, CheckpointError, ConfigError, PlateInspectError, os_error_text
 from plate_inspect.geometry import random_orthonormal, symmetric_eigh

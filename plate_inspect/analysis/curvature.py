@@ -42,7 +42,7 @@ try:
 except ImportError:  # torch 2.2: math_attention falls back to torch.backends.cuda.sdp_kernel
     SDPBackend = sdpa_kernel = None
 
-from plate_inspect.analysis.checks import (
+from plate_inspect.arguments import (
     finite_numbers,
     iterable_argument,
     non_negative_int,

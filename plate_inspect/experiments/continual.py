@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from plate_inspect.arguments import MAX_SEED, is_integer
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason, path_argument
 from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
@@ -88,7 +89,7 @@ class ContinualSettings:
         methods p, l, a, t, e; ``steps=60`` raised "Value after * must be an iterable")."""
         if isinstance(self.methods, str):
             self.methods = (self.methods,)
-        if _is_int(self.steps):
+        if is_integer(self.steps):
             self.steps = (self.steps,)  # type: ignore[assignment]
 
     def budgets_of(self, method: str) -> list[Budget]:
@@ -108,7 +109,7 @@ class ContinualSettings:
         if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (math.isfinite(lr) and lr > 0):
             raise ConfigError(f"lr must be a positive finite number (Adam's step size, e.g. 1e-3), got {self.lr!r:.80}")
         for what, value in (("batch_size", self.batch_size), ("max_rank", self.max_rank)):
-            if not (_is_int(value) and value >= 1):
+            if not (is_integer(value) and value >= 1):
                 raise ConfigError(f"{what} must be an integer >= 1, got {value!r:.80}")
         if not isinstance(self.budgets, dict) or not all(
             isinstance(b, (list, tuple)) and all(isinstance(x, Budget) for x in b) for b in self.budgets.values()
@@ -123,7 +124,7 @@ class ContinualSettings:
             if m not in METHODS:
                 raise ConfigError(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
         steps = (*self.steps, self.stage1_steps)
-        if not self.steps or not all(_is_int(v) and v >= 1 for v in steps):
+        if not self.steps or not all(is_integer(v) and v >= 1 for v in steps):
             raise ConfigError(f"steps must be integers >= 1 (got stage 2 {self.steps}, stage 1 {self.stage1_steps})")
         for v in self.steps:
             check_steps(v, "steps (CLI: --steps)")
@@ -185,13 +186,8 @@ def check_not_other_experiment(out: str | os.PathLike, experiment: str) -> None:
             )
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 MAX_STEPS = 1_000_000  # ~400x the paper's 2,400 Adam steps per task (~33 h a run at 0.12 s/step); more is a typo
 MAX_SEEDS = 10_000  # far beyond any useful confidence interval (the paper: 10); a larger count is a typo
-MAX_SEED = 2**63 - 1  # torch.manual_seed's largest
 
 
 def check_steps(value: int, what: str) -> None:
@@ -222,7 +218,7 @@ def seed_list(seeds: int | list[int]) -> list[int]:
         raise ConfigError(f"seeds must be at least 1 (got {seeds!r})")
     if len(values) > MAX_SEEDS:
         raise ConfigError(f"{len(values):,} seeds is more than {MAX_SEEDS:,}; give fewer")
-    bad = [v for v in values if not (_is_int(v) and 0 <= v <= MAX_SEED)]
+    bad = [v for v in values if not (is_integer(v) and 0 <= v <= MAX_SEED)]
     if bad:
         raise ConfigError(f"seeds must be integers in [0, 2^63), got {bad[0]!r}")
     if len(set(values)) != len(values):
@@ -611,7 +607,7 @@ def _all_runs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 def _int_values(value: Any) -> list[int]:
     """The integers of a settings.json list (an older or hand-edited file may hold anything)."""
-    return [v for v in value if _is_int(v)] if isinstance(value, list) else []
+    return [v for v in value if is_integer(v)] if isinstance(value, list) else []
 
 
 def _settings_dict(s: ContinualSettings) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""Argument checks at the boundary of the analysis API: a ConfigError naming the argument (as scikit-learn does),
-not a TypeError from deep inside torch, NumPy or SciPy, and no silent NaN record from a setting that means nothing
-(``n_random=0``, ``n_probes=0``, ``rhos=[nan]``). The CLI checks its flags itself, with the flags' names."""
+"""Argument checks at the boundary of the Python API (analyses, experiments): a ConfigError naming the argument (as
+scikit-learn does), not a TypeError from deep inside torch, NumPy or SciPy, and no silent NaN record from a setting
+that means nothing (``n_random=0``, ``n_probes=0``, ``rhos=[nan]``). The CLI checks its flags itself, with the
+flags' names; paths are :func:`plate_inspect.atomic.path_argument`'s."""
 
 from __future__ import annotations
 
