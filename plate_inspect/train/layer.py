@@ -723,12 +723,12 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
 
 def _is_adapter_file(path: Path) -> bool:
     """Whether ``path`` is a safetensors file save_adapter wrote (an earlier adapter: it may be replaced)."""
-    from safetensors import safe_open
+    from plate_inspect.checkpoint import parse_safetensors_header
+    from plate_inspect.errors import PlateInspectError
 
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("format") == ADAPTER_FORMAT
-    except Exception:  # safetensors raises its own error types: not a safetensors file, so not ours
+        return parse_safetensors_header(path)[1].get("format") == ADAPTER_FORMAT
+    except PlateInspectError:  # not a readable safetensors file, so not ours
         return False
 
 
