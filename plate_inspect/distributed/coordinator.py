@@ -101,11 +101,12 @@ class Coordinator:
             return
         values = self.gather(value)
 
-        def verdict() -> None:
-            for rank, other in enumerate(values or []):
-                if other != values[0]:
+        def verdict() -> None:  # (on rank 0, which holds every rank's value)
+            rows = values or []
+            for rank, other in enumerate(rows):
+                if other != rows[0]:
                     raise ConfigError(
-                        f"ranks disagree on {what}: {_first_difference(values[0], other, rank)}; start every rank "
+                        f"ranks disagree on {what}: {_first_difference(rows[0], other, rank)}; start every rank "
                         "with the same command line and the same model files"
                     )
 
@@ -131,7 +132,8 @@ class Coordinator:
         if self._store is None or self.world_size == 1:
             yield progress
             return
-        share = JobProgress(self, progress, total, bytes_total)
+        keys = (self._key("progress", "modules"), self._key("progress", "bytes"))
+        share = JobProgress(self._store, self._shared, keys, self.is_root, progress, total, bytes_total)
         try:
             yield share if not self.is_root or progress is not None else None
             share.finish()
@@ -190,6 +192,8 @@ class Coordinator:
 
     def _post_failure(self, rank: int, message: str) -> None:
         self._failed = message
+        if self._store is None:
+            return
         with contextlib.suppress(Exception):
             self._store.set(self._key("failed", rank), message)
             self._store.add(self._key("failures"), 1)
@@ -204,7 +208,8 @@ class Coordinator:
             raise BundleError(f"lost contact with another rank during the scan ({one_line(e)}); {RESUME}") from None
 
     def _arrive(self) -> None:
-        if self._store is None:
+        store = self._store
+        if store is None:
             return
         arrived = self._key("arrived", next(self._steps))
         watched = range(self.world_size) if self.is_root else [0]  # rank 0 watches everyone, the others rank 0
@@ -212,16 +217,16 @@ class Coordinator:
         pause = 0.002  # doubling up to timing.POLL_SECONDS: ranks that arrive together pass in milliseconds
         self._waiting = True
         try:
-            self._store.add(arrived, 1)
-            while self._store.add(arrived, 0) < self.world_size:
-                if self._store.add(self._key("failures"), 0) > 0:
-                    failed, message = self._first_failure()
+            store.add(arrived, 1)
+            while store.add(arrived, 0) < self.world_size:
+                if store.add(self._key("failures"), 0) > 0:
+                    failed, message = self._first_failure(store)
                     error = BundleError(message)
                     self._relay = (error, failed)
                     raise error
                 now = time.monotonic()
                 for rank in watched:
-                    beats = self._store.add(self._key("alive", rank), 0)
+                    beats = store.add(self._key("alive", rank), 0)
                     if rank not in seen or seen[rank][0] != beats:
                         seen[rank] = (beats, now)
                     elif now - seen[rank][1] > timing.SILENCE_LIMIT_SECONDS and rank != self.rank:
@@ -245,24 +250,24 @@ class Coordinator:
         finally:
             self._waiting = False
 
-    def _first_failure(self) -> tuple[int, str]:
+    def _first_failure(self, store: BoundedStore) -> tuple[int, str]:
         """The lowest failed rank and its message."""
         for rank in range(self.world_size):
             key = self._key("failed", rank)
-            if self._store.check([key]):
-                return rank, self._store.get(key).decode(errors="replace")
+            if store.check([key]):
+                return rank, store.get(key).decode(errors="replace")
         return -1, f"another rank failed; {RESUME}"
 
     def fault(self, error: BaseException) -> Fault:
         """What ``error``, raised on this rank while it scanned, is for the job's one line (:func:`say_once`)."""
-        where = {"stage": self.track.stage, "scan": self.track.scan}
+        stage, scan = self.track.stage, self.track.scan
         if error is self._verdict:
-            return Fault("verdict", 0, **where)
+            return Fault("verdict", 0, stage=stage, scan=scan)
         if self._relay is not None and error is self._relay[0]:
-            return Fault("relay", self._relay[1], **where)
+            return Fault("relay", self._relay[1], stage=stage, scan=scan)
         if not isinstance(error, Exception):
-            return Fault("interrupted", self.rank, **where)
-        return Fault("own", self.rank, after_agreement=self.agreed, **where)
+            return Fault("interrupted", self.rank, stage=stage, scan=scan)
+        return Fault("own", self.rank, after_agreement=self.agreed, stage=stage, scan=scan)
 
 
 def _first_difference(root: dict[str, Any], other: dict[str, Any], rank: int) -> str:

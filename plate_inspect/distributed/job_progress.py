@@ -5,14 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 from plate_inspect.distributed import timing
 from plate_inspect.distributed.store import BoundedStore
 from plate_inspect.progress import ProgressCallback, ProgressEvent
-
-if TYPE_CHECKING:
-    from plate_inspect.distributed.coordinator import Coordinator
 
 
 class JobProgress:
@@ -26,10 +23,21 @@ class JobProgress:
     A rank that dies leaves the counters where they were (the Coordinator names it); every store call is bounded
     and rank 0's reads stop at the first that fails: a bar is not worth a hang."""
 
-    def __init__(self, group: Coordinator, progress: ProgressCallback | None, total: int, bytes_total: int):
-        self._group, self._progress = group, progress
+    def __init__(
+        self,
+        store: BoundedStore,
+        shared: Any,
+        keys: tuple[str, str],
+        is_root: bool,
+        progress: ProgressCallback | None,
+        total: int,
+        bytes_total: int,
+    ):
+        """``store``: the Coordinator's bounded store (posts); ``shared``: the job's raw store, which rank 0 clones for
+        its reads; ``keys``: the job's counters of modules and bytes."""
+        self._store, self._is_root, self._progress = store, is_root, progress
         self._total, self._bytes_total = total, bytes_total
-        self._keys = (group._key("progress", "modules"), group._key("progress", "bytes"))
+        self._keys = keys
         self._posted, self._posted_at = (0, 0), 0.0  # (ranks > 0) modules and bytes added to the counters, when
         self._last: ProgressEvent | None = None  # (rank 0) its last event, repeated with the others' news
         self._others = (0, 0)  # (rank 0) the counters, as last read
@@ -37,14 +45,14 @@ class JobProgress:
         self._stop = threading.Event()
         self._reads: BoundedStore | None = None
         self._reader: threading.Thread | None = None
-        if group.is_root and progress is not None:
-            self._reads = BoundedStore(group._shared, clone=True, timeout=min(5.0, timing.STORE_TIMEOUT_SECONDS))
+        if is_root and progress is not None:
+            self._reads = BoundedStore(shared, clone=True, timeout=min(5.0, timing.STORE_TIMEOUT_SECONDS))
             self._reader = threading.Thread(target=self._read_on, name="plate-job-progress", daemon=True)
             self._reader.start()
 
     def __call__(self, event: ProgressEvent) -> None:
         """One event of this rank's share: posted (ranks > 0), or sent on with the job's tally (rank 0)."""
-        if not self._group.is_root:
+        if not self._is_root:
             self._post(event)
             if self._progress is not None:
                 self._progress(event)
@@ -83,7 +91,7 @@ class JobProgress:
         if moved == (0, 0) or (now - self._posted_at < timing.PROGRESS_SECONDS and event.done != event.total):
             return
         keys = self._keys
-        self._group._store.post(lambda store: (store.add(keys[0], moved[0]), store.add(keys[1], moved[1])))
+        self._store.post(lambda store: (store.add(keys[0], moved[0]), store.add(keys[1], moved[1])))
         self._posted, self._posted_at = (modules, nbytes), now
 
     def _read(self) -> tuple[int, int] | None:
