@@ -157,7 +157,8 @@ def _say_for_the_ranks(
     says the line naming the ranks of this node that had it, and the node's name when the job has several (a model
     or --out missing on one node: the line says so, also on rank 0's node). At ``timing.SAID_WAIT_SECONDS`` it says
     what it knows by then; a second signal ends the wait the same way. The other ranks of the node wait until it has
-    spoken, then exit after it."""
+    spoken, then exit after it; no rank exits before every rank of its node that failed at this point is done
+    (:func:`_wait_for_the_node`)."""
 
     def key(what: str, *parts: object) -> str:
         return job_key(what, fault.scan, *parts)
@@ -172,6 +173,7 @@ def _say_for_the_ranks(
         store.add(key("fell", stage, *node), 1)
         if not _claim(key("speak", digest, *node), store):  # another rank of this node says it
             _wait_for(store, said, 2 * timing.SAID_WAIT_SECONDS)
+            _wait_for_the_node(store, key, stage, info)
             _quietly(timing.QUIET_EXIT_SECONDS)
             return
         everyone = _wait_for_the_ranks(store, key, info, stage, digest)
@@ -188,6 +190,7 @@ def _say_for_the_ranks(
             spoken = True
             _said(store, fault.scan, text if everyone else None)
         store.set(said, "1")
+        _wait_for_the_node(store, key, stage, info)
         if text is None:
             _quietly(timing.QUIET_EXIT_SECONDS)
     except RuntimeError:  # the store failed or stopped answering: say it with this rank
@@ -216,6 +219,21 @@ def _wait_for_the_ranks(store: BoundedStore, key: Callable[..., str], info: Rank
             time.sleep(0.05)
     except KeyboardInterrupt:  # (the terminal's Ctrl-C and torchrun's): say what is known now
         return False
+
+
+def _wait_for_the_node(store: BoundedStore, key: Callable[..., str], stage: int, info: RankInfo) -> None:
+    """Count this rank done with its line (said, or left to another rank), then wait until every rank of its node
+    that failed at ``stage`` is done too (at most ``timing.SAID_WAIT_SECONDS``; a signal ends the wait).
+
+    Under torchrun the first rank of a node to exit gets the node's other ranks stopped: a rank that said its line
+    and exited at once cut off another rank of its node that was still saying a different line."""
+    node = ("node", info.node)
+    done, fell = key("done", stage, *node), key("fell", stage, *node)
+    deadline = time.monotonic() + timing.SAID_WAIT_SECONDS
+    with contextlib.suppress(KeyboardInterrupt, RuntimeError):
+        store.add(done, 1)
+        while time.monotonic() < deadline and store.add(done, 0) < store.add(fell, 0):
+            time.sleep(0.05)
 
 
 def _wait_for(store: BoundedStore, key: str, seconds: float) -> None:
