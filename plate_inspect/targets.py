@@ -492,23 +492,23 @@ def select_targets(
         chosen = [t for t in chosen if t.layer not in mtp]
         skipped = ", ".join(map(str, sorted(mtp)))
         note += f"; multi-token-prediction layer {skipped} skipped (scan it with --include-mtp, or include_mtp=True)"
-    if layers is not None:
-        layers = list(layer_list(layers))
-        chosen = select_layers(chosen, layers, (t.name for t in candidates))
+    entries = layer_list(layers) if layers is not None else None  # (a tuple: read twice below)
+    if entries is not None:
+        chosen = select_layers(chosen, entries, (t.name for t in candidates))
     if not chosen:
         sample = sorted({t.module_type for t in candidates})[:30]
         raise ConfigError(
             f"no target modules matched ({note}"
-            + (f", layers [{format_layers(layers)}]" if layers is not None else "")
+            + (f", layers [{format_layers(entries)}]" if entries is not None else "")
             + f"); weights in this checkpoint have types: {', '.join(sample) or 'none'}"
-            + (f"; its layers: {layers_there(t.name for t in candidates)}" if layers is not None else "")
+            + (f"; its layers: {layers_there(t.name for t in candidates)}" if entries is not None else "")
             + _tied_head_hint(ckpt, target_modules)
         )
     chosen.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, _natural_key(t.name)))
     experts = expected_experts(ckpt.config, model_type)
     for t in chosen:
         check_shape_against_config(t, shapes, experts)
-    check_weight_ranks(ckpt, chosen, FAMILY_TARGETS.get(model_type or "", ()) if not target_modules else (), layers)
+    check_weight_ranks(ckpt, chosen, FAMILY_TARGETS.get(model_type or "", ()) if not target_modules else (), entries)
     check_moe_layers(ckpt.config, model_type, candidates, chosen)
     check_expert_counts(candidates, chosen, experts, EXPERT_COUNT_KEYS.get(model_type or ""))
     return chosen, note
@@ -571,7 +571,7 @@ def _mla(c: dict[str, Any]) -> dict[str, tuple[int, int] | None]:
         c, "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"
     )
     qk = nope + rope
-    shapes = {
+    shapes: dict[str, tuple[int, int] | None] = {
         "self_attn.kv_a_proj_with_mqa": (kv_rank + rope, h),
         "self_attn.kv_b_proj": (heads * (nope + v), kv_rank),
         "self_attn.o_proj": (h, heads * v),
@@ -598,28 +598,31 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
     if model_type in _BERT_TYPES or model_type == "deberta-v2":
         h, i, heads = _ints(c, "hidden_size", "intermediate_size", "num_attention_heads")
         inner = heads * int(c.get("attention_head_size") or h // heads) if model_type == "deberta-v2" else h
-        attention = FAMILY_TARGETS[model_type][:-3]  # the projections of h to the heads, then the output's three
+        to_heads = FAMILY_TARGETS[model_type][:-3]  # the projections of h to the heads, then the output's three
         return {
-            **{a: (inner, h) for a in attention},
+            **{a: (inner, h) for a in to_heads},
             "attention.output.dense": (h, inner),
             "intermediate.dense": (i, h),
             "output.dense": (h, i),
         }
     if model_type == "distilbert":
         h, i = _ints(c, "dim", "hidden_dim")
-        attention = {f"attention.{p}": (h, h) for p in ("q_lin", "k_lin", "v_lin", "out_lin")}
-        return {**attention, "ffn.lin1": (i, h), "ffn.lin2": (h, i)}
+        return {
+            **{f"attention.{p}": (h, h) for p in ("q_lin", "k_lin", "v_lin", "out_lin")},
+            "ffn.lin1": (i, h),
+            "ffn.lin2": (h, i),
+        }
     if model_type == "modernbert":
         h, i = _ints(c, "hidden_size", "intermediate_size")
         return {"attn.Wqkv": (3 * h, h), "attn.Wo": (h, h), "mlp.Wi": (2 * i, h), "mlp.Wo": (h, i)}
     if model_type in _BART_TYPES:
         d = int(c["d_model"])
-        shapes: dict[str, tuple[int, int] | None] = {m: (d, d) for m in _BART[:-2]}
-        ffn = {int(c[k]) for k in ("encoder_ffn_dim", "decoder_ffn_dim")}
-        if len(ffn) == 1:  # fc1 / fc2 of encoder and decoder layers share a module type: checked when their dims agree
-            (f,) = ffn
-            shapes.update({"fc1": (f, d), "fc2": (d, f)})
-        return shapes
+        bart: dict[str, tuple[int, int] | None] = {m: (d, d) for m in _BART[:-2]}
+        ffn_dims = {int(c[k]) for k in ("encoder_ffn_dim", "decoder_ffn_dim")}
+        if len(ffn_dims) == 1:  # fc1/fc2 of encoder and decoder layers share a module type: checked when dims agree
+            (f,) = ffn_dims
+            bart.update({"fc1": (f, d), "fc2": (d, f)})
+        return bart
     if model_type in _T5_TYPES:
         d, inner, ff = int(c["d_model"]), int(c["num_heads"]) * int(c["d_kv"]), int(c["d_ff"])
         attention = {f"layer.{i}.{a}.{p}": (inner, d) for i, a in ((0, "SelfAttention"), (1, "EncDecAttention"))
@@ -638,11 +641,12 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
             **_fused("mlp.experts", moe, h),
             **_glu("mlp.shared_experts", shared, h),
         }
-    shapes = _attention(c)
+    attention = _attention(c)
     if model_type == "phi3":
-        heads, kv = shapes["self_attn.q_proj"][0], shapes["self_attn.k_proj"][0]
-        shapes = {"self_attn.qkv_proj": (heads + 2 * kv, h), "self_attn.o_proj": shapes["self_attn.o_proj"]}
-        return {**shapes, **_fused("mlp", int(c["intermediate_size"]), h)}
+        heads, kv = attention["self_attn.q_proj"][0], attention["self_attn.k_proj"][0]
+        fused = {"self_attn.qkv_proj": (heads + 2 * kv, h), "self_attn.o_proj": attention["self_attn.o_proj"]}
+        return {**fused, **_fused("mlp", int(c["intermediate_size"]), h)}
+    shapes: dict[str, tuple[int, int] | None] = {**attention}
     if model_type == "mixtral":
         i = int(c["intermediate_size"])
         return {
