@@ -29,7 +29,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -138,7 +138,7 @@ def delta_times(delta: Delta, v: torch.Tensor) -> torch.Tensor:
 
 def _grid(storage: Storage) -> tuple[float, float]:
     """eps and smallest normal of ``storage``'s floating grid (float dtypes: torch.finfo; MXFP4: E2M1's)."""
-    if storage == MXFP4:
+    if isinstance(storage, str):  # MXFP4, the one storage that is not a torch dtype
         return _E2M1_EPS, _E2M1_NORMAL
     info = torch.finfo(storage)
     return info.eps, info.smallest_normal
@@ -162,7 +162,7 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def _coarser(weight: torch.Tensor, dtype: Storage, scale: torch.Tensor | None) -> bool:
     """Whether storing ``weight`` in ``dtype`` (FP8: with a ``scale``; MXFP4 always has one) can round it."""
-    if dtype == MXFP4:
+    if isinstance(dtype, str):  # MXFP4 (always with a scale)
         return True
     if not dtype.is_floating_point:
         return False
@@ -178,7 +178,7 @@ def rounded_like(weight: torch.Tensor, dtype: Storage, scale: torch.Tensor | Non
     values saturate to +-6 x scale up to 8 x scale, beyond which ``weight``'s value is kept."""
     if not _coarser(weight, dtype, scale):
         return weight
-    if dtype == MXFP4:
+    if isinstance(dtype, str):  # MXFP4
         if scale is None:
             raise ValueError("MXFP4 rounding needs the per-element block scale")
         work = torch.float64 if weight.dtype == torch.float64 else torch.float32  # / and x scale: powers of two, exact
@@ -217,13 +217,14 @@ def fp8_storage(ckpt: Checkpoint, target: TargetModule) -> tuple[torch.dtype, to
     (None for a plain cast without scales); None when the module is not stored in FP8. Reads the scales only
     (one expert's block scales for a 3-D stack), which :meth:`Checkpoint.read_weight` has already checked."""
     weight = ckpt.logical_weight(target.logical_name)
-    if weight.format != "fp8" or DTYPES[weight.stored_dtype].torch is None:
+    dtype = DTYPES[weight.stored_dtype].torch
+    if weight.format != "fp8" or dtype is None:
         return None
     expert = target.expert if target.layout in EXPERT_LAYOUTS else None
     scale = ckpt.fp8_scale(target.logical_name, expert)
     if scale is not None and scale.ndim == 2 and target.layout in ("conv1d", "experts_in_major"):
         scale = scale.T
-    return DTYPES[weight.stored_dtype].torch, scale
+    return dtype, scale
 
 
 def mxfp4_storage(ckpt: Checkpoint, target: TargetModule) -> torch.Tensor | None:
@@ -442,8 +443,9 @@ def rounding_note(records: list[AuditRecord]) -> str | None:
     rounded = [rec for rec in records if rec.base_rounded_to]
     if not rounded:
         return None
-    dtypes = sorted({rec.base_rounded_to for rec in rounded})
-    worst = max((rec.rounding_floor / rec.weight_norm for rec in rounded if rec.weight_norm > 0), default=0.0)
+    dtypes = sorted({rec.base_rounded_to for rec in rounded if rec.base_rounded_to})
+    floors = ((rec.rounding_floor or 0.0) / rec.weight_norm for rec in rounded if rec.weight_norm > 0)
+    worst = max(floors, default=0.0)
     count = f"{len(rounded)} module{'s' if len(rounded) != 1 else ''}"
     return (
         f"TUNED stores {count} in {'/'.join(dtypes)}, which does not hold BASE's values exactly: dW = TUNED - BASE "
@@ -705,14 +707,16 @@ class PlateUpdate(UpdateSource):
                 else "the adapter records no bundle"
             )
             raise BundleError(f"{self.path}: {where}; pass its new place as bundle=DIR (CLI: --bundle)")
-        to_bundle = resolve_names(list(self.a_by_name), self.bundle.modules, f"{self.path} (bundle {self.bundle.path})")
+        bundle = self.bundle
+        to_bundle = resolve_names(list(self.a_by_name), bundle.modules, f"{self.path} (bundle {bundle.path})")
         self.a_by_name = {to_bundle[n]: a for n, a in self.a_by_name.items()}
         if isinstance(self.rho, dict):
             self.rho = {to_bundle[n]: rho for n, rho in self.rho.items()}
-        for name in self.a_by_name if self.digests else []:
-            b_idx, k = self.bundle.b_idx(name), self.a_by_name[name].shape[-1]
+        digests = self.digests or {}
+        for name in self.a_by_name if digests else []:
+            b_idx, k = bundle.b_idx(name), self.a_by_name[name].shape[-1]
             # the digest does not depend on Q's dtype; a plan trains the prefix Q[:, :k]
-            if self.digests.get(name) != geometry_digest(b_idx, self.bundle.q(name)[:, :k].contiguous()):
+            if digests.get(name) != geometry_digest(b_idx, bundle.q(name)[:, :k].contiguous()):
                 raise BundleError(f"{self.path}: module '{name}' was trained with another bundle (B/Q digest differs)")
         found = resolve_names(list(self.a_by_name), list(modules_by_name(base)), str(self.path))
         self.mapping = {base_name: bundle_name for bundle_name, base_name in found.items()}
@@ -720,13 +724,15 @@ class PlateUpdate(UpdateSource):
 
     def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
         name = self.mapping[target.name]
+        bundle = self.bundle
+        assert bundle is not None  # (bind refused an adapter without one)
         a = self.a_by_name[name].to(base_weight.dtype)
-        q = self.bundle.q(name, dtype=base_weight.dtype)
-        if a.ndim != 2 or a.shape[0] != self.bundle.b_idx(name).numel() or not 1 <= a.shape[1] <= q.shape[1]:
+        q = bundle.q(name, dtype=base_weight.dtype)
+        if a.ndim != 2 or a.shape[0] != bundle.b_idx(name).numel() or not 1 <= a.shape[1] <= q.shape[1]:
             raise BundleError(f"{self.path}: A of '{name}' is {list(a.shape)}, the bundle's B and Q need r x (<= k)")
         q = q[:, : a.shape[1]]  # an adapter trained from a plan uses the prefix Q[:, :k] (bottom-k eigenspace)
         rho = self.rho[name] if isinstance(self.rho, dict) else self.rho
-        return LowRankDelta(rho * a, q.T.contiguous(), self.bundle.b_idx(name))
+        return LowRankDelta(rho * a, q.T.contiguous(), bundle.b_idx(name))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -896,7 +902,7 @@ def _refuse_bundle_dir(path: str | os.PathLike, role: str) -> None:
 def select_by_filters(
     targets: list[TargetModule],
     target_modules: list[str] | None,
-    layers: list[LayerEntry] | None,
+    layers: Sequence[LayerEntry] | None,
     what: str,
     model_names: Iterable[str] | None = None,
 ) -> list[TargetModule]:
