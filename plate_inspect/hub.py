@@ -28,6 +28,7 @@ from plate_inspect.errors import (
 
 
 def looks_like_repo_id(s: str) -> bool:
+    """Whether ``s`` has a hub repo id's shape, 'owner/name' (a source that is no existing path is tried as one)."""
     parts = s.split("/")
     return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
 

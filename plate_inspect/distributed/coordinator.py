@@ -62,14 +62,17 @@ class Coordinator:
 
     @property
     def rank(self) -> int:
+        """This process's rank."""
         return self.info.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in the job."""
         return self.info.world_size
 
     @property
     def is_root(self) -> bool:
+        """Whether this is rank 0."""
         return self.info.is_root
 
     def on_root(self, fn: Callable[[], T]) -> T | None:

@@ -57,5 +57,6 @@ def weight_sample(plan: ScanPlan) -> str:
 
 
 def digest(obj: Any) -> str:
+    """A short stable digest of a JSON-able value ('sha256:' + 16 hex digits), for comparing it across ranks."""
 
     return "sha256:" + hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]

@@ -24,6 +24,7 @@ class RankInfo:
 
     @property
     def is_root(self) -> bool:
+        """Rank 0: the rank that prepares the directory, writes the manifest and says the job's verdicts."""
         return self.rank == 0
 
 

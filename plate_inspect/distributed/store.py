@@ -92,15 +92,19 @@ class BoundedStore:
             self._calls.put((fn, [], threading.Event()))
 
     def add(self, key: str, amount: int) -> int:
+        """The store's counter ``key`` after adding ``amount`` (0 reads it)."""
         return self.call(lambda s: s.add(key, amount))
 
     def set(self, key: str, value: str) -> None:
+        """Store ``value`` under ``key``."""
         self.call(lambda s: s.set(key, value))
 
     def get(self, key: str) -> bytes:
+        """The value under ``key`` (the store waits for it: check first)."""
         return self.call(lambda s: s.get(key))
 
     def check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` is in the store."""
         return self.call(lambda s: s.check(keys))
 
     def close(self) -> None:

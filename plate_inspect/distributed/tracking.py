@@ -91,6 +91,7 @@ class JobTrack:
             self._store = agent_store(timing.STORE_TIMEOUT_SECONDS)
 
     def key(self, what: str, *parts: object) -> str:
+        """This scan's key ``what/parts`` in the agent store (:func:`job_key`)."""
         return job_key(what, self.scan, *parts)
 
     def passed(self) -> None:
