@@ -103,10 +103,10 @@ def test_a_resumed_job_counts_the_kept_modules_as_done(four_layers, tmp_path):
 @pytest.fixture
 def two_ranks(monkeypatch):
     """Coordinators of rank 0 and rank 1 of one job over a real TCPStore (each with its own client)."""
-    monkeypatch.setattr(distributed, "PROGRESS_SECONDS", 0.05)
+    monkeypatch.setattr(distributed.timing, "PROGRESS_SECONDS", 0.05)
     for var in JOB_VARS:
         monkeypatch.delenv(var, raising=False)
-    port = distributed._free_port()
+    port = distributed.devices._free_port()
     server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
     groups = [
         Coordinator(RankInfo(rank, 2, rank), torch.distributed.TCPStore("127.0.0.1", port, 2, False), "t/")
@@ -154,7 +154,7 @@ def test_rank_0_hears_the_other_ranks_modules_while_it_waits(two_ranks):
 def test_a_rank_posts_a_few_times_and_its_last_count_exactly(two_ranks, monkeypatch):
     """1000 modules finished in a tight loop cost rank 1 two posts to the store (the first, the last), not 1000;
     after it leaves, rank 0's last event counts them all. Rank 1's own callback gets its own events unchanged."""
-    monkeypatch.setattr(distributed, "PROGRESS_SECONDS", 60.0)
+    monkeypatch.setattr(distributed.timing, "PROGRESS_SECONDS", 60.0)
     root, other = two_ranks
     posts = []
     post = other._store.post
@@ -173,8 +173,8 @@ def test_a_rank_posts_a_few_times_and_its_last_count_exactly(two_ranks, monkeypa
 def test_a_store_that_stops_answering_does_not_hold_rank_0(monkeypatch):
     """The job's store hangs (its host gone): rank 0's events go on with its own count, and leaving takes the
     bounded wait for one read, not forever."""
-    monkeypatch.setattr(distributed, "PROGRESS_SECONDS", 0.05)
-    monkeypatch.setattr(distributed, "STORE_TIMEOUT_SECONDS", 0.3)
+    monkeypatch.setattr(distributed.timing, "PROGRESS_SECONDS", 0.05)
+    monkeypatch.setattr(distributed.timing, "STORE_TIMEOUT_SECONDS", 0.3)
     hang = threading.Event()
 
     class Hanging:
@@ -223,5 +223,5 @@ def test_a_devices_worker_relays_modules_not_the_jobs_news(monkeypatch):
 
     monkeypatch.setattr(scanner, "run_scan", fake_run_scan)
     messages = queue.SimpleQueue()
-    distributed._device_worker(None, "out", "cpu", False, messages)
+    distributed.devices._device_worker(None, "out", "cpu", False, messages)
     assert [messages.get_nowait() for _ in range(messages.qsize())] == [("module", ("a", 10)), ("module", ("b", 10))]

@@ -83,7 +83,7 @@ def agent_store_for_rank_1(monkeypatch, run_id: str):
 
     from plate_inspect import distributed
 
-    port = distributed._free_port()
+    port = distributed.devices._free_port()
     server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
     for var in JOB_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -91,7 +91,7 @@ def agent_store_for_rank_1(monkeypatch, run_id: str):
     env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0")
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(distributed, "QUIET_EXIT_SECONDS", 0.0)
+    monkeypatch.setattr(distributed.timing, "QUIET_EXIT_SECONDS", 0.0)
     return server
 
 
@@ -132,7 +132,7 @@ def test_cli_names_the_missing_master_port(four_layers, tmp_path):
 @pytest.fixture
 def store():
     """A TCPStore server on a free port (what torchrun's agent or rank 0 holds), and a factory for clients."""
-    port = distributed._free_port()
+    port = distributed.devices._free_port()
     server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
 
     def client() -> torch.distributed.TCPStore:
@@ -143,9 +143,9 @@ def store():
 
 @pytest.fixture
 def fast_silence(monkeypatch):
-    monkeypatch.setattr(distributed, "HEARTBEAT_SECONDS", 0.05)
-    monkeypatch.setattr(distributed, "SILENCE_LIMIT_SECONDS", 1.0)
-    monkeypatch.setattr(distributed, "POLL_SECONDS", 0.02)
+    monkeypatch.setattr(distributed.timing, "HEARTBEAT_SECONDS", 0.05)
+    monkeypatch.setattr(distributed.timing, "SILENCE_LIMIT_SECONDS", 1.0)
+    monkeypatch.setattr(distributed.timing, "POLL_SECONDS", 0.02)
 
 
 def test_a_rank_that_went_silent_is_named_within_the_silence_limit(store, fast_silence):
@@ -305,7 +305,7 @@ _STOPPED_RANK = textwrap.dedent(
     from plate_inspect import distributed, scanner
     from plate_inspect.errors import PlateInspectError
 
-    distributed.HEARTBEAT_SECONDS, distributed.SILENCE_LIMIT_SECONDS = 0.2, 3.0
+    distributed.timing.HEARTBEAT_SECONDS, distributed.timing.SILENCE_LIMIT_SECONDS = 0.2, 3.0
     rank = int(os.environ["RANK"])
 
     def stop_rank_1(event):
@@ -352,7 +352,7 @@ _LONELY_RANK = textwrap.dedent(
     import sys
     from plate_inspect import distributed, scanner
 
-    distributed.JOIN_NOTE_SECONDS = 1.0
+    distributed.timing.JOIN_NOTE_SECONDS = 1.0
     scanner.scan(sys.argv[1], sys.argv[2], r=8)
     """
 )
@@ -364,7 +364,7 @@ def test_a_rank_waiting_for_ranks_that_never_join_says_so(four_layers, tmp_path)
     script = tmp_path / "lonely.py"
     script.write_text(_LONELY_RANK)
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
-    port = str(distributed._free_port())
+    port = str(distributed.devices._free_port())
     env.update(ONE_THREAD, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     proc = subprocess.Popen([sys.executable, str(script), str(four_layers.path), str(tmp_path / "b")], env=env,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -66,7 +66,7 @@ _CLI_OWN_MODEL = textwrap.dedent(
     import os, sys
     from plate_inspect import distributed
 
-    distributed.SAID_WAIT_SECONDS = 2.0
+    distributed.timing.SAID_WAIT_SECONDS = 2.0
     if os.environ["RANK"] == "1":  # this rank's node lacks the model (another path here, for the test)
         sys.argv[1] = sys.argv[1] + "-missing-on-node-1"
 
@@ -97,7 +97,7 @@ def test_an_error_of_one_rank_alone_is_printed_with_its_rank(four_layers, tmp_pa
 def agent_store(monkeypatch):
     """The agent store of a two-rank job, seen from rank 1."""
     server = agent_store_for_rank_1(monkeypatch, "t16")
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 0.5)
     return server
 
 
@@ -118,15 +118,15 @@ def test_say_once_compares_with_what_the_other_ranks_said(agent_store, monkeypat
     say_once("its own problem", said.append)  # nothing from rank 0: rank 1 waits, then speaks for itself
     assert said == ["rank 1: its own problem"]
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t16b")  # another job, where rank 0 got past the point
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 30.0)
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 30.0)
     root = distributed.JobTrack(RankInfo(0, 2, 0, 2))
     root.passed()
     root.close()
     started = time.monotonic()
     say_once("its own problem", said.append)
     assert said == ["rank 1: its own problem"] * 2 and time.monotonic() - started < 10
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 30.0)
-    monkeypatch.setattr(distributed, "_LOST_STORES", {f"127.0.0.1:{os.environ['MASTER_PORT']}"})
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 30.0)
+    monkeypatch.setattr(distributed.store, "_LOST_STORES", {f"127.0.0.1:{os.environ['MASTER_PORT']}"})
     started = time.monotonic()
     say_once("no model", said.append)  # a store this rank found gone (its host vanished) is not waited on again
     assert said[-1] == "rank 1: no model" and time.monotonic() - started < 5
@@ -144,7 +144,7 @@ def test_say_once_compares_with_what_the_other_ranks_said(agent_store, monkeypat
 def test_a_store_call_that_never_returns_is_bounded(monkeypatch):
     """A store whose server stopped answering blocks the caller forever (TCPStore's own timeout does not cover a
     reply that never comes); BoundedStore gives up after STORE_TIMEOUT_SECONDS, and at once after that."""
-    monkeypatch.setattr(distributed, "STORE_TIMEOUT_SECONDS", 0.3)
+    monkeypatch.setattr(distributed.timing, "STORE_TIMEOUT_SECONDS", 0.3)
     never = threading.Event()
 
     class Stuck:
@@ -182,9 +182,9 @@ def test_a_rank_waiting_on_a_stopped_store_host_names_it_within_the_bound(tmp_pa
     """The store's host stops answering (SIGSTOP: the process keeps its sockets open, as a powered-off or cut-off
     host does): a rank waiting for the others in the store used to wait forever; now it fails within the bound,
     naming the store's address and how to go on."""
-    monkeypatch.setattr(distributed, "STORE_TIMEOUT_SECONDS", 2.0)
-    monkeypatch.setattr(distributed, "HEARTBEAT_SECONDS", 0.2)
-    port = distributed._free_port()
+    monkeypatch.setattr(distributed.timing, "STORE_TIMEOUT_SECONDS", 2.0)
+    monkeypatch.setattr(distributed.timing, "HEARTBEAT_SECONDS", 0.2)
+    port = distributed.devices._free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     script = tmp_path / "server.py"
@@ -231,7 +231,7 @@ _STORE_HOST_STOPS = textwrap.dedent(
     from plate_inspect import distributed, scanner
     from plate_inspect.errors import PlateInspectError
 
-    distributed.HEARTBEAT_SECONDS, distributed.STORE_TIMEOUT_SECONDS = 0.2, 3.0
+    distributed.timing.HEARTBEAT_SECONDS, distributed.timing.STORE_TIMEOUT_SECONDS = 0.2, 3.0
     rank = int(os.environ["RANK"])
     _compute = scanner._compute
 
@@ -271,7 +271,7 @@ def test_a_rank_whose_store_host_vanished_stops_by_itself_and_the_rerun_gives_th
     script = tmp_path / "store_host_stops.py"
     script.write_text(_STORE_HOST_STOPS)
     out = tmp_path / "b"
-    port = distributed._free_port()
+    port = distributed.devices._free_port()
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
     env.update(ONE_THREAD, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ranks = [

@@ -150,7 +150,7 @@ _MODEL_MISSING_ON_NODE_1 = textwrap.dedent(
     import os, sys
     from plate_inspect import distributed
 
-    distributed.SAID_WAIT_SECONDS = 120.0  # the bound: a rank must not need it when rank 0 got further
+    distributed.timing.SAID_WAIT_SECONDS = 120.0  # the bound: a rank must not need it when rank 0 got further
     if os.environ["RANK"] == "1":
         sys.argv[1] = sys.argv[1] + "-missing-on-node-1"
 
@@ -186,7 +186,7 @@ def test_a_model_missing_on_one_node_is_said_at_once_and_the_waiting_rank_ends(f
 def agent_store(monkeypatch):
     """The agent store of a two-rank job, seen from rank 1."""
     server = agent_store_for_rank_1(monkeypatch, "t17")
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 30.0)
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 30.0)
     return server
 
 
@@ -228,9 +228,10 @@ def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
     verdict.plate_fault = Fault("verdict", 0)
     assert timed_say_once("ranks disagree", verdict)[0] == []
     own.plate_fault = Fault("own", 1, after_agreement=True)
-    distributed._claim(distributed._job_key("claim", 0, 1))  # (join claims a rank's own failure before posting it)
+    # (join claims a rank's own failure before posting it)
+    distributed.reporting._claim(distributed.tracking.job_key("claim", 0, 1))
     out, took = timed_say_once("disk full", own)
-    assert out == [f"rank 1: disk full; {distributed._RESUME}"] and took < 10
+    assert out == [f"rank 1: disk full; {distributed.messages.RESUME}"] and took < 10
     monkeypatch.setenv("RANK", "0")
     relay.plate_fault = Fault("relay", 1)
     assert timed_say_once("rank 1 failed: x", relay)[0] == []  # rank 1 said it
@@ -242,14 +243,14 @@ def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
     monkeypatch.setenv("RANK", "0")  # rank 0's own error in its share: no rank prefix, how to resume
     mine = BundleError("disk full on node 0")
     mine.plate_fault = Fault("own", 0, after_agreement=True)
-    assert timed_say_once("disk full on node 0", mine)[0] == [f"disk full on node 0; {distributed._RESUME}"]
+    assert timed_say_once("disk full on node 0", mine)[0] == [f"disk full on node 0; {distributed.messages.RESUME}"]
 
 
 def test_an_interruption_is_said_by_rank_0_unless_a_rank_said_why(agent_store, monkeypatch):
     """Interrupted: rank 0 says it; rank 1 is quiet once rank 0 has, and says it with its rank when rank 0 said
     nothing within the wait (rank 0 gone, or busy: then rank 0 is quiet when it gets to it, session 18). After a
     rank said its own error, nobody adds an interrupted line."""
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 1.0)
     stop = KeyboardInterrupt()
     assert timed_say_once(INTERRUPTED, stop)[0] == [f"rank 1: {INTERRUPTED}"]  # rank 0 said nothing
     monkeypatch.setenv("RANK", "0")
@@ -261,7 +262,7 @@ def test_an_interruption_is_said_by_rank_0_unless_a_rank_said_why(agent_store, m
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t17b")  # another job: nothing said yet
     own = BundleError("disk full")
     own.plate_fault = Fault("own", 1, after_agreement=True)
-    assert timed_say_once("disk full", own)[0] == [f"rank 1: disk full; {distributed._RESUME}"]
+    assert timed_say_once("disk full", own)[0] == [f"rank 1: disk full; {distributed.messages.RESUME}"]
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         out, took = timed_say_once(INTERRUPTED, stop)
@@ -272,11 +273,11 @@ def test_a_rank_whose_rank_0_stopped_beating_does_not_wait_for_the_bound(agent_s
     """torchrun stops rank 1 after rank 0 was killed mid-scan: rank 0 will never say its line. Its heartbeat in the
     agent store has stopped, so rank 1 says the interrupted line with its rank after 2.5 beats, not the 30 s bound;
     a rank 0 that still beats is waited for."""
-    monkeypatch.setattr(distributed, "HEARTBEAT_SECONDS", 0.2)
-    agent_store.set(distributed._job_key("beat", 0, 0), "7")  # rank 0's last beat
+    monkeypatch.setattr(distributed.timing, "HEARTBEAT_SECONDS", 0.2)
+    agent_store.set(distributed.tracking.job_key("beat", 0, 0), "7")  # rank 0's last beat
     out, took = timed_say_once(INTERRUPTED, KeyboardInterrupt())
     assert out == [f"rank 1: {INTERRUPTED}"] and 0.5 <= took < 10
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 2.0)
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 2.0)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t17c")  # another job (rank 1 said the line of the first)
     beating = threading.Event()
 
@@ -284,7 +285,7 @@ def test_a_rank_whose_rank_0_stopped_beating_does_not_wait_for_the_bound(agent_s
         n = 7
         while not beating.wait(0.1):
             n += 1
-            agent_store.set(distributed._job_key("beat", 0, 0), str(n))
+            agent_store.set(distributed.tracking.job_key("beat", 0, 0), str(n))
 
     thread = threading.Thread(target=beat)
     thread.start()

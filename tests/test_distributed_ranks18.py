@@ -33,7 +33,7 @@ INTERRUPTED = "interrupted: finished modules are saved; rerun the same command t
 def agent_store(monkeypatch):
     """The agent store of a job (torchrun's agent holds it); the environment is rank 1's of two."""
     server = agent_store_for_rank_1(monkeypatch, "t18")
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 30.0)
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 30.0)
     return server
 
 
@@ -129,7 +129,7 @@ def test_two_scans_in_one_process_do_not_share_a_stage(agent_store, monkeypatch,
 def test_a_rank_0_that_gets_to_the_interrupted_line_late_is_quiet(agent_store, monkeypatch):
     """Rank 0 was inside one long C++ operation when the Ctrl-C came (it still beats): rank 1 waited for its line
     for the bound, then said it itself; rank 0, getting to it after that, used to add its own (2 lines)."""
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 0.5)
     said: list[str] = []
     say_once(INTERRUPTED, said.append, KeyboardInterrupt())
     say_once(INTERRUPTED, said.append, KeyboardInterrupt(), RankInfo(0, 2, 0, 2))
@@ -141,10 +141,10 @@ def test_a_second_interrupt_after_a_scan_ended_by_one_belongs_to_that_scan(agent
     the first has left the scan, without a Fault. Counted as the next scan's, whose keys are empty, it made rank 1
     wait for a line rank 0 had said in the scan that ended, then say its own (2 lines; 1 run of 5 of the scancel
     test). It belongs to the scan that ended with the first: rank 1 hears rank 0's line there at once."""
-    monkeypatch.setattr(distributed, "_RUNS", {})
-    monkeypatch.setattr(distributed, "SAID_WAIT_SECONDS", 5.0)
+    monkeypatch.setattr(distributed.tracking, "_RUNS", {})
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 5.0)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # (a group that exists: no joining)
-    monkeypatch.setattr(distributed, "_job_store", lambda: None)
+    monkeypatch.setattr(distributed.group, "_job_store", lambda: None)
     with pytest.raises(KeyboardInterrupt), distributed.join() as group:
         scan = group.track.scan
         raise KeyboardInterrupt
@@ -187,7 +187,7 @@ def test_a_model_missing_on_one_node_is_said_once_for_that_node_and_the_job_ends
     node's ranks, waiting to join, end once a rank said a line (as torchrun's SIGTERM ends them on one node)."""
     script = tmp_path / "missing.py"
     script.write_text(_MISSING_ON_ONE_NODE)
-    endpoint = f"localhost:{distributed._free_port()}"
+    endpoint = f"localhost:{distributed.devices._free_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "r18", "--", str(script), str(node),
            str(four_layers.path), "--out", str(tmp_path / "b"), "--r", "8", "--quiet"]  # fmt: skip
@@ -226,7 +226,7 @@ _BUSY_RANK_0 = textwrap.dedent(
     from pathlib import Path
     from plate_inspect import distributed, scanner
 
-    distributed.SAID_WAIT_SECONDS = 2.0
+    distributed.timing.SAID_WAIT_SECONDS = 2.0
     marks, rank = Path(sys.argv[1]), os.environ["RANK"]
     sys.argv[1:2] = []
     _compute, first = scanner._compute, [True]

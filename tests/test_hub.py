@@ -320,7 +320,7 @@ def test_download_hint_fetches_what_the_reader_opens_and_no_second_copy(tmp_path
     """The hint was `--include '*.safetensors' '*.json'`, which in a Mistral repo also fetches
     consolidated.safetensors (a second full copy of the weights: doubles the download) and original/. Oracle: the
     reader's own rule (hub_weight_files) plus the top-level JSON files; a few known missing shards are named."""
-    from plate_inspect.checkpoint import _fetch_hint, hub_weight_files
+    from plate_inspect.hub import _fetch_hint, hub_weight_files
 
     shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     files = [
