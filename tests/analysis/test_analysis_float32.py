@@ -23,8 +23,8 @@ from plate_inspect.analysis.curvature import (
     selector_basis_block,
 )
 from plate_inspect.geometry import random_orthonormal
-from tests.test_alignment import numpy_oracle
-from tests.test_curvature import _op_dense, dense_basis, dense_oracles, tiny_data, tiny_mlp
+from tests.analysis.test_alignment import numpy_oracle
+from tests.analysis.test_curvature import _op_dense, dense_basis, dense_oracles, tiny_data, tiny_mlp
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ import torch
 from click.testing import CliRunner
 from conftest import dense_oracle
 from safetensors.torch import load_file, save_file
-from test_audit_qa16 import TAU, oracle, run_json
-from test_quant import mxfp4_oracle
+from test_audit_fp8 import TAU, oracle, run_json
 
 from plate_inspect.auditing import AUDIT_KEYS, ROUNDING_KEYS, audit, rounding_reference
 from plate_inspect.cli.main import cli
 from plate_inspect.reports.audit import audit_section
 from plate_inspect.testing.synthetic import write_family
+from tests.checkpoint.test_quant import mxfp4_oracle
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude by 3-bit code; code parity = "even"
 R = 4

@@ -294,7 +294,7 @@ def test_errors_form_one_hierarchy():
 def test_no_error_class_defined_outside_errors_module():
     import re
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     pattern = re.compile(r"^class \w+(Error|Exception)\b", re.M)
     offenders = [
         str(p.relative_to(root))

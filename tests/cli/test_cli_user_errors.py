@@ -357,7 +357,7 @@ def test_scan_refuses_a_moe_layer_the_config_calls_dense_in_one_line(tmp_path):
 def _benchmark(name: str):
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

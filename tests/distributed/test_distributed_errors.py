@@ -19,7 +19,15 @@ from datetime import timedelta
 
 import pytest
 import torch
-from test_distributed_qa import EXE, JOB_VARS, ONE_THREAD, agent_store_for_rank_1, assert_same_bundle, run, torchrun
+from test_distributed_failures import (
+    EXE,
+    JOB_VARS,
+    ONE_THREAD,
+    agent_store_for_rank_1,
+    assert_same_bundle,
+    run,
+    torchrun,
+)
 
 from plate_inspect import distributed
 from plate_inspect.bundle import Bundle

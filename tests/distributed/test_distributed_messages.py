@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from test_distributed_qa import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, run, torchrun
+from test_distributed_failures import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, run, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.distributed import Fault, RankInfo, say_once

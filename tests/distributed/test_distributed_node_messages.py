@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from test_distributed_qa import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, torchrun
+from test_distributed_failures import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.distributed import RankInfo, say_once

@@ -423,7 +423,7 @@ def test_dead_unit_benchmark_pools_rows_instead_of_counting_modules_without_dead
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "arena_dead_units.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "arena_dead_units.py"
     spec = importlib.util.spec_from_file_location("arena_dead_units", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -453,7 +453,7 @@ def test_arena_benchmarks_refuse_zero_counts_up_front(script, args):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / script
     run = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
     message = f"Invalid value for '{args[0]}': 0 is not in the range x>=1"
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stdout + run.stderr

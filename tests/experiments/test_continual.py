@@ -657,7 +657,7 @@ def test_report_only_rebuilds_a_directory_that_keeps_only_results_json(tmp_path)
     import shutil
     from pathlib import Path
 
-    published = Path(__file__).resolve().parents[1] / "docs" / "arena" / "steps"
+    published = Path(__file__).resolve().parents[2] / "docs" / "arena" / "steps"
     out = tmp_path / "steps"
     out.mkdir()
     for name in ("results.json", "settings.json"):

@@ -1,4 +1,4 @@
-"""The CUDA path agrees with the CPU path (run on a GPU machine: pytest -m cuda tests/test_cuda.py)."""
+"""The CUDA path agrees with the CPU path (run on a GPU machine: pytest -m cuda tests/geometry/test_cuda.py)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from plate_inspect.reports import write_report
 from plate_inspect.reports.browser import find_chromium, open_report
 
 pytestmark = pytest.mark.browser
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: What the device tool brings back from $OUT: at most 8 files, named in letters, digits, '.', '_' and '-'.
 MAX_FILES = 8
@@ -115,8 +115,8 @@ def test_gpu_quick_passes_arguments_the_benchmarks_accept_and_collects_the_cuda_
     assert "error" not in pytest_log.lower(), pytest_log
     collected = re.search(r"(\d+)/(\d+) tests collected", pytest_log)
     assert collected and int(collected[1]) >= 50, pytest_log
-    assert "tests/test_cuda.py::test_cuda_geometry_is_exact_at_qwen_7b_sizes[gate-7b-True]" in pytest_log
-    assert "tests/test_layer.py::test_cuda_forward_merge_match_cpu" in pytest_log
+    assert "tests/geometry/test_cuda.py::test_cuda_geometry_is_exact_at_qwen_7b_sizes[gate-7b-True]" in pytest_log
+    assert "tests/train/test_layer.py::test_cuda_forward_merge_match_cpu" in pytest_log
     # the results' last lines also on stdout (the device tool's output_tail), the collection's count among them
     assert "--- pytest_cuda.log, last lines:" in result.stdout and collected[0] in result.stdout, result.stdout
     names = _assert_returnable(out)

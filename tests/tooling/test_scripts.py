@@ -8,7 +8,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: Stand-in interpreter: logs each call; `pip install -e ...` fails when FAIL_EDITABLE is set; imports succeed.
 FAKE_PYTHON = """#!/usr/bin/env bash

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from plate_inspect.analysis import curvature
 from plate_inspect.analysis.curvature import OldTaskProblem, UpdateFamily, restricted_operator, selector_basis_block
-from tests.test_curvature import TinyTransformer, _op_dense, dense_basis, dense_oracles
+from tests.analysis.test_curvature import TinyTransformer, _op_dense, dense_basis, dense_oracles
 
 
 def test_curvature_through_attention_without_torch_nn_attention(monkeypatch):

@@ -17,7 +17,7 @@ from helpers_train import save_tiny_qwen2
 
 from plate_inspect import scan
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "ddp_worker.py"
 pytestmark = pytest.mark.slow
 
 
