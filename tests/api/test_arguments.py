@@ -9,17 +9,27 @@ import math
 import re
 import shutil
 
+import helpers_train
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
+from peft import get_peft_model
+from torch import nn
 
 import plate_inspect
+from plate_inspect.analysis.alignment import collect_input_moments, select_linear_modules
+from plate_inspect.analysis.curvature import full_family, lora_family, plate_family
 from plate_inspect.bundle import ScanSettings
 from plate_inspect.checkpoint import Checkpoint, fingerprint_tensor, parse_safetensors_header
+from plate_inspect.cli.main import cli
 from plate_inspect.errors import BundleError, ConfigError
+from plate_inspect.experiments.continual import seed_list
 from plate_inspect.health import fit_marchenko_pastur, health_of_weight
 from plate_inspect.targets import check_target_patterns, parse_layers, select_targets, target_matches
 from plate_inspect.testing.synthetic import write_gpt2
+from plate_inspect.train.layer import apply_bundle, load_plan
+from plate_inspect.train.peft import PlateConfig
 from plate_inspect.verification import check_exactness
 
 
@@ -284,3 +294,122 @@ def test_plate_settings_take_numpy_floats_as_tau():
 
     validate_settings(r=4, tau=np.float32(0.9), max_rank=8)
     validate_settings(r=4, tau=np.float64(0.5), max_rank=8)
+
+
+def test_no_gpu_errors_name_the_keyword_in_python_and_the_flag_in_the_cli(tmp_path, monkeypatch):
+    """QA: `plate_inspect.scan(..., devices="all")` on a machine without a GPU raised "--devices all: ... use --device
+    cpu": CLI flags in a Python call. The message now names the keyword with its flag (the errors module's
+    "keyword (CLI: --flag)" form); the CLI still prints just the flags. (No GPU is simulated: torch reports none.)"""
+    import pytest
+    import torch
+
+    import plate_inspect
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ckpt = write_llama_like(tmp_path / "ckpt", layers=1).path
+    with pytest.raises(ConfigError) as err:
+        plate_inspect.scan(ckpt, tmp_path / "a", devices="all")
+    assert str(err.value) == (
+        'devices="all" (CLI: --devices all): no CUDA device is visible; use device="cpu" (CLI: --device cpu)'
+    )
+    with pytest.raises(ConfigError, match=r'^device="cuda" \(CLI: --device cuda\) was requested.*device="cpu"'):
+        plate_inspect.scan(ckpt, tmp_path / "b", device="cuda")
+    runner = CliRunner()
+    for flags, said in (
+        (["--devices", "all"], "error: --devices all: no CUDA device is visible; use --device cpu"),
+        (["--device", "cuda"], "error: --device cuda was requested but no CUDA device is available; use --device cpu"),
+    ):
+        result = runner.invoke(cli, ["scan", str(ckpt), "--out", str(tmp_path / "c"), "-q", *flags])
+        assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == said, result.output
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return helpers_train.digits_setup(tmp_path_factory.mktemp("types16"))
+
+
+@pytest.mark.parametrize("content", [[1, 2], 3, "plan", None])
+def test_plan_file_that_is_not_a_json_object_is_a_config_error(setup, tmp_path, content):
+    """A plan file holding a JSON list/number/string/null was an AttributeError ('list' has no attribute 'get')."""
+    _, ckpt, bundle = setup
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match="not a plate-plan"):
+        load_plan(path, bundle)
+    with pytest.raises(ConfigError, match="not a plate-plan"):
+        apply_bundle(helpers_train.load_digits(ckpt), bundle, plan=path)
+    with pytest.raises(ConfigError, match="not a plate-plan"):
+        get_peft_model(helpers_train.load_digits(ckpt), PlateConfig(bundle=str(bundle.path), plan=str(path)))
+
+
+def test_plan_whose_bundle_entry_is_not_an_object_names_the_mismatch(setup):
+    """'bundle': "x" (hand-edited) was an AttributeError ('str' has no attribute 'get')."""
+    _, _, bundle = setup
+    plan = {"format": "plate-plan", "format_version": 1, "bundle": "x", "modules": {"fc1": {"k": 1}}}
+    with pytest.raises(ConfigError, match="the plan was made for bundle 'None'"):
+        load_plan(plan, bundle)
+    plan["bundle"] = {"identity": bundle.manifest.identity}  # the same plan with a proper entry applies
+    assert load_plan(plan, bundle) == {"fc1": 1}
+
+
+def test_one_target_module_string_is_one_pattern_not_its_characters():
+    """target_modules="10" (a str is a Sequence[str]) selected layers '1' and '0', one pattern per character."""
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(11)])
+    assert set(select_linear_modules(model, "10")) == {"10"}
+    assert set(select_linear_modules(model, ["10"])) == {"10"}
+    moments = collect_input_moments(model, [torch.randn(4, 3)], target_modules="10")
+    assert set(moments) == {"10"}
+    assert moments["10"].n == 4
+
+
+def test_one_name_string_in_the_curvature_families_is_one_name():
+    """full_family / lora_family took "10" as the names '1' and '0' (a silently different family)."""
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(11)])
+    assert [b.param for b in full_family(model, "10.weight").blocks] == ["10.weight"]
+    assert full_family(model, "10.weight").dim == 9
+    assert [b.param for b in lora_family(model, "10", rank=1).blocks] == ["10.weight"]
+    assert [b.param for b in lora_family(model, ["10"], rank=1).blocks] == ["10.weight"]
+
+
+def test_one_module_string_in_plate_family_is_one_module(setup):
+    """plate_family(modules="fc2") looked for modules 'f', 'c' and '2' (CurvatureError)."""
+    _, ckpt, bundle = setup
+    family = plate_family(helpers_train.load_digits(ckpt), bundle, modules="fc2")
+    assert [b.param for b in family.blocks] == ["fc2.weight"]
+    assert family.dim == bundle.record("fc2").r * bundle.record("fc2").k
+
+
+@pytest.mark.parametrize("seeds", [True, 2.5, None])
+def test_seeds_that_are_neither_a_count_nor_a_list_are_a_config_error(seeds):
+    """seed_list(True) (a bool is an int to a type checker) was a TypeError: 'bool' object is not iterable."""
+    with pytest.raises(ConfigError, match="seeds must be a count or a list of integers"):
+        seed_list(seeds)
+
+
+def test_seed_counts_and_lists_are_unchanged():
+    assert seed_list(3) == [0, 1, 2]
+    assert seed_list([4, 2]) == [4, 2]
+    assert seed_list((7,)) == [7]
+    with pytest.raises(ConfigError, match="at least 1"):
+        seed_list(0)
+    with pytest.raises(ConfigError, match="integers in"):
+        seed_list([1, True])
+
+
+def test_scan_with_one_target_module_string_scans_that_module(tmp_path):
+    """scan(target_modules="q_proj") and ScanSettings(target_modules="q_proj") took each character as a pattern
+    ('q', '_', 'p', ...): one string is one pattern, the same bundle as the list of it."""
+    from plate_inspect.bundle import ScanSettings
+    from plate_inspect.scanner import scan
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    ckpt = write_llama_like(tmp_path / "ckpt", layers=1, hidden=32, intermediate=48, heads=4, kv_heads=2)
+    assert ScanSettings(target_modules="q_proj").target_modules == ("q_proj",)
+    one = scan(ckpt.path, tmp_path / "one", r=4, max_rank=8, anchors=8, target_modules="q_proj")
+    listed = scan(ckpt.path, tmp_path / "list", r=4, max_rank=8, anchors=8, target_modules=["q_proj"])
+    assert list(one.modules) == list(listed.modules) == ["model.layers.0.self_attn.q_proj"]
+    assert one.manifest.identity == listed.manifest.identity

@@ -317,3 +317,21 @@ def test_verify_json_is_the_report_for_scripts_with_the_same_exit_codes(trained,
     data = json.loads(result.output)
     assert data["ok"] is False and sorted(data["changed"]) == sorted(bundle.modules) and data["absent"] == []
     assert len(data["problems"]) == len(bundle)
+
+
+def test_verify_exact_says_why_a_share_above_one_is_ok(tmp_path):
+    """QA: `verify --exact` of a bundle scanned with --q-dtype bfloat16 printed "largest share of the allowance
+    used: 2.2" and then "ok", with no reason. The check allows for Q's storage rounding (a bf16 Q's energy can
+    exceed an optimum of ~0 by its rounding alone): the line now says so; a float32 bundle's line does not."""
+    ckpt = write_llama_like(tmp_path / "ckpt", layers=1).path
+    runner = CliRunner()
+    for q_dtype in ("bfloat16", "float32"):
+        out = tmp_path / q_dtype
+        assert runner.invoke(cli, ["scan", str(ckpt), "--out", str(out), "--q-dtype", q_dtype, "-q"]).exit_code == 0
+        result = runner.invoke(cli, ["verify", str(out), str(ckpt), "--exact", "--json"])
+        assert result.exit_code == 0, result.output
+        worst = max(m["used"] for m in json.loads(result.stdout)["exactness"].values())
+        text = runner.invoke(cli, ["verify", str(out), str(ckpt), "--exact"])
+        assert text.exit_code == 0 and "ok: 7 modules verified" in text.output, text.output
+        said = "(over 1, but within the rounding of Q's stored dtype" in " ".join(text.output.split())
+        assert (worst > 1, said) == ((True, True) if q_dtype == "bfloat16" else (False, False)), (worst, text.output)

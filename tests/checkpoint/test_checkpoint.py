@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header
 from plate_inspect.dtypes import DTYPES, FLOAT_DTYPES, PRECISIONS, Q_DTYPES, safetensors_name, torch_dtype
 from plate_inspect.errors import CheckpointError, CorruptCheckpointError, PlateInspectError, UnsupportedWeightError
+from plate_inspect.testing.synthetic import write_llama_like
 
 
 def raw_file(header: dict | bytes, data: bytes = b"") -> bytes:
@@ -320,3 +321,24 @@ def test_a_symlink_to_a_models_file_finds_the_models_config(gpt2_ckpt, tmp_path)
         (t.name, t.layout, t.shape) for t in select_targets(direct)[0]
     ]
     assert all(t.layout == "conv1d" for t in select_targets(linked)[0])
+
+
+def test_read_weight_of_a_module_name_names_its_weight(tmp_path):
+    """QA: the README's API reads weights by name (`read_weight('model.layers.0.self_attn.q_proj.weight')`), while
+    bundles name modules without `.weight`; `ckpt.read_weight(bundle.modules[0])` said only "has no weight named
+    ...". It now names the weight to read, and reading that one gives the stored tensor (safetensors' own loader)."""
+    from safetensors.torch import load_file
+
+    from plate_inspect.checkpoint import Checkpoint
+    from plate_inspect.errors import CheckpointError
+
+    ckpt_dir = write_llama_like(tmp_path / "m", layers=1, dtype=torch.float32).path
+    module = "model.layers.0.self_attn.q_proj"
+    ckpt = Checkpoint.open(ckpt_dir)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.read_weight(module)
+    assert f"read its weight '{module}.weight'" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    weight, _ = ckpt.read_weight(f"{module}.weight")
+    assert torch.equal(weight, load_file(str(ckpt_dir / "model.safetensors"))[f"{module}.weight"])
+    with pytest.raises(CheckpointError, match=r"no weight named 'model\.layers\.0\.nothing'; .*logical_weights"):
+        ckpt.read_weight("model.layers.0.nothing")

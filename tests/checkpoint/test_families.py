@@ -896,3 +896,24 @@ def test_qwen3_vl_moe_mixed_stack_orientations_are_refused(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(CheckpointError, match=rf"'{odd}' has \[d_out, d_in\] = .* \(stored transposed\?\)"):
         select_targets(Checkpoint.open(path))
+
+
+def test_mtp_note_names_the_cli_option_that_scans_it(tmp_path):
+    """QA: `plate-inspect scan` of a DeepSeek-V3 checkpoint printed "multi-token-prediction layer 2 skipped
+    (include_mtp to scan it)": the Python keyword, which the CLI does not take. The note now names `--include-mtp`
+    (and the keyword), and that option does scan the layer the note names."""
+    ckpt = write_family(tmp_path / "dsv3", "deepseek_v3", layers=2)
+    mtp = ckpt.config["num_hidden_layers"]  # the MTP layer's index: num_hidden_layers (one of them here)
+    assert ckpt.config["num_nextn_predict_layers"] == 1
+    runner = CliRunner()
+    skipped = runner.invoke(cli, ["scan", str(ckpt.path), "--out", str(tmp_path / "b"), "--r", "4", "-q"])
+    assert skipped.exit_code == 0, skipped.output
+    assert f"multi-token-prediction layer {mtp} skipped (scan it with --include-mtp" in skipped.output
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert all(rec["layer"] != mtp for rec in manifest["modules"].values())
+    option = "--include-mtp"
+    assert option in runner.invoke(cli, ["scan", "--help"]).output
+    with_mtp = runner.invoke(cli, ["scan", str(ckpt.path), "--out", str(tmp_path / "m"), "--r", "4", option, "-q"])
+    assert with_mtp.exit_code == 0, with_mtp.output
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert any(rec["layer"] == mtp for rec in manifest["modules"].values())

@@ -8,8 +8,9 @@ import sys
 
 import click
 import pytest
+from click.testing import CliRunner
 
-from plate_inspect.cli.main import COMMANDS, LazyGroup
+from plate_inspect.cli.main import COMMANDS, LazyGroup, cli
 
 
 def test_help_lists_every_command_without_importing_torch():
@@ -124,3 +125,22 @@ def test_scan_command_sets_its_runtime_env_before_its_libraries_load(monkeypatch
     monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "28")
     cli_main._apply_runtime_env(cli_main.SCAN_RUNTIME_ENV)
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["OPENBLAS_THREAD_TIMEOUT"] == "28"
+
+
+def test_misspelt_command_gets_a_did_you_mean():
+    """QA: `plate-inspect scna` said only "No such command 'scna'": the top-level group loads its commands lazily,
+    so click had none to suggest from. The one error line now names the closest command (taken from the CLI's own
+    command list); a word close to none gets no suggestion, and a right command still runs."""
+    from plate_inspect.cli.main import COMMANDS
+
+    runner = CliRunner()
+    for typo, meant in (("scna", "scan"), ("verfy", "verify"), ("audti", "audit")):
+        assert meant in COMMANDS
+        result = runner.invoke(cli, [typo], prog_name="plate-inspect")
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == (
+            f"error: No such command '{typo}'. Did you mean '{meant}'? (see plate-inspect --help)"
+        ), result.stderr
+    far = runner.invoke(cli, ["xyzzy"], prog_name="plate-inspect")
+    assert far.exit_code == 2 and far.stderr.strip() == "error: No such command 'xyzzy'. (see plate-inspect --help)"
+    assert runner.invoke(cli, ["scan", "--help"]).exit_code == 0

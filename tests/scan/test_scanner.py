@@ -1025,3 +1025,61 @@ def test_same_model_takes_a_checkpoint_file_and_its_directory_as_one(tmp_path):
     assert not same_model(local(tmp_path / "m" / "model.safetensors"), local(tmp_path / "other"))
     assert not same_model(local(tmp_path / "m"), local(tmp_path / "other" / "model.safetensors"))
     assert not same_model(local(tmp_path / "m"), {"kind": "hub", "id": str(tmp_path / "m")})
+
+
+def test_rescan_line_names_damaged_and_missing_part_files(tmp_path):
+    """QA: a rescan that met one damaged module and a deleted part file said "1 module damaged in the part files
+    (digest mismatch): recomputed 8, kept 6 of 14": the 7 modules of the missing file were not named. The line now
+    names both, with counts taken from the bundle's own manifest (the deleted file's modules)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    import plate_inspect
+    from plate_inspect.cli.scan import reuse_line
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    ckpt = write_llama_like(tmp_path / "ckpt", layers=2).path
+    out = tmp_path / "b"
+    fresh = plate_inspect.scan(ckpt, out, r=4)
+    records = list(fresh)
+    files = sorted({rec.file for rec in records})
+    assert len(files) >= 2, files
+    lost = [rec.name for rec in records if rec.file == files[1]]
+    (out / files[1]).unlink()
+    name = next(rec.name for rec in records if rec.file == files[0])
+    with safe_open(str(out / files[0]), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(out / files[0])
+    tensors[f"{name}.redundancy"][0] *= -1
+    save_file(tensors, out / files[0], metadata=meta)
+    stats = plate_inspect.scan(ckpt, out, r=4).stats()
+    total = len(records)
+    assert (stats["modules_damaged"], stats["modules_scanned"]) == (1, 1 + len(lost)), stats
+    assert reuse_line(stats) == (
+        f"1 module damaged in the part files (digest mismatch), {len(lost)} whose part files were missing or "
+        f"unreadable: recomputed {1 + len(lost)}, kept {total - 1 - len(lost)} of {total}"
+    )
+    ref = plate_inspect.scan(ckpt, tmp_path / "ref", r=4)  # an independent scan: the repaired modules equal it
+    repaired = plate_inspect.Bundle.load(out)
+    for module in [name, *lost]:
+        assert torch.equal(repaired.q(module), ref.q(module)), module
+
+
+def test_scan_plan_and_checkpoint_reprs_are_one_short_line(tmp_path):
+    """QA: a ScanPlan's repr (in a REPL) printed every tensor of the checkpoint. ScanPlan and Checkpoint now show
+    one line: the source, the tensor count (counted here with safetensors' own loader), the target count and the
+    settings, and no tensor name."""
+    from conftest import load_all
+
+    from plate_inspect.scanner import ScanSettings, plan_scan
+    from plate_inspect.testing.synthetic import write_llama_like
+
+    ckpt = write_llama_like(tmp_path / "ckpt", layers=4).path
+    names = list(load_all(ckpt))
+    plan = plan_scan(ckpt, ScanSettings(r=8))
+    text = repr(plan)
+    assert "\n" not in text and len(text) < 400, text
+    assert not any(name in text for name in names), text
+    assert text.startswith(f"ScanPlan(Checkpoint({str(ckpt)!r}, files=1, tensors={len(names)}, model_type='qwen2')")
+    assert f"targets={7 * 4}, ScanSettings(r=8, " in text, text

@@ -1,104 +1,18 @@
-"""Session 18's rough edges: the default scan --out of a symlinked or relative path, the warnings of the PEFT path
-against LoRA's, and reentrant checkpointing after ``apply_bundle`` (no PeftModel)."""
+"""Gradient checkpointing with PLATE layers: reentrant checkpointing after ``apply_bundle`` (no PeftModel), models
+without input_ids, and the PEFT path's warnings against LoRA's (peft's own, none of ours)."""
 
 from __future__ import annotations
 
 import copy
-import json
-import os
 import pickle
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from helpers_train import randomize_adapters, save_tiny_qwen2
 
-import plate_inspect.testing.synthetic as synthetic
 from plate_inspect import scan
-from plate_inspect.cli.main import cli
-from plate_inspect.scanner import default_out_dir
-
-# --------------------------------------------------------------------------- 1. the default --out
-
-
-@pytest.fixture
-def linked(tmp_path, monkeypatch):
-    """tmp_path holding a/real/model.safetensors (a real file), b/model.safetensors and b/mine.safetensors (links
-    to it), linkdir (a link to a/real) and an HF hub cache snapshot whose model.safetensors links to a blob; the
-    working directory is tmp_path, and $PWD says so."""
-    (tmp_path / "a" / "real").mkdir(parents=True)
-    (tmp_path / "a" / "real" / "model.safetensors").write_bytes(b"x")
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "model.safetensors").symlink_to("../a/real/model.safetensors")
-    (tmp_path / "b" / "mine.safetensors").symlink_to("../a/real/model.safetensors")
-    (tmp_path / "linkdir").symlink_to("a/real")
-    repo = tmp_path / "hub" / "models--Org--Tiny-1B"
-    (repo / "blobs").mkdir(parents=True)
-    (repo / "blobs" / "9f86d081884c7d65").write_bytes(b"x")
-    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
-    (repo / "snapshots" / "0123abcd" / "model.safetensors").symlink_to("../../blobs/9f86d081884c7d65")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PWD", str(tmp_path))
-    return tmp_path
-
-
-@pytest.mark.parametrize(
-    "given, name",
-    [
-        ("b/model.safetensors", "b"),  # was bundles/real: the link's target directory
-        ("./b/model.safetensors", "b"),
-        ("b/mine.safetensors", "mine"),  # the stem as given (was bundles/real: the target's stem is model)
-        ("linkdir", "linkdir"),  # was bundles/real
-        ("linkdir/", "linkdir"),
-        ("linkdir/model.safetensors", "linkdir"),
-        ("a/real", "real"),
-        ("a/real/model.safetensors", "real"),
-        ("b/..", None),  # the working directory's name
-        ("hub/models--Org--Tiny-1B/snapshots/0123abcd", "Tiny-1B"),
-        ("hub/models--Org--Tiny-1B/snapshots/0123abcd/model.safetensors", "Tiny-1B"),  # was the blob's hash
-        ("Org/Some-Model", "Some-Model"),  # a hub repo id
-    ],
-)
-def test_default_out_is_named_after_the_path_as_given(linked, given, name):
-    assert default_out_dir(given) == Path("bundles") / (name or linked.name)
-    assert default_out_dir(linked / given) == Path("bundles") / (name or linked.name)  # absolute: the same
-
-
-def test_default_out_of_dot_is_the_working_directory_as_the_shell_names_it(linked, monkeypatch):
-    """`cd linkdir && plate-inspect scan .`: bundles/linkdir, the name the shell shows ($PWD), not the link's
-    target; a stale $PWD (a chdir since, as in a script) falls back to the resolved directory."""
-    monkeypatch.chdir(linked / "b")
-    monkeypatch.setenv("PWD", str(linked / "b"))
-    assert default_out_dir(".") == default_out_dir("./model.safetensors") == Path("bundles") / "b"
-    monkeypatch.chdir(linked / "linkdir")
-    monkeypatch.setenv("PWD", str(linked / "linkdir"))
-    assert default_out_dir(".") == default_out_dir("./model.safetensors") == Path("bundles") / "linkdir"
-    monkeypatch.setenv("PWD", str(linked / "b"))  # names another directory: not trusted
-    assert default_out_dir(".") == Path("bundles") / "real"
-    monkeypatch.delenv("PWD")
-    assert default_out_dir(".") == Path("bundles") / "real"
-
-
-def test_cli_scan_of_a_linked_file_names_the_bundle_as_given_and_records_the_weights(tmp_path, monkeypatch):
-    """scan b/model.safetensors (a link into a/real) writes bundles/b; the manifest records the resolved file,
-    so a scan of the same weights by their own path into that bundle counts as the same model (no note)."""
-    synthetic.write_llama_like(tmp_path / "a" / "real", layers=1, seed=0)
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "model.safetensors").symlink_to("../a/real/model.safetensors")
-    monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(cli, ["scan", "b/model.safetensors", "--r", "4", "-q"])
-    assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in (tmp_path / "bundles").iterdir()) == ["b"]
-    assert "-> bundles/b" in res.output
-    source = json.loads((tmp_path / "bundles" / "b" / "manifest.json").read_text())["source"]
-    assert source["id"] == os.path.realpath(tmp_path / "a" / "real" / "model.safetensors")
-    again = CliRunner().invoke(cli, ["scan", "a/real", "--out", "bundles/b", "--r", "4", "-q"])
-    assert again.exit_code == 0 and "holds a bundle of" not in again.output, again.output
-
-
-# --------------------------------------------------------------------------- shared trainer fixtures
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +30,6 @@ def _switch_name(model) -> str:
 def _checkpoint_reentrant(model, name: str | None = None, reentrant: bool = True) -> None:
     name = name or _switch_name(model)
     getattr(model, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": reentrant}})
-
-
-# --------------------------------------------------------------------------- 2. peft's FutureWarning
 
 
 def _warnings_of(fn) -> list[str]:
@@ -161,9 +72,6 @@ def test_the_plate_peft_path_warns_exactly_as_lora_does(tiny_qwen, tmp_path):
     lora = lifecycle(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"), tmp_path / "l")
     plate = lifecycle(PlateConfig(bundle=str(bundle.path), task_type="CAUSAL_LM"), tmp_path / "p")
     assert plate == lora
-
-
-# --------------------------------------------------------------------------- 3. apply_bundle + checkpointing
 
 
 def test_apply_bundle_then_reentrant_checkpointing_gives_a_the_plain_gradients(tiny_qwen):
