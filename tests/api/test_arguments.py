@@ -1,5 +1,8 @@
-"""Session 18 review: the public API of the core library checks its arguments at the boundary (a ConfigError naming
-the argument, not a TypeError/AttributeError from deep inside), and audit takes its settings as scan does."""
+"""The public Python API checks its arguments at the boundary (plate_inspect.arguments): a ConfigError naming the
+argument, not a TypeError/AttributeError from deep inside; audit takes its settings as scan does; inputs the type
+annotations allow are read as meant (one string is one name or pattern, not its characters; a plan file or seed list
+of the wrong kind is a ConfigError); a missing GPU is named by the keyword in Python and by the flag in the CLI.
+(train.layer's own argument checks: tests/train/test_layer_arguments.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""QA of ``plate-inspect audit`` as a user reads it: modules a fine-tune left unchanged have no share (they are not
+"""audit as a user reads it: modules a fine-tune left unchanged have no share (they are not
 shown as 0, PLATE's form), and a layer's experts share one heatmap cell by their energy-weighted share."""
 
 from __future__ import annotations

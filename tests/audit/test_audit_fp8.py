@@ -1,4 +1,4 @@
-"""audit, session 16: the storage-rounding note in --json, and FP8-stored TUNED checkpoints.
+"""audit: the storage-rounding note in --json, and FP8-stored TUNED checkpoints.
 
 Oracles: TUNED written by this file's own dense FP8 quantizer (block amax / 448, torch's e4m3 cast; also the
 reciprocal-multiply convention), and every score recomputed densely in float64 numpy with P formed explicitly.

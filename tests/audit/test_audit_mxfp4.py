@@ -1,9 +1,9 @@
-"""audit, session 16: an MXFP4-stored TUNED (gpt-oss's release format) is BASE rounded to TUNED's own MXFP4 grid.
+"""audit: an MXFP4-stored TUNED (gpt-oss's release format) is BASE rounded to TUNED's own MXFP4 grid.
 
 Oracles: TUNED written by this file's own dense MXFP4 quantizer (per 32-element block of a row: an E8M0 power-of-two
 scale, each element the nearest E2M1 value found by brute force over the 8 magnitudes, ties to the even code,
 saturating at 6), decoded by test_quant's independent MXFP4 decoder, and every score recomputed densely in float64
-numpy with P formed explicitly (test_audit_qa16's oracle).
+numpy with P formed explicitly (test_audit_fp8's oracle).
 """
 
 from __future__ import annotations

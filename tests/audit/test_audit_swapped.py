@@ -1,5 +1,6 @@
 """audit BASE TUNED given the other way round: a bf16 BASE that is exactly the fp32 TUNED rounded to bf16 is a
-lower-precision copy of TUNED, not the model TUNED was fine-tuned from; the audit says so (CLI, JSON, report)."""
+lower-precision copy of TUNED, not the model TUNED was fine-tuned from; the audit says so (CLI, JSON, report).
+The right way round, a bf16 save of an fp32 fine-tune scores its update, not the rounding."""
 
 from __future__ import annotations
 

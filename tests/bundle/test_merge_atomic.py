@@ -1,4 +1,4 @@
-"""``merge --overwrite`` into an existing checkpoint directory is crash-safe (session 16).
+"""``merge --overwrite`` into an existing checkpoint directory is crash-safe.
 
 Before, the merged files were moved into OUT one by one: a crash in between left a mix of old and new shards. Now
 OUT is replaced as a whole (its other files hard-linked into the new directory, one atomic exchange, or two renames

@@ -1,6 +1,6 @@
-"""Session 15's QA tour of ``merge``, ``verify`` and ``info`` as a user runs them after training: regressions for
-what it found (merge --overwrite left a stale index or deleted an adapter kept in --out, remote-code files were not
-copied; verify did not say what its fingerprint failures mean together)."""
+"""``merge``, ``verify`` and ``info`` as a user runs them after training: merge --overwrite keeps no stale index and
+no adapter kept in --out is deleted, remote-code files are copied; verify says what its fingerprint failures mean
+together, and why a share of the exactness allowance above one is ok for a bf16 Q."""
 
 from __future__ import annotations
 

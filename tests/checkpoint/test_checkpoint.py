@@ -1,4 +1,5 @@
-"""Header validation as strict as safetensors' own: safetensors (the Rust reader) is the oracle for valid/invalid."""
+"""Header validation as strict as safetensors' own: safetensors (the Rust reader) is the oracle for valid/invalid;
+the error classes, and read_weight's messages."""
 
 from __future__ import annotations
 

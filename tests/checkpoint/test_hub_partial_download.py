@@ -1,4 +1,4 @@
-"""A hub repo is downloaded only as far as the scan reads it (session 16).
+"""A hub repo is downloaded only as far as the scan reads it.
 
 Mistral repos ship ``consolidated.safetensors`` (the whole model, in Mistral's own tensor names) beside
 ``model-0000x-of-0000y.safetensors`` + index; the download's ``*.safetensors`` pattern fetched both, twice the size

@@ -1,5 +1,6 @@
 """Whole layer stacks in ``--layers`` (``decoder``, ``encoder,decoder:0-2``), report rows of a one-stack bundle, and
-the format version of bundles whose selection names stacks (session 16).
+the format version of bundles whose selection names stacks; ``layers=`` as a string in the Python API, and how
+info, layers_there and audit errors name a one-stack selection.
 
 Oracles: the nn.Linear modules transformers builds under each stack of tiny T5 and BART models it saved itself
 (named by transformers, not by plate-inspect), the rows a report of the whole model gives the same modules, and the

@@ -1,4 +1,4 @@
-"""Session-18 QA: bad input to every command, systematically (missing, wrong kind, empty, corrupt, unreadable
+"""Bad input to every command, systematically (missing, wrong kind, empty, corrupt, unreadable
 paths; unwritable outputs; out-of-range numbers). Each case: exit 2, exactly one `error:` line naming the file and
 what to do, no traceback, nothing written where the command refused.
 

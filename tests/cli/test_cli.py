@@ -1,4 +1,5 @@
-"""The command group: lazy loading (``--help`` never imports torch) and a registry that matches the modules."""
+"""The command group: lazy loading (``--help`` never imports torch), a registry that matches the modules, and a
+did-you-mean for a misspelt command."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""User mistakes found by QA: one `error:` line and exit 2 (no traceback), nothing written; modes, counts, notes."""
+"""User mistakes: one `error:` line and exit 2 (no traceback), nothing written; modes, counts, notes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Distributed scans, session 16: one error line per problem under torchrun, and ranks whose store host vanished.
+"""Distributed scans: one error line per problem under torchrun, and ranks whose store host vanished.
 
 End-to-end cases run real torchrun jobs (or two ranks started by hand, rank 0 holding the store) on CPU (gloo) over
 a small checkpoint, each in a session of its own that a timeout kills whole; unit cases use a real TCPStore.

@@ -1,4 +1,4 @@
-"""Distributed scans, session 17: what a torchrun job prints, once per job and at once.
+"""Distributed scans: what a torchrun job prints, once per job and at once.
 
 A Ctrl-C or a scheduler's SIGTERM reaches every rank; an error may happen on one rank only. End-to-end cases run
 real torchrun jobs (CPU, gloo) over a small checkpoint, each in a session of its own that a timeout kills whole;

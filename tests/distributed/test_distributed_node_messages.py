@@ -1,4 +1,4 @@
-"""Distributed scans, session 18: a problem of some ranks is said once per node, naming them; a scan's stage is its own.
+"""Distributed scans: a problem of some ranks is said once per node, naming them; a scan's stage is its own.
 
 Unit cases run the ranks of a job as threads of this process, each with its own :class:`RankInfo`, over a real
 TCPStore standing for torchrun's agent store. End-to-end cases run real torchrun jobs (CPU, gloo): two agents with

@@ -1,4 +1,4 @@
-"""Distributed scans, session 17: rank 0's bar counts the whole job, not rank 0's share.
+"""Distributed scans: rank 0's bar counts the whole job, not rank 0's share.
 
 Every rank posts its finished modules (and bytes) to the job's store; rank 0's progress events carry the job's
 tally (``ProgressEvent.job``) and its bar shows it. End-to-end cases run real torchrun jobs (CPU, gloo) over a

@@ -1,4 +1,5 @@
-"""Spectral health against weightwatcher itself (on the real MiniLM) and against hand-checkable spectra."""
+"""Spectral health against weightwatcher itself (on the real MiniLM) and against hand-checkable spectra (tied top
+eigenvalues, flat and rank-one spectra)."""
 
 from __future__ import annotations
 

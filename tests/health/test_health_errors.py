@@ -1,4 +1,4 @@
-"""QA of ``plate-inspect health`` as a user meets it: a manifest's health that a scan did not write is one error
+"""``plate-inspect health`` as a user meets it: a manifest's health that a scan did not write is one error
 line, and modules without a health record are counted, not silently dropped."""
 
 from __future__ import annotations

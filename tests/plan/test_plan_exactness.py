@@ -1,5 +1,6 @@
-"""plan, session 16: the allocation is exact with unequal r (brute force over every per-module k), the greedy
-only as a fallback that says so with a valid lower bound; the optimality statement in text and JSON."""
+"""plan: the allocation is exact with unequal r (brute force over every per-module k; an exhaustive dynamic
+program over the spend; a module with r = 0), the greedy only as a fallback that says so with a valid lower bound;
+the optimality statement in text and JSON."""
 
 from __future__ import annotations
 

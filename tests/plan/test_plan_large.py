@@ -1,4 +1,4 @@
-"""plan, session 18: the mean objective is exact when the dynamic program is too large (three or more different r
+"""plan: the mean objective is exact when the dynamic program is too large (three or more different r
 on a large bundle), by a search certified with a Lagrangian lower bound; the greedy only when its guards trip."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ QWEN7B_SHAPES = {  # module type -> (d_out, d_in, r): Qwen2.5-7B's shapes at thr
 
 
 def qwen7b_case(seed: int = 0):
-    """196 modules (28 layers x 7 Qwen2.5-7B types), r 64/57/28, spectra as tests/test_reports.write_fake_bundle
+    """196 modules (28 layers x 7 Qwen2.5-7B types), r 64/57/28, spectra as tests/reports/test_reports.write_fake_bundle
     draws them (min(d_out - r, d_in) decaying eigenvalues, the rest zeros), k = k(tau=0.9) <= 512."""
     gen = torch.Generator().manual_seed(seed)
     curves, ranks, k_max = [], [], []

@@ -1,4 +1,4 @@
-"""QA of ``plate-inspect report`` and ``audit`` as a user meets them: damaged bundles are one error line, not drawn
+"""``plate-inspect report`` and ``audit`` as a user meets them: damaged bundles are one error line, not drawn
 or used (or a traceback)."""
 
 from __future__ import annotations

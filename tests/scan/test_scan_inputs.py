@@ -1,5 +1,6 @@
-"""A user's tour of `plate-inspect scan` inputs: Hugging Face cache layouts, non-plain checkpoints, wrong things
-given as the model, output directories in the way, SIGTERM. Each test pins a case that broke or misled before.
+"""`plate-inspect scan` inputs as a user gives them: Hugging Face cache layouts, non-plain checkpoints, wrong things
+given as the model, output directories in the way (and the default --out of a symlinked or relative path),
+SIGTERM. Each test pins a case that broke or misled before.
 
 Hub cases run the real CLI in a fresh interpreter (huggingface_hub reads HF_HOME / HF_ENDPOINT when imported)
 against a cache laid out as huggingface_hub lays it out: ``models--org--name/{blobs,refs/main,snapshots/<commit>}``

@@ -1,4 +1,5 @@
-"""The streaming scanner end to end, against dense oracles computed from safetensors' own loader."""
+"""The streaming scanner end to end, against dense oracles computed from safetensors' own loader; rescans of
+damaged or missing part files, and the one-line reprs of a scan plan and a checkpoint."""
 
 from __future__ import annotations
 

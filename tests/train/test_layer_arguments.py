@@ -1,4 +1,4 @@
-"""Session 18 API QA of the trainer side: the public functions of ``plate_inspect.train.layer`` check their
+"""The trainer side's argument checks: the public functions of ``plate_inspect.train.layer`` check their
 arguments at the boundary (a ConfigError naming the argument, as scikit-learn does), not an AttributeError,
 TypeError or RuntimeError from deep inside torch or safetensors."""
 

@@ -1,6 +1,6 @@
-"""The `plate` PEFT method used the way people use PEFT adapters (session 15's QA tour of the trainer side).
+"""The `plate` PEFT method used the way people use PEFT adapters.
 
-Each test covers a problem the tour found: add_weighted_adapter (missing: a misleading AttributeError), LoRA options
+Each test covers a problem users met: add_weighted_adapter (missing: a misleading AttributeError), LoRA options
 given to PlateConfig (a bare TypeError), a PlateConfig reused for another model or bundle (get_peft_model filled
 the caller's object, so the reuse was refused as "trained with another bundle"), and an adapter directory moved
 together with its bundle (refused: only the absolute bundle path was recorded). Oracles: a float64 copy of the base
