@@ -4,7 +4,7 @@
 # depends on one changes; not part of CI (measured from scratch on the loaded 2-core machine, session 16: ~3 min of
 # installs, 5 min of tests: 586 passed).
 #   bash scripts/check_floors.sh                    # build (if missing) and run the runtime tests
-#   bash scripts/check_floors.sh tests/test_hub.py  # pytest arguments replace the default test list
+#   bash scripts/check_floors.sh tests/checkpoint/test_hub.py  # pytest arguments replace the default test list
 #   TORCH=2.5.1 bash scripts/check_floors.sh        # the same with another torch, in build/venv-torch2.5.1/
 # By default torch is the CPU build 2.13.0 (a local wheel; venv build/venv-floor/, VENV= to choose). Any other torch
 # comes from PyPI as the CUDA build plus its nvidia-* packages (~2.5 GB download, ~6 GB on disk; it runs on CPU):
@@ -43,17 +43,17 @@ fi
 "$VENV/bin/python" -m pip list 2>/dev/null | grep -iE '^(torch|safetensors|numpy|scipy|scikit-learn|rich|click|plotly|huggingface.hub|threadpoolctl) '
 if [ "$#" -eq 0 ]; then
   # the runtime tests: everything but the trainer, CUDA, browser and device-check files
-  set -- $(ls tests/test_*.py | grep -vE 'test_(peft|trl|layer|train_ux_qa|meta_init|ddp|report_browser|cuda|device_checks|train_speed_orders|sequential|continual|arena|plan_training|curvature|alignment|layers_stacks|weightcheck|variants|quant)\.py') \
-    --deselect tests/test_checkpoint.py::test_every_dtype_written_by_safetensors_parses \
-    --deselect tests/test_checkpoint.py::test_sub_byte_and_rare_dtypes_sized_in_bits \
-    --deselect tests/test_cli_user_errors.py::test_click_usage_errors_are_one_error_line_naming_the_commands_help \
-    --deselect tests/test_cli_user_errors.py::test_help_and_bare_groups_still_print_clicks_help \
-    --deselect tests/test_cli_user_errors.py::test_plan_help_lists_every_budget_form_and_each_works \
-    --deselect tests/test_cli_user_errors.py::test_continual_methods_help_points_at_the_list_that_is_there \
-    --deselect tests/test_plan.py::test_cli_plan_json_writes_no_file_unless_asked \
-    --deselect tests/test_hub.py::test_offline_messages_say_what_is_missing_and_what_to_download \
-    --deselect tests/test_families.py::test_targets_match_what_transformers_builds_and_saves \
-    --deselect tests/test_families.py::test_qwen3_vl_moe_stacks_in_either_orientation_against_transformers \
-    --deselect "tests/test_families.py::test_encoder_shapes_checked_against_the_config[modernbert"
+  set -- $(ls tests/*/test_*.py | grep -vE '/test_(peft|trl|layer|peft_usage|meta_init|ddp|report_browser|cuda|device_checks|train_speed_orders|sequential|continual|arena|plan_training|curvature|alignment|layers_stacks|weightcheck|variants|quant)\.py') \
+    --deselect tests/checkpoint/test_checkpoint.py::test_every_dtype_written_by_safetensors_parses \
+    --deselect tests/checkpoint/test_checkpoint.py::test_sub_byte_and_rare_dtypes_sized_in_bits \
+    --deselect tests/cli/test_cli_user_errors.py::test_click_usage_errors_are_one_error_line_naming_the_commands_help \
+    --deselect tests/cli/test_cli_user_errors.py::test_help_and_bare_groups_still_print_clicks_help \
+    --deselect tests/cli/test_cli_user_errors.py::test_plan_help_lists_every_budget_form_and_each_works \
+    --deselect tests/cli/test_cli_user_errors.py::test_continual_methods_help_points_at_the_list_that_is_there \
+    --deselect tests/plan/test_plan.py::test_cli_plan_json_writes_no_file_unless_asked \
+    --deselect tests/checkpoint/test_hub.py::test_offline_messages_say_what_is_missing_and_what_to_download \
+    --deselect tests/checkpoint/test_families.py::test_targets_match_what_transformers_builds_and_saves \
+    --deselect tests/checkpoint/test_families.py::test_qwen3_vl_moe_stacks_in_either_orientation_against_transformers \
+    --deselect "tests/checkpoint/test_families.py::test_encoder_shapes_checked_against_the_config[modernbert"
 fi
 exec nice "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -5,7 +5,7 @@
 # not part of CI (measured from scratch on the loaded 2-core machine: see README "Supported versions").
 #   bash scripts/check_train_floors.sh                        # build (if missing) and run the trainer tests
 #   TRANSFORMERS=4.57.6 VENV=build/venv-train-457 bash scripts/check_train_floors.sh   # another transformers
-#   bash scripts/check_train_floors.sh tests/test_peft.py -k moe   # pytest arguments replace the default list
+#   bash scripts/check_train_floors.sh tests/train/test_peft.py -k moe   # pytest arguments replace the default list
 # torch stays at the CPU build 2.13.0 (other builds are multi-GB CUDA downloads); the runtime dependencies are the
 # newest that the trainer stack allows (transformers 4.x needs huggingface_hub < 1.0): their floors are
 # scripts/check_floors.sh's business.
@@ -29,7 +29,7 @@ if [ "$#" -eq 0 ]; then
   # the trainer tests: the files scripts/check_floors.sh leaves out, but the CUDA, device-check and browser ones;
   # -m replaces pyproject's "not slow and not cuda", so the slow TRL and DDP/FSDP2 tests run too (not the inductor
   # compile test: minutes of C++ compiling that depend on torch, not on the train extra)
-  set -- $(ls tests/test_*.py | grep -E 'test_(peft|trl|layer|train_ux_qa|meta_init|ddp|train_speed_orders|sequential|continual|arena|plan_training|curvature|alignment|layers_stacks|weightcheck|variants|quant)\.py') \
-    -m "not cuda" --deselect tests/test_train_speed_orders.py::test_torch_compile_inductor_matches_eager
+  set -- $(ls tests/*/test_*.py | grep -E '/test_(peft|trl|layer|peft_usage|meta_init|ddp|train_speed_orders|sequential|continual|arena|plan_training|curvature|alignment|layers_stacks|weightcheck|variants|quant)\.py') \
+    -m "not cuda" --deselect tests/train/test_train_speed_orders.py::test_torch_compile_inductor_matches_eager
 fi
 exec nice "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

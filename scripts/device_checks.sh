@@ -17,7 +17,7 @@
 #
 # Dry run on a machine without a GPU: DEVICE=cpu SMALL=1 bash scripts/device_checks.sh quick runs every step on the
 # CPU with tiny sizes (the CUDA tests collect and skip; the benchmarks run their whole code path on a tiny model and
-# the 'tiny' shape), in about a minute; tests/test_device_checks.py runs it. DEVICE (default cuda) is the benchmarks'
+# the 'tiny' shape), in about a minute; tests/tooling/test_device_checks.py runs it. DEVICE (default cuda) is the benchmarks'
 # --device; SMALL=1 shrinks sizes; without them the GPU run is unchanged.
 #
 # The device image already holds torch (CUDA), safetensors, peft, transformers, scipy, scikit-learn, rich and
@@ -57,7 +57,7 @@ run_step() {  # one step's commands; the caller has installed the project and ch
             # packages the device image lacks, `from tests.x import` needing the repository root on sys.path), and
             # one collection error stops pytest before any test runs
             local files
-            mapfile -t files < <(grep -l "pytest.mark.cuda" "$repo"/tests/test_*.py)
+            mapfile -t files < <(grep -l "pytest.mark.cuda" "$repo"/tests/*/test_*.py)
             "$py" -m pytest -m cuda -q -rs -p no:cacheprovider --durations=10 --rootdir "$repo" "${files[@]}" 2>&1 \
                 | tee -i "$log" ;;
         train)

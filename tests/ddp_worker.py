@@ -1,4 +1,4 @@
-"""Worker for tests/test_ddp.py: trains a PLATE adapter on a tiny Qwen2 under torchrun (gloo, CPU) or alone.
+"""Worker for tests/train/test_ddp.py: trains a PLATE adapter on a tiny Qwen2 under torchrun (gloo, CPU) or alone.
 
 python -m torch.distributed.run --nproc-per-node 2 tests/ddp_worker.py MODE MODEL BUNDLE OUT
 MODE: trainer | accelerate | fsdp2 | accelerate_fsdp2 | fsdp2_meta | single. Every rank writes OUT/rank<R>.pt: A's,
