@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Repository directory -> the import package it installs as.
 INSTALLED_AS = {"plate_inspect": "plate_inspect", "cli": "plate_inspect/cli", "reports": "plate_inspect/reports"}
 
