@@ -200,10 +200,13 @@ def check_steps(value: int, what: str) -> None:
         )
 
 
-def seed_list(seeds: int | list[int]) -> list[int]:
+def seed_list(seeds: int | Iterable[int]) -> list[int]:
     """``seeds`` as a list (a count K -> 0..K-1): distinct integers in [0, 2^63), at most MAX_SEEDS, else ConfigError
     (a seed listed twice would be summarised as two seeds; a count of 10^11 would exhaust memory planning it)."""
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
+    neither = "seeds must be a count or a list of integers, got {!r}"
+    if isinstance(seeds, bool):  # an int to Python, but not a count anyone means
+        raise ConfigError(neither.format(seeds))
+    if isinstance(seeds, int):
         if seeds > MAX_SEEDS:
             raise ConfigError(
                 f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
@@ -212,8 +215,8 @@ def seed_list(seeds: int | list[int]) -> list[int]:
     else:
         try:
             values = list(seeds)
-        except TypeError:  # True, 2.5, None: neither a count nor a list
-            raise ConfigError(f"seeds must be a count or a list of integers, got {seeds!r}") from None
+        except TypeError:  # 2.5, None: neither a count nor a list
+            raise ConfigError(neither.format(seeds)) from None
     if not values:
         raise ConfigError(f"seeds must be at least 1 (got {seeds!r})")
     if len(values) > MAX_SEEDS:
