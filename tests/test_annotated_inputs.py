@@ -8,6 +8,7 @@ import helpers_train
 import pytest
 
 from plate_inspect.errors import ConfigError
+from plate_inspect.experiments.continual import ContinualSettings
 from plate_inspect.plan import Allocation
 from plate_inspect.train.core import check_rho
 from plate_inspect.train.layer import apply_bundle
@@ -45,3 +46,10 @@ def test_greedy_allocation_without_a_lower_bound_has_no_gap():
     }
     with_bound = Allocation([1, 2], "greedy", 0.25, "too many states", lower_bound=0.125).to_json()
     assert with_bound["gap"] == 0.125  # 0.25 - 0.125, exact in binary
+
+
+def test_continual_lr_beyond_float_range_is_a_config_error():
+    """ContinualSettings.validate: lr=10**400 was an OverflowError traceback, like rho."""
+    with pytest.raises(ConfigError, match="lr must be a positive finite number"):
+        ContinualSettings(lr=10**400).validate()
+    ContinualSettings(lr=Fraction(1, 1000)).validate()  # an ordinary Real still passes

@@ -105,8 +105,13 @@ class ContinualSettings:
         """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
         be counted as a second seed: a fake confidence interval)."""
         check_data_root(self.data, self.data_root)
-        lr = self.lr
-        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (math.isfinite(lr) and lr > 0):
+        lr = math.nan
+        if isinstance(self.lr, numbers.Real) and not isinstance(self.lr, bool):
+            try:
+                lr = float(self.lr)
+            except OverflowError:  # an int or Fraction beyond float's range (10**400): not finite either
+                lr = math.inf
+        if not (math.isfinite(lr) and lr > 0):
             raise ConfigError(f"lr must be a positive finite number (Adam's step size, e.g. 1e-3), got {self.lr!r:.80}")
         for what, value in (("batch_size", self.batch_size), ("max_rank", self.max_rank)):
             if not (is_integer(value) and value >= 1):
