@@ -5,13 +5,22 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
 
 from plate_inspect.cli.common import console, err_console, progress_bar, split_names
 from plate_inspect.errors import ConfigError, cli_text, json_file_holds, refuse_to_replace
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from plate_inspect.analysis.alignment import AlignmentRecord
+    from plate_inspect.analysis.curvature import CurvatureRecord, UpdateFamily
+    from plate_inspect.bundle import Bundle
 
 
 def _int_list(value: str, what: str) -> list[int]:
@@ -36,7 +45,7 @@ def _float_list(value: str, what: str) -> list[float]:
     return out
 
 
-def _records_of(key: str):
+def _records_of(key: str) -> Callable[[Any], bool]:
     """Whether a JSON value is a list of this command's records (each an object with ``key``): an earlier
     --json-out, which a rerun may replace."""
     return lambda value: isinstance(value, list) and all(isinstance(r, dict) and key in r for r in value)
@@ -111,7 +120,7 @@ def _check_seed(seed: int) -> None:
         raise ConfigError(f"--seed {seed:,} is more than 2^63 - 1 (torch's largest seed); give a seed such as 0")
 
 
-def _family(name: str, model, bundle, lora_rank: int, seed: int):
+def _family(name: str, model: nn.Module, bundle: Bundle, lora_rank: int, seed: int) -> UpdateFamily:
     """The update family ``name`` (full_backbone, lora or a PLATE variant) on the digits MLP's backbone."""
     from plate_inspect.analysis.curvature import full_family, lora_family, plate_family
 
@@ -150,8 +159,19 @@ def _family(name: str, model, bundle, lora_rank: int, seed: int):
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help=JSON_OUT_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def align_command(
-    model, text_file, ks, max_tokens, seq_len, target_modules, random_draws, seed, per_layer, as_json, json_out, quiet
-):
+    model: str | None,
+    text_file: Path | None,
+    ks: str,
+    max_tokens: int | None,
+    seq_len: int,
+    target_modules: str | None,
+    random_draws: int,
+    seed: int,
+    per_layer: bool,
+    as_json: bool,
+    json_out: Path | None,
+    quiet: bool,
+) -> None:
     """Weight geometry vs. activation geometry of every target linear layer of MODEL.
 
     MODEL is a local Hugging Face model directory with a tokenizer (needs transformers); without MODEL the
@@ -211,7 +231,7 @@ def align_command(
     print_alignment_table(records, per_layer=per_layer)
 
 
-def print_alignment_table(records, per_layer: bool = False) -> None:
+def print_alignment_table(records: list[AlignmentRecord], per_layer: bool = False) -> None:
     """Rows per module type (mean over layers) or per layer, one column group per k."""
     from collections import defaultdict
 
@@ -271,7 +291,21 @@ def print_alignment_table(records, per_layer: bool = False) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help=JSON_OUT_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def curvature_command(out, epochs, r, tau, max_rank, lora_rank, probes, rhos, families, seed, as_json, json_out, quiet):
+def curvature_command(
+    out: Path | None,
+    epochs: int,
+    r: int,
+    tau: float,
+    max_rank: int,
+    lora_rank: int,
+    probes: int,
+    rhos: str,
+    families: str,
+    seed: int,
+    as_json: bool,
+    json_out: Path | None,
+    quiet: bool,
+) -> None:
     """Restricted curvature, drift radius and Gauss-Newton share per update family on the digits MLP.
 
     Trains the digits MLP on task 1 (digits 0-4 = P0), saves it as safetensors, scans fc1/fc2/fc3 into a
@@ -361,7 +395,7 @@ def _check_digits_ranks(r: int, lora_rank: int) -> None:
         raise ConfigError(f"--lora-rank must be at most {min_side} (min(d_out, d_in) of fc1), got {lora_rank}")
 
 
-def print_curvature_table(records) -> None:
+def print_curvature_table(records: list[CurvatureRecord]) -> None:
     """One row per family: dim, lambda, lambda_GN, eps, the bound, GN medians and F at the largest rho."""
     table = Table(title="restricted curvature and drift on P0 (task 1)")
     rho_max = records[0].forgetting_curve[-1][0] if records and records[0].forgetting_curve else None

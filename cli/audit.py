@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 from rich import box
@@ -37,7 +38,19 @@ from plate_inspect.targets import check_target_patterns, parse_layers
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write a self-contained HTML audit.")
 @click.option("--top", type=click.IntRange(min=0), default=30, show_default=True, help="Rows of the table (0: all).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def audit_command(base, tuned, bundle, target_modules, layers, offline, as_json, report, top, quiet, **settings):
+def audit_command(
+    base: str,
+    tuned: str,
+    bundle: Path | None,
+    target_modules: str | None,
+    layers: str | None,
+    offline: bool,
+    as_json: bool,
+    report: Path | None,
+    top: int,
+    quiet: bool,
+    **settings: Any,
+) -> None:
     """Audit TUNED against BASE from the weights alone: for every module with update dW,
 
     \b

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from plate_inspect.cli.common import console, err_console, progress_bar
+
+if TYPE_CHECKING:
+    from plate_inspect.experiments.continual import ContinualSettings, RunRecord
 
 
 @click.group("experiment")
@@ -81,7 +85,18 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 @click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
 )
-def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, data_root, report_only, quiet):
+def continual_command(
+    out: Path,
+    data: str,
+    methods: str | None,
+    seeds: int,
+    steps: str,
+    stage1_steps: int,
+    quick: bool,
+    data_root: Path | None,
+    report_only: bool,
+    quiet: bool,
+) -> None:
     """Two-task continual learning: classes 0-4, then 5-9, every method at matched budgets.
 
     Stage 1 trains the d_in-256-256-256 MLP and head 1 on task 1 for --stage1-steps Adam steps (lr 1e-3, batch
@@ -123,11 +138,13 @@ def continual_command(out, data, methods, seeds, steps, stage1_steps, quick, dat
         result = write_outputs(out, records, settings, console=console)
         err_console.print(f"results: {result.results_json}\nfigure:  {result.html}")
         return
-    common = {"data": data, "methods": names, "data_root": str(data_root) if data_root else None}
-    settings = ContinualSettings(steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, **common)
+    root = str(data_root) if data_root else None
+    settings = ContinualSettings(
+        steps=_int_list(steps, "--steps"), stage1_steps=stage1_steps, data=data, methods=names, data_root=root
+    )
     if quick:  # its small defaults, where the command line did not set the option itself
         given = {name for name in ("seeds", "steps", "stage1_steps") if _given(name)}
-        quick_settings = ContinualSettings.quick(**common)
+        quick_settings = ContinualSettings.quick(data=data, methods=names, data_root=root)
         settings = replace(
             quick_settings,
             steps=settings.steps if "steps" in given else quick_settings.steps,
@@ -154,7 +171,9 @@ def _note_unreported(out: Path, others: int, command: str, options: str) -> None
         )
 
 
-def _report_records(out: Path, methods, steps: str, seeds: int, stage1_steps: int, data: str):
+def _report_records(
+    out: Path, methods: tuple[str, ...] | None, steps: str, seeds: int, stage1_steps: int, data: str
+) -> tuple[list[RunRecord], ContinualSettings]:
     """--report-only: the finished runs of OUT, restricted by --methods/--steps/--seeds where given; --data and
     --stage1-steps must be OUT's own; --quick and --data-root (they only shape training) are refused, not ignored."""
     from plate_inspect.errors import ConfigError
@@ -234,7 +253,17 @@ def _check_own_settings(out: Path, values: dict[str, tuple]) -> None:
 @click.option(
     "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
 )
-def sequential_command(out, data, methods, seeds, steps, data_root, quick, report_only, quiet):
+def sequential_command(
+    out: Path,
+    data: str,
+    methods: str,
+    seeds: int,
+    steps: int,
+    data_root: Path | None,
+    quick: bool,
+    report_only: bool,
+    quiet: bool,
+) -> None:
     """The paper's four-task sequential protocol: 2v3 -> 4v5 -> 6v7 -> 8v9, merge (+ rescan) after each task.
 
     Task 1 trains the backbone and head 1 from scratch; tasks 2-4 train only the method's adapter and the task's

@@ -18,7 +18,7 @@ from plate_inspect.targets import expert_of
 COLUMNS = ("alpha", "alpha_weighted", "spectral_norm", "stable_rank", "entropy", "mp_softrank", "num_spikes")
 
 
-def _fmt(value) -> str:
+def _fmt(value: float | None) -> str:
     if value is None:
         return "-"
     return str(value) if isinstance(value, int) else f"{value:.4g}"
@@ -37,7 +37,8 @@ def checked_health(b: Bundle, name: str, health: object) -> dict:
             f"{b.path / 'manifest.json'}: module '{name}': health field '{bad[0]}' is {bad[1]!r}, not a number (the "
             "manifest was edited or is corrupt); rescan the model into it with --overwrite to rewrite it"
         )
-    return health  # type: ignore[return-value]
+    assert isinstance(health, dict)  # else bad was set above
+    return health
 
 
 def table_rows(records: dict[str, dict], experts: bool) -> list[tuple[str, list[str]]]:
@@ -68,7 +69,7 @@ def table_rows(records: dict[str, dict], experts: bool) -> list[tuple[str, list[
 @click.option(
     "--experts", is_flag=True, help="One row per expert (default: one per layer's expert group, its experts' means)."
 )
-def health_command(bundle, as_json, experts):
+def health_command(bundle: Path, as_json: bool, experts: bool) -> None:
     """Show the spectral health of every module of BUNDLE: power-law alpha (and xmin), alpha-weighted,
     spectral norm, stable rank, entropy, Marchenko-Pastur soft rank and spikes, from the spectrum of the frozen
     rows W_frozen (the one the scan computes; W's own needs another eigvalsh).

@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 from rich.markup import escape
@@ -136,7 +136,9 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         return self._load(name)
 
-    def resolve_command(self, ctx: click.Context, args: list[str]):
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
         """click's, with a did-you-mean for a misspelt command (click suggests only among loaded commands, and
         this group loads none before one runs)."""
         name = args[0] if args else ""
@@ -161,7 +163,9 @@ class LazyGroup(click.Group):
             raise
         return getattr(mod, attr, None)
 
-    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
         if parent is None:
             _refuse_empty_arguments(info_name or "plate-inspect", list(args))
         try:
@@ -181,7 +185,7 @@ class LazyGroup(click.Group):
             return f"{ctx.command_path} {name} {words[0]}"
         return f"{ctx.command_path} {name}"
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: click.Context) -> Any:
         words = [a for a in ctx.args if not a.startswith("-")][:1]  # a group's subcommand (experiment continual)
         try:
             return super().invoke(ctx)

@@ -36,7 +36,7 @@ from plate_inspect.cli.common import console, err_console
     help="Write the plan here [default: plan.json; with --json only when -o is given].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan JSON on stdout instead of the summary.")
-def plan_command(bundle, budget, objective, out, as_json):
+def plan_command(bundle: Path, budget: str, objective: str, out: Path | None, as_json: bool) -> None:
     """Choose k per module (at the bundle's r) for a trainable-parameter BUDGET and write the plan JSON.
 
     k comes from the bundle's spectra (captured energy of Q[:, :k] = the k smallest eigenvalues over the

@@ -30,7 +30,9 @@ from plate_inspect.cli.common import console, human_bytes, progress_bar
 )
 @click.option("--bins", type=int, default=40, show_default=True, help="Bins of the redundancy score histograms.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def report_command(bundles, out, labels, max_points, bins, quiet):
+def report_command(
+    bundles: tuple[Path, ...], out: Path, labels: str | None, max_points: int, bins: int, quiet: bool
+) -> None:
     """Write ONE self-contained HTML report (plotly.js inlined; opens offline) for BUNDLE.
 
     With two or more bundles (same architecture) the report compares them: heatmaps of the change

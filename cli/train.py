@@ -37,7 +37,15 @@ from plate_inspect.formatting import counted
     "the new one does not write are removed; other files are kept), and the bundle in --rescan.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def merge_command(checkpoint, adapter, out, bundle, rescan_out, overwrite, quiet):
+def merge_command(
+    checkpoint: str,
+    adapter: Path,
+    out: Path,
+    bundle: Path | None,
+    rescan_out: Path | None,
+    overwrite: bool,
+    quiet: bool,
+) -> None:
     """Write CHECKPOINT with ADAPTER merged in: W[B] += rho A Q^T.
 
     CHECKPOINT is the safetensors checkpoint (directory or file) the adapter was trained on; ADAPTER is a

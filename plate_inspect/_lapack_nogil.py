@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import scipy.linalg.cython_lapack
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from numpy.typing import DTypeLike
 
 _int_p = ctypes.POINTER(ctypes.c_int)
 _double_p = ctypes.POINTER(ctypes.c_double)
@@ -25,7 +31,7 @@ _C_NAMES = {_char_p: "char *", _int_p: "int *", _float_p: "s *", _double_p: "d *
 
 
 @cache
-def _lapack_function(name: str, *argtypes) -> ctypes._CFuncPtr:
+def _lapack_function(name: str, *argtypes: type[ctypes._Pointer] | type[ctypes.c_char_p]) -> Callable[..., None]:
     """A routine of scipy's Cython LAPACK as a ctypes function (Fortran convention: every argument by reference).
 
     The capsule names its C prototype; it must be exactly the one ``argtypes`` describe (32-bit ints), or the call
@@ -46,11 +52,11 @@ def _lapack_function(name: str, *argtypes) -> ctypes._CFuncPtr:
     return ctypes.CFUNCTYPE(None, *argtypes)(get_pointer(capsule, signature))
 
 
-def _ptr(a: np.ndarray, kind=None):
+def _ptr(a: np.ndarray, kind: type[ctypes._Pointer] | None = None) -> ctypes._Pointer:
     return a.ctypes.data_as(kind if kind is not None else _real_p(a.dtype))
 
 
-def _real_p(dtype: np.dtype):
+def _real_p(dtype: DTypeLike) -> type[ctypes._Pointer]:
     return _float_p if np.dtype(dtype) == np.float32 else _double_p
 
 
@@ -159,7 +165,8 @@ def apply_tridiagonal_reflectors(reflectors: np.ndarray, tau: np.ndarray, x: np.
     ld, cols, ldt = _ints(n, p, nb)
     real_p = _real_p(dtype)
 
-    def at(a: np.ndarray, offset: int):  # pointer to element ``offset`` of a (column-major flat index)
+    def at(a: np.ndarray, offset: int) -> ctypes._Pointer:
+        """A pointer to element ``offset`` of a (column-major flat index)."""
         return ctypes.cast(a.ctypes.data + offset * a.itemsize, real_p)
 
     for i in range(((k - 1) // nb) * nb, -1, -nb):
@@ -176,7 +183,9 @@ def apply_tridiagonal_reflectors(reflectors: np.ndarray, tau: np.ndarray, x: np.
     return c
 
 
-def _run_with_workspace(call, dtype: np.dtype, name: str, info: ctypes.c_int) -> None:
+def _run_with_workspace(
+    call: Callable[[np.ndarray, int], None], dtype: DTypeLike, name: str, info: ctypes.c_int
+) -> None:
     """LAPACK's workspace protocol: ask with lwork = -1, run with the size it answers, raise if info != 0."""
     query = np.zeros(1, dtype=dtype)
     call(query, -1)
@@ -186,7 +195,7 @@ def _run_with_workspace(call, dtype: np.dtype, name: str, info: ctypes.c_int) ->
         raise np.linalg.LinAlgError(f"{name} failed (info={info.value})")
 
 
-def _real_function(name: str, dtype: np.dtype, *kinds: str) -> ctypes._CFuncPtr:
+def _real_function(name: str, dtype: DTypeLike, *kinds: str) -> Callable[..., None]:
     """``s<name>``/``d<name>`` with argument kinds: c (char), i (int), r (real array or scalar of ``dtype``)."""
     prefix = "s" if np.dtype(dtype) == np.float32 else "d"
     types = {"c": _char_p, "i": _int_p, "r": _real_p(dtype)}

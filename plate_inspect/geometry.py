@@ -53,7 +53,8 @@ def _matmul_precision() -> tuple[str, ...]:
 
 def _set_matmul_precision(state: tuple[str, ...]) -> None:
     if len(state) == 2:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = state
+        # torch.backends.mkldnn is replaced by an MkldnnModule at import; its `matmul` is unknown to the stubs
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = state  # type: ignore[attr-defined]
     else:
         torch.set_float32_matmul_precision(state[0])
 

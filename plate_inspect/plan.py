@@ -142,7 +142,8 @@ class Allocation:
         if self.method == "exact":
             out["solver"] = self.solver
         if self.method == "greedy":
-            out.update(reason=self.reason, lower_bound=self.lower_bound, gap=self.objective - self.lower_bound)
+            gap = None if self.lower_bound is None else self.objective - self.lower_bound
+            out.update(reason=self.reason, lower_bound=self.lower_bound, gap=gap)
         return out
 
 

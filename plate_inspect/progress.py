@@ -135,7 +135,7 @@ def as_callback(progress: object, where: str) -> ProgressCallback | None:
         old = progress
         moved = _moved()
         return lambda e: old(e.done, e.total, e.label) if e.done and moved(e) else None
-    return progress  # type: ignore[return-value]
+    return progress
 
 
 def _moved() -> Callable[[ProgressEvent], bool]:
@@ -163,8 +163,10 @@ def _deprecated(where: str, style: str) -> None:
 
 def _positional_arity(fn: object) -> int | None:
     """How many positional arguments ``fn`` requires (None when it cannot be told)."""
+    if not callable(fn):
+        return None
     try:
-        params = inspect.signature(fn).parameters.values()  # type: ignore[arg-type]
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return None
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -18,7 +18,7 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -53,7 +53,7 @@ from plate_inspect.health import health_record
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
     TargetModule,
-    layer_list,
+    layer_entries,
     load_target,
     name_list,
     select_targets,
@@ -196,7 +196,7 @@ def scan(
         sketch_dim=sketch_dim,
         anchors=anchors,
         target_modules=tuple(name_list(target_modules)) if target_modules else None,
-        layers=layer_list(layers) if layers is not None else None,
+        layers=layer_entries(layers) if layers is not None else None,
         precision=precision,
         q_dtype=q_dtype,
         tau_grid=tuple(tau_grid),
@@ -273,6 +273,7 @@ def run_scan(
             results = group.gather(result)
         # every rank gets the final manifest from rank 0 (no rank re-reads a file another node just wrote)
         final = group.on_root(lambda: _finish(writer, results or [], group.world_size))
+    assert final is not None  # rank 0's manifest, on every rank (on_root raises rank 0's error instead)
     return Bundle(Path(out), final)
 
 
@@ -370,7 +371,7 @@ def _yield_to_compute() -> None:
 
 def _read_ahead(
     ckpt: Checkpoint, items: list[list[TargetModule]], pin: bool
-) -> Iterator[list[tuple[torch.Tensor, str]]]:
+) -> Generator[list[tuple[torch.Tensor, str]], None, None]:
     """Each work item's (oriented weight, fingerprint) pairs, read and hashed by one thread one item ahead.
 
     Disk time and hashing overlap compute, with at most one extra item in memory. ``pin``: the weights come in
@@ -380,6 +381,7 @@ def _read_ahead(
     try:
         upcoming = reader.submit(_load_all, ckpt, items[0], pin) if items else None
         for i in range(len(items)):
+            assert upcoming is not None  # item i was submitted: i < len(items)
             loaded = [upcoming.result()]  # the old future (which holds the result too) is dropped just below
             upcoming = reader.submit(_load_all, ckpt, items[i + 1], pin) if i + 1 < len(items) else None
             yield loaded.pop()  # this frame keeps no reference while the caller computes
@@ -541,7 +543,7 @@ def _compute_weight(
     settings: ScanSettings,
     device: torch.device,
     buffer: UpcastBuffer | None = None,
-):
+) -> torch.Tensor:
     """The weight upcast to the compute precision on the device (on CPU into ``buffer`` if given); NaN/Inf refused."""
     dtype = PRECISIONS[settings.precision]
     if buffer is not None and device.type == "cpu":

@@ -219,6 +219,6 @@ def write_audit_report(
     returns its path."""
     from plate_inspect.reports import check_report_path, write_report_text
 
-    path = check_report_path(path, "--report", "audit.html")
-    write_report_text(path, render_audit_page(records, title, layers), "--report")
-    return path
+    out = check_report_path(path, "--report", "audit.html")
+    write_report_text(out, render_audit_page(records, title, layers), "--report")
+    return out

@@ -192,7 +192,16 @@ def open_report(
             cdp.close()
 
 
-def _check(cdp: CDPPipe, url: str, screenshot, width, full_page, max_height, timeout, script) -> PageCheck:
+def _check(
+    cdp: CDPPipe,
+    url: str,
+    screenshot: str | os.PathLike | None,
+    width: int,
+    full_page: bool,
+    max_height: int,
+    timeout: float,
+    script: str | None,
+) -> PageCheck:
     target = cdp.send("Target.createTarget", {"url": "about:blank"})["targetId"]
     session = cdp.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
     for domain in ("Page", "Runtime", "Log", "Network"):

@@ -164,7 +164,7 @@ def shown_stats(stats: object) -> dict[str, Any]:
     def ok(v: object, types: tuple[type, ...]) -> bool:
         if isinstance(v, bool) or not isinstance(v, types):
             return False
-        return isinstance(v, str) or (math.isfinite(v) and v >= 0)  # type: ignore[arg-type]
+        return isinstance(v, str) or (isinstance(v, int | float) and math.isfinite(v) and v >= 0)
 
     return {k: v for k, v in stats.items() if k in SHOWN_STATS and ok(v, SHOWN_STATS[k])}
 
@@ -355,8 +355,7 @@ def k_tau_curves(records: list[ModuleRecord]) -> list[KTauCurve]:
         taus = sorted({float(t) for rec in recs for t in rec.k_by_tau})
         mean_k, min_k, max_k = [], [], []
         for tau in taus:
-            ks = [_k_at(rec, tau) for rec in recs]
-            ks = [k for k in ks if k is not None]
+            ks = [k for rec in recs if (k := _k_at(rec, tau)) is not None]
             mean_k.append(sum(ks) / len(ks))
             min_k.append(min(ks))
             max_k.append(max(ks))
@@ -374,10 +373,11 @@ def _k_at(rec: ModuleRecord, tau: float) -> int | None:
 def params_by_tau(records: list[ModuleRecord]) -> tuple[list[float], list[int]]:
     """Total PLATE trainable parameters sum(r * k(tau)) over the modules, at every tau all records know."""
     taus = sorted({float(t) for rec in records for t in rec.k_by_tau})
-    out_t, out_p = [], []
+    out_t: list[float] = []
+    out_p: list[int] = []
     for tau in taus:
-        ks = [_k_at(rec, tau) for rec in records]
-        if all(k is not None for k in ks):
+        ks = [k for rec in records if (k := _k_at(rec, tau)) is not None]
+        if len(ks) == len(records):
             out_t.append(tau)
             out_p.append(sum(rec.r * k for rec, k in zip(records, ks, strict=True)))
     return out_t, out_p
@@ -404,7 +404,7 @@ class SpectrumView:
     n_stored: int
     index: list[int]
     values: list[float | None]
-    cum_energy: list[float]
+    cum_energy: list[float | None]
     downsampled: bool
     zero_eigenvalues: int
     #: Where Q lies on this spectrum: "bottom" (PLATE: the bottom k directions), "top" (the high_energy_q ablation:
@@ -681,7 +681,7 @@ def group_row(groups: list[ExpertGroup], b_overlaps: list[float] | None = None) 
     """One table row for an expert group (one group per bundle): means over experts, totals of parameters."""
     g = groups[0]
     n = len(g.names)
-    row = {
+    row: dict[str, Any] = {
         "name": f"{g.label} [{n} experts]",
         "type": g.module_type,
         "layer": g.layer,

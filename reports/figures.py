@@ -150,7 +150,9 @@ def ktau_figure(curves: list[list[KTauCurve]], taus: list[float], labels: list[s
             if c.module_type not in types:
                 types.append(c.module_type)
     multi = len(curves) > 1
-    data, shapes, annotations = [], [], []
+    data: list[dict[str, Any]] = []
+    shapes: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
     for b, (per_bundle, tau, label) in enumerate(zip(curves, taus, labels, strict=True)):
         for c in per_bundle:
             col = color(types.index(c.module_type))

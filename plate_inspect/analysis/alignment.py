@@ -175,9 +175,17 @@ def linear_weight(module: nn.Module) -> torch.Tensor | None:
     """W as [d_out, d_in] for nn.Linear and transformers' Conv1D (stored [d_in, d_out]); None otherwise."""
     if isinstance(module, nn.Linear):
         return module.weight
-    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
-        return module.weight.T
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor):
+        return weight.T
     return None
+
+
+def _selected_weight(name: str, module: nn.Module) -> torch.Tensor:
+    """W of a layer :func:`select_linear_modules` chose (it chose it because it has one)."""
+    weight = linear_weight(module)
+    assert weight is not None, f"{name} is not a linear layer"
+    return weight
 
 
 def select_linear_modules(model: nn.Module, target_modules: str | Sequence[str] | None = None) -> dict[str, nn.Module]:
@@ -223,7 +231,7 @@ def _call(model: nn.Module, item: Any) -> Any:
 def collect_input_moments(
     model: nn.Module,
     inputs: Iterable[Any],
-    target_modules: Sequence[str] | None = None,
+    target_modules: str | Sequence[str] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
     progress: ProgressCallback | None = None,
 ) -> dict[str, ActivationMoments]:
@@ -239,8 +247,8 @@ def collect_input_moments(
     moments: dict[str, ActivationMoments] = {}
     handles = []
 
-    def make_hook(name: str, d_in: int):
-        def hook(_mod: nn.Module, args: tuple) -> None:
+    def make_hook(name: str, d_in: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(_mod: nn.Module, args: tuple[Any, ...]) -> None:
             if args[0].shape[-1] != d_in:  # else a RuntimeError from reshape: "shape '[-1, 64]' is invalid"
                 raise AlignmentError(
                     f"{name}: its input has {args[0].shape[-1]} features in the last dimension, the layer takes "
@@ -257,7 +265,7 @@ def collect_input_moments(
         return hook
 
     for name, mod in modules.items():
-        d_in = linear_weight(mod).shape[1]
+        d_in = _selected_weight(name, mod).shape[1]
         handles.append(mod.register_forward_pre_hook(make_hook(name, d_in)))
     was_training = model.training
     model.eval()
@@ -287,7 +295,7 @@ def weight_activation_alignment(
     model: nn.Module,
     inputs: Iterable[Any],
     ks: Sequence[int] = (8, 32),
-    target_modules: Sequence[str] | None = None,
+    target_modules: str | Sequence[str] | None = None,
     n_random: int = 8,
     seed: int = 0,
     forward: Callable[[nn.Module, Any], Any] | None = None,
@@ -308,7 +316,7 @@ def _records_from_moments(
     modules = dict(model.named_modules())
     records: list[AlignmentRecord] = []
     for name, m in moments.items():
-        weight = linear_weight(modules[name])
+        weight = _selected_weight(name, modules[name])
         usable = [k for k in ks if k <= min(weight.shape)]
         records.extend(alignment_from_moments(name, weight, m.sigma, usable, n_random, seed, n_samples=m.n))
     return records
@@ -319,7 +327,7 @@ def _check_ks(ks: Sequence[int], modules: dict[str, nn.Module] | None = None) ->
     known): beyond it W's top-k right singular directions are arbitrary."""
     ks = positive_ints(ks, "ks")
     if modules:
-        sides = {name: min(linear_weight(m).shape) for name, m in modules.items()}
+        sides = {name: min(_selected_weight(name, m).shape) for name, m in modules.items()}
         smallest = min(sides.values())
         if max(ks) > smallest:
             narrow = [n for n, d in sides.items() if d < max(ks)]
@@ -493,7 +501,7 @@ def hf_text_alignment(
     ks: Sequence[int] = (8, 32),
     max_tokens: int | None = 20000,
     seq_len: int = 256,
-    target_modules: Sequence[str] | None = None,
+    target_modules: str | Sequence[str] | None = None,
     n_random: int = 8,
     seed: int = 0,
     progress: ProgressCallback | None = None,

@@ -28,6 +28,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,7 @@ from torch.func import functional_call, grad, jvp, vjp
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # torch 2.2: math_attention falls back to torch.backends.cuda.sdp_kernel
-    SDPBackend = sdpa_kernel = None
+    SDPBackend = sdpa_kernel = None  # type: ignore[misc, assignment]  # (torch 2.2 has neither; checked before use)
 
 from plate_inspect.arguments import (
     finite_numbers,
@@ -118,9 +119,15 @@ class UpdateFamily:
         return torch.cat([b.project(delta[b.param]).reshape(-1) for b in self.blocks])
 
 
+def _vjp(fn: Callable[..., Any], primals: Any) -> tuple[Any, Callable[..., Any]]:
+    """torch.func.vjp without aux: (output, pullback) (its stub's return type also allows has_aux's triple)."""
+    out = vjp(fn, primals)
+    return out[0], out[1]
+
+
 def _identity_block(name: str, p: torch.Tensor) -> Block:
     shape = tuple(p.shape)
-    return Block(name, p.numel(), lambda c, s=shape: c.reshape(s), lambda d: d.reshape(-1))
+    return Block(name, p.numel(), lambda c: c.reshape(shape), lambda d: d.reshape(-1))
 
 
 def full_family(model: nn.Module, params: Sequence[str] | None = None, name: str = "full") -> UpdateFamily:
@@ -133,7 +140,7 @@ def full_family(model: nn.Module, params: Sequence[str] | None = None, name: str
 
 def _names(names: object, argument: str) -> list[str]:
     """Parameter or module names as a list (one string is one name); else a ConfigError naming ``argument``."""
-    listed = name_list(names) if isinstance(names, (str, Iterable)) else None  # type: ignore[arg-type]
+    listed = name_list(names) if isinstance(names, (str, Iterable)) else None
     if listed is None or not all(isinstance(n, str) for n in listed):
         raise ConfigError(f"{argument} must be a list of names (or one name), got {names!r:.80}")
     return listed
@@ -221,8 +228,9 @@ def lora_family(
         pname = f"{m}.weight"
         _check_params(named, [pname])
         conv1d = layout_of(model.get_submodule(m)) == "conv1d"
-        shape = tuple(named[pname].shape)
-        block = lora_tangent_block(pname, shape[::-1] if conv1d else shape, rank, module_seed(seed, m), zero_b=zero_b)
+        rows, cols = named[pname].shape  # 2-D: layout_of refused any other layer
+        shape = (cols, rows) if conv1d else (rows, cols)
+        block = lora_tangent_block(pname, shape, rank, module_seed(seed, m), zero_b=zero_b)
         blocks.append(_transposed(block) if conv1d else block)
     return UpdateFamily(f"lora_r{rank}", blocks, {"rank": rank, "zero_b": zero_b})
 
@@ -390,7 +398,7 @@ class OldTaskProblem:
             g = grad(lambda p, x=x, y=y: self.loss_fn(self._f(p, x), y))
             # reverse-over-reverse (H is symmetric, so the vjp of the gradient is H v); forward-over-reverse
             # trips over torch's immutable ZeroTensors when a layer's second derivative vanishes (linear models)
-            _, pull = vjp(g, primals)
+            _, pull = _vjp(g, primals)
             (hv,) = pull(tangents)
             for n in out:
                 out[n] += w * hv[n]
@@ -400,11 +408,16 @@ class OldTaskProblem:
         return {n: d.to(self.theta0[n].dtype) for n, d in v.items()}
 
     def _jvp(self, v: Params, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return jvp(lambda p: self._f(p, x), (self._primals(v),), (self._tangents(v),))
+        out = jvp(lambda p: self._f(p, x), (self._primals(v),), (self._tangents(v),))
+        return out[0], out[1]  # (its stub also allows has_aux's triple)
 
     def _loss_hvp_out(self, out: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """(d^2 loss / df^2) u at the batch outputs."""
-        _, pull = vjp(grad(lambda o: self.loss_fn(o, y)), out)  # symmetric: the vjp is the product
+
+        def loss_at(o: torch.Tensor) -> torch.Tensor:
+            return self.loss_fn(o, y)
+
+        _, pull = _vjp(grad(loss_at), out)  # symmetric: the vjp is the product
         (hu,) = pull(u)
         return hu
 
@@ -415,7 +428,7 @@ class OldTaskProblem:
         for (x, y), w in zip(self.batches, self._weights(), strict=True):
             out, jv = self._jvp(v, x)
             hjv = self._loss_hvp_out(out.detach(), y, jv)
-            _, pull = vjp(lambda p, x=x: self._f(p, x), primals)
+            _, pull = _vjp(partial(self._f, x=x), primals)
             (g,) = pull(hjv)
             for n in res:
                 res[n] += w * g[n]
@@ -427,7 +440,7 @@ class OldTaskProblem:
         res = {n: torch.zeros_like(p) for n, p in primals.items()}
         for x, _ in self.batches:
             _, jv = self._jvp(v, x)
-            _, pull = vjp(lambda p, x=x: self._f(p, x), primals)
+            _, pull = _vjp(partial(self._f, x=x), primals)
             (g,) = pull(jv / self.n)
             for n in res:
                 res[n] += g[n]
@@ -453,7 +466,7 @@ class OldTaskProblem:
             flat = out.reshape(out.shape[0], -1)
             shape = out.shape[1:]
 
-            def per_sample(o: torch.Tensor, t: torch.Tensor, shape=shape) -> torch.Tensor:
+            def per_sample(o: torch.Tensor, t: torch.Tensor, shape: torch.Size = shape) -> torch.Tensor:
                 return self.loss_fn(o.reshape(1, *shape), t.unsqueeze(0))
 
             try:

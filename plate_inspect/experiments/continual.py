@@ -105,8 +105,13 @@ class ContinualSettings:
         """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
         be counted as a second seed: a fake confidence interval)."""
         check_data_root(self.data, self.data_root)
-        lr = self.lr
-        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (math.isfinite(lr) and lr > 0):
+        lr = math.nan
+        if isinstance(self.lr, numbers.Real) and not isinstance(self.lr, bool):
+            try:
+                lr = float(self.lr)
+            except OverflowError:  # an int or Fraction beyond float's range (10**400): not finite either
+                lr = math.inf
+        if not (math.isfinite(lr) and lr > 0):
             raise ConfigError(f"lr must be a positive finite number (Adam's step size, e.g. 1e-3), got {self.lr!r:.80}")
         for what, value in (("batch_size", self.batch_size), ("max_rank", self.max_rank)):
             if not (is_integer(value) and value >= 1):
@@ -200,10 +205,13 @@ def check_steps(value: int, what: str) -> None:
         )
 
 
-def seed_list(seeds: int | list[int]) -> list[int]:
+def seed_list(seeds: int | Iterable[int]) -> list[int]:
     """``seeds`` as a list (a count K -> 0..K-1): distinct integers in [0, 2^63), at most MAX_SEEDS, else ConfigError
     (a seed listed twice would be summarised as two seeds; a count of 10^11 would exhaust memory planning it)."""
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
+    neither = "seeds must be a count or a list of integers, got {!r}"
+    if isinstance(seeds, bool):  # an int to Python, but not a count anyone means
+        raise ConfigError(neither.format(seeds))
+    if isinstance(seeds, int):
         if seeds > MAX_SEEDS:
             raise ConfigError(
                 f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
@@ -212,8 +220,8 @@ def seed_list(seeds: int | list[int]) -> list[int]:
     else:
         try:
             values = list(seeds)
-        except TypeError:  # True, 2.5, None: neither a count nor a list
-            raise ConfigError(f"seeds must be a count or a list of integers, got {seeds!r}") from None
+        except TypeError:  # 2.5, None: neither a count nor a list
+            raise ConfigError(neither.format(seeds)) from None
     if not values:
         raise ConfigError(f"seeds must be at least 1 (got {seeds!r})")
     if len(values) > MAX_SEEDS:

@@ -10,6 +10,7 @@ minibatch-Adam loop and :func:`train_stage1` the one stage-1 trainer every calle
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -193,7 +194,7 @@ def initial_model(d_in: int, seed: int, n_classes: int = 5, n_tasks: int = 2) ->
     return DigitsMLP(d_in=d_in, n_classes=n_classes, n_tasks=n_tasks)
 
 
-def save_model(model: nn.Module, path) -> None:
+def save_model(model: nn.Module, path: str | os.PathLike) -> None:
     """The model's state dict as one safetensors file, written atomically (a crash leaves the old file or none, never
     half of one; a full disk raises OSError instead of safetensors' own error)."""
     from safetensors.torch import save
@@ -203,7 +204,7 @@ def save_model(model: nn.Module, path) -> None:
     atomic_write(path, save({k: v.detach().contiguous() for k, v in model.state_dict().items()}))
 
 
-def load_model(path) -> DigitsMLP:
+def load_model(path: str | os.PathLike) -> DigitsMLP:
     """A DigitsMLP with the weights of a safetensors file written by :func:`save_model` (shapes from the file)."""
     from safetensors.torch import load_file
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,15 +120,20 @@ def _peft_step(
     seed: int,
     size: int,
     progress: ProgressCallback | None = None,
-):
+) -> tuple[torch.nn.Module, int]:
     from peft import LoraConfig, OSFConfig, get_peft_model
 
     cfg: LoraConfig | OSFConfig
     if method == "lora":
-        cfg = LoraConfig(r=size, lora_alpha=LORA_ALPHA_PER_RANK * size, lora_dropout=0.0, target_modules=list(BACKBONE))
+        cfg = LoraConfig(
+            r=size,
+            lora_alpha=LORA_ALPHA_PER_RANK * size,  # type: ignore[arg-type]  # peft says int; its scaling is alpha / r
+            lora_dropout=0.0,
+            target_modules=list(BACKBONE),
+        )
     else:
         shapes = dict(zip(BACKBONE, backbone_shapes(model), strict=True))
-        pattern = {f"^{m}$": min(s) - size for m, s in shapes.items()}
+        pattern: dict[str, int | float] = {f"^{m}$": min(s) - size for m, s in shapes.items()}
         cfg = OSFConfig(target_modules=list(BACKBONE), rank_pattern=pattern, effective_rank=1)
     peft_model = get_peft_model(model, cfg)
     adapter = [p for n, p in peft_model.named_parameters() if p.requires_grad]
@@ -177,6 +183,7 @@ def run_method(
         torch.manual_seed(seed + t)
         model = digits.load_model(ckpt)
         if method == "plate":
+            assert bundle is not None  # scanned before task 2, rescanned by every sequential_step
             adapter = apply_bundle(model, bundle, rho=PLATE_RHO)
             n_train = sum(p.numel() for p in adapter)
             _train_head_and(model, adapter, t, tasks[t - 1], steps, seed, task_progress)
@@ -281,6 +288,7 @@ def run_sequential(
                 for method in names:
                     records = kept[(seed, method)]
                     if records is None:
+                        assert ckpt is not None and acc1 is not None  # stage 1 ran: this method is in todo
                         size = {"lora": lora_rank, "osf": osf_n}.get(method, 0)
                         run_progress = counter.inner(f"seed {seed}: {method}")
                         accs, n_train = run_method(
@@ -441,7 +449,7 @@ def _kept_unit(out: Path, seed: int, method: str, settings: dict[str, Any]) -> l
     return records
 
 
-def _write_sequential(result: SequentialResult, methods, settings: dict[str, Any]) -> None:
+def _write_sequential(result: SequentialResult, methods: Iterable[str], settings: dict[str, Any]) -> None:
     payload: dict[str, Any] = {
         "protocol": "2v3 -> 4v5 -> 6v7 -> 8v9, merge after each task (PLATE: merge + rescan)",
         "settings": settings,

@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -105,7 +106,14 @@ class ShardedWriter:
 
 
 def llama_config(
-    model_type: str, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, dtype
+    model_type: str,
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    dtype: torch.dtype,
 ) -> dict:
     """config.json of a Qwen2/Llama-layout model."""
     return {
@@ -443,7 +451,7 @@ class _LayerBuilder:
 
     def glu(
         self, prefix: str, inter: int, hidden: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    ):
+    ) -> None:
         gate, up, down = names
         self.linear(f"{prefix}.{gate}", inter, hidden)
         self.linear(f"{prefix}.{up}", inter, hidden)
@@ -570,7 +578,7 @@ def _decoder_layer(b: _LayerBuilder, family: str, c: dict, prefix: str, layer: i
         b.glu(f"{prefix}.mlp", c["intermediate_size"], h)
 
 
-def family_config(family: str, layers: int, vocab: int, dtype: torch.dtype, **overrides) -> dict:
+def family_config(family: str, layers: int, vocab: int, dtype: torch.dtype, **overrides: Any) -> dict:
     """config.json for ``family``: small default dims (:data:`FAMILY_DEFAULTS`), multimodal ones wrapped."""
     text = {"model_type": MULTIMODAL.get(family, family), **FAMILY_DEFAULTS[family], **overrides}
     text.update(num_hidden_layers=layers, vocab_size=vocab, rms_norm_eps=1e-6)
@@ -591,7 +599,7 @@ def write_family(
     fp8: bool = False,
     mxfp4: bool = False,
     max_shard_bytes: int | None = None,
-    **overrides,
+    **overrides: Any,
 ) -> SyntheticCheckpoint:
     """A checkpoint of ``family`` (a key of :data:`FAMILY_DEFAULTS`) with its real tensor names and config keys.
 

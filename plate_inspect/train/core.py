@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,9 +29,15 @@ from plate_inspect.errors import BundleError, ConfigError
 
 def check_rho(rho: object) -> float:
     """rho as a float; ConfigError unless it is a real number, finite and > 0 (shared by every PLATE entry point)."""
-    if isinstance(rho, bool) or not isinstance(rho, numbers.Real) or not (math.isfinite(rho) and rho > 0):
-        raise ConfigError(f"rho must be a positive finite number (the update's scale, e.g. 0.5), got {rho!r}")
-    return float(rho)
+    value = math.nan
+    if isinstance(rho, numbers.Real) and not isinstance(rho, bool):
+        try:
+            value = float(rho)
+        except OverflowError:  # an int or Fraction beyond float's range (10**400): not finite either
+            value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"rho must be a positive finite number (the update's scale, e.g. 0.5), got {rho!r:.80}")
+    return value
 
 
 # --------------------------------------------------------------------------- geometry
@@ -99,8 +106,11 @@ class _PlateBranch(torch.autograd.Function):
     """rho * x Q A^T as [n, r] with a per-call evaluation order; no gradient to Q, rho or the order."""
 
     @staticmethod
-    def forward(ctx, x2, q, a, rho, order):  # x2 [n, d_in], q [d_in, k], a [r, k], all in the compute dtype
-        z = m = None
+    def forward(  # x2 [n, d_in], q [d_in, k], a [r, k], all in the compute dtype
+        ctx: Any, x2: torch.Tensor, q: torch.Tensor, a: torch.Tensor, rho: float, order: BranchOrder
+    ) -> torch.Tensor:
+        z: torch.Tensor | None = None
+        m: torch.Tensor | None = None
         if order.forward == "xq":
             z = x2 @ q
             out = z @ a.t()
@@ -116,7 +126,7 @@ class _PlateBranch(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None, None]:
         x2, q, a, z, m = ctx.saved_tensors
         order, rho = ctx.order, ctx.rho
         if rho != 1.0:

@@ -66,7 +66,9 @@ class WeightSketch:
 
 def full_weight(module: nn.Module) -> torch.Tensor:
     """The module's weight as one local tensor (gathers an FSDP2 / DTensor-sharded parameter)."""
-    w = module.weight.detach()
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is not a tensor"
+    w = weight.detach()
     return w.full_tensor() if hasattr(w, "full_tensor") else w
 
 
