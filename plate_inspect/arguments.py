@@ -71,6 +71,14 @@ def non_negative_number(value: object, argument: str) -> float:
     return float(value)
 
 
+def text_argument(value: object, argument: str, example: str) -> str:
+    """``value`` when it is a str (a spec such as ``"lora,plate"`` that is split and parsed), else a ConfigError
+    naming ``argument`` with an ``example``: a list or a number failed inside ``str.split`` as an AttributeError."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{argument} must be a string such as {example!r}, got {value!r:.80}")
+    return value
+
+
 def iterable_argument(value: Any, argument: str, what: str) -> Any:
     """``value`` when it can be iterated (a list, a DataLoader), else a ConfigError saying what it should hold."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

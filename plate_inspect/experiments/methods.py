@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plate_inspect.arguments import text_argument
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
 from plate_inspect.train.variants import VARIANTS
@@ -132,6 +133,7 @@ def repeated_values(values: Any) -> list[str]:
 def parse_methods(text: str, allowed: Sequence[str] = METHODS) -> list[str]:
     """'a,b,...' -> validated method names: ConfigError naming an unknown one (listing ``allowed``) or one listed
     twice (refused, as a repeated --steps value or seed is: one rule for every list option)."""
+    text = text_argument(text, "methods (CLI: --methods)", ",".join(allowed[:2]))
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise ConfigError(f"--methods is empty; give a comma-separated list, e.g. {','.join(allowed[:3])}")
