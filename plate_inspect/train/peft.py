@@ -91,6 +91,52 @@ def _ensure_peft_type() -> PeftType:
 PLATE_TYPE = _ensure_peft_type()
 
 
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_text_or_none(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _is_records_or_none(value: object) -> bool:
+    return value is None or (
+        isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, dict) for k, v in value.items())
+    )
+
+
+#: PlateConfig fields whose type nothing else checks before get_peft_model (where a wrong one failed as an
+#: AttributeError, or a flag given as 'no', which is truthy, meant the opposite): field -> (accepts, what it takes).
+#: LoraConfig checks none of these; PlateConfig refuses a wrong one at construction.
+_FIELD_TYPES: dict[str, tuple[Any, str]] = {
+    "check_fingerprints": (_is_bool, "True or False"),
+    "carry_geometry": (_is_bool, "True or False"),
+    "inference_mode": (_is_bool, "True or False"),
+    "bundle_signature": (_is_text_or_none, "a string or None (filled in when the adapter is created)"),
+    "bundle_digest": (_is_text_or_none, "a string or None (filled in when the adapter is created)"),
+    "bundle_relative": (_is_text_or_none, "a string or None (written by save_pretrained)"),
+    "module_records": (
+        _is_records_or_none,
+        "a dict of per-module dicts or None (filled in when the adapter is created)",
+    ),
+}
+
+
+def _modules_to_save(value: object) -> list[str] | None:
+    """``modules_to_save`` as peft reads it: None or a list of module names (each matches the modules whose name ends
+    with it). One string is one name, as everywhere in plate-inspect (peft would iterate it: 'head' became the
+    one-letter names h, e, a, d, which train every module whose name ends in d); anything else, or an empty name
+    (it matches every module), is a ConfigError."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, (list, tuple, set, frozenset)) and all(isinstance(n, str) and n.strip() for n in names):
+        return sorted(names) if isinstance(names, (set, frozenset)) else list(names)
+    raise ConfigError(
+        f"PlateConfig: modules_to_save must be a list of module names (e.g. ['classifier']) or None, got {value!r:.80}"
+    )
+
+
 @dataclass
 class PlateConfig(PeftConfig):
     """Configuration of a PLATE adapter: the bundle it is built from, rho, and optionally a subset of its modules."""
@@ -144,9 +190,10 @@ class PlateConfig(PeftConfig):
             raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
         self.bundle = str(path_argument(self.bundle, "bundle").expanduser().resolve())
         self.rho = check_rho(self.rho)
-        for flag in ("check_fingerprints", "carry_geometry"):  # 'no' is truthy: the opposite of what was meant
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r:.80}")
+        for name, (accepts, want) in _FIELD_TYPES.items():  # at construction, not as an AttributeError later
+            if not accepts(getattr(self, name)):
+                raise ConfigError(f"PlateConfig: {name} must be {want}, got {getattr(self, name)!r:.80}")
+        self.modules_to_save = _modules_to_save(self.modules_to_save)
         tm = self.target_modules
         if isinstance(tm, (list, tuple, set, frozenset)) and all(isinstance(t, str) for t in tm):
             self.target_modules = set(tm)
@@ -582,6 +629,34 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
     return chosen
 
 
+def _check_modules_to_save(names: list[str] | None, model: nn.Module, chosen: list[str]) -> None:
+    """By peft's rule (a module is saved when its name ends with an entry): a ConfigError for an entry that reaches a
+    module PLATE adapts (peft failed on it with a TypeError after the adapter was built), a warning for one that
+    reaches no module (LoRA ignores it silently: the head meant to train stays frozen)."""
+    keys = [k for k, _ in model.named_modules() if k]
+    for name in names or ():
+        reached = [k for k in keys if k.endswith(name)]
+        adapted = [k for k in reached if k in chosen]
+        if adapted:
+            others = [k for k in reached if k not in chosen]
+            todo = (
+                f"name only the modules to train fully, e.g. {others[0]!r}"
+                if others
+                else "a module is adapted or trained fully, not both: drop it from modules_to_save, or from the "
+                "adapted modules with target_modules"
+            )
+            raise ConfigError(
+                f"PlateConfig: modules_to_save entry {name!r} reaches {', '.join(adapted[:3])}, which PLATE adapts "
+                f"(peft saves every module whose name ends with an entry); {todo}"
+            )
+        if not reached:
+            warnings.warn(
+                f"PlateConfig: modules_to_save entry {name!r} matches no module of the model and is ignored (it "
+                "trains the modules whose name ends with it)",
+                stacklevel=4,
+            )
+
+
 class PlateModel(BaseTuner):
     """The PEFT tuner that replaces a bundle's modules by PlateLayers."""
 
@@ -719,6 +794,7 @@ class PlateModel(BaseTuner):
         bundle = _load_recorded_bundle(config) if recorded else Bundle.load(config.bundle)
         mapping = resolve_module_names(model, bundle.modules, strict=False)  # bundle name -> model name
         chosen = _select_targets(config, mapping, [n for n in bundle.modules if n not in mapping], model)
+        _check_modules_to_save(config.modules_to_save, model, chosen)
         inverse = {v: k for k, v in mapping.items()}
         ks = load_plan(config.plan, bundle)
         geometry, records = {}, {}
