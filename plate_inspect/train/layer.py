@@ -86,6 +86,16 @@ def oriented_shape(module: nn.Module) -> tuple[int, int]:
     return (b, a) if layout_of(module) == "conv1d" else (a, b)
 
 
+def input_width_error(layer: str, x: torch.Tensor, d_in: int, d_out: int) -> RuntimeError:
+    """The error of a PLATE layer given an input whose last dimension is not its d_in, naming the layer and both
+    widths (torch's own "mat1 and mat2 shapes cannot be multiplied (8x5 and 4x3)" names neither); a RuntimeError,
+    as nn.Linear's is, so code that catches that one catches this."""
+    return RuntimeError(
+        f"{layer}: the input's last dimension is {x.shape[-1]} (input shape {list(x.shape)}), but this layer maps "
+        f"{d_in} input features to {d_out}; feed it tensors of shape [..., {d_in}]"
+    )
+
+
 class PlateLinear(nn.Module):
     """A frozen Linear/Conv1D plus a PLATE branch: y = base(x) + rho * scatter_B((x Q) A^T) (math in ``core``)."""
 
@@ -153,6 +163,8 @@ class PlateLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._awaiting:
             self.settle(zero_a=False)
+        if x.shape[-1] != self.d_in:  # one int comparison (~0.15 us); torch.compile traces it away
+            raise input_width_error(getattr(self, "bundle_name", type(self).__name__), x, self.d_in, self.d_out)
         y = self.base(x)
         if self.merged:
             return y

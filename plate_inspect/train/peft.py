@@ -55,6 +55,7 @@ from plate_inspect.train.layer import (
     CheckpointingWithInputGrads,
     check_module_against_record,
     geometry_device,
+    input_width_error,
     is_meta_tensor,
     layout_of,
     load_plan,
@@ -315,6 +316,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
 
     adapter_layer_names = ("plate_A",)
     other_param_names = ("plate_B_idx", "plate_Q", "plate_rho")
+    module_name: str  # the model's name for it (set by PlateModel; named in its errors)
 
     def __init__(
         self,
@@ -393,6 +395,8 @@ class PlateLayer(nn.Module, BaseTunerLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._awaiting:
             self.settle(zero_a=False)
+        if x.shape[-1] != self.in_features:  # as PlateLinear's: the layer and both widths, not torch's mat1/mat2
+            raise input_width_error(getattr(self, "module_name", "PlateLayer"), x, self.in_features, self.out_features)
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
@@ -898,6 +902,7 @@ class PlateModel(BaseTuner):
             target.update_layer(adapter_name, b_idx, q, peft_config.rho, digest, carried, pending, awaiting)
         else:
             new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho, digest, carried, pending, awaiting)
+            new_module.module_name = current_key  # named in its errors
             if adapter_name not in self.active_adapters:
                 new_module.requires_grad_(False)
             self._replace_module(parent, target_name, new_module, target)
