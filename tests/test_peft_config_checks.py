@@ -54,7 +54,7 @@ def test_modules_to_save_of_the_wrong_kind_is_refused_when_the_config_is_made(di
     with pytest.raises(ConfigError) as e:
         PlateConfig(bundle=digits[1], modules_to_save=given)
     assert str(e.value) == (
-        f"PlateConfig: modules_to_save must be a list of module names (e.g. ['classifier']) or None, got {given!r}"
+        f"modules_to_save must be a list of module names (e.g. ['classifier']) or None, got {given!r}"
     )
 
 
@@ -109,7 +109,7 @@ def test_other_fields_of_the_wrong_type_are_refused_when_the_config_is_made(digi
     """module_records='x' failed inside get_peft_model as "AttributeError: 'str' object has no attribute 'get'"."""
     with pytest.raises(ConfigError) as e:
         PlateConfig(bundle=digits[1], **{field: value})
-    assert str(e.value) == f"PlateConfig: {field} must be {want}, got {value!r}"
+    assert str(e.value) == f"{field} must be {want}, got {value!r}"
 
 
 def test_a_saved_adapter_with_modules_to_save_loads_and_matches(digits, tmp_path):

@@ -134,7 +134,7 @@ def _modules_to_save(value: object) -> list[str] | None:
     if isinstance(names, (list, tuple, set, frozenset)) and all(isinstance(n, str) and n.strip() for n in names):
         return sorted(names) if isinstance(names, (set, frozenset)) else list(names)
     raise ConfigError(
-        f"PlateConfig: modules_to_save must be a list of module names (e.g. ['classifier']) or None, got {value!r:.80}"
+        f"modules_to_save must be a list of module names (e.g. ['classifier']) or None, got {value!r:.80}"
     )
 
 
@@ -193,7 +193,7 @@ class PlateConfig(PeftConfig):
         self.rho = check_rho(self.rho)
         for name, (accepts, want) in _FIELD_TYPES.items():  # at construction, not as an AttributeError later
             if not accepts(getattr(self, name)):
-                raise ConfigError(f"PlateConfig: {name} must be {want}, got {getattr(self, name)!r:.80}")
+                raise ConfigError(f"{name} must be {want}, got {getattr(self, name)!r:.80}")
         self.modules_to_save = _modules_to_save(self.modules_to_save)
         tm = self.target_modules
         if isinstance(tm, (list, tuple, set, frozenset)) and all(isinstance(t, str) for t in tm):
