@@ -21,6 +21,14 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def bool_argument(value: object, argument: str) -> bool:
+    """``value`` when it is True or False, else a ConfigError naming ``argument`` (``"no"`` and ``[]`` were read by
+    truth value: ``overwrite="no"`` replaced the output, ``merge="no"`` merged)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{argument} must be True or False, got {value!r:.80}")
+    return value
+
+
 def positive_int(value: object, argument: str) -> int:
     """``value`` as an int >= 1, else a ConfigError naming ``argument``."""
     if not is_integer(value) or int(value) < 1:  # type: ignore[call-overload]

@@ -68,3 +68,69 @@ def test_sequential_step_refuses_an_unknown_keyword_before_merging(digits_adapte
     with pytest.raises(ConfigError, match=r"^unknown scan setting 'bogus'; "):
         sequential.sequential_step(ckpt, adapter, tmp_path / "merged", bogus=1)
     assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize("method", [3, None, ["lora"], "lora2"])
+def test_a_method_that_is_not_a_known_name_is_one_config_error(method):
+    """default_budgets(3) was an AttributeError from str.startswith; every entry point says the same line."""
+    from plate_inspect.experiments import methods
+
+    line = f"unknown method {method!r}; choose from {', '.join(methods.METHODS)}"
+    for call in (
+        lambda: methods.default_budgets(method),
+        lambda: methods.budget_keys(method),
+        lambda: methods.check_budget(method, methods.Budget("r8", {"rank": 8})),
+        lambda: methods.prepare(method, {}, None),  # refused before the stage-1 model is read
+    ):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert str(e.value) == line
+
+
+def test_every_known_method_still_has_budgets_that_pass_its_check():
+    from plate_inspect.experiments import methods
+
+    for method in methods.METHODS:
+        budgets = methods.default_budgets(method)
+        assert budgets and all(set(b.config) == set(methods.budget_keys(method)) for b in budgets)
+        for b in budgets:
+            methods.check_budget(method, b)
+
+
+@pytest.mark.parametrize(
+    "r, tau, line",
+    [
+        (8, None, "plate_budget: tau must be a number strictly between 0 and 1, got None"),
+        (8, 1.0, "plate_budget: tau must be a number strictly between 0 and 1, got 1.0"),
+        (0, 0.9, "plate_budget: r must be an integer >= 1, got 0"),
+        (8.5, 0.9, "plate_budget: r must be an integer >= 1, got 8.5"),
+    ],
+)
+def test_plate_budget_checks_its_values(r, tau, line):
+    from plate_inspect.experiments.methods import Budget, plate_budget
+
+    with pytest.raises(ConfigError) as e:
+        plate_budget(r, tau)
+    assert str(e.value) == line
+    assert plate_budget(32, 0.9) == Budget("r32_tau0.9", {"r": 32, "tau": 0.9})
+
+
+def test_unload_refuses_a_merge_flag_that_is_not_a_bool(digits_adapter):
+    """unload(model, merge="no") merged (the string is truthy)."""
+    from plate_inspect.train.layer import plate_layers, unload
+
+    ckpt, bundle, _ = digits_adapter
+    model = load_digits(ckpt)
+    apply_bundle(model, bundle)
+    for value in ("no", 0, None):
+        with pytest.raises(ConfigError, match=rf"^merge must be True or False, got {value!r}$"):
+            unload(model, merge=value)
+    assert sorted(plate_layers(model)) == ["fc1", "fc2", "fc3"]  # untouched
+
+
+def test_check_rescan_out_names_its_argument(tmp_path):
+    with pytest.raises(ConfigError, match=r"^bundle_out \(CLI: --rescan\) must be a path .*got None$"):
+        sequential.check_rescan_out(None)
+    with pytest.raises(ConfigError, match=r"^overwrite must be True or False, got 'no'$"):
+        sequential.check_rescan_out(tmp_path / "b", overwrite="no")
+    assert sequential.check_rescan_out(tmp_path / "b") == tmp_path / "b"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plate_inspect.arguments import bool_argument
 from plate_inspect.atomic import path_argument
 from plate_inspect.bundle import Bundle, ModuleRecord
 from plate_inspect.errors import BundleError, ConfigError, refuse_to_replace
@@ -547,8 +548,7 @@ def apply_bundle(
     model_argument(model, "apply_bundle")
     rho = check_rho(rho)
     q_dtype_argument(q_dtype)
-    if not isinstance(check_fingerprints, bool):
-        raise ConfigError(f"check_fingerprints must be True or False, got {check_fingerprints!r:.80}")
+    bool_argument(check_fingerprints, "check_fingerprints")
     if references is not None and not isinstance(references, dict):
         raise ConfigError(f"references must be a dict of weight sketches by module name, got {references!r:.80}")
     b = _as_bundle(bundle)
@@ -656,6 +656,7 @@ def unmerge_all(model: nn.Module) -> None:
 def unload(model: nn.Module, merge: bool = True) -> nn.Module:
     """Replace every PLATE layer by its base layer (merged first unless ``merge=False``); returns the model."""
     model_argument(model, "unload")
+    bool_argument(merge, "merge")
     for name, layer in plate_layers(model).items():
         if merge:
             layer.merge()

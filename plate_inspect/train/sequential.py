@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from plate_inspect.arguments import bool_argument
 from plate_inspect.atomic import Claim, claim_temp_dir, make_temp_dir, new_file_mode, os_error_reason, path_argument
 from plate_inspect.bundle import MANIFEST, Bundle, ModuleRecord, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
@@ -107,8 +108,7 @@ def merge_checkpoint(
     """
     out = path_argument(out, "out")
     path_argument(adapter, "adapter")
-    if not isinstance(overwrite, bool):  # 'no' is truthy: it would replace OUT
-        raise ConfigError(f"overwrite must be True or False, got {overwrite!r:.80}")
+    bool_argument(overwrite, "overwrite")  # 'no' is truthy: it would replace OUT
     for name, function in (("progress", progress), ("on_note", on_note)):
         if function is not None and not callable(function):  # else a TypeError after the checks, mid-merge
             raise TypeError(f"merge_checkpoint: {name} must be a function, got {type(function).__name__}")
@@ -623,7 +623,8 @@ def check_rescan_out(out: str | os.PathLike, overwrite: bool = False) -> Path:
     merge writes anything, so a refused rescan leaves no merged checkpoint behind either."""
     from plate_inspect.scanner import check_out_dir
 
-    out = Path(out)
+    out = path_argument(out, "bundle_out (CLI: --rescan)")
+    bool_argument(overwrite, "overwrite")
     if out.exists() and not out.is_dir():
         raise BundleError(f"{out}: exists and is not a directory; choose another --rescan directory")
     check_out_dir(out, option="--rescan")  # a file in the way, not writable: refused before the merge writes
