@@ -87,6 +87,13 @@ def text_argument(value: object, argument: str, example: str) -> str:
     return value
 
 
+def positive_number(value: object, argument: str) -> float:
+    """``value`` as a finite float > 0 (a learning rate, a scale), else a ConfigError naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{argument} must be a positive finite number, got {value!r:.80}")
+    return float(value)
+
+
 def iterable_argument(value: Any, argument: str, what: str) -> Any:
     """``value`` when it can be iterated (a list, a DataLoader), else a ConfigError saying what it should hold."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

@@ -134,3 +134,16 @@ def test_check_rescan_out_names_its_argument(tmp_path):
     with pytest.raises(ConfigError, match=r"^overwrite must be True or False, got 'no'$"):
         sequential.check_rescan_out(tmp_path / "b", overwrite="no")
     assert sequential.check_rescan_out(tmp_path / "b") == tmp_path / "b"
+
+
+def test_positive_number_and_bool_argument():
+    from plate_inspect.arguments import bool_argument, positive_number
+
+    assert positive_number(1e-3, "lr") == 1e-3 and positive_number(2, "lr") == 2.0
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "1e-3", None):
+        with pytest.raises(ConfigError, match=rf"^lr must be a positive finite number, got {bad!r}$"):
+            positive_number(bad, "lr")
+    assert bool_argument(False, "merge") is False
+    for bad in ("no", 0, 1, None):
+        with pytest.raises(ConfigError, match=rf"^merge must be True or False, got {bad!r}$"):
+            bool_argument(bad, "merge")
