@@ -634,24 +634,26 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
 
 
 def _check_modules_to_save(names: list[str] | None, model: nn.Module, chosen: list[str]) -> None:
-    """By peft's rule (a module is saved when its name ends with an entry): a ConfigError for an entry that reaches a
-    module PLATE adapts (peft failed on it with a TypeError after the adapter was built), a warning for one that
-    reaches no module (LoRA ignores it silently: the head meant to train stays frozen)."""
+    """peft's two rules for ``modules_to_save``, side by side: a module named whole (``fc2``, ``...q_proj``) is left
+    out of the adapted ones and trained fully, as with LoRA; but peft saves every module whose name merely ends
+    with an entry (``'2'`` reaches ``fc2``), and one of those that PLATE adapts made peft fail with a TypeError after
+    the adapter was built: a ConfigError now. An entry that reaches no module is warned about (LoRA ignores it
+    silently: the head meant to train stays frozen)."""
     keys = [k for k, _ in model.named_modules() if k]
+
+    def named_whole(key: str) -> bool:  # peft's own test (tuners_utils.check_target_module_exists)
+        return any(re.match(rf"(^|.*\.){re.escape(m)}($|\..*)", key) for m in names or ())
+
     for name in names or ():
         reached = [k for k in keys if k.endswith(name)]
-        adapted = [k for k in reached if k in chosen]
-        if adapted:
-            others = [k for k in reached if k not in chosen]
-            todo = (
-                f"name only the modules to train fully, e.g. {others[0]!r}"
-                if others
-                else "a module is adapted or trained fully, not both: drop it from modules_to_save, or from the "
-                "adapted modules with target_modules"
-            )
+        clash = [k for k in reached if k in chosen and not named_whole(k)]
+        if clash:
+            whole = [k for k in reached if k not in clash]
+            example = whole[0].rsplit(".", 1)[-1] if whole else clash[0].rsplit(".", 1)[-1]
             raise ConfigError(
-                f"PlateConfig: modules_to_save entry {name!r} reaches {', '.join(adapted[:3])}, which PLATE adapts "
-                f"(peft saves every module whose name ends with an entry); {todo}"
+                f"PlateConfig: modules_to_save entry {name!r} ends the name of {', '.join(clash[:3])}, which PLATE "
+                "adapts (peft would save it fully too, and fail); give whole module names, e.g. "
+                f"{example!r} (a module of the bundle named whole is trained fully instead of adapted)"
             )
         if not reached:
             warnings.warn(
