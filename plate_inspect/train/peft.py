@@ -126,8 +126,8 @@ _FIELD_TYPES: dict[str, tuple[Any, str]] = {
 def _modules_to_save(value: object) -> list[str] | None:
     """``modules_to_save`` as peft reads it: None or a list of module names (each matches the modules whose name ends
     with it). One string is one name, as everywhere in plate-inspect (peft would iterate it: 'head' became the
-    one-letter names h, e, a, d, which train every module whose name ends in d); anything else, or an empty name
-    (it matches every module), is a ConfigError."""
+    one-letter names h, e, a, d, which train every module whose name ends in one of them); anything else, or an
+    empty name (it matches every module), is a ConfigError."""
     if value is None:
         return None
     names = [value] if isinstance(value, str) else value
