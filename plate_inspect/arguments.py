@@ -21,6 +21,14 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def bool_argument(value: object, argument: str) -> bool:
+    """``value`` when it is True or False, else a ConfigError naming ``argument`` (``"no"`` and ``[]`` were read by
+    truth value: ``overwrite="no"`` replaced the output, ``merge="no"`` merged)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{argument} must be True or False, got {value!r:.80}")
+    return value
+
+
 def positive_int(value: object, argument: str) -> int:
     """``value`` as an int >= 1, else a ConfigError naming ``argument``."""
     if not is_integer(value) or int(value) < 1:  # type: ignore[call-overload]
@@ -68,6 +76,21 @@ def non_negative_number(value: object, argument: str) -> float:
     """``value`` as a finite float >= 0, else a ConfigError naming ``argument``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value >= 0):
         raise ConfigError(f"{argument} must be a finite number >= 0, got {value!r:.80}")
+    return float(value)
+
+
+def text_argument(value: object, argument: str, example: str) -> str:
+    """``value`` when it is a str (a spec such as ``"lora,plate"`` that is split and parsed), else a ConfigError
+    naming ``argument`` with an ``example``: a list or a number failed inside ``str.split`` as an AttributeError."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{argument} must be a string such as {example!r}, got {value!r:.80}")
+    return value
+
+
+def positive_number(value: object, argument: str) -> float:
+    """``value`` as a finite float > 0 (a learning rate, a scale), else a ConfigError naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{argument} must be a positive finite number, got {value!r:.80}")
     return float(value)
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plate_inspect.arguments import text_argument
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
 from plate_inspect.train.variants import VARIANTS
@@ -55,8 +56,17 @@ class Budget:
     config: dict[str, Any]
 
 
+def method_argument(method: object) -> str:
+    """``method`` when it is one of :data:`METHODS`, else the one ConfigError listing them (a non-string was an
+    AttributeError from ``str.startswith``)."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ConfigError(f"unknown method {method!r:.80}; choose from {', '.join(METHODS)}")
+    return method
+
+
 def default_budgets(method: str) -> list[Budget]:
     """The capacity grid of each method (>= 3 per method, except full_ft which has one: all parameters)."""
+    method = method_argument(method)
     if method == "full_ft":
         return [Budget("all", {})]
     if method == "l2_init":
@@ -67,13 +77,12 @@ def default_budgets(method: str) -> list[Budget]:
         return [Budget(f"n{n}", {"n_low": n}) for n in (1, 8, 32)]
     if method == "plate":
         return [plate_budget(r, t) for r, t in ((8, 0.98), (32, 0.9), (32, 0.6), (128, 0.8))]
-    if method.startswith("plate_") and method.removeprefix("plate_") in VARIANTS:
-        return [plate_budget(r, t) for r, t in ((8, 0.98), (32, 0.9), (64, 0.8))]
-    raise ConfigError(f"unknown method '{method}'; choose from {', '.join(METHODS)}")
+    return [plate_budget(r, t) for r, t in ((8, 0.98), (32, 0.9), (64, 0.8))]  # plate_<variant>: the ablations
 
 
 def budget_keys(method: str) -> tuple[str, ...]:
     """The config keys a budget of ``method`` must set (what :func:`prepare` reads)."""
+    method = method_argument(method)
     if method == "full_ft":
         return ()
     if method == "l2_init":
@@ -82,9 +91,21 @@ def budget_keys(method: str) -> tuple[str, ...]:
         return ("rank",)
     if method == "osf":
         return ("n_low",)
-    if method == "plate" or (method.startswith("plate_") and method.removeprefix("plate_") in VARIANTS):
-        return ("r", "tau")
-    raise ConfigError(f"unknown method '{method}'; choose from {', '.join(METHODS)}")
+    return ("r", "tau")  # plate and its ablations
+
+
+def budget_value_problem(key: str, value: object) -> str | None:
+    """What a budget value must be when ``value`` is not that (None when it is fine): tau in (0, 1), lam a finite
+    number >= 0, rank / n_low / r an integer >= 1."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if key == "tau":
+        ok = number and 0 < value < 1
+        return None if ok else "a number strictly between 0 and 1"
+    if key == "lam":
+        ok = number and math.isfinite(value) and value >= 0
+        return None if ok else "a finite number >= 0"
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+    return None if ok else "an integer >= 1"
 
 
 def check_budget(method: str, budget: Budget) -> None:
@@ -99,22 +120,17 @@ def check_budget(method: str, budget: Budget) -> None:
             f"{list(want)} (e.g. {default_budgets(method)[0]})"
         )
     for key, value in config.items():  # a run reads its budget only when it starts: check the values now too
-        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if key == "tau":
-            ok = number and 0 < value < 1
-            need = "a number strictly between 0 and 1"
-        elif key == "lam":
-            ok = number and math.isfinite(value) and value >= 0
-            need = "a finite number >= 0"
-        else:  # rank, n_low, r
-            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-            need = "an integer >= 1"
-        if not ok:
+        need = budget_value_problem(key, value)
+        if need is not None:
             raise ConfigError(f"{method}: budget {budget.id!r}: {key} must be {need}, got {value!r:.80}")
 
 
 def plate_budget(r: int, tau: float) -> Budget:
     """PLATE's budget point (r rows, energy threshold tau), named as the result tables name it."""
+    for key, value in (("r", r), ("tau", tau)):
+        need = budget_value_problem(key, value)
+        if need is not None:
+            raise ConfigError(f"plate_budget: {key} must be {need}, got {value!r:.80}")
     return Budget(f"r{r}_tau{tau:g}", {"r": r, "tau": tau})
 
 
@@ -132,6 +148,7 @@ def repeated_values(values: Any) -> list[str]:
 def parse_methods(text: str, allowed: Sequence[str] = METHODS) -> list[str]:
     """'a,b,...' -> validated method names: ConfigError naming an unknown one (listing ``allowed``) or one listed
     twice (refused, as a repeated --steps value or seed is: one rule for every list option)."""
+    text = text_argument(text, "methods (CLI: --methods)", ",".join(allowed[:2]))
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise ConfigError(f"--methods is empty; give a comma-separated list, e.g. {','.join(allowed[:3])}")
@@ -255,6 +272,7 @@ def _peft_trainable(peft_model: nn.Module) -> list[nn.Parameter]:
 
 def prepare(method: str, config: dict[str, Any], stage1: StageOne) -> Prepared:
     """The stage-1 model set up for ``method`` at the capacity ``config`` (a Budget's config)."""
+    method = method_argument(method)
     model = digits.load_model(stage1.checkpoint)
     if method in ("full_ft", "l2_init"):
         params = [p for n, p in model.named_parameters() if n.split(".")[0] in BACKBONE]
@@ -282,7 +300,7 @@ def prepare(method: str, config: dict[str, Any], stage1: StageOne) -> Prepared:
         ks = {rec.name: rec.k for rec in Bundle.load(path)}
         cfg = {**config, "rho": PLATE_RHO, "k": ks, **({"variant": variant} if variant else {})}
         return Prepared(model, adapter + _head2(model), sum(p.numel() for p in adapter), None, cfg)
-    raise ConfigError(f"unknown method '{method}'; choose from {', '.join(METHODS)}")
+    raise AssertionError(f"prepare: no branch for method {method!r}")  # method_argument admits only METHODS
 
 
 def _prepare_lora(method: str, rank: int, model: nn.Module, stage1: StageOne) -> Prepared:

@@ -55,6 +55,7 @@ from plate_inspect.train.layer import (
     CheckpointingWithInputGrads,
     check_module_against_record,
     geometry_device,
+    input_width_error,
     is_meta_tensor,
     layout_of,
     load_plan,
@@ -89,6 +90,52 @@ def _ensure_peft_type() -> PeftType:
 
 
 PLATE_TYPE = _ensure_peft_type()
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_text_or_none(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _is_records_or_none(value: object) -> bool:
+    return value is None or (
+        isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, dict) for k, v in value.items())
+    )
+
+
+#: PlateConfig fields whose type nothing else checks before get_peft_model (where a wrong one failed as an
+#: AttributeError, or a flag given as 'no', which is truthy, meant the opposite): field -> (accepts, what it takes).
+#: LoraConfig checks none of these; PlateConfig refuses a wrong one at construction.
+_FIELD_TYPES: dict[str, tuple[Any, str]] = {
+    "check_fingerprints": (_is_bool, "True or False"),
+    "carry_geometry": (_is_bool, "True or False"),
+    "inference_mode": (_is_bool, "True or False"),
+    "bundle_signature": (_is_text_or_none, "a string or None (filled in when the adapter is created)"),
+    "bundle_digest": (_is_text_or_none, "a string or None (filled in when the adapter is created)"),
+    "bundle_relative": (_is_text_or_none, "a string or None (written by save_pretrained)"),
+    "module_records": (
+        _is_records_or_none,
+        "a dict of per-module dicts or None (filled in when the adapter is created)",
+    ),
+}
+
+
+def _modules_to_save(value: object) -> list[str] | None:
+    """``modules_to_save`` as peft reads it: None or a list of module names (each matches the modules whose name ends
+    with it). One string is one name, as everywhere in plate-inspect (peft would iterate it: 'head' became the
+    one-letter names h, e, a, d, which train every module whose name ends in one of them); anything else, or an
+    empty name (it matches every module), is a ConfigError."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, (list, tuple, set, frozenset)) and all(isinstance(n, str) and n.strip() for n in names):
+        return sorted(names) if isinstance(names, (set, frozenset)) else list(names)
+    raise ConfigError(
+        f"modules_to_save must be a list of module names (e.g. ['classifier']) or None, got {value!r:.80}"
+    )
 
 
 @dataclass
@@ -144,9 +191,10 @@ class PlateConfig(PeftConfig):
             raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
         self.bundle = str(path_argument(self.bundle, "bundle").expanduser().resolve())
         self.rho = check_rho(self.rho)
-        for flag in ("check_fingerprints", "carry_geometry"):  # 'no' is truthy: the opposite of what was meant
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r:.80}")
+        for name, (accepts, want) in _FIELD_TYPES.items():  # at construction, not as an AttributeError later
+            if not accepts(getattr(self, name)):
+                raise ConfigError(f"{name} must be {want}, got {getattr(self, name)!r:.80}")
+        self.modules_to_save = _modules_to_save(self.modules_to_save)
         tm = self.target_modules
         if isinstance(tm, (list, tuple, set, frozenset)) and all(isinstance(t, str) for t in tm):
             self.target_modules = set(tm)
@@ -268,6 +316,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
 
     adapter_layer_names = ("plate_A",)
     other_param_names = ("plate_B_idx", "plate_Q", "plate_rho")
+    module_name: str  # the model's name for it (set by PlateModel; named in its errors)
 
     def __init__(
         self,
@@ -346,6 +395,8 @@ class PlateLayer(nn.Module, BaseTunerLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._awaiting:
             self.settle(zero_a=False)
+        if x.shape[-1] != self.in_features:  # as PlateLinear's: the layer and both widths, not torch's mat1/mat2
+            raise input_width_error(getattr(self, "module_name", "PlateLayer"), x, self.in_features, self.out_features)
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
@@ -582,6 +633,36 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
     return chosen
 
 
+def _check_modules_to_save(names: list[str] | None, model: nn.Module, chosen: list[str]) -> None:
+    """peft's two rules for ``modules_to_save``, side by side: a module named whole (``fc2``, ``...q_proj``) is left
+    out of the adapted ones and trained fully, as with LoRA; but peft saves every module whose name merely ends
+    with an entry (``'2'`` reaches ``fc2``), and one of those that PLATE adapts made peft fail with a TypeError after
+    the adapter was built: a ConfigError now. An entry that reaches no module is warned about (LoRA ignores it
+    silently: the head meant to train stays frozen)."""
+    keys = [k for k, _ in model.named_modules() if k]
+
+    def named_whole(key: str) -> bool:  # peft's own test (tuners_utils.check_target_module_exists)
+        return any(re.match(rf"(^|.*\.){re.escape(m)}($|\..*)", key) for m in names or ())
+
+    for name in names or ():
+        reached = [k for k in keys if k.endswith(name)]
+        clash = [k for k in reached if k in chosen and not named_whole(k)]
+        if clash:
+            whole = [k for k in reached if k not in clash]
+            example = whole[0].rsplit(".", 1)[-1] if whole else clash[0].rsplit(".", 1)[-1]
+            raise ConfigError(
+                f"PlateConfig: modules_to_save entry {name!r} ends the name of {', '.join(clash[:3])}, which PLATE "
+                "adapts (peft would save it fully too, and fail); give whole module names, e.g. "
+                f"{example!r} (a module of the bundle named whole is trained fully instead of adapted)"
+            )
+        if not reached:
+            warnings.warn(
+                f"PlateConfig: modules_to_save entry {name!r} matches no module of the model and is ignored (it "
+                "trains the modules whose name ends with it)",
+                stacklevel=4,
+            )
+
+
 class PlateModel(BaseTuner):
     """The PEFT tuner that replaces a bundle's modules by PlateLayers."""
 
@@ -719,6 +800,7 @@ class PlateModel(BaseTuner):
         bundle = _load_recorded_bundle(config) if recorded else Bundle.load(config.bundle)
         mapping = resolve_module_names(model, bundle.modules, strict=False)  # bundle name -> model name
         chosen = _select_targets(config, mapping, [n for n in bundle.modules if n not in mapping], model)
+        _check_modules_to_save(config.modules_to_save, model, chosen)
         inverse = {v: k for k, v in mapping.items()}
         ks = load_plan(config.plan, bundle)
         geometry, records = {}, {}
@@ -822,6 +904,7 @@ class PlateModel(BaseTuner):
             target.update_layer(adapter_name, b_idx, q, peft_config.rho, digest, carried, pending, awaiting)
         else:
             new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho, digest, carried, pending, awaiting)
+            new_module.module_name = current_key  # named in its errors
             if adapter_name not in self.active_adapters:
                 new_module.requires_grad_(False)
             self._replace_module(parent, target_name, new_module, target)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import difflib
 import errno
 import json
 import os
@@ -28,6 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from plate_inspect.arguments import bool_argument
 from plate_inspect.atomic import Claim, claim_temp_dir, make_temp_dir, new_file_mode, os_error_reason, path_argument
 from plate_inspect.bundle import MANIFEST, Bundle, ModuleRecord, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
@@ -106,8 +108,7 @@ def merge_checkpoint(
     """
     out = path_argument(out, "out")
     path_argument(adapter, "adapter")
-    if not isinstance(overwrite, bool):  # 'no' is truthy: it would replace OUT
-        raise ConfigError(f"overwrite must be True or False, got {overwrite!r:.80}")
+    bool_argument(overwrite, "overwrite")  # 'no' is truthy: it would replace OUT
     for name, function in (("progress", progress), ("on_note", on_note)):
         if function is not None and not callable(function):  # else a TypeError after the checks, mid-merge
             raise TypeError(f"merge_checkpoint: {name} must be a function, got {type(function).__name__}")
@@ -622,7 +623,8 @@ def check_rescan_out(out: str | os.PathLike, overwrite: bool = False) -> Path:
     merge writes anything, so a refused rescan leaves no merged checkpoint behind either."""
     from plate_inspect.scanner import check_out_dir
 
-    out = Path(out)
+    out = path_argument(out, "bundle_out (CLI: --rescan)")
+    bool_argument(overwrite, "overwrite")
     if out.exists() and not out.is_dir():
         raise BundleError(f"{out}: exists and is not a directory; choose another --rescan directory")
     check_out_dir(out, option="--rescan")  # a file in the way, not writable: refused before the merge writes
@@ -634,18 +636,40 @@ def check_rescan_out(out: str | os.PathLike, overwrite: bool = False) -> Path:
     return out
 
 
+def split_scan_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``overrides`` split into :class:`ScanSettings` fields and :func:`run_scan` keywords; ConfigError naming any
+    other keyword and listing the allowed ones (a misspelt ``tua=0.5`` failed inside run_scan as a TypeError, and in
+    :func:`sequential_step` only after the merged checkpoint was written)."""
+    import inspect
+
+    from plate_inspect.scanner import run_scan
+
+    settings = list(ScanSettings.__dataclass_fields__)
+    run = [p.name for p in inspect.signature(run_scan).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    unknown = [k for k in overrides if k not in settings and k not in run]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], settings + run, n=1)
+        raise ConfigError(
+            f"unknown scan setting{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; the rescan takes ScanSettings fields ({', '.join(settings)}) and run_scan's {', '.join(run)}"
+        )
+    fields = {k: v for k, v in overrides.items() if k in settings}
+    return fields, {k: v for k, v in overrides.items() if k not in fields}
+
+
 def rescan(
     merged: str | os.PathLike, previous: Bundle | str | os.PathLike, out: str | os.PathLike, **overrides: Any
 ) -> Bundle:
     """Scan the merged checkpoint with the scanner, using the previous bundle's settings (``overrides`` win: any
-    :class:`ScanSettings` field, or ``device``/``overwrite``/``progress`` of :func:`run_scan`)."""
+    :class:`ScanSettings` field, or a keyword of :func:`run_scan`: ``overwrite``, ``device``, ``devices``,
+    ``progress``, ``expert_group``; anything else is a ConfigError)."""
     import dataclasses
 
     from plate_inspect.scanner import plan_scan, run_scan
 
+    fields, run = split_scan_overrides(overrides)
     prev = previous if isinstance(previous, Bundle) else Bundle.load(previous)
-    fields = {k: v for k, v in overrides.items() if k in ScanSettings.__dataclass_fields__}
-    run = {k: v for k, v in overrides.items() if k not in fields}
     settings = dataclasses.replace(prev.settings, **fields)
     return run_scan(plan_scan(merged, settings), out, **run)
 
@@ -661,8 +685,10 @@ def sequential_step(
 ) -> MergeResult:
     """Merge the adapter into ``source``, write it to ``out``, rescan it into ``bundle_out`` (default out/bundle).
 
-    A ``bundle_out`` that already holds a bundle is refused before anything is written, unless ``overwrite``."""
+    A ``bundle_out`` that already holds a bundle is refused before anything is written, unless ``overwrite``;
+    ``scan_overrides`` are :func:`rescan`'s (an unknown one is refused before anything is written too)."""
     path_argument(out, "out")
+    split_scan_overrides(scan_overrides)
     bundle_out = check_rescan_out(bundle_out or Path(out) / "bundle", overwrite)
     result = merge_checkpoint(source, adapter, out, bundle=bundle, overwrite=overwrite)
     _, meta = read_adapter(adapter)

@@ -411,7 +411,6 @@ def test_click_usage_errors_are_one_error_line_naming_the_commands_help(setup, t
         ("plan", bundle.path, "--budget"): ("Option '--budget' requires an argument.", "plan"),
         ("experiment", "continual", "--seeds"): ("Option '--seeds' requires an argument.", "experiment continual"),
         ("experiment", "bogus"): ("No such command 'bogus'.", "experiment"),
-        ("verify", bundle.path, "--exact"): ("--exact needs MODEL: the oracle is computed from its weights", "verify"),
         ("scna",): ("No such command 'scna'. Did you mean 'scan'?", ""),
         ("--bogus",): ("No such option '--bogus'.", ""),
     }
