@@ -100,18 +100,20 @@ def _once_per_job(line: str, say: Callable[[str], None], error: BaseException | 
 
 
 def _refuse_empty_arguments(prog: str, args: list[str]) -> None:
-    """One rule for an empty argument ('' or --out=), most often an unset shell variable ("$OUT"): refused, since
-    as a path it means the current directory (`scan M --out ""` wrote a bundle into it) and as any other value it
-    means nothing."""
-    words = [a for a in args if not a.startswith("-")][:1]  # the command, for the --help hint
+    """One rule for an empty or blank argument ('', '  ', --out=, --out=' '), most often an unset shell variable
+    ("$OUT"): refused, since as a path it means the current directory (`scan M --out ""` wrote a bundle into it) or
+    a directory named ' ', and as any other value it means nothing (`--target-modules " "` scanned the defaults)."""
+    words = [a for a in args if not a.startswith("-") and a.strip()][:1]  # the command, for the --help hint
     for i, arg in enumerate(args):
-        if arg.startswith("--") and arg.endswith("=") and len(arg) > 3:
-            what = f"an empty value ('') for {arg[:-1]}"
-        elif arg == "":
-            before = args[i - 1] if i > 0 else ""
-            what = f"an empty value ('') after {before}" if before else "an empty argument ('')"
-        else:
+        option, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if value.strip() or (option and not equals) or option == "--":  # a value, an option's name, "--"
             continue
+        kind = "a blank" if value else "an empty"
+        if option:
+            what = f"{kind} value ({value!r}) for {option}"
+        else:
+            before = args[i - 1] if i > 0 else ""
+            what = f"{kind} value ({arg!r}) after {before}" if before else f"{kind} argument ({arg!r})"
         hint = f"{prog} {words[0]}" if words else prog
         _error(f"{what} (an unset shell variable?); give a value, or leave it out (see {hint} --help)", 2)
 

@@ -36,12 +36,15 @@ from pathlib import Path
 _FLAG = r"(--[\w-]+(?: [\w:,.-]+)?)"
 _KEYWORD_AND_FLAG = re.compile(r'\b\w+=(?:\w+|"[^"]*") \(CLI: ' + _FLAG + r"\)")
 _FLAG_NOTE = re.compile(r"\(CLI: " + _FLAG + r"\)")
+#: An argument with its CLI argument's name: "source (CLI: MODEL)"; the CLI shows MODEL.
+_ARGUMENT_AND_NAME = re.compile(r"\b\w+ \(CLI: ([A-Z][A-Z_]*)\)")
 
 
 def cli_text(message: str) -> str:
     """A message as the CLI prints it: ``overwrite=True (CLI: --overwrite)`` -> ``--overwrite``,
-    ``device="cpu" (CLI: --device cpu)`` -> ``--device cpu``, ``(CLI: --out)`` -> ``(--out)``; the Python API keeps
-    both forms."""
+    ``device="cpu" (CLI: --device cpu)`` -> ``--device cpu``, ``(CLI: --out)`` -> ``(--out)``, ``source (CLI:
+    MODEL)`` -> ``MODEL``; the Python API keeps both forms."""
+    message = _ARGUMENT_AND_NAME.sub(r"\1", message)
     return _FLAG_NOTE.sub(r"(\1)", _KEYWORD_AND_FLAG.sub(r"\1", message))
 
 

@@ -724,12 +724,12 @@ def default_out_dir(source: str | os.PathLike) -> Path:
 
 
 def _typed_dir_name(directory: Path) -> str:
-    """A directory's name as written (``linkdir`` stays ``linkdir``); ``.`` is the working directory as the shell
-    names it (``$PWD``, when it is that directory), ``..`` and ``/`` their resolved names; a hub cache snapshot
-    gives its repo's name."""
+    """A directory's name as written (``linkdir`` stays ``linkdir``); ``.`` and ``..`` are read as the shell reads
+    them, from the working directory as it names it (``$PWD``, when it is that directory) and without following
+    links (in ``link/sub``, ``..`` is ``link``, as ``cd ..`` and the prompt say, not the link's target); ``/`` is
+    ``/``; a hub cache snapshot gives its repo's name."""
     if directory.name in ("", ".."):
-        directory = _working_dir() / directory if directory.name == "" else directory.resolve()
-        directory = Path(os.path.normpath(directory))
+        directory = Path(os.path.normpath(_working_dir() / directory))
     if directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--"):
         return directory.parent.parent.name.split("--")[-1]
     return directory.name

@@ -120,7 +120,7 @@ def verify(
     """
     if exact and source is None:
         raise ConfigError(
-            "exact=True (CLI: --exact) needs source: the oracle is computed from the checkpoint's weights"
+            "exact=True (CLI: --exact) needs source (CLI: MODEL): the oracle is computed from the model's weights"
         )
     if orthonormality_tol is not None and not (
         isinstance(orthonormality_tol, numbers.Real)

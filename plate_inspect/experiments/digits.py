@@ -17,8 +17,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plate_inspect.arguments import (
+    iterable_argument,
+    non_negative_int,
+    positive_int,
+    positive_number,
+    seed_argument,
+)
 from plate_inspect.errors import ConfigError
-from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 
 DATA_SETS = ("digits", "fashion-mnist")
 BACKBONE = ("fc1", "fc2", "fc3")
@@ -132,14 +139,27 @@ def train(
     ``progress`` gets one event per Adam step (unit "steps", labelled with the epoch). Returns the number of steps
     taken.
     """
+    from plate_inspect.train.layer import model_argument
+
+    model_argument(model, "train")
+    params = list(iterable_argument(params, "train: params", "parameters (list(model.parameters()))"))
+    if not params or not all(isinstance(p, torch.Tensor) for p in params):
+        raise ConfigError(f"train: params must be a non-empty list of parameters, got {params!r:.80}")
+    if not isinstance(task, Task):
+        raise ConfigError(f"train: task must be a Task (load_tasks gives them), got {task!r:.80}")
+    positive_int(task_id, "train: task_id")
+    batch_size = positive_int(batch_size, "train: batch_size")  # -1 was an endless loop (range(0, n, -1) is empty)
+    lr = positive_number(lr, "train: lr")
+    seed = seed_argument(seed)
+    progress = as_callback(progress, "train")
+    if penalty is not None and not callable(penalty):
+        raise ConfigError(f"train: penalty must be a function returning a loss term, or None, got {penalty!r:.80}")
     if steps is not None and epochs is None:
-        total = steps
+        total = non_negative_int(steps, "train: steps")
     elif epochs is not None and steps is None:
-        total = epochs * task.steps_per_epoch(batch_size)
+        total = non_negative_int(epochs, "train: epochs") * task.steps_per_epoch(batch_size)
     else:
         raise ConfigError("train: give exactly one of epochs and steps")
-    if total < 0:
-        raise ConfigError(f"train: steps must be >= 0, got {total}")
     opt = torch.optim.Adam(params, lr=lr)
     g = torch.Generator().manual_seed(seed)
     n = task.x_train.shape[0]
@@ -179,6 +199,8 @@ def train_stage1(
     one event per Adam step."""
     if not isinstance(task1, Task):  # was AttributeError: 'NoneType' object has no attribute 'd_in'
         raise ConfigError(f"task1 must be a Task (load_tasks gives them), got {task1!r:.80}")
+    seed = seed_argument(seed)
+    n_tasks = positive_int(n_tasks, "train_stage1: n_tasks")
     torch.manual_seed(seed)
     model = DigitsMLP(d_in=task1.d_in, n_classes=int(task1.y_train.max()) + 1, n_tasks=n_tasks)
     params = [p for n, p in model.named_parameters() if n.split(".")[0] in (*BACKBONE, "head1")]

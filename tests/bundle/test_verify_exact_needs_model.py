@@ -11,8 +11,8 @@ from plate_inspect.cli.main import cli
 from plate_inspect.errors import ConfigError
 from plate_inspect.testing.synthetic import write_llama_like
 
-API_LINE = "exact=True (CLI: --exact) needs source: the oracle is computed from the checkpoint's weights"
-CLI_LINE = "error: --exact needs source: the oracle is computed from the checkpoint's weights\n"
+API_LINE = "exact=True (CLI: --exact) needs source (CLI: MODEL): the oracle is computed from the model's weights"
+CLI_LINE = "error: --exact needs MODEL: the oracle is computed from the model's weights\n"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,14 @@ def test_the_api_and_the_cli_say_the_same_line(bundle):
             cli, ["verify", str(bundle.path), "--exact", *extra], prog_name="plate-inspect", catch_exceptions=False
         )
         assert (result.exit_code, result.stdout, result.stderr) == (2, "", CLI_LINE)
+
+
+def test_cli_text_shows_an_arguments_cli_name():
+    from plate_inspect.errors import cli_text
+
+    assert cli_text("exact=True (CLI: --exact) needs source (CLI: MODEL): x") == "--exact needs MODEL: x"
+    assert cli_text("bundle (CLI: BUNDLE) and out (CLI: --out)") == "BUNDLE and out (--out)"
+    assert cli_text("a note (CLI: lower) stays") == "a note (CLI: lower) stays"  # only an argument's NAME
 
 
 def test_the_cli_has_no_check_of_its_own(monkeypatch, bundle):
