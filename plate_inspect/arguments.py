@@ -21,6 +21,18 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def real_value(value: object) -> float:
+    """``value`` as a float when it is a real number (not a bool), NaN when it is not one, and +-inf for an int or
+    Fraction beyond float's range (``10**400``: ``float()`` raises OverflowError there), so that one finiteness
+    test refuses all of them."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def bool_argument(value: object, argument: str) -> bool:
     """``value`` when it is True or False, else a ConfigError naming ``argument`` (``"no"`` and ``[]`` were read by
     truth value: ``overwrite="no"`` replaced the output, ``merge="no"`` merged)."""
@@ -65,18 +77,17 @@ def finite_numbers(values: object, argument: str, empty: bool = False) -> list[f
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise ConfigError(f"{argument} must be a list of finite numbers (e.g. [0, 0.5, 1]), got {values!r:.80}")
     items = list(values)
-    if (not items and not empty) or not all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in items
-    ):
+    if (not items and not empty) or not all(math.isfinite(real_value(v)) for v in items):
         raise ConfigError(f"{argument} must be a list of finite numbers (e.g. [0, 0.5, 1]), got {items!r:.80}")
     return [float(v) for v in items]
 
 
 def non_negative_number(value: object, argument: str) -> float:
     """``value`` as a finite float >= 0, else a ConfigError naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value >= 0):
+    number = real_value(value)
+    if not (math.isfinite(number) and number >= 0):
         raise ConfigError(f"{argument} must be a finite number >= 0, got {value!r:.80}")
-    return float(value)
+    return number
 
 
 def text_argument(value: object, argument: str, example: str) -> str:
@@ -89,9 +100,10 @@ def text_argument(value: object, argument: str, example: str) -> str:
 
 def positive_number(value: object, argument: str) -> float:
     """``value`` as a finite float > 0 (a learning rate, a scale), else a ConfigError naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+    number = real_value(value)
+    if not (math.isfinite(number) and number > 0):
         raise ConfigError(f"{argument} must be a positive finite number, got {value!r:.80}")
-    return float(value)
+    return number
 
 
 def iterable_argument(value: Any, argument: str, what: str) -> Any:

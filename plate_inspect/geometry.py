@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from plate_inspect._lapack_nogil import (
     tridiagonal_eigenvectors,
     tridiagonalize,
 )
+from plate_inspect.arguments import real_value
 from plate_inspect.errors import ConfigError
 
 #: tau values at which every module's k is recorded, for k(tau) curves in reports.
@@ -716,8 +716,8 @@ def validate_settings(
     """Reject out-of-range PLATE settings with a message that says what is allowed."""
     if not isinstance(r, int) or r < 1:
         raise ConfigError(f"r must be a positive integer, got {r!r}")
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 0.0 < float(tau) < 1.0:
-        raise ConfigError(f"tau must lie strictly between 0 and 1, got {tau!r}")
+    if not 0.0 < real_value(tau) < 1.0:
+        raise ConfigError(f"tau must lie strictly between 0 and 1, got {tau!r:.80}")
     if not isinstance(max_rank, int) or max_rank < 1:
         raise ConfigError(f"max_rank must be a positive integer, got {max_rank!r}")
     if not isinstance(n_anchors, int) or n_anchors < 1:

@@ -18,7 +18,6 @@ import contextlib
 import errno
 import json
 import math
-import numbers
 import os
 import statistics
 from collections.abc import Iterable, Iterator
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from plate_inspect.arguments import MAX_SEED, is_integer
+from plate_inspect.arguments import MAX_SEED, is_integer, real_value
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason, path_argument
 from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
@@ -105,12 +104,7 @@ class ContinualSettings:
         """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
         be counted as a second seed: a fake confidence interval)."""
         check_data_root(self.data, self.data_root)
-        lr = math.nan
-        if isinstance(self.lr, numbers.Real) and not isinstance(self.lr, bool):
-            try:
-                lr = float(self.lr)
-            except OverflowError:  # an int or Fraction beyond float's range (10**400): not finite either
-                lr = math.inf
+        lr = real_value(self.lr)
         if not (math.isfinite(lr) and lr > 0):
             raise ConfigError(f"lr must be a positive finite number (Adam's step size, e.g. 1e-3), got {self.lr!r:.80}")
         for what, value in (("batch_size", self.batch_size), ("max_rank", self.max_rank)):

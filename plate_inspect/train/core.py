@@ -17,24 +17,19 @@ The backward picks independently: grad A = Z^T g (``z``: Z saved or recomputed) 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from plate_inspect.arguments import real_value
 from plate_inspect.bundle import geometry_digest as geometry_digest  # re-exported: trainers digest B/Q with it
 from plate_inspect.errors import BundleError, ConfigError
 
 
 def check_rho(rho: object) -> float:
     """rho as a float; ConfigError unless it is a real number, finite and > 0 (shared by every PLATE entry point)."""
-    value = math.nan
-    if isinstance(rho, numbers.Real) and not isinstance(rho, bool):
-        try:
-            value = float(rho)
-        except OverflowError:  # an int or Fraction beyond float's range (10**400): not finite either
-            value = math.inf
+    value = real_value(rho)
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"rho must be a positive finite number (the update's scale, e.g. 0.5), got {rho!r:.80}")
     return value

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import helpers_train
 import pytest
 
+from plate_inspect.arguments import finite_numbers, non_negative_number, positive_number, real_value
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments.continual import ContinualSettings
+from plate_inspect.geometry import validate_settings
 from plate_inspect.plan import Allocation
 from plate_inspect.train.core import check_rho
 from plate_inspect.train.layer import apply_bundle
@@ -53,3 +56,31 @@ def test_continual_lr_beyond_float_range_is_a_config_error():
     with pytest.raises(ConfigError, match="lr must be a positive finite number"):
         ContinualSettings(lr=10**400).validate()
     ContinualSettings(lr=Fraction(1, 1000)).validate()  # an ordinary Real still passes
+
+
+BEYOND_FLOAT = [10**400, -(10**400), Fraction(10**400, 3)]
+
+
+@pytest.mark.parametrize("value", BEYOND_FLOAT)
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda v: validate_settings(r=4, tau=v, max_rank=8),
+        lambda v: non_negative_number(v, "beta"),
+        lambda v: positive_number(v, "lr"),
+        lambda v: finite_numbers([0.5, v], "rhos"),
+    ],
+    ids=["tau", "non_negative_number", "positive_number", "finite_numbers"],
+)
+def test_numbers_beyond_float_range_are_a_config_error_in_every_number_check(check, value):
+    """``float(10**400)`` raises OverflowError; every number check reads such a value as not finite (one rule,
+    arguments.real_value) and says so in one line, the value cut to 80 characters."""
+    with pytest.raises(ConfigError) as caught:
+        check(value)
+    assert len(str(caught.value)) < 200
+
+
+def test_real_value_keeps_ordinary_numbers_and_marks_the_rest():
+    assert real_value(Fraction(1, 2)) == 0.5 and real_value(3) == 3.0
+    assert real_value(10**400) == math.inf and real_value(-(10**400)) == -math.inf
+    assert all(math.isnan(real_value(v)) for v in (True, "0.5", None, [1]))
