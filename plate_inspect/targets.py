@@ -272,10 +272,16 @@ def target_matches(target: TargetModule, patterns: str | Iterable[str]) -> bool:
     return any(_matches(n, p) for p in name_list(patterns) for n in names)
 
 
-def name_list(names: str | Iterable[str]) -> list[str]:
+def name_list(names: str | Iterable[str], argument: str = "names") -> list[str]:
     """Module, parameter or pattern names as a list; one string is one name (iterating it would give one-character
-    names: ``"10"`` would pick layers 1 and 0, ``"q_proj"`` the patterns q, _, p, ...)."""
-    return [names] if isinstance(names, str) else list(names)
+    names: ``"10"`` would pick layers 1 and 0, ``"q_proj"`` the patterns q, _, p, ...). Anything else (a number,
+    None, bytes, a list holding a non-string) is a ConfigError naming ``argument``: bytes would be read as numbers."""
+    if isinstance(names, str):
+        return [names]
+    items = None if isinstance(names, (bytes, bytearray)) or not isinstance(names, Iterable) else list(names)
+    if items is None or not all(isinstance(name, str) for name in items):
+        raise ConfigError(f"{argument} must be a name or a list of names, got {names!r:.80}")
+    return items
 
 
 def check_target_patterns(patterns: str | Iterable[str] | None) -> None:

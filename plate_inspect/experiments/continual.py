@@ -203,7 +203,7 @@ def seed_list(seeds: int | Iterable[int]) -> list[int]:
     """``seeds`` as a list (a count K -> 0..K-1): distinct integers in [0, 2^63), at most MAX_SEEDS, else ConfigError
     (a seed listed twice would be summarised as two seeds; a count of 10^11 would exhaust memory planning it)."""
     neither = "seeds must be a count or a list of integers, got {!r}"
-    if isinstance(seeds, bool):  # an int to Python, but not a count anyone means
+    if isinstance(seeds, (bool, str, bytes, bytearray)):  # bool: an int, but no count; bytes would iterate as ints
         raise ConfigError(neither.format(seeds))
     if isinstance(seeds, int):
         if seeds > MAX_SEEDS:

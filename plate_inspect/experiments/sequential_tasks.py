@@ -225,7 +225,7 @@ def run_sequential(
     2..4 of every (seed, method); those of kept runs count as done in the opening event).
     """
     path_argument(out, "out")
-    names = name_list(methods)  # one string is one method (it was iterated: the methods p, l, a, t, e)
+    names = name_list(methods, "methods")  # one string is one method (it was iterated: the methods p, l, a, t, e)
     unknown = [m for m in names if m not in SEQUENTIAL_METHODS]
     if not names or unknown:
         got = f"unknown method '{unknown[0]}'" if unknown else "no methods given"

@@ -147,3 +147,31 @@ def test_positive_number_and_bool_argument():
     for bad in ("no", 0, 1, None):
         with pytest.raises(ConfigError, match=rf"^merge must be True or False, got {bad!r}$"):
             bool_argument(bad, "merge")
+
+
+@pytest.mark.parametrize("seeds", [b"x", bytearray(b"\x01"), "5"])
+def test_seeds_given_as_bytes_or_text_are_refused_not_read_as_numbers(seeds, tmp_path):
+    """``b'x'`` iterated as the seed 120 and the whole experiment ran with it; now one ConfigError, before any
+    training, in the continual and the sequential experiment alike (one rule, continual.seed_list)."""
+    from plate_inspect.experiments.continual import seed_list
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+
+    with pytest.raises(ConfigError, match="seeds must be a count or a list of integers"):
+        seed_list(seeds)
+    with pytest.raises(ConfigError, match="seeds must be a count or a list of integers"):
+        run_sequential(tmp_path / "seq", ["plate"], seeds=seeds, steps=2)
+    assert not (tmp_path / "seq" / "sequential.json").exists()
+
+
+@pytest.mark.parametrize("names", [None, 3, b"q_proj", ["q_proj", 1]])
+def test_names_that_are_not_strings_are_one_config_error(names, tmp_path):
+    """targets.name_list serves every list of names (target modules, methods): a number or None was a TypeError
+    from deep inside, bytes became a list of numbers."""
+    from plate_inspect.experiments.sequential_tasks import run_sequential
+    from plate_inspect.targets import name_list
+
+    with pytest.raises(ConfigError, match="names must be a name or a list of names"):
+        name_list(names)
+    with pytest.raises(ConfigError, match="methods must be a name or a list of names"):
+        run_sequential(tmp_path / "seq", names, seeds=1, steps=2)
+    assert name_list("q_proj") == ["q_proj"] and name_list(("a", "b")) == ["a", "b"]
