@@ -249,7 +249,7 @@ def test_plan_with_a_zero_r_module_is_optimal_by_brute_force(gate_bundle, object
     import itertools
 
     from click.testing import CliRunner
-    from conftest import load_all
+    from oracles import load_all
 
     from plate_inspect.cli.main import cli
     from plate_inspect.plan import plan_budget

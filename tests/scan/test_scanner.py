@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import dense_oracle, load_all
+from oracles import dense_oracle, load_all
 from safetensors.torch import load_file, save_file
 
 import plate_inspect
@@ -1071,7 +1071,7 @@ def test_scan_plan_and_checkpoint_reprs_are_one_short_line(tmp_path):
     """QA: a ScanPlan's repr (in a REPL) printed every tensor of the checkpoint. ScanPlan and Checkpoint now show
     one line: the source, the tensor count (counted here with safetensors' own loader), the target count and the
     settings, and no tensor name."""
-    from conftest import load_all
+    from oracles import load_all
 
     from plate_inspect.scanner import ScanSettings, plan_scan
     from plate_inspect.testing.synthetic import write_llama_like
