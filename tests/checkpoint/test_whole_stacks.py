@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_layers_stacks import STACKS, _one_line_error, _run, _want, models  # noqa: F401 (models: a fixture)
+from test_layers_stacks import STACKS, _one_line_error, _run, _want
 
 import plate_inspect
 from plate_inspect.bundle import Bundle, ScanSettings
@@ -26,7 +26,7 @@ def _stack(layers: dict, stack: str) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
-def test_a_whole_stack_is_every_layer_of_it(models, family, tmp_path):  # noqa: F811
+def test_a_whole_stack_is_every_layer_of_it(models, family, tmp_path):
     path, layers = models[family]
     decoder = _want(layers, *_stack(layers, "decoder"))
     for i, spelling in enumerate(("decoder", "decoder:*", STACKS[family]["decoder"][0])):
@@ -40,7 +40,7 @@ def test_a_whole_stack_is_every_layer_of_it(models, family, tmp_path):  # noqa: 
     assert sorted(plain.modules) == _want(layers, *_stack(layers, "encoder"), ("decoder", 2))
 
 
-def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):  # noqa: F811
+def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):
     path, layers = models["t5"]
     decoder = _want(layers, *_stack(layers, "decoder"))
     code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers", "decoder",
@@ -74,7 +74,7 @@ def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):  # noqa: F
         plate_inspect.audit(path, path, again, layers=["encoder"])
 
 
-def test_an_unknown_whole_stack_is_a_one_line_error(models, qwen_ckpt, tmp_path):  # noqa: F811
+def test_an_unknown_whole_stack_is_a_one_line_error(models, qwen_ckpt, tmp_path):
     t5, _ = models["t5"]
     out = tmp_path / "b"
     _one_line_error(["scan", t5, "--out", out, "--layers", "middle", "-q"], "--layers middle: no layer stack 'middle'",
@@ -89,7 +89,7 @@ def test_an_unknown_whole_stack_is_a_one_line_error(models, qwen_ckpt, tmp_path)
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
-def test_report_rows_of_a_one_stack_bundle_name_the_stack(models, family, tmp_path):  # noqa: F811
+def test_report_rows_of_a_one_stack_bundle_name_the_stack(models, family, tmp_path):
     """A report of one stack's layers labels each module's row as a report of the whole model does ('decoder 1',
     not '1', which would not tell the encoder's layer 1 from the decoder's)."""
     path, layers = models[family]
@@ -108,7 +108,7 @@ def test_report_rows_of_a_one_stack_bundle_name_the_stack(models, family, tmp_pa
     assert plain.rows == ["encoder 1", "decoder 1"]
 
 
-def test_stack_selections_are_format_version_2_that_older_readers_refuse(models, tmp_path):  # noqa: F811
+def test_stack_selections_are_format_version_2_that_older_readers_refuse(models, tmp_path):
     """Versions before stack entries read ``layers`` as ints (a ValueError traceback on 'decoder:1') but first refuse
     any format_version other than 1: a bundle with stack entries says version 2; every other bundle stays 1."""
     path, layers = models["bart"]
@@ -131,7 +131,7 @@ def test_stack_selections_are_format_version_2_that_older_readers_refuse(models,
         Bundle.load(tmp_path / "s")
 
 
-def test_audit_report_rows_of_one_stack_name_the_stack(models, tmp_path):  # noqa: F811
+def test_audit_report_rows_of_one_stack_name_the_stack(models, tmp_path):
     """The audit page's heatmap, for an audit narrowed to one stack (``--layers decoder:1``), labels its rows as an
     audit of the whole model does ('decoder 1', not '1')."""
     from plate_inspect.reports.audit import audit_figures
@@ -153,7 +153,7 @@ def _layer_of(name: str) -> int:
     return int(name.split(".")[2])
 
 
-def test_a_layers_string_is_refused_not_read_as_its_characters(qwen_ckpt, models, tmp_path):  # noqa: F811
+def test_a_layers_string_is_refused_not_read_as_its_characters(qwen_ckpt, models, tmp_path):
     """``layers="10"`` used to be iterated character by character: layers 1 and 0, i.e. the whole model, without a
     word; ``layers="decoder"`` gave "no layer stack 'd'". A string must be a spec expanded by parse_layers."""
     for spec in ("10", "1"):
@@ -173,7 +173,7 @@ def test_a_layers_string_is_refused_not_read_as_its_characters(qwen_ckpt, models
     assert sorted(r.module for r in records) == decoder
 
 
-def test_info_names_the_layer_selection(models, qwen_ckpt, tmp_path):  # noqa: F811
+def test_info_names_the_layer_selection(models, qwen_ckpt, tmp_path):
     """``info`` of a bundle of one stack used to read like one of the whole model ('targets: defaults for ...')."""
     bart, layers = models["bart"]
     for spelling, shown in (("decoder", "decoder"), ("encoder,decoder:0-1", "decoder:0,decoder:1,encoder")):
@@ -190,7 +190,7 @@ def test_info_names_the_layer_selection(models, qwen_ckpt, tmp_path):  # noqa: F
     assert "layers" not in line  # no selection: nothing added
 
 
-def test_layers_there_names_the_stack_of_a_one_stack_selection(models):  # noqa: F811
+def test_layers_there_names_the_stack_of_a_one_stack_selection(models):
     """A decoder-only bundle's layers, in an error about a selection keeping none of them, read 'decoder 0-2' where
     the model has two stacks (they read '0-2': layers 0-2 of both stacks, which the bundle does not hold)."""
     from plate_inspect.targets import layers_there
@@ -222,7 +222,7 @@ def test_a_one_layer_stack_is_described_in_the_singular(tmp_path):
     assert code == 2 and "(vision_tower.vision_model.encoder.layers) has 1 layer (0), no layer 3" in output, output
 
 
-def test_audit_error_names_the_stack_a_one_stack_bundle_holds(models, tmp_path):  # noqa: F811
+def test_audit_error_names_the_stack_a_one_stack_bundle_holds(models, tmp_path):
     """(needs /work/notes/qa16-auditing.py.patch) ``audit --bundle <decoder bundle> --layers encoder``: the error
     names the bundle's layers as 'decoder 0-2' (it said '0-2')."""
     bart, _ = models["bart"]

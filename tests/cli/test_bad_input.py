@@ -207,15 +207,6 @@ def _mount_tmpfs(path: Path, options: str) -> bool:
     return proc.returncode == 0
 
 
-@pytest.fixture
-def mounts():
-    """Mount points made by a test, unmounted afterwards (lazily, so a failing test cannot leave one behind)."""
-    made: list[Path] = []
-    yield made
-    for path in reversed(made):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def _leftovers(out: Path) -> list[str]:
     """Temp files, or part files that safetensors cannot read completely: what a failed write must not leave."""
     from safetensors import safe_open
