@@ -1,5 +1,6 @@
 """Independent oracles shared by tests in several directories: every tensor of a checkpoint read with safetensors'
-own loader, and PLATE's geometry computed by its definition in dense float64 numpy (neither uses plate_inspect)."""
+own loader, PLATE's geometry computed by its definition in dense float64 numpy (neither uses plate_inspect), and
+byte-identity of two bundles (a scan compared with a reference scan of the same weights)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,11 @@ def dense_oracle(w: np.ndarray, r: int, tau: float, max_rank: int, n_anchors: in
     m = int(np.argmax(np.cumsum(desc) >= tau * total)) + 1 if total > 0 else 0
     k = max(1, min(d_in - m, max_rank))
     return scores, b, evals, k, gram
+
+
+def assert_same_bundle(a: Path, b: Path) -> None:
+    """Every bundle file (all but the run statistics) byte-identical in two directories."""
+    names = sorted(p.name for p in a.iterdir() if p.name != "scan_stats.json")
+    assert names == sorted(p.name for p in b.iterdir() if p.name != "scan_stats.json")
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name

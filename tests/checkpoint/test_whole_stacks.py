@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_layers_stacks import STACKS, _one_line_error, _run, _want
+from helpers_cli import run_cli
+from test_layers_stacks import STACKS, _one_line_error, _want
 
 import plate_inspect
 from plate_inspect.bundle import Bundle, ScanSettings
@@ -43,28 +44,28 @@ def test_a_whole_stack_is_every_layer_of_it(models, family, tmp_path):
 def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):
     path, layers = models["t5"]
     decoder = _want(layers, *_stack(layers, "decoder"))
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers", "decoder",
-                        "-q")  # fmt: skip
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers", "decoder",
+                           "-q")  # fmt: skip
     assert code == 0, output
     assert sorted(Bundle.load(tmp_path / "b").modules) == decoder
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["config"]["layers"] == ["decoder"]
     # the same spelling resumes; an equivalent one plans the same modules and goes on with the bundle's spelling
     for spelling in ("decoder", "decoder:*", "decoder:0-2", "decoder.block"):
-        code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
-                            spelling, "-q")  # fmt: skip
+        code, output = run_cli("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
+                               spelling, "-q")  # fmt: skip
         assert code == 0, (spelling, output)
         again = Bundle.load(tmp_path / "b")
         assert again.settings.layers == ("decoder",) and again.stats()["modules_resumed"] == len(decoder), spelling
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
-                        "decoder:0-1", "-q")  # fmt: skip
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
+                           "decoder:0-1", "-q")  # fmt: skip
     assert code != 0 and "other settings" in output, output
     # audit, without and with a bundle, CLI and API
-    code, output = _run("audit", path, path, "--r", "4", "--layers", "encoder", "--json")
+    code, output = run_cli("audit", path, path, "--r", "4", "--layers", "encoder", "--json")
     assert code == 0, output
     assert sorted(r["module"] for r in json.loads(output)) == _want(layers, *_stack(layers, "encoder"))
     whole = plate_inspect.scan(path, tmp_path / "all", r=4, max_rank=16)
-    code, output = _run("audit", path, path, "--bundle", whole.path, "--layers", "decoder,encoder:1", "--json")
+    code, output = run_cli("audit", path, path, "--bundle", whole.path, "--layers", "decoder,encoder:1", "--json")
     assert code == 0, output
     assert sorted(r["module"] for r in json.loads(output)) == sorted(decoder + _want(layers, ("encoder", 1)))
     records = plate_inspect.audit(path, path, whole, layers=["decoder:*"])
@@ -142,7 +143,7 @@ def test_audit_report_rows_of_one_stack_name_the_stack(models, tmp_path):
     assert [r for r in full if r.startswith("decoder ")] == ["decoder 0", "decoder 1", "decoder 2"]
     for spelling, want in (("decoder:1", ["decoder 1"]), ("decoder", ["decoder 0", "decoder 1", "decoder 2"])):
         page = tmp_path / f"{spelling.replace(':', '_')}.html"
-        code, output = _run("audit", path, path, "--r", "4", "--layers", spelling, "--report", page, "-q")
+        code, output = run_cli("audit", path, path, "--r", "4", "--layers", spelling, "--report", page, "-q")
         assert code == 0, output
         heat = json.loads(page.read_text().split("const figs=")[1].split(";for (const")[0])["heatmap"]
         assert heat["data"][0]["y"] == want, spelling
@@ -178,15 +179,15 @@ def test_info_names_the_layer_selection(models, qwen_ckpt, tmp_path):
     bart, layers = models["bart"]
     for spelling, shown in (("decoder", "decoder"), ("encoder,decoder:0-1", "decoder:0,decoder:1,encoder")):
         out = tmp_path / spelling.replace(",", "_").replace(":", "")
-        code, output = _run("scan", bart, "--out", out, "--r", "4", "--max-rank", "16", "--layers", spelling, "-q")
+        code, output = run_cli("scan", bart, "--out", out, "--r", "4", "--max-rank", "16", "--layers", spelling, "-q")
         assert code == 0, output
-        code, output = _run("info", out)
+        code, output = run_cli("info", out)
         assert code == 0, output
         line = next(x for x in output.splitlines() if x.startswith("targets:"))
         assert line == f"targets: defaults for model_type 'bart'; layers {shown}", output
-    code, output = _run("scan", qwen_ckpt.path, "--out", tmp_path / "q", "--r", "4", "--max-rank", "16", "-q")
+    code, output = run_cli("scan", qwen_ckpt.path, "--out", tmp_path / "q", "--r", "4", "--max-rank", "16", "-q")
     assert code == 0, output
-    line = next(x for x in _run("info", tmp_path / "q")[1].splitlines() if x.startswith("targets:"))
+    line = next(x for x in run_cli("info", tmp_path / "q")[1].splitlines() if x.startswith("targets:"))
     assert "layers" not in line  # no selection: nothing added
 
 
@@ -215,10 +216,10 @@ def test_a_one_layer_stack_is_described_in_the_singular(tmp_path):
     with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
         vision = {k.split(".")[4] for k in f.keys() if k.startswith("vision_tower.vision_model.encoder.layers.")}  # noqa: SIM118
     assert vision == {"0"}
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--layers", "middle", "-q")
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--layers", "middle", "-q")
     assert code == 2 and "(vision_tower.vision_model.encoder.layers, 1 layer: 0)" in output, output
     assert "2 layers: 0-1" in output, output
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--layers", "vision_tower:3", "-q")
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--layers", "vision_tower:3", "-q")
     assert code == 2 and "(vision_tower.vision_model.encoder.layers) has 1 layer (0), no layer 3" in output, output
 
 
@@ -226,8 +227,8 @@ def test_audit_error_names_the_stack_a_one_stack_bundle_holds(models, tmp_path):
     """(needs /work/notes/qa16-auditing.py.patch) ``audit --bundle <decoder bundle> --layers encoder``: the error
     names the bundle's layers as 'decoder 0-2' (it said '0-2')."""
     bart, _ = models["bart"]
-    code, output = _run("scan", bart, "--out", tmp_path / "d", "--r", "4", "--max-rank", "16", "--layers", "decoder",
-                        "-q")  # fmt: skip
+    code, output = run_cli("scan", bart, "--out", tmp_path / "d", "--r", "4", "--max-rank", "16", "--layers", "decoder",
+                           "-q")  # fmt: skip
     assert code == 0, output
-    code, output = _run("audit", bart, bart, "--bundle", tmp_path / "d", "--layers", "encoder")
+    code, output = run_cli("audit", bart, bart, "--bundle", tmp_path / "d", "--layers", "encoder")
     assert code == 2 and output.rstrip().endswith("its layers: decoder 0-2"), output

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_bad_input import assert_user_error, run_cli
+from helpers_cli import run_cli
+from test_bad_input import assert_user_error
 
 import plate_inspect
 from plate_inspect.cli.main import cli

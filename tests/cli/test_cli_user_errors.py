@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_bad_input import _mount_tmpfs, assert_user_error, run_cli
+from helpers_cli import run_cli
+from test_bad_input import _mount_tmpfs, assert_user_error
 
 from plate_inspect import scan
 from plate_inspect.cli.main import cli
