@@ -1,13 +1,13 @@
-"""Shared fixtures: generated checkpoints with real HF layouts, the real embedded MiniLM, and oracles."""
+"""Session fixtures for every test: generated checkpoints with real HF layouts and the real embedded MiniLM.
+
+Shared helpers live in modules beside this file (oracles, helpers_train, ...), not here: a test module cannot
+import from conftest once subdirectories have their own conftest.py (pytest imports each as ``conftest``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from plate_inspect.testing.synthetic import write_bert, write_gpt2, write_llama_like
 
@@ -35,36 +35,3 @@ def minilm_dir() -> Path:
     from plate_inspect.embedded import default_model_path
 
     return default_model_path()
-
-
-def load_all(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint dir, read with safetensors' own loader (independent of plate_inspect)."""
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def dense_oracle(w: np.ndarray, r: int, tau: float, max_rank: int, n_anchors: int = 256):
-    """PLATE by definition, dense float64 numpy: scores, B, eigenvalues of G (ascending), k."""
-    w = np.asarray(w, dtype=np.float64)
-    d_out, d_in = w.shape
-    norms = np.linalg.norm(w, axis=1)
-    unit = w / np.where(norms > 0, norms, 1.0)[:, None]
-    n = min(n_anchors, d_out)
-    anchors = [(i * d_out) // n for i in range(n)]
-    cos = np.abs(unit @ unit[anchors].T)
-    scores = np.zeros(d_out)
-    for i in range(d_out):
-        others = [c for c, a in enumerate(anchors) if a != i]
-        scores[i] = cos[i, others].mean() if others else 0.0
-    r_eff = min(r, int(np.floor(0.9 * d_out)))
-    b = np.sort(np.argsort(-scores, kind="stable")[:r_eff])
-    frozen = np.delete(w, b, axis=0)
-    gram = frozen.T @ frozen
-    evals = np.clip(np.linalg.eigvalsh(gram), 0, None)  # ascending, length d_in
-    desc = evals[::-1]
-    total = desc.sum()
-    m = int(np.argmax(np.cumsum(desc) >= tau * total)) + 1 if total > 0 else 0
-    k = max(1, min(d_in - m, max_rank))
-    return scores, b, evals, k, gram

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import dense_oracle, load_all
 from helpers_train import BACKBONE, digits_bundle, digits_checkpoint, randomize_adapters
+from oracles import dense_oracle, load_all
 from safetensors.torch import save_file
 
 from plate_inspect import scan

@@ -9,7 +9,7 @@ import shutil
 
 import torch
 from click.testing import CliRunner
-from conftest import load_all
+from oracles import load_all
 from safetensors.torch import save_file
 
 from plate_inspect.auditing import audit, table_cells

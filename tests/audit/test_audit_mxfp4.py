@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import dense_oracle
+from oracles import dense_oracle
 from safetensors.torch import load_file, save_file
 from test_audit_fp8 import TAU, oracle, run_json
 

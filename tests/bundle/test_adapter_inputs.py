@@ -7,7 +7,7 @@ import json
 
 import torch
 from click.testing import CliRunner
-from conftest import load_all
+from oracles import load_all
 from safetensors.torch import save_file
 
 from plate_inspect.cli.main import cli

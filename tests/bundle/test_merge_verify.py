@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import load_all
 from helpers_train import dense_plate_weight, randomize_adapters, skeleton
+from oracles import load_all
 from safetensors.torch import load_file, save_file
 
 from plate_inspect import scan, verify

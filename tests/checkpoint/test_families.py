@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import dense_oracle, load_all
+from oracles import dense_oracle, load_all
 
 import plate_inspect
 from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header

@@ -15,8 +15,7 @@ import os
 import shlex
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -113,18 +112,6 @@ class StandInHub(BaseHTTPRequestHandler):
         return self._error(404)
 
     do_GET = do_HEAD = do_POST = _route
-
-
-@pytest.fixture
-def hub():
-    """The stand-in hub on 127.0.0.1 (a free port), with its request log; stopped after the test."""
-    StandInHub.requests = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), StandInHub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
 
 
 _SCRIPT = """

@@ -24,7 +24,7 @@ import torch
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import load_file, save, save_file
-from test_hub import COMMIT, StandInHub, endpoint_of, hub, open_in_fresh_process  # noqa: F401 - hub: its fixture
+from test_hub import COMMIT, StandInHub, endpoint_of, open_in_fresh_process
 
 from plate_inspect import scan
 from plate_inspect.checkpoint import INDEX_FILE, hub_weight_files
@@ -70,7 +70,7 @@ def _mistral_files(with_single: bool) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("with_single", [False, True], ids=["shards+consolidated", "model.safetensors+shards"])
-def test_download_fetches_only_the_files_the_reader_opens(hub, tmp_path, monkeypatch, with_single):  # noqa: F811
+def test_download_fetches_only_the_files_the_reader_opens(hub, tmp_path, monkeypatch, with_single):
     files = _mistral_files(with_single)
     monkeypatch.setattr(test_hub, "FILES", files)  # the stand-in serves this repo as org/model
     home = tmp_path / "hf-home"

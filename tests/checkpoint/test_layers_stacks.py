@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from click.testing import CliRunner
+from helpers_cli import run_cli
 
 import plate_inspect
 from plate_inspect.bundle import Bundle, ScanSettings
-from plate_inspect.cli.main import cli
 from plate_inspect.errors import ConfigError
 from plate_inspect.targets import parse_layers
 
@@ -25,52 +23,12 @@ STACKS = {
 }
 
 
-def _build(family: str, path):
-    import transformers as t
-
-    torch.manual_seed(0)
-    if family == "t5":
-        config = t.T5Config(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
-                            vocab_size=64)  # fmt: skip
-        model = t.T5ForConditionalGeneration(config)
-    else:
-        config = t.BartConfig(d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-                              decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=64,
-                              max_position_embeddings=64)  # fmt: skip
-        model = t.BartForConditionalGeneration(config)
-    model.save_pretrained(path)
-    return model
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(path, {(stack, i): the names of the nn.Linear modules transformers built in that stack's layer i})."""
-    out = {}
-    for family, stacks in STACKS.items():
-        path = tmp_path_factory.mktemp(family) / "model"
-        model = _build(family, path)
-        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        layers = {
-            (stack, i): sorted(n for n in linears if n.startswith(f"{prefix}.{i}."))
-            for stack, (prefix, count) in stacks.items()
-            for i in range(count)
-        }
-        assert all(layers.values())
-        out[family] = (path, layers)
-    return out
-
-
 def _want(layers: dict, *keys: tuple[str, int]) -> list[str]:
     return sorted(n for key in keys for n in layers[key])
 
 
-def _run(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    return result.exit_code, result.output
-
-
 def _one_line_error(args, *needles):
-    code, output = _run(*args)
+    code, output = run_cli(*args)
     assert code == 2 and "Traceback" not in output, output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, output
@@ -109,20 +67,20 @@ def test_one_stack_is_selected_and_plain_indices_select_both(models, family, tmp
 
 def test_cli_scan_and_audit_take_a_stack(models, tmp_path):
     path, layers = models["bart"]
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers", "decoder:1",
-                        "-q")  # fmt: skip
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
+                           "decoder:1", "-q")  # fmt: skip
     assert code == 0, output
     bundle = Bundle.load(tmp_path / "b")
     assert sorted(bundle.modules) == _want(layers, ("decoder", 1))
     assert bundle.settings.layers == ("decoder:1",)
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["config"]["layers"] == ["decoder:1"]
     # audit without a bundle: the checkpoint's stacks
-    code, output = _run("audit", path, path, "--r", "4", "--layers", "encoder:0,decoder:2", "--json")
+    code, output = run_cli("audit", path, path, "--r", "4", "--layers", "encoder:0,decoder:2", "--json")
     assert code == 0, output
     assert sorted(r["module"] for r in json.loads(output)) == _want(layers, ("encoder", 0), ("decoder", 2))
     # audit with a bundle of the whole model: narrowed to one stack's layer
     whole = plate_inspect.scan(path, tmp_path / "all", r=4, max_rank=16)
-    code, output = _run("audit", path, path, "--bundle", whole.path, "--layers", "decoder:0", "--json")
+    code, output = run_cli("audit", path, path, "--bundle", whole.path, "--layers", "decoder:0", "--json")
     assert code == 0, output
     assert sorted(r["module"] for r in json.loads(output)) == _want(layers, ("decoder", 0))
     records = plate_inspect.audit(path, path, whole, layers=["encoder:1"])

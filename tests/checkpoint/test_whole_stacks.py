@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_layers_stacks import STACKS, _one_line_error, _run, _want, models  # noqa: F401 (models: a fixture)
+from helpers_cli import run_cli
+from test_layers_stacks import STACKS, _one_line_error, _want
 
 import plate_inspect
 from plate_inspect.bundle import Bundle, ScanSettings
@@ -26,7 +27,7 @@ def _stack(layers: dict, stack: str) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
-def test_a_whole_stack_is_every_layer_of_it(models, family, tmp_path):  # noqa: F811
+def test_a_whole_stack_is_every_layer_of_it(models, family, tmp_path):
     path, layers = models[family]
     decoder = _want(layers, *_stack(layers, "decoder"))
     for i, spelling in enumerate(("decoder", "decoder:*", STACKS[family]["decoder"][0])):
@@ -40,31 +41,31 @@ def test_a_whole_stack_is_every_layer_of_it(models, family, tmp_path):  # noqa: 
     assert sorted(plain.modules) == _want(layers, *_stack(layers, "encoder"), ("decoder", 2))
 
 
-def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):  # noqa: F811
+def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):
     path, layers = models["t5"]
     decoder = _want(layers, *_stack(layers, "decoder"))
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers", "decoder",
-                        "-q")  # fmt: skip
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers", "decoder",
+                           "-q")  # fmt: skip
     assert code == 0, output
     assert sorted(Bundle.load(tmp_path / "b").modules) == decoder
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["config"]["layers"] == ["decoder"]
     # the same spelling resumes; an equivalent one plans the same modules and goes on with the bundle's spelling
     for spelling in ("decoder", "decoder:*", "decoder:0-2", "decoder.block"):
-        code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
-                            spelling, "-q")  # fmt: skip
+        code, output = run_cli("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
+                               spelling, "-q")  # fmt: skip
         assert code == 0, (spelling, output)
         again = Bundle.load(tmp_path / "b")
         assert again.settings.layers == ("decoder",) and again.stats()["modules_resumed"] == len(decoder), spelling
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
-                        "decoder:0-1", "-q")  # fmt: skip
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers",
+                           "decoder:0-1", "-q")  # fmt: skip
     assert code != 0 and "other settings" in output, output
     # audit, without and with a bundle, CLI and API
-    code, output = _run("audit", path, path, "--r", "4", "--layers", "encoder", "--json")
+    code, output = run_cli("audit", path, path, "--r", "4", "--layers", "encoder", "--json")
     assert code == 0, output
     assert sorted(r["module"] for r in json.loads(output)) == _want(layers, *_stack(layers, "encoder"))
     whole = plate_inspect.scan(path, tmp_path / "all", r=4, max_rank=16)
-    code, output = _run("audit", path, path, "--bundle", whole.path, "--layers", "decoder,encoder:1", "--json")
+    code, output = run_cli("audit", path, path, "--bundle", whole.path, "--layers", "decoder,encoder:1", "--json")
     assert code == 0, output
     assert sorted(r["module"] for r in json.loads(output)) == sorted(decoder + _want(layers, ("encoder", 1)))
     records = plate_inspect.audit(path, path, whole, layers=["decoder:*"])
@@ -74,7 +75,7 @@ def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):  # noqa: F
         plate_inspect.audit(path, path, again, layers=["encoder"])
 
 
-def test_an_unknown_whole_stack_is_a_one_line_error(models, qwen_ckpt, tmp_path):  # noqa: F811
+def test_an_unknown_whole_stack_is_a_one_line_error(models, qwen_ckpt, tmp_path):
     t5, _ = models["t5"]
     out = tmp_path / "b"
     _one_line_error(["scan", t5, "--out", out, "--layers", "middle", "-q"], "--layers middle: no layer stack 'middle'",
@@ -89,7 +90,7 @@ def test_an_unknown_whole_stack_is_a_one_line_error(models, qwen_ckpt, tmp_path)
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
-def test_report_rows_of_a_one_stack_bundle_name_the_stack(models, family, tmp_path):  # noqa: F811
+def test_report_rows_of_a_one_stack_bundle_name_the_stack(models, family, tmp_path):
     """A report of one stack's layers labels each module's row as a report of the whole model does ('decoder 1',
     not '1', which would not tell the encoder's layer 1 from the decoder's)."""
     path, layers = models[family]
@@ -108,7 +109,7 @@ def test_report_rows_of_a_one_stack_bundle_name_the_stack(models, family, tmp_pa
     assert plain.rows == ["encoder 1", "decoder 1"]
 
 
-def test_stack_selections_are_format_version_2_that_older_readers_refuse(models, tmp_path):  # noqa: F811
+def test_stack_selections_are_format_version_2_that_older_readers_refuse(models, tmp_path):
     """Versions before stack entries read ``layers`` as ints (a ValueError traceback on 'decoder:1') but first refuse
     any format_version other than 1: a bundle with stack entries says version 2; every other bundle stays 1."""
     path, layers = models["bart"]
@@ -131,7 +132,7 @@ def test_stack_selections_are_format_version_2_that_older_readers_refuse(models,
         Bundle.load(tmp_path / "s")
 
 
-def test_audit_report_rows_of_one_stack_name_the_stack(models, tmp_path):  # noqa: F811
+def test_audit_report_rows_of_one_stack_name_the_stack(models, tmp_path):
     """The audit page's heatmap, for an audit narrowed to one stack (``--layers decoder:1``), labels its rows as an
     audit of the whole model does ('decoder 1', not '1')."""
     from plate_inspect.reports.audit import audit_figures
@@ -142,7 +143,7 @@ def test_audit_report_rows_of_one_stack_name_the_stack(models, tmp_path):  # noq
     assert [r for r in full if r.startswith("decoder ")] == ["decoder 0", "decoder 1", "decoder 2"]
     for spelling, want in (("decoder:1", ["decoder 1"]), ("decoder", ["decoder 0", "decoder 1", "decoder 2"])):
         page = tmp_path / f"{spelling.replace(':', '_')}.html"
-        code, output = _run("audit", path, path, "--r", "4", "--layers", spelling, "--report", page, "-q")
+        code, output = run_cli("audit", path, path, "--r", "4", "--layers", spelling, "--report", page, "-q")
         assert code == 0, output
         heat = json.loads(page.read_text().split("const figs=")[1].split(";for (const")[0])["heatmap"]
         assert heat["data"][0]["y"] == want, spelling
@@ -153,7 +154,7 @@ def _layer_of(name: str) -> int:
     return int(name.split(".")[2])
 
 
-def test_a_layers_string_is_refused_not_read_as_its_characters(qwen_ckpt, models, tmp_path):  # noqa: F811
+def test_a_layers_string_is_refused_not_read_as_its_characters(qwen_ckpt, models, tmp_path):
     """``layers="10"`` used to be iterated character by character: layers 1 and 0, i.e. the whole model, without a
     word; ``layers="decoder"`` gave "no layer stack 'd'". A string must be a spec expanded by parse_layers."""
     for spec in ("10", "1"):
@@ -173,24 +174,24 @@ def test_a_layers_string_is_refused_not_read_as_its_characters(qwen_ckpt, models
     assert sorted(r.module for r in records) == decoder
 
 
-def test_info_names_the_layer_selection(models, qwen_ckpt, tmp_path):  # noqa: F811
+def test_info_names_the_layer_selection(models, qwen_ckpt, tmp_path):
     """``info`` of a bundle of one stack used to read like one of the whole model ('targets: defaults for ...')."""
     bart, layers = models["bart"]
     for spelling, shown in (("decoder", "decoder"), ("encoder,decoder:0-1", "decoder:0,decoder:1,encoder")):
         out = tmp_path / spelling.replace(",", "_").replace(":", "")
-        code, output = _run("scan", bart, "--out", out, "--r", "4", "--max-rank", "16", "--layers", spelling, "-q")
+        code, output = run_cli("scan", bart, "--out", out, "--r", "4", "--max-rank", "16", "--layers", spelling, "-q")
         assert code == 0, output
-        code, output = _run("info", out)
+        code, output = run_cli("info", out)
         assert code == 0, output
         line = next(x for x in output.splitlines() if x.startswith("targets:"))
         assert line == f"targets: defaults for model_type 'bart'; layers {shown}", output
-    code, output = _run("scan", qwen_ckpt.path, "--out", tmp_path / "q", "--r", "4", "--max-rank", "16", "-q")
+    code, output = run_cli("scan", qwen_ckpt.path, "--out", tmp_path / "q", "--r", "4", "--max-rank", "16", "-q")
     assert code == 0, output
-    line = next(x for x in _run("info", tmp_path / "q")[1].splitlines() if x.startswith("targets:"))
+    line = next(x for x in run_cli("info", tmp_path / "q")[1].splitlines() if x.startswith("targets:"))
     assert "layers" not in line  # no selection: nothing added
 
 
-def test_layers_there_names_the_stack_of_a_one_stack_selection(models):  # noqa: F811
+def test_layers_there_names_the_stack_of_a_one_stack_selection(models):
     """A decoder-only bundle's layers, in an error about a selection keeping none of them, read 'decoder 0-2' where
     the model has two stacks (they read '0-2': layers 0-2 of both stacks, which the bundle does not hold)."""
     from plate_inspect.targets import layers_there
@@ -215,19 +216,19 @@ def test_a_one_layer_stack_is_described_in_the_singular(tmp_path):
     with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
         vision = {k.split(".")[4] for k in f.keys() if k.startswith("vision_tower.vision_model.encoder.layers.")}  # noqa: SIM118
     assert vision == {"0"}
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--layers", "middle", "-q")
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--layers", "middle", "-q")
     assert code == 2 and "(vision_tower.vision_model.encoder.layers, 1 layer: 0)" in output, output
     assert "2 layers: 0-1" in output, output
-    code, output = _run("scan", path, "--out", tmp_path / "b", "--layers", "vision_tower:3", "-q")
+    code, output = run_cli("scan", path, "--out", tmp_path / "b", "--layers", "vision_tower:3", "-q")
     assert code == 2 and "(vision_tower.vision_model.encoder.layers) has 1 layer (0), no layer 3" in output, output
 
 
-def test_audit_error_names_the_stack_a_one_stack_bundle_holds(models, tmp_path):  # noqa: F811
+def test_audit_error_names_the_stack_a_one_stack_bundle_holds(models, tmp_path):
     """(needs /work/notes/qa16-auditing.py.patch) ``audit --bundle <decoder bundle> --layers encoder``: the error
     names the bundle's layers as 'decoder 0-2' (it said '0-2')."""
     bart, _ = models["bart"]
-    code, output = _run("scan", bart, "--out", tmp_path / "d", "--r", "4", "--max-rank", "16", "--layers", "decoder",
-                        "-q")  # fmt: skip
+    code, output = run_cli("scan", bart, "--out", tmp_path / "d", "--r", "4", "--max-rank", "16", "--layers", "decoder",
+                           "-q")  # fmt: skip
     assert code == 0, output
-    code, output = _run("audit", bart, bart, "--bundle", tmp_path / "d", "--layers", "encoder")
+    code, output = run_cli("audit", bart, bart, "--bundle", tmp_path / "d", "--layers", "encoder")
     assert code == 2 and output.rstrip().endswith("its layers: decoder 0-2"), output

@@ -12,18 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from helpers_cli import run_cli
 from safetensors.torch import save_file
 
 from plate_inspect.bundle import MANIFEST, Bundle
-from plate_inspect.cli.main import cli
 from plate_inspect.errors import BundleError
 from plate_inspect.testing.synthetic import write_llama_like
-
-
-def run_cli(*args: str):
-    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    return result.exit_code, result.output
 
 
 def assert_user_error(args, *needles):
@@ -205,15 +199,6 @@ def _mount_tmpfs(path: Path, options: str) -> bool:
         return False
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
     return proc.returncode == 0
-
-
-@pytest.fixture
-def mounts():
-    """Mount points made by a test, unmounted afterwards (lazily, so a failing test cannot leave one behind)."""
-    made: list[Path] = []
-    yield made
-    for path in reversed(made):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def _leftovers(out: Path) -> list[str]:

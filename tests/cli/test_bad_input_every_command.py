@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_bad_input import assert_user_error, run_cli
-from test_cli_user_errors import setup, tiny_bert  # noqa: F401 - fixtures: (root, model, bundle, adapter), a BERT
+from helpers_cli import run_cli
+from test_bad_input import assert_user_error
 
 import plate_inspect
 from plate_inspect.cli.main import cli
@@ -59,7 +59,7 @@ def _unprivileged() -> list[str] | None:
     return prefix if probe.returncode == 0 else None
 
 
-def _bert_with_vocab(tiny_bert, minilm_dir, path):  # noqa: F811 - the fixture
+def _bert_with_vocab(tiny_bert, minilm_dir, path):
     """The tiny BERT with MiniLM's tokenizer files beside it: a model dir align loads."""
     shutil.copytree(tiny_bert, path)
     for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
@@ -68,7 +68,7 @@ def _bert_with_vocab(tiny_bert, minilm_dir, path):  # noqa: F811 - the fixture
 
 
 @pytest.fixture(scope="module")
-def locked(setup, tiny_bert, minilm_dir, tmp_path_factory):  # noqa: F811 - the fixture
+def locked(setup, tiny_bert, minilm_dir, tmp_path_factory):
     """Unreadable copies of the model dir (mode 000) and of the bundle's manifest, a read-only directory, and the
     CLI results of every case below, run in one unprivileged child process."""
     prefix = _unprivileged()
@@ -217,7 +217,7 @@ def test_a_rescan_into_a_read_only_directory_is_refused_before_the_merge(locked)
 
 
 # qa18-rescan.patch: needs that patch applied.
-def test_a_rescan_under_a_file_is_refused_before_the_merge(setup, tmp_path):  # noqa: F811
+def test_a_rescan_under_a_file_is_refused_before_the_merge(setup, tmp_path):
     root, model, bundle, adapter = setup
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -228,7 +228,7 @@ def test_a_rescan_under_a_file_is_refused_before_the_merge(setup, tmp_path):  # 
 
 
 # qa18-rescan.patch: needs that patch applied.
-def test_a_merge_that_cannot_be_written_does_not_say_free_space(setup, tmp_path):  # noqa: F811
+def test_a_merge_that_cannot_be_written_does_not_say_free_space(setup, tmp_path):
     """Before: "(afile is a file, not a directory); free space or choose another --out"."""
     root, model, bundle, adapter = setup
     afile = tmp_path / "afile"
@@ -247,7 +247,7 @@ def test_os_error_text_keeps_the_traceback_for_an_error_that_names_no_file():
     )
 
 
-def test_an_os_error_without_a_file_is_not_hidden(setup, tmp_path, monkeypatch):  # noqa: F811
+def test_an_os_error_without_a_file_is_not_hidden(setup, tmp_path, monkeypatch):
     """The rule is narrow: an OSError that names no file is no user input, so it is not made into a user error."""
     import plate_inspect.reports as reports
 
@@ -269,14 +269,14 @@ def test_an_os_error_without_a_file_is_not_hidden(setup, tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- numbers
 @pytest.mark.parametrize("bins", [str(10**30), "1001", "1", "0", "-1"])
-def test_report_bins_out_of_range_is_one_line(setup, tmp_path, bins):  # noqa: F811
+def test_report_bins_out_of_range_is_one_line(setup, tmp_path, bins):
     """Before: --bins 10**30 ended in numpy's ValueError traceback ('Maximum allowed size exceeded')."""
     out = tmp_path / "r.html"
     assert_user_error(["report", setup[2].path, "-o", out, "--bins", bins, "-q"], "--bins", "between 2 and 1000")
     assert not out.exists()
 
 
-def test_report_bins_at_the_cap_works(setup, tmp_path):  # noqa: F811
+def test_report_bins_at_the_cap_works(setup, tmp_path):
     from plate_inspect.reports import report_data
 
     out = tmp_path / "r.html"
@@ -367,7 +367,7 @@ def test_curvature_probes_are_drawn_one_at_a_time_and_equal_one_draw():
 
 
 # --------------------------------------------------------------------------- align: broken model directories
-def test_align_truncated_weights_are_named_with_what_to_do(tiny_bert, minilm_dir, tmp_path):  # noqa: F811
+def test_align_truncated_weights_are_named_with_what_to_do(tiny_bert, minilm_dir, tmp_path):
     """Before: "cannot load the model (SafetensorError: ... incomplete metadata, file not fully covered)"."""
     path = _bert_with_vocab(tiny_bert, minilm_dir, tmp_path / "bert")
     weights = path / "model.safetensors"
@@ -375,7 +375,7 @@ def test_align_truncated_weights_are_named_with_what_to_do(tiny_bert, minilm_dir
     assert_user_error(["align", path, "-q", "--k", "1"], f"{weights}: file is truncated", "re-download")
 
 
-def test_align_a_tokenizer_that_fails_on_the_text_is_one_line(tiny_bert, minilm_dir, tmp_path):  # noqa: F811
+def test_align_a_tokenizer_that_fails_on_the_text_is_one_line(tiny_bert, minilm_dir, tmp_path):
     """Before: an empty vocab.txt loaded, then the tokenizer's "WordPiece error: Missing [UNK] token" was a
     traceback."""
     path = _bert_with_vocab(tiny_bert, minilm_dir, tmp_path / "bert")
@@ -389,7 +389,7 @@ def test_align_a_tokenizer_that_fails_on_the_text_is_one_line(tiny_bert, minilm_
 
 
 # --------------------------------------------------------------------------- outputs onto someone else's file
-def _victims(setup, tmp_path):  # noqa: F811
+def _victims(setup, tmp_path):
     """Files an output path must not replace: a model's weights, a bundle's manifest, the user's own JSON data."""
     _, model, bundle, _ = setup
     shutil.copytree(model, tmp_path / "model")
@@ -400,7 +400,7 @@ def _victims(setup, tmp_path):  # noqa: F811
 
 
 # qa18-plan.patch (plate_inspect/plan.py): needs that patch applied.
-def test_plan_out_onto_a_model_manifest_or_data_is_refused_and_an_old_plan_is_replaced(setup, tmp_path):  # noqa: F811
+def test_plan_out_onto_a_model_manifest_or_data_is_refused_and_an_old_plan_is_replaced(setup, tmp_path):
     """Before: `plan BUNDLE -o MODEL/model.safetensors` replaced the model's weights with the plan JSON (and
     -o BUNDLE/manifest.json the bundle's manifest): data lost, exit 0."""
     bundle = setup[2]
@@ -416,7 +416,7 @@ def test_plan_out_onto_a_model_manifest_or_data_is_refused_and_an_old_plan_is_re
 
 
 @pytest.mark.parametrize("command, key", [("align", "module"), ("curvature", "family")])
-def test_json_out_onto_a_model_manifest_or_data_is_refused_before_any_work(setup, tmp_path, monkeypatch, command, key):  # noqa: F811
+def test_json_out_onto_a_model_manifest_or_data_is_refused_before_any_work(setup, tmp_path, monkeypatch, command, key):
     """Before: --json-out MODEL/model.safetensors replaced the weights with the records after the run."""
     import plate_inspect.analysis.alignment as alignment
     from plate_inspect.cli.analyze import _check_json_out
@@ -447,7 +447,7 @@ def test_json_out_onto_a_model_manifest_or_data_is_refused_before_any_work(setup
         ["curvature", "-q", "--epochs", "1", "--probes", "2", "--out"],
     ],
 )
-def test_a_run_into_a_model_or_bundle_directory_is_refused_and_adds_nothing(setup, tmp_path, command):  # noqa: F811
+def test_a_run_into_a_model_or_bundle_directory_is_refused_and_adds_nothing(setup, tmp_path, command):
     """Before: curvature and experiment continual wrote digits_task1.safetensors (and runs, a bundle/) into a model
     directory, exit 0: a second *.safetensors there makes it another checkpoint to every reader (scan included);
     into a bundle directory curvature wrote it, then failed on it."""
@@ -489,7 +489,7 @@ def test_curvature_reruns_into_its_own_directory():
         (["scan", "{model}", "-q", "--target-modules", ""], "an empty value ('') after --target-modules"),
     ],
 )
-def test_an_empty_argument_is_refused_and_nothing_is_written(setup, tmp_path, monkeypatch, args, needle):  # noqa: F811
+def test_an_empty_argument_is_refused_and_nothing_is_written(setup, tmp_path, monkeypatch, args, needle):
     """Before: `scan MODEL --out ""` (an unset shell variable) wrote a bundle into the current directory, exit 0;
     `merge ... -o ""` said ".: holds a PLATE bundle" of it; `scan ""` scanned the current directory."""
     _, model, bundle, adapter = setup
@@ -509,7 +509,7 @@ def _damaged_copy(bundle, dest: Path) -> Path:
     return dest
 
 
-def test_damaged_parts_reads_headers_and_names_each_problem(setup, tmp_path):  # noqa: F811 - the fixture
+def test_damaged_parts_reads_headers_and_names_each_problem(setup, tmp_path):
     """Bundle.damaged_parts: {} for a sound bundle; a truncated part's own size check and a missing one by name."""
     _, _, bundle, _ = setup
     assert plate_inspect.Bundle.load(bundle.path).damaged_parts() == {}
@@ -521,7 +521,7 @@ def test_damaged_parts_reads_headers_and_names_each_problem(setup, tmp_path):  #
 
 
 @pytest.mark.parametrize("command", [["info"], ["info", "--modules"], ["health"], ["health", "--json"]])
-def test_info_and_health_name_missing_or_truncated_part_files(setup, tmp_path, command):  # noqa: F811 - the fixture
+def test_info_and_health_name_missing_or_truncated_part_files(setup, tmp_path, command):
     """They show the manifest (still shown), then name the damaged part files and the mend, exit 2 (was exit 0)."""
     _, _, bundle, _ = setup
     path = _damaged_copy(bundle, tmp_path / "b")
@@ -536,7 +536,7 @@ def test_info_and_health_name_missing_or_truncated_part_files(setup, tmp_path, c
     assert output
 
 
-def test_info_and_health_of_a_sound_bundle_exit_zero(setup):  # noqa: F811 - the fixture
+def test_info_and_health_of_a_sound_bundle_exit_zero(setup):
     _, _, bundle, _ = setup
     for command in (["info"], ["health"]):
         code, output = run_cli(*command, str(bundle.path))
@@ -552,7 +552,7 @@ def test_info_of_a_file_that_is_no_safetensors_does_not_advise_scanning_it(tmp_p
     assert "plate-inspect scan" not in output
 
 
-def test_merge_of_a_garbage_adapter_says_what_to_give(setup, tmp_path):  # noqa: F811 - the fixture
+def test_merge_of_a_garbage_adapter_says_what_to_give(setup, tmp_path):
     """A cut-short or garbage adapter file: one line that says what the file should be (it had no what-to-do)."""
     _, model, _, adapter = setup
     cut = tmp_path / "cut.safetensors"

@@ -9,25 +9,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers_train import randomize_adapters, skeleton
-from test_bad_input import _mount_tmpfs, assert_user_error, mounts, run_cli  # noqa: F401 - mounts: a fixture
+from helpers_cli import run_cli
+from test_bad_input import _mount_tmpfs, assert_user_error
 
 from plate_inspect import scan
 from plate_inspect.cli.main import cli
 from plate_inspect.formatting import counted
-from plate_inspect.testing.synthetic import write_llama_like
-from plate_inspect.train.layer import apply_bundle, save_adapter
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """(root, model dir, its bundle, an adapter trained on it): one file, 2 layers, 14 modules."""
-    root = tmp_path_factory.mktemp("qa")
-    model = write_llama_like(root / "qwen", layers=2).path
-    bundle = scan(model, root / "bundle", r=4, tau=0.9, max_rank=64)
-    net = skeleton(model, bundle.modules)
-    randomize_adapters(apply_bundle(net, bundle), seed=0, scale=0.05)
-    return root, model, bundle, save_adapter(net, root / "adapter.safetensors")
 
 
 @pytest.fixture
@@ -84,7 +71,7 @@ def test_out_under_or_at_a_file(setup, afile):
     assert_user_error(["curvature", "--out", afile, "-q"], "is a file", "--out")
 
 
-def test_merge_onto_read_only_and_full_disk(setup, tmp_path, mounts):  # noqa: F811 - the fixture
+def test_merge_onto_read_only_and_full_disk(setup, tmp_path, mounts):
     _, model, _, adapter = setup
     ro, full = tmp_path / "ro", tmp_path / "full"
     if not (_mount_tmpfs(ro, "ro,size=64k") and _mount_tmpfs(full, "size=64k")):
@@ -168,18 +155,6 @@ def test_curvature_counts_must_be_positive(option):
 
 
 # --------------------------------------------------------------------------- bug 5: align without a tokenizer
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory):
-    import transformers
-
-    path = tmp_path_factory.mktemp("bert") / "bert"
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
-    )
-    transformers.BertModel(config).save_pretrained(path)
-    return path
-
-
 def test_align_refuses_a_model_dir_without_tokenizer_files(setup, tiny_bert):
     _, model, _, _ = setup
     for path in (tiny_bert, model):

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from oracles import assert_same_bundle
 
 import plate_inspect
 from plate_inspect.distributed import assign_parts, module_cost, parse_devices, rank_from_env
@@ -47,13 +48,6 @@ def run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-
-
-def assert_same_bundle(a: Path, b: Path) -> None:
-    names = sorted(p.name for p in a.iterdir() if p.name != "scan_stats.json")
-    assert names == sorted(p.name for p in b.iterdir() if p.name != "scan_stats.json")
-    for name in names:
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 # --------------------------------------------------------------------------- sharing the work

@@ -19,12 +19,12 @@ from datetime import timedelta
 
 import pytest
 import torch
+from oracles import assert_same_bundle
 from test_distributed_failures import (
     EXE,
     JOB_VARS,
     ONE_THREAD,
     agent_store_for_rank_1,
-    assert_same_bundle,
     run,
     torchrun,
 )

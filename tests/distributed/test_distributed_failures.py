@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles import assert_same_bundle
 
 from plate_inspect import distributed
 from plate_inspect.bundle import Bundle
@@ -67,13 +68,6 @@ def torchrun(*args: str) -> list[str]:
     # 2.5, the floor, has no --shutdown-timeout: it waits the 30 s)
     grace = ["--shutdown-timeout", "2"] if "--shutdown-timeout" in _torchrun_options() else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *grace, *args]
-
-
-def assert_same_bundle(a: Path, b: Path) -> None:
-    names = sorted(p.name for p in a.iterdir() if p.name != "scan_stats.json")
-    assert names == sorted(p.name for p in b.iterdir() if p.name != "scan_stats.json")
-    for name in names:
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 def agent_store_for_rank_1(monkeypatch, run_id: str):

@@ -17,7 +17,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-from test_distributed_failures import EXE, JOB_VARS, assert_same_bundle, run, torchrun
+from oracles import assert_same_bundle
+from test_distributed_failures import EXE, JOB_VARS, run, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.bundle import ScanSettings

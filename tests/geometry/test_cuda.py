@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import dense_oracle, load_all
+from oracles import dense_oracle, load_all
 from test_exactness import SEVEN_B_SHAPES, SHAPES, check_hard_case
 
 import plate_inspect

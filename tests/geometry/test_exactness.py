@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import load_all
+from oracles import load_all
 from safetensors.torch import load_file, save_file
 
 import plate_inspect

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import dense_oracle
+from oracles import dense_oracle
 
 import plate_inspect.batched
 import plate_inspect.geometry as geometry

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import load_all
+from oracles import load_all
 from safetensors.torch import load_file
 
 from plate_inspect import scan

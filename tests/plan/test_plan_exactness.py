@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers_cli import run_cli
 from safetensors.numpy import load_file
 
 import plate_inspect
@@ -18,7 +19,6 @@ from plate_inspect import scan
 from plate_inspect.cli.main import cli
 from plate_inspect.plan import allocate_greedy, allocation, plan_budget
 from plate_inspect.testing.synthetic import write_llama_like
-from tests.checkpoint.test_layers_stacks import _run
 
 
 def curve(eigenvalues: list[float]) -> torch.Tensor:
@@ -215,7 +215,7 @@ def test_plan_budget_equals_an_exhaustive_search(three_r_bundle, objective, tmp_
     capacity = sum(rec.r * rec.k for rec in b)
     for budget in (minimum, minimum + 1, minimum + 211, 3000, capacity - 1, capacity + 10**6):
         out = tmp_path / f"{objective}-{budget}.json"
-        code, output = _run("plan", b.path, "--budget", budget, "--objective", objective, "-o", out)
+        code, output = run_cli("plan", b.path, "--budget", budget, "--objective", objective, "-o", out)
         assert code == 0, output
         plan = json.loads(out.read_text())
         spend, best = _oracle_plan(b.path, plan["modules"], min(budget, capacity), objective)
@@ -224,7 +224,7 @@ def test_plan_budget_equals_an_exhaustive_search(three_r_bundle, objective, tmp_
         assert plan["summary"][key] == pytest.approx(best, rel=1e-9, abs=1e-15), budget
         assert plan["optimality"]["method"] == "exact"
         assert plan["budget"]["limited_by_bundle"] == (budget > capacity)
-    code, output = _run("plan", b.path, "--budget", minimum - 1, "-o", tmp_path / "low.json")
+    code, output = run_cli("plan", b.path, "--budget", minimum - 1, "-o", tmp_path / "low.json")
     assert code == 2 and f"below the minimum {minimum}" in output, output
 
 
@@ -249,7 +249,7 @@ def test_plan_with_a_zero_r_module_is_optimal_by_brute_force(gate_bundle, object
     import itertools
 
     from click.testing import CliRunner
-    from conftest import load_all
+    from oracles import load_all
 
     from plate_inspect.cli.main import cli
     from plate_inspect.plan import plan_budget

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import load_all
+from oracles import load_all
 
 import plate_inspect
 from plate_inspect.reports import write_report

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import load_all
+from oracles import load_all
 from rich.console import Console
 from torch import nn
 

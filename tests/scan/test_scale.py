@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import dense_oracle, load_all
+from oracles import dense_oracle, load_all
 
 import plate_inspect
 from plate_inspect.testing.synthetic import write_llama_like

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers_cli import run_cli
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -36,11 +37,6 @@ from plate_inspect.testing.synthetic import write_llama_like
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 CHANGED = "model.layers.0.self_attn.q_proj.weight"  # the weight snapshot B changes
-
-
-def run_cli(*args) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    return result.exit_code, result.output
 
 
 def one_error(args, *needles: str) -> str:

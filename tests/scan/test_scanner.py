@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import dense_oracle, load_all
+from oracles import assert_same_bundle, dense_oracle, load_all
 from safetensors.torch import load_file, save_file
 
 import plate_inspect
@@ -315,14 +315,6 @@ def test_hub_repo_id_resolves_from_local_cache_offline(tmp_path, qwen_ckpt, monk
 
 
 # --------------------------------------------------------------------------- identity: a bundle never goes stale
-def same_files(a, b) -> None:
-    """Every bundle file (all but the run statistics) byte-identical in two directories."""
-    names = sorted(p.name for p in a.iterdir() if p.name != "scan_stats.json")
-    assert names == sorted(p.name for p in b.iterdir() if p.name != "scan_stats.json")
-    for name in names:
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-
-
 def change_one_weight(src, dst, module: str, scale: float = 1.5) -> None:
     """A copy of a checkpoint dir with one weight's values changed, every name, dtype, shape and offset unchanged."""
     shutil.copytree(src, dst)
@@ -374,7 +366,7 @@ def test_rescan_after_weights_change_recomputes_exactly_the_changed_module(tmp_p
     assert verify(rescanned, model).ok
 
     fresh = plate_inspect.scan(model, tmp_path / "fresh", r=R, max_rank=MAX_RANK)
-    same_files(out, fresh.path)
+    assert_same_bundle(out, fresh.path)
     assert rescanned.manifest.identity == fresh.manifest.identity != ""
 
 
@@ -887,7 +879,7 @@ def test_resumed_rescan_counts_the_modules_the_interrupted_run_recomputed(tmp_pa
     )
     assert "rescan_baseline" not in json.loads((out / "manifest.json").read_text())  # finished: no baseline left
     fresh = plate_inspect.scan(model, tmp_path / "fresh", r=R)
-    same_files(out, fresh.path)
+    assert_same_bundle(out, fresh.path)
     # a finished rescan of the finished bundle: nothing changed since it was made
     again = plate_inspect.scan(model, out, r=R).stats()
     assert (again["modules_changed"], again["modules_scanned"], again["resumed"]) == (0, 0, False)
@@ -968,7 +960,7 @@ def test_resumed_fresh_scan_does_not_claim_a_finished_bundle_changed(tmp_path, q
         "resumed an interrupted scan: kept 6 finished modules, computed 8 (of 14), 1 of them because their weights "
         "changed since the interrupted run wrote them"
     )
-    same_files(out, plate_inspect.scan(model, tmp_path / "fresh", r=R).path)
+    assert_same_bundle(out, plate_inspect.scan(model, tmp_path / "fresh", r=R).path)
     # resumed without any change: kept and computed, nothing about changes
     with pytest.raises(_Stop):
         plate_inspect.scan(model, tmp_path / "c", r=R, progress=stop_in_layer_1)
@@ -1071,7 +1063,7 @@ def test_scan_plan_and_checkpoint_reprs_are_one_short_line(tmp_path):
     """QA: a ScanPlan's repr (in a REPL) printed every tensor of the checkpoint. ScanPlan and Checkpoint now show
     one line: the source, the tensor count (counted here with safetensors' own loader), the target count and the
     settings, and no tensor name."""
-    from conftest import load_all
+    from oracles import load_all
 
     from plate_inspect.scanner import ScanSettings, plan_scan
     from plate_inspect.testing.synthetic import write_llama_like

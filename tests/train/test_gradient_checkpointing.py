@@ -8,18 +8,10 @@ import pickle
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
-from helpers_train import randomize_adapters, save_tiny_qwen2
+from helpers_train import randomize_adapters
 
 from plate_inspect import scan
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rough18_qwen")
-    save_tiny_qwen2(root / "model")
-    return root, scan(root / "model", root / "bundle", r=4, tau=0.8, max_rank=16, overwrite=True)
 
 
 def _switch_name(model) -> str:

@@ -298,7 +298,7 @@ def _edited_copy(bundle: Bundle, where, module: str) -> Bundle:
 def test_q_dtype_adapter_reloads_and_merges_and_an_edited_q_is_refused(setup, tmp_path):
     """apply_bundle(q_dtype=bf16): B/Q's identity is the bundle's (not the rounded Q's), so the adapter reloads (with
     Q in bf16 again) and merges with the Q it held (bf16); a bundle whose Q was edited is still refused."""
-    from conftest import load_all
+    from oracles import load_all
 
     _, ckpt, bundle = setup
     model = load_digits(ckpt)
@@ -328,7 +328,7 @@ def test_q_dtype_adapter_reloads_and_merges_and_an_edited_q_is_refused(setup, tm
 
 
 def test_apply_bundle_twice_keeps_every_a_trainable_and_rho_per_module(setup, tmp_path):
-    from conftest import load_all
+    from oracles import load_all
     from safetensors import safe_open
     from safetensors.torch import save_file
 

@@ -11,7 +11,6 @@ from helpers_train import (
     digits_bundle,
     digits_checkpoint,
     load_digits,
-    save_tiny_qwen2,
 )
 from peft import PeftModel, get_peft_model
 from torch import nn
@@ -25,15 +24,6 @@ from plate_inspect.train.peft import PlateConfig, PlateLayer
 @pytest.fixture(scope="module")
 def digits_setup(tmp_path_factory):
     return helpers_train.digits_setup(tmp_path_factory.mktemp("peft_digits"))
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen(tmp_path_factory):
-    """A randomly initialised tiny Qwen2ForCausalLM saved with save_pretrained (safetensors) and scanned."""
-    root = tmp_path_factory.mktemp("tiny_qwen")
-    save_tiny_qwen2(root / "model")
-    bundle = scan(root / "model", root / "bundle", r=4, tau=0.8, max_rank=16, overwrite=True)
-    return root, bundle
 
 
 def test_registered_as_peft_method():

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import load_all
 from helpers_train import (
     BACKBONE,
     dense_plate_weight,
@@ -19,6 +18,7 @@ from helpers_train import (
     randomize_adapters,
     skeleton,
 )
+from oracles import load_all
 from safetensors import safe_open
 
 from plate_inspect import scan
