@@ -30,7 +30,7 @@ def real_value(value: object) -> float:
     try:
         return float(value)
     except OverflowError:
-        return math.inf if value > 0 else -math.inf
+        return -math.inf if value < 0 else math.inf
 
 
 def bool_argument(value: object, argument: str) -> bool:
