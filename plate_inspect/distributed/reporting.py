@@ -206,12 +206,15 @@ def _wait_for_the_ranks(store: BoundedStore, key: Callable[..., str], info: Rank
     deadline = time.monotonic() + timing.SAID_WAIT_SECONDS
     try:
         while True:
-            if store.add(key("same", digest), 0) >= info.world_size:
-                return True
+            # The tallies first, the line's count after them: a rank counts its line before its fall, so a fall read
+            # here is in the line's count read next (read the other way round, the last rank's line and fall could
+            # land in between, and every rank having the line passed for a node's problem).
             past = store.add(key("reached", stage + 1), 0)
             fell = sum(store.add(key("fell", s), 0) for s in range(stage + 1))
             here = store.add(key("reached", stage + 1, *node), 0)
             here += sum(store.add(key("fell", s, *node), 0) for s in range(stage + 1))
+            if store.add(key("same", digest), 0) >= info.world_size:
+                return True
             if (past > 0 or past + fell >= info.world_size) and here >= info.local_world_size:
                 return False
             if time.monotonic() > deadline:
