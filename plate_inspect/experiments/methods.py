@@ -25,7 +25,6 @@ Every method gets the stage-1 checkpoint and returns a :class:`Prepared` model w
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plate_inspect.arguments import text_argument
+from plate_inspect.arguments import is_integer, real_value, text_argument
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments import digits
 from plate_inspect.train.variants import VARIANTS
@@ -97,14 +96,12 @@ def budget_keys(method: str) -> tuple[str, ...]:
 def budget_value_problem(key: str, value: object) -> str | None:
     """What a budget value must be when ``value`` is not that (None when it is fine): tau in (0, 1), lam a finite
     number >= 0, rank / n_low / r an integer >= 1."""
-    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    number = real_value(value)  # NaN for a non-number, +-inf beyond float's range (10**400)
     if key == "tau":
-        ok = number and 0 < value < 1
-        return None if ok else "a number strictly between 0 and 1"
+        return None if 0 < number < 1 else "a number strictly between 0 and 1"
     if key == "lam":
-        ok = number and math.isfinite(value) and value >= 0
-        return None if ok else "a finite number >= 0"
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+        return None if math.isfinite(number) and number >= 0 else "a finite number >= 0"
+    ok = is_integer(value) and value >= 1  # type: ignore[operator]
     return None if ok else "an integer >= 1"
 
 

@@ -11,6 +11,7 @@ import pytest
 from plate_inspect.arguments import finite_numbers, non_negative_number, positive_number, real_value
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments.continual import ContinualSettings
+from plate_inspect.experiments.methods import Budget, check_budget
 from plate_inspect.geometry import validate_settings
 from plate_inspect.plan import Allocation
 from plate_inspect.train.core import check_rho
@@ -69,8 +70,10 @@ BEYOND_FLOAT = [10**400, -(10**400), Fraction(10**400, 3)]
         lambda v: non_negative_number(v, "beta"),
         lambda v: positive_number(v, "lr"),
         lambda v: finite_numbers([0.5, v], "rhos"),
+        lambda v: check_budget("l2_init", Budget("big", {"lam": v})),
+        lambda v: check_budget("plate", Budget("big", {"r": 8, "tau": v})),
     ],
-    ids=["tau", "non_negative_number", "positive_number", "finite_numbers"],
+    ids=["tau", "non_negative_number", "positive_number", "finite_numbers", "budget_lam", "budget_tau"],
 )
 def test_numbers_beyond_float_range_are_a_config_error_in_every_number_check(check, value):
     """``float(10**400)`` raises OverflowError; every number check reads such a value as not finite (one rule,
