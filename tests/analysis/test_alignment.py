@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers_analysis import alignment_oracle
 from torch import nn
 
 from plate_inspect.analysis.alignment import (
@@ -20,17 +21,6 @@ from plate_inspect.analysis.alignment import (
     weight_activation_alignment,
 )
 from plate_inspect.errors import PlateInspectError
-
-
-def numpy_oracle(w: np.ndarray, x: np.ndarray, k: int):
-    """VE_k of the top-k right singular vectors of W and of the top-k eigvecs of X^T X / N, and AL_k, by definition."""
-    sigma = x.T @ x / x.shape[0]
-    _, _, vt = np.linalg.svd(w)
-    v = vt[:k].T
-    evals, evecs = np.linalg.eigh(sigma)
-    u = evecs[:, ::-1][:, :k]
-    tr = np.trace(sigma)
-    return np.trace(v.T @ sigma @ v) / tr, np.trace(u.T @ sigma @ u) / tr, np.linalg.norm(u.T @ v) ** 2 / k
 
 
 def test_planted_activation_subspace_equal_to_weight_row_space_gives_al_one():
@@ -71,7 +61,7 @@ def test_metrics_match_numpy_definitions():
     sigma = torch.from_numpy(x.T @ x / n)
     recs = alignment_from_moments("m", torch.from_numpy(w), sigma, ks=[3, 8, 15], n_random=400, seed=0)
     for rec in recs:
-        ve_w, ve_o, al = numpy_oracle(w, x, rec.k)
+        ve_w, ve_o, al = alignment_oracle(w, x, rec.k)
         assert rec.ve_weight == pytest.approx(ve_w, rel=1e-9)
         assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-9)
         assert rec.al_weight == pytest.approx(al, rel=1e-9)
@@ -288,14 +278,14 @@ def test_conv1d_weights_are_read_as_d_out_by_d_in():
         acts = {"0": x, "2": torch.tanh(model[0](x))}
     for rec in recs:
         w = model[int(rec.module)].weight.detach().double().numpy().T  # [d_out, d_in]
-        ve_w, ve_o, al = numpy_oracle(w, acts[rec.module].double().numpy(), rec.k)
+        ve_w, ve_o, al = alignment_oracle(w, acts[rec.module].double().numpy(), rec.k)
         assert rec.d_in == 12
         assert rec.ve_weight == pytest.approx(ve_w, rel=1e-6)
         assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-6)
         assert rec.al_weight == pytest.approx(al, rel=1e-5, abs=1e-7)
     # the stored (untransposed) square weight's right singular vectors are different: the test can tell them apart
     w0 = model[0].weight.detach().double().numpy()
-    ve_wrong, _, _ = numpy_oracle(w0, x.double().numpy(), 2)
+    ve_wrong, _, _ = alignment_oracle(w0, x.double().numpy(), 2)
     assert abs(ve_wrong - next(r.ve_weight for r in recs if r.module == "0" and r.k == 2)) > 1e-3
 
 
@@ -353,7 +343,7 @@ def test_tiny_transformer_against_explicit_activations():
     assert len(recs) == 4
     for rec in recs:
         w = dict(model.named_modules())[rec.module].weight.detach().double().numpy()
-        ve_w, ve_o, al = numpy_oracle(w, acts[rec.module].double().numpy(), rec.k)
+        ve_w, ve_o, al = alignment_oracle(w, acts[rec.module].double().numpy(), rec.k)
         assert rec.n_samples == 60
         assert rec.ve_weight == pytest.approx(ve_w, rel=1e-5)
         assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-5)

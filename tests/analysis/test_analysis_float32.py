@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_analysis import alignment_oracle, dense_basis, dense_oracles, op_dense, tiny_data, tiny_mlp
 from torch import nn
 
 from plate_inspect.analysis.alignment import weight_activation_alignment
@@ -23,8 +24,6 @@ from plate_inspect.analysis.curvature import (
     selector_basis_block,
 )
 from plate_inspect.geometry import random_orthonormal
-from tests.analysis.test_alignment import numpy_oracle
-from tests.analysis.test_curvature import _op_dense, dense_basis, dense_oracles, tiny_data, tiny_mlp
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def test_float32_operators_match_the_dense_float64_oracle(pair):
         m = dense_basis(fam, m64)
         for kind, dense in (("hessian", hess), ("ggn", ggn), ("drift", gram)):
             want = (m.T @ dense @ m).numpy()
-            got = _op_dense(restricted_operator(p32, fam, kind))
+            got = op_dense(restricted_operator(p32, fam, kind))
             assert got.dtype == np.float64  # the operator hands scipy float64 whatever the model's dtype
             scale = np.abs(want).max()
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale, err_msg=f"{fam.name} {kind}")
@@ -123,7 +122,7 @@ def test_float32_alignment_matches_float64_numpy_oracle():
     for rec in recs:
         w = model[int(rec.module)].weight.detach().double().numpy()
         xs = acts[rec.module].double().numpy()
-        ve_w, ve_o, al = numpy_oracle(w, xs, rec.k)
+        ve_w, ve_o, al = alignment_oracle(w, xs, rec.k)
         assert rec.n_samples == 300
         assert rec.ve_weight == pytest.approx(ve_w, rel=1e-6)
         assert rec.ve_oracle == pytest.approx(ve_o, rel=1e-6)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from helpers_analysis import TinyTransformer, dense_basis, dense_oracles, op_dense, tiny_data, tiny_mlp, unflatten
 from torch import nn
 from torch.func import functional_call
 
@@ -28,65 +29,6 @@ from plate_inspect.analysis.curvature import (
     top_eigenpair,
 )
 from plate_inspect.geometry import random_orthonormal
-
-
-# --------------------------------------------------------------------------- dense oracles
-def tiny_mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-
-
-def tiny_data(n: int = 12, d_in: int = 3, classes: int = 3, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d_in, generator=g, dtype=torch.float64)
-    y = torch.randint(0, classes, (n,), generator=g)
-    return x, y
-
-
-def _unflatten(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    out, i = {}, 0
-    for n, p in model.named_parameters():
-        out[n] = flat[i : i + p.numel()].reshape(p.shape)
-        i += p.numel()
-    return out
-
-
-def dense_oracles(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn=F.cross_entropy):
-    """H0, GGN and E[J^T J] as dense matrices, straight from torch.autograd.functional."""
-    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-    def outputs(flat):
-        return functional_call(model, _unflatten(model, flat), (x,))
-
-    def loss(flat):
-        return loss_fn(outputs(flat), y)
-
-    hess = torch.autograd.functional.hessian(loss, theta)
-    jac = torch.autograd.functional.jacobian(outputs, theta)  # [N, C, P]
-    out = outputs(theta).detach()
-    n = x.shape[0]
-    ggn = torch.zeros_like(hess)
-    gram = torch.zeros_like(hess)
-    for i in range(n):
-        h_out = torch.autograd.functional.hessian(lambda o, i=i: loss_fn(o[None], y[i : i + 1]), out[i])
-        ggn += jac[i].T @ h_out @ jac[i] / n
-        gram += jac[i].T @ jac[i] / n
-    return hess, ggn, gram, theta
-
-
-def dense_basis(family: UpdateFamily, model: nn.Module) -> torch.Tensor:
-    """M as a dense [P, m] matrix (columns: embedded unit coordinates, flattened in parameter order)."""
-    cols = []
-    for j in range(family.dim):
-        e = torch.zeros(family.dim, dtype=torch.float64)
-        e[j] = 1.0
-        delta = family.embed(e)
-        cols.append(torch.cat([delta.get(n, torch.zeros_like(p)).reshape(-1) for n, p in model.named_parameters()]))
-    return torch.stack(cols, dim=1)
-
-
-def _op_dense(op) -> np.ndarray:
-    return np.column_stack([op.matvec(e) for e in np.eye(op.shape[0])])
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +56,7 @@ def test_full_operators_match_dense_hessian_ggn_and_jacobian_gram(tiny):
     fam = full_family(model)
     assert fam.dim == hess.shape[0]
     for kind, dense in (("hessian", hess), ("ggn", ggn), ("drift", gram)):
-        got = _op_dense(restricted_operator(problem, fam, kind))
+        got = op_dense(restricted_operator(problem, fam, kind))
         np.testing.assert_allclose(got, dense.numpy(), rtol=1e-9, atol=1e-11)
 
 
@@ -124,7 +66,7 @@ def test_restricted_operators_are_mt_c_m_for_every_family(tiny):
         m = dense_basis(fam, model)
         np.testing.assert_allclose((m.T @ m).numpy(), np.eye(fam.dim), atol=1e-12)  # isometric parametrisation
         for kind, dense in (("hessian", hess), ("ggn", ggn), ("drift", gram)):
-            got = _op_dense(restricted_operator(problem, fam, kind))
+            got = op_dense(restricted_operator(problem, fam, kind))
             np.testing.assert_allclose(got, (m.T @ dense @ m).numpy(), rtol=1e-9, atol=1e-11, err_msg=fam.name)
 
 
@@ -172,9 +114,9 @@ def test_forgetting_curve_is_loss_along_top_hessian_direction(tiny):
     evals, evecs = torch.linalg.eigh(m.T @ hess @ m)
     v = m @ evecs[:, -1]
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    loss = lambda flat: float(F.cross_entropy(functional_call(model, _unflatten(model, flat), (x,)), y))  # noqa: E731
+    loss = lambda flat: float(F.cross_entropy(functional_call(model, unflatten(model, flat), (x,)), y))  # noqa: E731
     g0 = torch.autograd.functional.jacobian(
-        lambda flat: F.cross_entropy(functional_call(model, _unflatten(model, flat), (x,)), y), theta
+        lambda flat: F.cross_entropy(functional_call(model, unflatten(model, flat), (x,)), y), theta
     )
     if float(g0 @ v) < 0:
         v = -v
@@ -230,7 +172,7 @@ def test_linear_model_with_squared_loss_is_pure_gauss_newton():
     # H for W (row-major flatten) is (2/C) kron(I_C, E[x x^T]); exactly the GGN
     h_w = (2.0 / 3.0) * torch.kron(torch.eye(3, dtype=torch.float64), x.T @ x / 40)
     fam_w = full_family(model, ["weight"])
-    np.testing.assert_allclose(_op_dense(restricted_operator(problem, fam_w, "hessian")), h_w.numpy(), atol=1e-12)
+    np.testing.assert_allclose(op_dense(restricted_operator(problem, fam_w, "hessian")), h_w.numpy(), atol=1e-12)
     q = random_orthonormal(6, 2, seed=1, dtype=torch.float64)
     fams = [full_family(model), UpdateFamily("sub", [selector_basis_block("weight", (3, 6), torch.tensor([1]), q)])]
     for fam in fams:
@@ -616,18 +558,6 @@ def test_analyze_families_leaves_the_models_training_mode_as_it_was():
     assert rec.lam == pytest.approx(want.lam, rel=1e-12) and rec.eps == pytest.approx(want.eps, rel=1e-12)
 
 
-class TinyTransformer(nn.Module):
-    """One post-norm encoder layer (attention, LayerNorm, ReLU FFN), mean-pooled, a linear head: 3 classes."""
-
-    def __init__(self, d: int = 4, ff: int = 6, classes: int = 3):
-        super().__init__()
-        self.enc = nn.TransformerEncoderLayer(d, 1, ff, dropout=0.0, batch_first=True)
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.enc(x).mean(dim=1))
-
-
 def test_operators_on_a_tiny_transformer_match_dense_oracles():
     """Attention (MultiheadAttention's functional in/out projections), LayerNorm and a ReLU FFN: the restricted
     Hessian, GGN and drift Gram on PLATE-like blocks of the attention's in_proj (q, k and v rows) and of linear2
@@ -656,7 +586,7 @@ def test_operators_on_a_tiny_transformer_match_dense_oracles():
         m = dense_basis(fam, model)
         for kind, dense in (("hessian", hess), ("ggn", ggn), ("drift", gram)):
             want = (m.T @ dense @ m).numpy()
-            got = _op_dense(restricted_operator(problem, fam, kind))
+            got = op_dense(restricted_operator(problem, fam, kind))
             np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10 * np.abs(want).max(), err_msg=fam.name)
         rec = analyze_family(problem, fam, n_probes=2, rhos=(0.0,))
         assert rec.lam == pytest.approx(float(torch.linalg.eigvalsh(m.T @ hess @ m).max()), rel=1e-8)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers_audit import oracle_scores
 from helpers_train import BACKBONE, digits_bundle, digits_checkpoint, randomize_adapters
 from oracles import dense_oracle, load_all
 from safetensors.torch import save_file
@@ -27,27 +28,6 @@ from plate_inspect.cli.main import cli
 from plate_inspect.errors import BundleError, CheckpointError
 from plate_inspect.testing.synthetic import structured_weight, write_gpt2, write_llama_like
 from plate_inspect.train.core import dense_delta
-
-
-# --------------------------------------------------------------------------- the oracle
-def oracle_scores(w: np.ndarray, dw: np.ndarray, b: np.ndarray, tau: float) -> dict[str, float]:
-    """Definitions, densely: P = V_top V_top^T from numpy's eigh of W_f^T W_f (d_in x d_in), all float64."""
-    w, dw = np.asarray(w, np.float64), np.asarray(dw, np.float64)
-    frozen = np.delete(w, b, axis=0)
-    evals, evecs = np.linalg.eigh(frozen.T @ frozen)
-    desc = np.clip(evals[::-1], 0, None)
-    m = int(np.argmax(np.cumsum(desc) >= tau * desc.sum())) + 1
-    top = evecs[:, ::-1][:, :m]
-    p = top @ top.T
-    total = float((dw**2).sum())
-    keep = np.setdiff1d(np.arange(w.shape[0]), b)
-    return {
-        "protected_input_share": float(((dw @ p) ** 2).sum()) / total,
-        "frozen_row_share": float((dw[keep] ** 2).sum()) / total,
-        "delta_norm": math.sqrt(total),
-        "relative_delta": math.sqrt(total) / float(np.linalg.norm(w)),
-        "m": m,
-    }
 
 
 def bottom_basis(w: np.ndarray, b: np.ndarray, tau: float) -> np.ndarray:

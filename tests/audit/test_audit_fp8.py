@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers_audit import audit_json, oracle_scores
 from oracles import dense_oracle
 from safetensors.torch import load_file, save_file
-from test_audit import oracle_scores
 
 from plate_inspect.auditing import AUDIT_KEYS, ROUNDING_KEYS, audit
 from plate_inspect.cli.main import cli
@@ -57,11 +57,6 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, block=BLOCK) -> np.ndar
     return (codes.double() * full).float().double().numpy()
 
 
-def oracle(w: np.ndarray, dw: np.ndarray, b: np.ndarray, tau: float = TAU) -> dict[str, float]:
-    """The audit's definitions, densely in float64 (test_audit's oracle), at this file's tau."""
-    return oracle_scores(w, dw, b, tau)
-
-
 def is_target(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
 
@@ -94,12 +89,6 @@ def base_tensors(base) -> tuple[dict[str, torch.Tensor], dict]:
     return load_file(str(base / "model.safetensors")), json.loads((base / "config.json").read_text())
 
 
-def run_json(*args: str) -> list[dict]:
-    res = CliRunner().invoke(cli, ["audit", *map(str, args), "--json", "-q"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.output)
-
-
 # --------------------------------------------------------------------------- 1. --json carries the rounding note
 def test_json_says_when_tuned_is_stored_coarser_than_base(base, tmp_path):
     """A bf16 copy of the fp32 BASE (no update): every record says base_rounded_to 'bfloat16' and its rounding
@@ -109,7 +98,7 @@ def test_json_says_when_tuned_is_stored_coarser_than_base(base, tmp_path):
     (tmp_path / "bf16").mkdir()
     save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(tmp_path / "bf16" / "model.safetensors"))
     (tmp_path / "bf16" / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
-    records = run_json(base, tmp_path / "bf16", "--r", R)
+    records = audit_json(base, tmp_path / "bf16", "--r", R)
     assert len(records) == 7
     for rec in records:
         assert list(rec) == list(AUDIT_KEYS + ROUNDING_KEYS)
@@ -123,7 +112,7 @@ def test_json_says_when_tuned_is_stored_coarser_than_base(base, tmp_path):
     tuned = {k: (v + 1e-3 * torch.randn(v.shape, generator=gen) if is_target(k) else v) for k, v in tensors.items()}
     save_file(tuned, str(tmp_path / "ft" / "model.safetensors"))
     (tmp_path / "ft" / "config.json").write_text(json.dumps(config))
-    for rec in run_json(base, tmp_path / "ft", "--r", R):  # the keys of session 15, no rounding keys
+    for rec in audit_json(base, tmp_path / "ft", "--r", R):  # the keys of session 15, no rounding keys
         assert rec["delta_norm"] > 0 and list(rec) == list(AUDIT_KEYS), rec
 
 
@@ -171,7 +160,7 @@ def test_an_fp8_copy_of_base_is_no_update(base, tmp_path, reciprocal, base_dtype
     assert res.exit_code == 0, res.output
     assert "model: 0/7 modules changed: no update beyond FP8 quantization error" in res.output, res.output
     assert "note: TUNED stores 7 modules in float8_e4m3fn" in res.output and "at TUNED's own FP8 scales" in res.output
-    records = run_json(base, tmp_path / "fp8", "--r", R)
+    records = audit_json(base, tmp_path / "fp8", "--r", R)
     assert {(r["delta_norm"], r["base_rounded_to"]) for r in records} == {(0.0, "float8_e4m3fn")}
 
 
@@ -203,8 +192,8 @@ def test_an_fp8_fine_tune_scores_its_update(base, tmp_path):
         q, s = codes[module]
         rounded_base = dequantize((tensors[module + ".weight"] / expand(s, *w.shape)).to(E4M3), s)
         _, b, _, _, _ = dense_oracle(w, r=R, tau=TAU, max_rank=512)  # B as the scan chooses it, by definition
-        exact = oracle(w, dequantize(q, s) - rounded_base, b)
-        near = oracle(w, d, b)
+        exact = oracle_scores(w, dequantize(q, s) - rounded_base, b, TAU)
+        near = oracle_scores(w, d, b, TAU)
         for key, want in exact.items():
             assert getattr(rec, key) == pytest.approx(want, rel=1e-6, abs=1e-9), (module, key)
         assert rec.delta_norm == pytest.approx(near["delta_norm"], rel=0.05)
@@ -255,6 +244,6 @@ def test_fp8_expert_stacks_use_each_experts_block_scales(tmp_path):
     w = tensors[stack][1].double().numpy()
     rounded_base = np.where(x.abs().numpy() <= 448, dequantize(x.to(E4M3), s), w)
     _, b, _, _, _ = dense_oracle(w.T, r=4, tau=TAU, max_rank=512)
-    want = oracle(w.T, (dequantize(q, s) - rounded_base).T, b)
+    want = oracle_scores(w.T, (dequantize(q, s) - rounded_base).T, b, TAU)
     for key, value in want.items():
         assert getattr(records[f"{stack}.1"], key) == pytest.approx(value, rel=1e-6), key

@@ -2,8 +2,8 @@
 
 Oracles: TUNED written by this file's own dense MXFP4 quantizer (per 32-element block of a row: an E8M0 power-of-two
 scale, each element the nearest E2M1 value found by brute force over the 8 magnitudes, ties to the even code,
-saturating at 6), decoded by test_quant's independent MXFP4 decoder, and every score recomputed densely in float64
-numpy with P formed explicitly (test_audit_fp8's oracle).
+saturating at 6), decoded by the independent MXFP4 decoder of tests/oracles.py, and every score recomputed densely in
+float64 numpy with P formed explicitly (helpers_audit.oracle_scores).
 """
 
 from __future__ import annotations
@@ -14,18 +14,17 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from oracles import dense_oracle
+from helpers_audit import audit_json, oracle_scores
+from oracles import dense_oracle, mxfp4_oracle
 from safetensors.torch import load_file, save_file
-from test_audit_fp8 import TAU, oracle, run_json
 
 from plate_inspect.auditing import AUDIT_KEYS, ROUNDING_KEYS, audit, rounding_reference
 from plate_inspect.cli.main import cli
 from plate_inspect.reports.audit import audit_section
 from plate_inspect.testing.synthetic import write_family
-from tests.checkpoint.test_quant import mxfp4_oracle
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude by 3-bit code; code parity = "even"
-R = 4
+R, TAU = 4, 0.9
 STACKS = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj")
 
 
@@ -155,7 +154,7 @@ def test_an_mxfp4_copy_of_base_is_no_update(base, tmp_path, convention, base_dty
     assert res.exit_code == 0, res.output
     assert f"model: 0/{len(records)} modules changed: no update beyond MXFP4 quantization error" in res.output
     assert "note: TUNED stores 6 modules in mxfp4" in res.output and "at TUNED's own MXFP4 scales" in res.output
-    for rec in run_json(base, tmp_path / "mx", "--r", R):
+    for rec in audit_json(base, tmp_path / "mx", "--r", R):
         assert rec["delta_norm"] == 0.0, rec
         keys = AUDIT_KEYS + ROUNDING_KEYS if ".experts." in rec["module"] else AUDIT_KEYS
         assert list(rec) == list(keys) and rec.get("base_rounded_to", "mxfp4") == "mxfp4", rec
@@ -190,7 +189,7 @@ def test_an_mxfp4_fine_tune_of_one_expert_scores_its_update(base, tmp_path):
     assert not (within & (dequant != reference)).any()
     _, b, _, _, _ = dense_oracle(w, r=R, tau=TAU, max_rank=512)  # B as the scan chooses it, by definition
     rec = records[f"{stack}.{e}"]
-    for key, want in oracle(w, dequant - reference, b).items():
+    for key, want in oracle_scores(w, dequant - reference, b, TAU).items():
         assert getattr(rec, key) == pytest.approx(want, rel=1e-6, abs=1e-9), key
     assert rec.rounding_floor == pytest.approx(float(np.linalg.norm(reference - w)), rel=1e-6)
     assert rec.delta_norm == pytest.approx(3 * floor, rel=0.5)  # the planted update, give or take MXFP4's noise
@@ -236,7 +235,7 @@ def test_mxfp4_two_dimensional_weights(base, tmp_path):
         within = np.abs(dequant - base_w) <= half_step(np.minimum(np.abs(dequant), np.abs(base_w)), sc)
         assert not (within & (dequant != reference)).any()  # no tie rounded the other way: round(BASE) is exact
         _, b, _, _, _ = dense_oracle(base_w, r=R, tau=TAU, max_rank=512)
-        for key, want in oracle(base_w, dequant - reference, b).items():
+        for key, want in oracle_scores(base_w, dequant - reference, b, TAU).items():
             assert getattr(rec, key) == pytest.approx(want, rel=1e-6, abs=1e-9), key
     for m, r in records.items():
         if m not in attn:

@@ -8,8 +8,8 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
-from test_hub import StandInHub
-from test_layers_stacks import STACKS
+from helpers_checkpoint import STACKS
+from helpers_hub import StandInHub
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from oracles import dense_oracle, load_all
+from oracles import block_oracle, decode_e4m3, dense_oracle, load_all, mxfp4_oracle, stored_bytes
 
 import plate_inspect
 from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header
@@ -561,8 +561,6 @@ def _scan_quantized_against_oracle(path, tmp_path, decode) -> None:
 
 
 def test_mxfp4_gpt_oss_release_scans_against_the_decoded_oracle(tmp_path):
-    from test_quant import mxfp4_oracle, stored_bytes
-
     def decode(stored, rec):
         stack, expert = rec.name.rsplit(".", 1)
         blocks, scales = stored[f"{stack}_blocks"], stored[f"{stack}_scales"]
@@ -578,8 +576,6 @@ def test_mxfp4_gpt_oss_release_scans_against_the_decoded_oracle(tmp_path):
 
 
 def test_fp8_block_scaled_deepseek_release_scans_against_the_decoded_oracle(tmp_path):
-    from test_quant import block_oracle, decode_e4m3, stored_bytes
-
     def decode(stored, rec):
         raw = stored[f"{rec.name}.weight"]
         if raw.dtype != torch.float8_e4m3fn:

@@ -5,7 +5,7 @@ Mistral repos ship ``consolidated.safetensors`` (the whole model, in Mistral's o
 of a 100+ GB model, though the reader (like transformers) opens the index's shards only. Now the ``*.json`` files
 come first, then the weight files the reader will open (:func:`plate_inspect.checkpoint.hub_weight_files`).
 
-Two stand-ins for the hub, no network: the real huggingface_hub client against test_hub's HTTP stand-in on
+Two stand-ins for the hub, no network: the real huggingface_hub client against helpers_hub's HTTP stand-in on
 127.0.0.1 (its file table swapped), and an in-process fake of ``snapshot_download``/``list_repo_files`` that
 materialises a local directory as a cached snapshot (filtering with huggingface_hub's own pattern matcher) and
 records what was asked for, so that the scan of the repo id can be compared with the scan of the directory.
@@ -17,14 +17,14 @@ import json
 import shutil
 from pathlib import Path
 
+import helpers_hub
 import huggingface_hub
 import pytest
-import test_hub
 import torch
+from helpers_hub import COMMIT, StandInHub, endpoint_of, open_in_fresh_process
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import load_file, save, save_file
-from test_hub import COMMIT, StandInHub, endpoint_of, open_in_fresh_process
 
 from plate_inspect import scan
 from plate_inspect.checkpoint import INDEX_FILE, hub_weight_files
@@ -72,7 +72,7 @@ def _mistral_files(with_single: bool) -> dict[str, bytes]:
 @pytest.mark.parametrize("with_single", [False, True], ids=["shards+consolidated", "model.safetensors+shards"])
 def test_download_fetches_only_the_files_the_reader_opens(hub, tmp_path, monkeypatch, with_single):
     files = _mistral_files(with_single)
-    monkeypatch.setattr(test_hub, "FILES", files)  # the stand-in serves this repo as org/model
+    monkeypatch.setattr(helpers_hub, "FILES", files)  # the stand-in serves this repo as org/model
     home = tmp_path / "hf-home"
     (first,) = open_in_fresh_process([("org/model", None, None)], home, endpoint_of(hub))
     assert first["ok"], first

@@ -9,31 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers_cli import run_cli
+from helpers_checkpoint import STACKS, stack_modules
+from helpers_cli import assert_user_error, run_cli
 
 import plate_inspect
 from plate_inspect.bundle import Bundle, ScanSettings
 from plate_inspect.errors import ConfigError
 from plate_inspect.targets import parse_layers
-
-#: Each family's stacks as transformers names them: (the stack's module path, its number of layers).
-STACKS = {
-    "t5": {"encoder": ("encoder.block", 2), "decoder": ("decoder.block", 3)},
-    "bart": {"encoder": ("model.encoder.layers", 2), "decoder": ("model.decoder.layers", 3)},
-}
-
-
-def _want(layers: dict, *keys: tuple[str, int]) -> list[str]:
-    return sorted(n for key in keys for n in layers[key])
-
-
-def _one_line_error(args, *needles):
-    code, output = run_cli(*args)
-    assert code == 2 and "Traceback" not in output, output
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, output
-    for needle in needles:
-        assert needle in output[output.index("error:") :], (needle, output)
 
 
 def test_parse_layers_reads_stack_qualifiers():
@@ -55,14 +37,14 @@ def test_parse_layers_reads_stack_qualifiers():
 def test_one_stack_is_selected_and_plain_indices_select_both(models, family, tmp_path):
     path, layers = models[family]
     picked = plate_inspect.scan(path, tmp_path / "d", r=4, max_rank=16, layers=parse_layers("decoder:0-1"))
-    assert sorted(picked.modules) == _want(layers, ("decoder", 0), ("decoder", 1))
+    assert sorted(picked.modules) == stack_modules(layers, ("decoder", 0), ("decoder", 1))
     mixed = plate_inspect.scan(path, tmp_path / "m", r=4, max_rank=16, layers=["encoder:1", "decoder:2"])
-    assert sorted(mixed.modules) == _want(layers, ("encoder", 1), ("decoder", 2))
+    assert sorted(mixed.modules) == stack_modules(layers, ("encoder", 1), ("decoder", 2))
     plain = plate_inspect.scan(path, tmp_path / "p", r=4, max_rank=16, layers=[0])  # today's meaning: both stacks
-    assert sorted(plain.modules) == _want(layers, ("encoder", 0), ("decoder", 0))
+    assert sorted(plain.modules) == stack_modules(layers, ("encoder", 0), ("decoder", 0))
     # the full path of a stack names it too
     full = plate_inspect.scan(path, tmp_path / "f", r=4, max_rank=16, layers=[f"{STACKS[family]['encoder'][0]}:0"])
-    assert sorted(full.modules) == _want(layers, ("encoder", 0))
+    assert sorted(full.modules) == stack_modules(layers, ("encoder", 0))
 
 
 def test_cli_scan_and_audit_take_a_stack(models, tmp_path):
@@ -71,20 +53,20 @@ def test_cli_scan_and_audit_take_a_stack(models, tmp_path):
                            "decoder:1", "-q")  # fmt: skip
     assert code == 0, output
     bundle = Bundle.load(tmp_path / "b")
-    assert sorted(bundle.modules) == _want(layers, ("decoder", 1))
+    assert sorted(bundle.modules) == stack_modules(layers, ("decoder", 1))
     assert bundle.settings.layers == ("decoder:1",)
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["config"]["layers"] == ["decoder:1"]
     # audit without a bundle: the checkpoint's stacks
     code, output = run_cli("audit", path, path, "--r", "4", "--layers", "encoder:0,decoder:2", "--json")
     assert code == 0, output
-    assert sorted(r["module"] for r in json.loads(output)) == _want(layers, ("encoder", 0), ("decoder", 2))
+    assert sorted(r["module"] for r in json.loads(output)) == stack_modules(layers, ("encoder", 0), ("decoder", 2))
     # audit with a bundle of the whole model: narrowed to one stack's layer
     whole = plate_inspect.scan(path, tmp_path / "all", r=4, max_rank=16)
     code, output = run_cli("audit", path, path, "--bundle", whole.path, "--layers", "decoder:0", "--json")
     assert code == 0, output
-    assert sorted(r["module"] for r in json.loads(output)) == _want(layers, ("decoder", 0))
+    assert sorted(r["module"] for r in json.loads(output)) == stack_modules(layers, ("decoder", 0))
     records = plate_inspect.audit(path, path, whole, layers=["encoder:1"])
-    assert sorted(r.module for r in records) == _want(layers, ("encoder", 1))
+    assert sorted(r.module for r in records) == stack_modules(layers, ("encoder", 1))
 
 
 def test_rescan_with_an_equivalent_stack_spelling_goes_on(models, tmp_path):
@@ -100,22 +82,22 @@ def test_rescan_with_an_equivalent_stack_spelling_goes_on(models, tmp_path):
 def test_bad_stack_selections_are_one_line_errors(models, qwen_ckpt, tmp_path):
     t5, _ = models["t5"]
     out = tmp_path / "b"
-    _one_line_error(["scan", t5, "--out", out, "--layers", "middle:0", "-q"],
-                    "no layer stack 'middle'", "encoder (encoder.block, 2 layers: 0-1)",
-                    "decoder (decoder.block, 3 layers: 0-2)")  # fmt: skip
-    _one_line_error(["scan", t5, "--out", out, "--layers", "decoder:3", "-q"],
-                    "the decoder stack (decoder.block) has 3 layers (0-2), no layer 3")  # fmt: skip
-    _one_line_error(["scan", t5, "--out", out, "--layers", "encoder:0-2", "-q"],
-                    "the encoder stack (encoder.block) has 2 layers (0-1), no layer 2")  # fmt: skip
-    _one_line_error(["scan", t5, "--out", out, "--layers", "block:0", "-q"], "'block' names 2 layer stacks")
-    _one_line_error(["scan", qwen_ckpt.path, "--out", out, "--layers", "decoder:0", "-q"],
-                    "one layer stack (model.layers, 2 layers: 0-1)", "give plain layer indices")  # fmt: skip
-    _one_line_error(["audit", qwen_ckpt.path, qwen_ckpt.path, "--layers", "encoder:1"], "one layer stack")
-    _one_line_error(["scan", t5, "--out", out, "--layers", "decoder:x", "-q"], "cannot parse 'decoder:x'")
+    assert_user_error(["scan", t5, "--out", out, "--layers", "middle:0", "-q"],
+                      "no layer stack 'middle'", "encoder (encoder.block, 2 layers: 0-1)",
+                      "decoder (decoder.block, 3 layers: 0-2)")  # fmt: skip
+    assert_user_error(["scan", t5, "--out", out, "--layers", "decoder:3", "-q"],
+                      "the decoder stack (decoder.block) has 3 layers (0-2), no layer 3")  # fmt: skip
+    assert_user_error(["scan", t5, "--out", out, "--layers", "encoder:0-2", "-q"],
+                      "the encoder stack (encoder.block) has 2 layers (0-1), no layer 2")  # fmt: skip
+    assert_user_error(["scan", t5, "--out", out, "--layers", "block:0", "-q"], "'block' names 2 layer stacks")
+    assert_user_error(["scan", qwen_ckpt.path, "--out", out, "--layers", "decoder:0", "-q"],
+                      "one layer stack (model.layers, 2 layers: 0-1)", "give plain layer indices")  # fmt: skip
+    assert_user_error(["audit", qwen_ckpt.path, qwen_ckpt.path, "--layers", "encoder:1"], "one layer stack")
+    assert_user_error(["scan", t5, "--out", out, "--layers", "decoder:x", "-q"], "cannot parse 'decoder:x'")
     assert not out.exists()
     # no stack has a plain index: nothing matched, the layers there named per stack
-    _one_line_error(["scan", t5, "--out", out, "--layers", "7", "-q"], "layers [7]",
-                    "its layers: encoder 0-1, decoder 0-2")  # fmt: skip
+    assert_user_error(["scan", t5, "--out", out, "--layers", "7", "-q"], "layers [7]",
+                      "its layers: encoder 0-1, decoder 0-2")  # fmt: skip
     for bad in (["decoder:0-1"], [-1], [1.5], [True], ["decoder:*:1"], ["*"]):
         with pytest.raises(ConfigError, match="not a layer index"):
             ScanSettings(layers=bad)
@@ -129,7 +111,7 @@ def test_audit_of_a_one_stack_bundle_names_the_models_stacks(models, tmp_path):
     path, layers = models["t5"]
     decoder = plate_inspect.scan(path, tmp_path / "d", r=4, max_rank=16, layers=parse_layers("decoder:0-1"))
     records = plate_inspect.audit(path, path, decoder, layers=["decoder:1"])
-    assert sorted(r.module for r in records) == _want(layers, ("decoder", 1))
+    assert sorted(r.module for r in records) == stack_modules(layers, ("decoder", 1))
     for entry in ("encoder:0", "decoder:2"):
         with pytest.raises(ConfigError, match=rf"selection \(layers {entry}\) keeps none of the \d+ modules"):
             plate_inspect.audit(path, path, decoder, layers=[entry])

@@ -1,8 +1,8 @@
 """FP8 and MXFP4 storage dequantized exactly on read, checked against decoders written from the format definitions.
 
-The oracles decode bits with numpy (OCP FP8: E4M3 bias 7, NaN only at S.1111.111; E5M2 bias 15, IEEE-like;
-OCP MX v1.0: FP4 E2M1 bias 1, E8M0 scale 2^(x-127), 255 = NaN), multiply in float64 (exact: a 4-bit and a 24-bit
-significand fit in 53 bits) and round once to float32: what an exact float32 dequantization must return.
+The oracles (tests/oracles.py) decode bits with numpy (OCP FP8: E4M3 bias 7, NaN only at S.1111.111; E5M2 bias 15,
+IEEE-like; OCP MX v1.0: FP4 E2M1 bias 1, E8M0 scale 2^(x-127), 255 = NaN), multiply in float64 (exact: a 4-bit and
+a 24-bit significand fit in 53 bits) and round once to float32: what an exact float32 dequantization must return.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from oracles import block_oracle, decode_e4m3, decode_e5m2, decode_e8m0, fp8_oracle, mxfp4_oracle, stored_bytes
 
 import plate_inspect
 from plate_inspect.checkpoint import Checkpoint
@@ -24,59 +25,6 @@ from plate_inspect.testing.quantized import (
     mxfp4_tensors,
     write_safetensors,
 )
-
-
-# --------------------------------------------------------------------------- oracles from the format definitions
-def decode_e4m3(b: np.ndarray) -> np.ndarray:
-    b = b.astype(np.int64)
-    s, e, m = b >> 7, (b >> 3) & 0xF, b & 0x7
-    mag = np.where(e == 0, m / 8.0 * 2.0**-6, (1 + m / 8.0) * 2.0 ** (e - 7))
-    mag = np.where((e == 15) & (m == 7), np.nan, mag)
-    return np.where(s == 1, -mag, mag)
-
-
-def decode_e5m2(b: np.ndarray) -> np.ndarray:
-    b = b.astype(np.int64)
-    s, e, m = b >> 7, (b >> 2) & 0x1F, b & 0x3
-    mag = np.where(e == 0, m / 4.0 * 2.0**-14, (1 + m / 4.0) * 2.0 ** (e - 15))
-    mag = np.where(e == 31, np.where(m == 0, np.inf, np.nan), mag)
-    return np.where(s == 1, -mag, mag)
-
-
-def decode_e2m1(nibble: np.ndarray) -> np.ndarray:
-    n = nibble.astype(np.int64)
-    s, e, m = n >> 3, (n >> 1) & 0x3, n & 0x1
-    mag = np.where(e == 0, m * 0.5, (1 + m / 2.0) * 2.0 ** (e - 1))
-    return np.where(s == 1, -mag, mag)
-
-
-def decode_e8m0(x: np.ndarray) -> np.ndarray:
-    return np.where(x == 255, np.nan, 2.0 ** (x.astype(np.float64) - 127))
-
-
-def fp8_oracle(raw: np.ndarray, fmt: str) -> np.ndarray:
-    return decode_e4m3(raw) if fmt == "F8_E4M3" else decode_e5m2(raw)
-
-
-def block_oracle(values: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """Element [.., i, j] times scale [.., i // br, j // bc], in float64, by explicit index arithmetic."""
-    rows, cols = values.shape[-2:]
-    i = np.arange(rows)[:, None] // block[0]
-    j = np.arange(cols)[None, :] // block[1]
-    return (values * scale[..., i, j]).astype(np.float32)
-
-
-def mxfp4_oracle(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """Element 2t of a block is the low nibble of byte t, element 2t+1 the high nibble; times 2^(scale-127)."""
-    lo, hi = decode_e2m1(blocks & 0x0F), decode_e2m1(blocks >> 4)
-    values = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], blocks.shape[-1] * 2)
-    out = values * decode_e8m0(scales)[..., None]
-    with np.errstate(over="ignore"):  # 6 x 2^127 rounds to float32 infinity, as it must
-        return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1] * 2).astype(np.float32)
-
-
-def stored_bytes(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.uint8).numpy().copy()
 
 
 def assert_same(got: torch.Tensor, want: np.ndarray) -> None:

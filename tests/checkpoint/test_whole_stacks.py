@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers_cli import run_cli
-from test_layers_stacks import STACKS, _one_line_error, _want
+from helpers_checkpoint import STACKS, stack_modules
+from helpers_cli import assert_user_error, run_cli
 
 import plate_inspect
 from plate_inspect.bundle import Bundle, ScanSettings
@@ -29,21 +29,21 @@ def _stack(layers: dict, stack: str) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("family", ["t5", "bart"])
 def test_a_whole_stack_is_every_layer_of_it(models, family, tmp_path):
     path, layers = models[family]
-    decoder = _want(layers, *_stack(layers, "decoder"))
+    decoder = stack_modules(layers, *_stack(layers, "decoder"))
     for i, spelling in enumerate(("decoder", "decoder:*", STACKS[family]["decoder"][0])):
         picked = plate_inspect.scan(path, tmp_path / f"d{i}", r=4, max_rank=16, layers=parse_layers(spelling))
         assert sorted(picked.modules) == decoder, spelling
     assert picked.settings.layers == (STACKS[family]["decoder"][0],)  # as given
     mixed = plate_inspect.scan(path, tmp_path / "m", r=4, max_rank=16, layers=parse_layers("encoder,decoder:0-1"))
-    assert sorted(mixed.modules) == _want(layers, *_stack(layers, "encoder"), ("decoder", 0), ("decoder", 1))
+    assert sorted(mixed.modules) == stack_modules(layers, *_stack(layers, "encoder"), ("decoder", 0), ("decoder", 1))
     # a whole stack beside plain indices: the plain index still takes the other stack's layer too
     plain = plate_inspect.scan(path, tmp_path / "p", r=4, max_rank=16, layers=["encoder", 2])
-    assert sorted(plain.modules) == _want(layers, *_stack(layers, "encoder"), ("decoder", 2))
+    assert sorted(plain.modules) == stack_modules(layers, *_stack(layers, "encoder"), ("decoder", 2))
 
 
 def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):
     path, layers = models["t5"]
-    decoder = _want(layers, *_stack(layers, "decoder"))
+    decoder = stack_modules(layers, *_stack(layers, "decoder"))
     code, output = run_cli("scan", path, "--out", tmp_path / "b", "--r", "4", "--max-rank", "16", "--layers", "decoder",
                            "-q")  # fmt: skip
     assert code == 0, output
@@ -63,11 +63,11 @@ def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):
     # audit, without and with a bundle, CLI and API
     code, output = run_cli("audit", path, path, "--r", "4", "--layers", "encoder", "--json")
     assert code == 0, output
-    assert sorted(r["module"] for r in json.loads(output)) == _want(layers, *_stack(layers, "encoder"))
+    assert sorted(r["module"] for r in json.loads(output)) == stack_modules(layers, *_stack(layers, "encoder"))
     whole = plate_inspect.scan(path, tmp_path / "all", r=4, max_rank=16)
     code, output = run_cli("audit", path, path, "--bundle", whole.path, "--layers", "decoder,encoder:1", "--json")
     assert code == 0, output
-    assert sorted(r["module"] for r in json.loads(output)) == sorted(decoder + _want(layers, ("encoder", 1)))
+    assert sorted(r["module"] for r in json.loads(output)) == sorted(decoder + stack_modules(layers, ("encoder", 1)))
     records = plate_inspect.audit(path, path, whole, layers=["decoder:*"])
     assert sorted(r.module for r in records) == decoder
     # a decoder bundle audited for the encoder: the model has it, the bundle keeps none of it
@@ -78,14 +78,14 @@ def test_cli_scan_audit_and_api_take_a_whole_stack(models, tmp_path):
 def test_an_unknown_whole_stack_is_a_one_line_error(models, qwen_ckpt, tmp_path):
     t5, _ = models["t5"]
     out = tmp_path / "b"
-    _one_line_error(["scan", t5, "--out", out, "--layers", "middle", "-q"], "--layers middle: no layer stack 'middle'",
-                    "encoder (encoder.block, 2 layers: 0-1)")  # fmt: skip
-    _one_line_error(["scan", t5, "--out", out, "--layers", "block:*", "-q"], "'block' names 2 layer stacks")
-    _one_line_error(["scan", qwen_ckpt.path, "--out", out, "--layers", "decoder", "-q"],
-                    "one layer stack (model.layers, 2 layers: 0-1), not 'decoder'",
-                    "give plain layer indices")  # fmt: skip
-    _one_line_error(["audit", t5, t5, "--layers", "0,middle"], "no layer stack 'middle'")
-    _one_line_error(["scan", t5, "--out", out, "--layers", "decoder:*-1", "-q"], "cannot parse 'decoder:*-1'")
+    assert_user_error(["scan", t5, "--out", out, "--layers", "middle", "-q"],
+                      "--layers middle: no layer stack 'middle'", "encoder (encoder.block, 2 layers: 0-1)")  # fmt: skip
+    assert_user_error(["scan", t5, "--out", out, "--layers", "block:*", "-q"], "'block' names 2 layer stacks")
+    assert_user_error(["scan", qwen_ckpt.path, "--out", out, "--layers", "decoder", "-q"],
+                      "one layer stack (model.layers, 2 layers: 0-1), not 'decoder'",
+                      "give plain layer indices")  # fmt: skip
+    assert_user_error(["audit", t5, t5, "--layers", "0,middle"], "no layer stack 'middle'")
+    assert_user_error(["scan", t5, "--out", out, "--layers", "decoder:*-1", "-q"], "cannot parse 'decoder:*-1'")
     assert not out.exists()
 
 
@@ -126,7 +126,7 @@ def test_stack_selections_are_format_version_2_that_older_readers_refuse(models,
     # a bundle of session 15 (stack entries, format_version 1) is still read
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     (tmp_path / "s" / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
-    assert sorted(Bundle.load(tmp_path / "s").modules) == _want(layers, *_stack(layers, "decoder"))
+    assert sorted(Bundle.load(tmp_path / "s").modules) == stack_modules(layers, *_stack(layers, "decoder"))
     (tmp_path / "s" / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
     with pytest.raises(plate_inspect.BundleError, match=r"format version 3 is not supported .*\(reads versions 1, 2\)"):
         Bundle.load(tmp_path / "s")
@@ -170,7 +170,7 @@ def test_a_layers_string_is_refused_not_read_as_its_characters(qwen_ckpt, models
     one = plate_inspect.scan(qwen_ckpt.path, tmp_path / "one", r=4, max_rank=16, layers=parse_layers("1"))
     assert one.modules and {_layer_of(n) for n in one.modules} == {1}
     records = plate_inspect.audit(bart, bart, r=4, layers=parse_layers("decoder"))
-    decoder = _want(layers, *sorted(k for k in layers if k[0] == "decoder"))
+    decoder = stack_modules(layers, *sorted(k for k in layers if k[0] == "decoder"))
     assert sorted(r.module for r in records) == decoder
 
 
@@ -198,12 +198,12 @@ def test_layers_there_names_the_stack_of_a_one_stack_selection(models):
 
     for family in ("t5", "bart"):
         _, layers = models[family]
-        decoder = _want(layers, *sorted(k for k in layers if k[0] == "decoder"))
-        every = _want(layers, *layers)
+        decoder = stack_modules(layers, *sorted(k for k in layers if k[0] == "decoder"))
+        every = stack_modules(layers, *layers)
         assert layers_there(decoder, every) == "decoder 0-2", family
         assert layers_there(decoder) == "0-2"  # without the model: nothing tells one stack from the other
         assert layers_there(every, every) == layers_there(every) == "encoder 0-1, decoder 0-2"
-        assert layers_there(_want(layers, ("encoder", 1)), every) == "encoder 1"
+        assert layers_there(stack_modules(layers, ("encoder", 1)), every) == "encoder 1"
 
 
 def test_a_one_layer_stack_is_described_in_the_singular(tmp_path):

@@ -12,24 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_cli import run_cli
+from helpers_cli import assert_user_error, mount_tmpfs, run_cli
 from safetensors.torch import save_file
 
 from plate_inspect.bundle import MANIFEST, Bundle
 from plate_inspect.errors import BundleError
 from plate_inspect.testing.synthetic import write_llama_like
-
-
-def assert_user_error(args, *needles):
-    code, output = run_cli(*args)
-    assert code == 2, output
-    assert "Traceback" not in output
-    error_lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(error_lines) == 1, output
-    output = output[output.index("error:") :]
-    for needle in needles:
-        assert needle in output, (needle, output)
-    return output
 
 
 @pytest.fixture
@@ -192,15 +180,6 @@ def test_output_path_under_a_file(tmp_path, model):
     assert_user_error(["scan", model, "--out", blocker / "bundle", "--quiet"], "cannot write")
 
 
-def _mount_tmpfs(path: Path, options: str) -> bool:
-    """Mount a small tmpfs at ``path`` (root with mount permission only); False where this machine cannot."""
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return False
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-    return proc.returncode == 0
-
-
 def _leftovers(out: Path) -> list[str]:
     """Temp files, or part files that safetensors cannot read completely: what a failed write must not leave."""
     from safetensors import safe_open
@@ -223,7 +202,7 @@ def test_output_dir_not_writable(tmp_path, model, mounts):
     if os.geteuid() != 0:
         target.mkdir()
         target.chmod(0o555)
-    elif _mount_tmpfs(target, "ro,size=64k"):
+    elif mount_tmpfs(target, "ro,size=64k"):
         mounts.append(target)
     else:
         pytest.skip("running as root (chmod does not stop root's writes) and mounting a read-only tmpfs is refused")
@@ -238,7 +217,7 @@ def test_output_dir_not_writable(tmp_path, model, mounts):
 def test_disk_full_is_a_clear_error_nothing_partial_and_resumes(tmp_path, model, mounts):
     """A real full filesystem (256 KiB tmpfs, the bundle needs ~370 KiB): one line, no partial file, then resume."""
     out = tmp_path / "small"
-    if not _mount_tmpfs(out, "size=256k"):
+    if not mount_tmpfs(out, "size=256k"):
         pytest.skip("a full filesystem needs a tmpfs mount (root with mount permission); this machine refuses it")
     mounts.append(out)
     assert_user_error(scan_args(model, tmp_path, "--out", out), "disk full", "resume")

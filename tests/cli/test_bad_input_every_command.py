@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers_cli import run_cli
-from test_bad_input import assert_user_error
+from helpers_cli import assert_user_error, run_cli
 
 import plate_inspect
 from plate_inspect.cli.main import cli

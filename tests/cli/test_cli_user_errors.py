@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers_cli import run_cli
-from test_bad_input import _mount_tmpfs, assert_user_error
+from helpers_cli import assert_user_error, mount_tmpfs, run_cli
 
 from plate_inspect import scan
 from plate_inspect.cli.main import cli
@@ -74,7 +73,7 @@ def test_out_under_or_at_a_file(setup, afile):
 def test_merge_onto_read_only_and_full_disk(setup, tmp_path, mounts):
     _, model, _, adapter = setup
     ro, full = tmp_path / "ro", tmp_path / "full"
-    if not (_mount_tmpfs(ro, "ro,size=64k") and _mount_tmpfs(full, "size=64k")):
+    if not (mount_tmpfs(ro, "ro,size=64k") and mount_tmpfs(full, "size=64k")):
         pytest.skip("needs tmpfs mounts (root with mount permission)")
     mounts.extend([ro, full])
     assert_user_error(["merge", model, adapter, "-o", ro / "merged"], "cannot write the merged checkpoint", "--out")

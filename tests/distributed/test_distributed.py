@@ -6,28 +6,18 @@ import itertools
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers_distributed import EXE, ONE_THREAD, run, torchrun
 from oracles import assert_same_bundle
 
 import plate_inspect
 from plate_inspect.distributed import assign_parts, module_cost, parse_devices, rank_from_env
 from plate_inspect.errors import BundleError, ConfigError
-from plate_inspect.testing.synthetic import write_llama_like
-
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-EXE = shutil.which("plate-inspect", path=str(Path(sys.executable).parent))
-
-
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    """A sharded bf16 Qwen2-layout checkpoint with 4 layers (4 part files to share out)."""
-    return write_llama_like(tmp_path_factory.mktemp("dist") / "model", layers=4, max_shard_bytes=150_000, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +26,6 @@ def reference(four_layers, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "b"
     run([EXE, "scan", str(four_layers.path), "--out", str(out), "--r", "8", "--quiet"])
     return out
-
-
-def run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    proc = subprocess.run(cmd, env={**env, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
 
 
 # --------------------------------------------------------------------------- sharing the work

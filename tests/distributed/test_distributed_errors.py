@@ -19,8 +19,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from oracles import assert_same_bundle
-from test_distributed_failures import (
+from helpers_distributed import (
     EXE,
     JOB_VARS,
     ONE_THREAD,
@@ -28,18 +27,12 @@ from test_distributed_failures import (
     run,
     torchrun,
 )
+from oracles import assert_same_bundle
 
 from plate_inspect import distributed
 from plate_inspect.bundle import Bundle
 from plate_inspect.distributed import BoundedStore, Coordinator, RankInfo, StoreTimeout, say_once
 from plate_inspect.errors import BundleError
-from plate_inspect.testing.synthetic import write_llama_like
-
-
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    """A sharded bf16 Qwen2-layout checkpoint with 4 layers (rank 0 gets layers 0 and 2, rank 1 layers 1 and 3)."""
-    return write_llama_like(tmp_path_factory.mktemp("qa16") / "model", layers=4, max_shard_bytes=150_000, seed=3)
 
 
 def error_lines(text: str) -> list[str]:

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
+from helpers_distributed import EXE, JOB_VARS, ONE_THREAD, run, torchrun
 from oracles import assert_same_bundle
 
 from plate_inspect import distributed
@@ -27,66 +25,6 @@ from plate_inspect.bundle import Bundle
 from plate_inspect.distributed import Coordinator, RankInfo, rank_from_env
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.testing.synthetic import write_llama_like
-
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-EXE = shutil.which("plate-inspect", path=str(Path(sys.executable).parent))
-JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    """A sharded bf16 Qwen2-layout checkpoint with 4 layers (rank 0 gets layers 0 and 2, rank 1 layers 1 and 3)."""
-    return write_llama_like(tmp_path_factory.mktemp("qa") / "model", layers=4, max_shard_bytes=150_000, seed=3)
-
-
-def run(cmd: list[str], check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``cmd`` in a session of its own: on a timeout the whole process group goes (torchrun's workers too, a
-    SIGSTOPped one included), not only torchrun, so a failing test leaves no orphan behind."""
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-    with subprocess.Popen(cmd, env={**env, **ONE_THREAD}, text=True, start_new_session=True, **pipes) as popen:
-        try:
-            stdout, stderr = popen.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            popen.communicate()
-            raise
-    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def _torchrun_options() -> set[str]:
-    from torch.distributed.run import get_args_parser
-
-    return {o for action in get_args_parser()._actions for o in action.option_strings}
-
-
-def torchrun(*args: str) -> list[str]:
-    # a stopped rank ignores torchrun's SIGTERM: SIGKILL it after 2 s instead of torchrun's default 30 s (torchrun
-    # 2.5, the floor, has no --shutdown-timeout: it waits the 30 s)
-    grace = ["--shutdown-timeout", "2"] if "--shutdown-timeout" in _torchrun_options() else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *grace, *args]
-
-
-def agent_store_for_rank_1(monkeypatch, run_id: str):
-    """A TCPStore server, as torchrun's agent holds it, and the environment torchrun gives rank 1 of two (on one
-    node); the caller sets how long say_once waits."""
-    from datetime import timedelta
-
-    from plate_inspect import distributed
-
-    port = distributed.devices._free_port()
-    server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
-    for var in JOB_VARS:
-        monkeypatch.delenv(var, raising=False)
-    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(distributed.timing, "QUIET_EXIT_SECONDS", 0.0)
-    return server
 
 
 # --------------------------------------------------------------------------- the environment

@@ -16,20 +16,13 @@ import threading
 import time
 
 import pytest
-from test_distributed_failures import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, run, torchrun
+from helpers_distributed import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, run, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.distributed import Fault, RankInfo, say_once
 from plate_inspect.errors import BundleError
-from plate_inspect.testing.synthetic import write_llama_like
 
 INTERRUPTED = "interrupted: finished modules are saved; rerun the same command to resume"
-
-
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    """A sharded bf16 Qwen2-layout checkpoint with 4 layers (rank 0 gets layers 0 and 2, rank 1 layers 1 and 3)."""
-    return write_llama_like(tmp_path_factory.mktemp("r17") / "model", layers=4, max_shard_bytes=150_000, seed=3)
 
 
 def said(text: str) -> list[str]:

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from test_distributed_failures import agent_store_for_rank_1
+from helpers_distributed import agent_store_for_rank_1
 
 from plate_inspect import distributed
 from plate_inspect.distributed import RankInfo, say_once

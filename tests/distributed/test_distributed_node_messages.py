@@ -18,11 +18,10 @@ import time
 
 import pytest
 import torch
-from test_distributed_failures import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, torchrun
+from helpers_distributed import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.distributed import RankInfo, say_once
-from plate_inspect.testing.synthetic import write_llama_like
 
 HOST = socket.gethostname()
 LINE = "'/models/m' is neither an existing path nor a Hugging Face repo id (org/name)"
@@ -158,11 +157,6 @@ def test_a_second_interrupt_after_a_scan_ended_by_one_belongs_to_that_scan(agent
 
 
 # --------------------------------------------------------------------------- end to end: two "nodes"
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    return write_llama_like(tmp_path_factory.mktemp("r18") / "model", layers=4, max_shard_bytes=150_000, seed=3)
-
-
 _MISSING_ON_ONE_NODE = textwrap.dedent(
     """
     import os, sys

@@ -17,8 +17,8 @@ from datetime import timedelta
 
 import pytest
 import torch
+from helpers_distributed import EXE, JOB_VARS, run, torchrun
 from oracles import assert_same_bundle
-from test_distributed_failures import EXE, JOB_VARS, run, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.bundle import ScanSettings
@@ -26,13 +26,6 @@ from plate_inspect.distributed import Coordinator, RankInfo
 from plate_inspect.formatting import human_bytes
 from plate_inspect.progress import ProgressCounter, ProgressEvent, as_callback
 from plate_inspect.scanner import plan_scan, run_scan
-from plate_inspect.testing.synthetic import write_llama_like
-
-
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    """A sharded bf16 Qwen2-layout checkpoint with 4 layers (rank 0 gets layers 0 and 2, rank 1 layers 1 and 3)."""
-    return write_llama_like(tmp_path_factory.mktemp("bar17") / "model", layers=4, max_shard_bytes=150_000, seed=3)
 
 
 def planned(model) -> tuple[int, int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers_geometry import SEVEN_B_SHAPES, SHAPES, check_hard_case
 from oracles import dense_oracle, load_all
-from test_exactness import SEVEN_B_SHAPES, SHAPES, check_hard_case
 
 import plate_inspect
 from plate_inspect.geometry import _matmul_precision, _set_matmul_precision

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers_plan import curve
 from oracles import load_all
 from safetensors.torch import load_file
 
@@ -88,11 +89,6 @@ def test_captured_energy_curve_by_hand():
     c = captured_energy_curve(torch.tensor([5.0, 3.0, 2.0]), 5)
     assert c.tolist() == pytest.approx([0, 0, 0, 0.2, 0.5, 1.0])
     assert captured_energy_curve(torch.zeros(3), 4).tolist() == [0.0] * 5
-
-
-def curve(ascending: list[float]) -> torch.Tensor:
-    lam = torch.tensor(ascending, dtype=torch.float64)
-    return torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(lam, 0)]) / lam.sum()
 
 
 def test_allocation_by_hand():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers_cli import run_cli
+from helpers_plan import brute_force, curve, every_allocation, score
 from safetensors.numpy import load_file
 
 import plate_inspect
@@ -19,12 +20,6 @@ from plate_inspect import scan
 from plate_inspect.cli.main import cli
 from plate_inspect.plan import allocate_greedy, allocation, plan_budget
 from plate_inspect.testing.synthetic import write_llama_like
-
-
-def curve(eigenvalues: list[float]) -> torch.Tensor:
-    """c(k) for k = 0..d_in from ascending eigenvalues, float64 (the oracle's own cumulative sum)."""
-    lam = torch.tensor(eigenvalues, dtype=torch.float64)
-    return torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(lam, 0)]) / lam.sum()
 
 
 def instance(seed: int, equal_r: bool):
@@ -39,30 +34,6 @@ def instance(seed: int, equal_r: bool):
         k_max.append(int(torch.randint(1, d_in + 1, (1,), generator=g)))
         ranks.append(3 if equal_r else int(torch.randint(0, 6, (1,), generator=g)))  # r = 0: a one-row gate
     return curves, ranks, k_max
-
-
-def every_allocation(ranks, k_max):
-    """Every per-module k (k = 1 where r = 0)."""
-    return itertools.product(*[range(1, m + 1) if r > 0 else [1] for r, m in zip(ranks, k_max, strict=True)])
-
-
-def brute_force(curves, ranks, k_max, budget, objective):
-    """Every allocation: the largest spend within the budget, and the smallest objective at that spend."""
-    best = None
-    for ks in every_allocation(ranks, k_max):
-        spend = sum(r * k for r, k in zip(ranks, ks, strict=True))
-        if spend > budget:
-            continue
-        levels = [float(c[k]) for c, k in zip(curves, ks, strict=True)]
-        value = max(levels) if objective == "minimax" else sum(levels) / len(levels)
-        if best is None or (spend, -value) > (best[0], -best[1]):
-            best = (spend, value)
-    return best
-
-
-def score(curves, ks, objective):
-    levels = [float(c[k]) for c, k in zip(curves, ks, strict=True)]
-    return max(levels) if objective == "minimax" else sum(levels) / len(levels)
 
 
 @pytest.mark.parametrize("equal_r", [True, False])
@@ -246,7 +217,6 @@ def test_plan_with_a_zero_r_module_is_optimal_by_brute_force(gate_bundle, object
     in a ZeroDivisionError traceback (captured energy per parameter, over r = 0). That module now stays at k = 1
     (0 parameters), and the other modules' k are optimal: brute force over every allocation, with captured energy
     from numpy's eigenvalues of W_f (W without the bundle's B rows) in float64."""
-    import itertools
 
     from click.testing import CliRunner
     from oracles import load_all

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from test_plan_exactness import brute_force, curve, score
+from helpers_plan import brute_force, curve, score
 
 from plate_inspect import scan
 from plate_inspect.cli.main import cli

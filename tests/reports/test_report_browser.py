@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_reports import MOE_DENSE, MOE_EXPERTS, QWEN7B_TYPES, write_fake_bundle
+from helpers_reports import MOE_DENSE, MOE_EXPERTS, QWEN7B_TYPES, write_fake_bundle
 
 import plate_inspect
 from plate_inspect.bundle import Bundle

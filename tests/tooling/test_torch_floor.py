@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from helpers_analysis import TinyTransformer, dense_basis, dense_oracles, op_dense
 
 from plate_inspect.analysis import curvature
 from plate_inspect.analysis.curvature import OldTaskProblem, UpdateFamily, restricted_operator, selector_basis_block
-from tests.analysis.test_curvature import TinyTransformer, _op_dense, dense_basis, dense_oracles
 
 
 def test_curvature_through_attention_without_torch_nn_attention(monkeypatch):
@@ -30,7 +30,7 @@ def test_curvature_through_attention_without_torch_nn_attention(monkeypatch):
     q = torch.linalg.qr(torch.randn(4, 2, generator=g, dtype=torch.float64)).Q
     block = selector_basis_block("enc.self_attn.in_proj_weight", (12, 4), torch.tensor([0, 5, 9]), q)  # q, k, v rows
     fam = UpdateFamily("in_proj", [block])
-    got = _op_dense(restricted_operator(OldTaskProblem(model, F.cross_entropy, [(x, y)]), fam, "hessian"))
+    got = op_dense(restricted_operator(OldTaskProblem(model, F.cross_entropy, [(x, y)]), fam, "hessian"))
     assert torch.backends.cuda.flash_sdp_enabled()  # the fallback restores the global kernel toggles on exit
     monkeypatch.undo()
     with curvature.math_attention():  # the oracle's double backward needs the math kernel too
