@@ -22,6 +22,7 @@ import click
 import torch
 
 from plate_inspect.bundle import Bundle
+from plate_inspect.cli.experiment import data_option
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.continual import symmetric_kl
 from plate_inspect.experiments.methods import BACKBONE, StageOne
@@ -74,7 +75,7 @@ def train_with_b(ckpt: Path, bundle: Bundle, b_rows: dict[str, torch.Tensor], ta
 @click.option(
     "--steps", type=click.IntRange(min=1), default=2400, show_default=True, help="Stage-2 steps of the intervention."
 )
-@click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
+@data_option
 def main(seeds: int, steps: int, data: str) -> None:
     torch.set_num_threads(1)
     task1, task2 = digits.load_tasks(data)

@@ -10,7 +10,7 @@ import click
 from rich import box
 from rich.table import Table
 
-from plate_inspect.cli.common import console, progress_bar, split_names
+from plate_inspect.cli.common import console, progress_bar, quiet_option, split_names
 from plate_inspect.targets import check_target_patterns, parse_layers
 
 
@@ -37,7 +37,7 @@ from plate_inspect.targets import check_target_patterns, parse_layers
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of records instead of the table.")
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write a self-contained HTML audit.")
 @click.option("--top", type=click.IntRange(min=0), default=30, show_default=True, help="Rows of the table (0: all).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option()
 def audit_command(
     base: str,
     tuned: str,
@@ -73,11 +73,10 @@ def audit_command(
     from plate_inspect.auditing import (
         TABLE_COLUMNS,
         audit,
+        audit_notes,
         rank_by_risk,
         rounding_kind,
-        rounding_note,
         summarize,
-        swapped_note,
         table_cells,
     )
 
@@ -134,8 +133,7 @@ def audit_command(
                 "storage in every audited module)"
             )
     console.print(line, soft_wrap=True)  # one line, as scripts grep it, whatever the terminal width
-    for note in (rounding_note(records), swapped_note(records)):
-        if note:
-            console.print(f"note: {note}", soft_wrap=True)
+    for note in audit_notes(records):
+        console.print(f"note: {note}", soft_wrap=True)
     if report is not None:
         console.print(f"report: {report}")

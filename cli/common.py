@@ -1,10 +1,12 @@
-"""Shared CLI plumbing: the consoles and the one progress bar."""
+"""Shared CLI plumbing: the consoles, the one progress bar and the --quiet flag that turns it off."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import click
 from rich.console import Console
 
 from plate_inspect.formatting import human_bytes
@@ -15,6 +17,13 @@ err_console = Console(stderr=True, highlight=False)
 for _c in (console, err_console):  # piped or captured output: tables and progress need room, not 80 columns
     if not _c.is_terminal:
         _c.width = max(_c.width, 160)
+
+
+def quiet_option(*old_names: str) -> Callable[[Any], Any]:
+    """The ``--quiet``/``-q`` flag of every command with a progress bar (parameter ``quiet``); ``old_names``: earlier
+    spellings it still accepts, named in its help."""
+    note = f" ({', '.join(old_names)}: the old name)" if old_names else ""
+    return click.option("--quiet", "-q", *old_names, "quiet", is_flag=True, help=f"No progress bar{note}.")
 
 
 def split_names(text: str | None) -> list[str] | None:

@@ -8,10 +8,22 @@ from typing import TYPE_CHECKING
 
 import click
 
-from plate_inspect.cli.common import console, err_console, progress_bar
+from plate_inspect.cli.common import console, err_console, progress_bar, quiet_option
 
 if TYPE_CHECKING:
     from plate_inspect.experiments.continual import ContinualSettings, RunRecord
+
+
+#: --data and --data-root of the digits experiments (the commands here and benchmarks/arena_dead_units.py)
+data_option = click.option(
+    "--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True
+)
+data_root_option = click.option(
+    "--data-root",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Fashion-MNIST IDX directory (--data fashion-mnist only).",
+)
 
 
 @click.group("experiment")
@@ -54,7 +66,7 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 @experiment_group.command("continual")
 @click.option("--out", "-o", type=click.Path(), required=True, callback=_out_dir, help="Output directory.")
-@click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
+@data_option
 @click.option("--methods", default=None, help="Comma-separated methods (listed above) [all].")
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True, help="Seeds 0..K-1.")
 @click.option("--steps", default="2400", show_default=True, help="Stage-2 Adam steps; a list runs each.")
@@ -70,21 +82,14 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     is_flag=True,
     help="Smoke run: one budget per method; 1 seed and 180 + 60 steps unless --seeds/--stage1-steps/--steps given.",
 )
-@click.option(
-    "--data-root",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Fashion-MNIST IDX directory (--data fashion-mnist only).",
-)
+@data_root_option
 @click.option(
     "--report-only",
     is_flag=True,
     help="Rebuild results.json/summary.md/HTML from OUT/runs.jsonl, or OUT/results.json where runs.jsonl is absent "
     "(trains nothing); with --methods/--steps/--seeds, of those runs only (runs.jsonl only).",
 )
-@click.option(
-    "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
-)
+@quiet_option("--no-progress")
 def continual_command(
     out: Path,
     data: str,
@@ -229,7 +234,7 @@ def _check_own_settings(out: Path, values: dict[str, tuple]) -> None:
 
 @experiment_group.command("sequential")
 @click.option("--out", "-o", type=click.Path(), required=True, callback=_out_dir, help="Output directory.")
-@click.option("--data", type=click.Choice(["digits", "fashion-mnist"]), default="digits", show_default=True)
+@data_option
 @click.option(
     "--methods", default="plate,lora,osf", show_default=True, help="Comma-separated: any of plate, lora, osf."
 )
@@ -237,12 +242,7 @@ def _check_own_settings(out: Path, values: dict[str, tuple]) -> None:
 @click.option(
     "--steps", type=click.IntRange(min=1), default=950, show_default=True, help="Adam steps per task (10 MNIST epochs)."
 )
-@click.option(
-    "--data-root",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Fashion-MNIST IDX directory (--data fashion-mnist only).",
-)
+@data_root_option
 @click.option("--quick", is_flag=True, help="Smoke run: 1 seed and 60 steps per task unless --seeds/--steps given.")
 @click.option(
     "--report-only",
@@ -250,9 +250,7 @@ def _check_own_settings(out: Path, values: dict[str, tuple]) -> None:
     help="Rewrite sequential.json and print the matrices from OUT's finished runs (trains nothing); with --methods/"
     "--seeds, of those runs only.",
 )
-@click.option(
-    "--quiet", "-q", "--no-progress", "quiet", is_flag=True, help="No progress bar (--no-progress: the old name)."
-)
+@quiet_option("--no-progress")
 def sequential_command(
     out: Path,
     data: str,

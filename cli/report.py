@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from plate_inspect.bundle import Bundle
-from plate_inspect.cli.common import console, human_bytes, progress_bar
+from plate_inspect.cli.common import console, human_bytes, progress_bar, quiet_option
 
 
 @click.command("report")
@@ -29,7 +29,7 @@ from plate_inspect.cli.common import console, human_bytes, progress_bar
     help="Spectra longer than this are drawn downsampled (the plot says so).",
 )
 @click.option("--bins", type=int, default=40, show_default=True, help="Bins of the redundancy score histograms.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option()
 def report_command(
     bundles: tuple[Path, ...], out: Path, labels: str | None, max_points: int, bins: int, quiet: bool
 ) -> None:

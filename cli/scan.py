@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from plate_inspect.bundle import Bundle, ModuleRecord, ScanSettings, unfinished_note, unfinished_state
-from plate_inspect.cli.common import console, err_console, human_bytes, progress_bar, split_names
+from plate_inspect.cli.common import console, err_console, human_bytes, progress_bar, quiet_option, split_names
 from plate_inspect.distributed import rank_from_env
 from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 from plate_inspect.errors import PlateInspectError
@@ -186,7 +186,7 @@ def reuse_line(stats: dict) -> str:
 )
 @click.option("--overwrite", is_flag=True, help="Replace a bundle made with other settings or weights.")
 @click.option("--report", "make_report", is_flag=True, help="Also write <out>/report.html.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option()
 def scan_command(
     model, out, target_modules, layers, device, devices, revision, offline, overwrite, make_report, quiet, **settings
 ):

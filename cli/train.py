@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from plate_inspect.cli.common import console, err_console, progress_bar
+from plate_inspect.cli.common import console, err_console, progress_bar, quiet_option
 from plate_inspect.formatting import counted
 
 
@@ -36,7 +36,7 @@ from plate_inspect.formatting import counted
     help="Replace the checkpoint in --out as a whole, so that a crash leaves the old or the new one (its files "
     "the new one does not write are removed; other files are kept), and the bundle in --rescan.",
 )
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option()
 def merge_command(
     checkpoint: str,
     adapter: Path,

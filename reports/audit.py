@@ -16,11 +16,10 @@ from typing import Any
 from plate_inspect.auditing import (
     TABLE_COLUMNS,
     AuditRecord,
+    audit_notes,
     rank_by_risk,
     rounding_kind,
-    rounding_note,
     summarize,
-    swapped_note,
     table_cells,
 )
 from plate_inspect.targets import LayerEntry, layer_rows, module_type_of
@@ -180,7 +179,7 @@ def audit_section(records: list[AuditRecord], title: str = "Audit", layers: Iter
     rounding = rounding_kind(records)
     if not s.touched and rounding:
         model = f"No update beyond {rounding}: the tuned weights equal the base's rounded to their storage."
-    notes = [note for note in (rounding_note(records), swapped_note(records)) if note]
+    notes = audit_notes(records)
     summary = (
         f"<p>{s.touched} of {s.modules} modules changed. {model}</p>"
         + "".join(f"<p>Note: {html.escape(note)}</p>" for note in notes)

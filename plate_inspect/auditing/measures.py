@@ -248,6 +248,12 @@ def swapped_note(records: list[AuditRecord]) -> str | None:
     )
 
 
+def audit_notes(records: list[AuditRecord]) -> list[str]:
+    """The notes an audit's output carries after its summary (CLI and HTML report alike), in order: BASE rounded to
+    TUNED's storage, then BASE and TUNED likely swapped; none where neither applies."""
+    return [note for note in (rounding_note(records), swapped_note(records)) if note]
+
+
 def rank_by_risk(records: list[AuditRecord]) -> list[AuditRecord]:
     """Records ordered by risk, highest first (ties: larger protected share, then name)."""
     return sorted(records, key=lambda r: (-r.risk, -r.protected_input_share, r.module))
