@@ -1,4 +1,5 @@
-"""Session fixtures for every test: generated checkpoints with real HF layouts and the real embedded MiniLM.
+"""Fixtures for every test: generated checkpoints with real HF layouts and the real embedded MiniLM (one per session),
+an untrained digits MLP with its bundle (one per test module).
 
 Shared helpers live in modules beside this file (oracles, helpers_train, ...), not here: a test module cannot
 import from conftest once subdirectories have their own conftest.py (pytest imports each as ``conftest``)."""
@@ -35,3 +36,11 @@ def minilm_dir() -> Path:
     from plate_inspect.embedded import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def digits_setup(tmp_path_factory):
+    """(root, checkpoint, bundle) of an untrained digits MLP (helpers_train.digits_setup), one per test module."""
+    import helpers_train
+
+    return helpers_train.digits_setup(tmp_path_factory.mktemp("digits"))

@@ -52,9 +52,9 @@ def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *grace, *args]
 
 
-def agent_store_for_rank_1(monkeypatch, run_id: str):
+def agent_store_for_rank_1(monkeypatch, run_id: str, said_wait: float):
     """A TCPStore server, as torchrun's agent holds it, and the environment torchrun gives rank 1 of two (on one
-    node); the caller sets how long say_once waits."""
+    node); say_once waits ``said_wait`` seconds for the line to be said."""
     port = distributed.devices._free_port()
     server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
     for var in JOB_VARS:
@@ -64,4 +64,19 @@ def agent_store_for_rank_1(monkeypatch, run_id: str):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(distributed.timing, "QUIET_EXIT_SECONDS", 0.0)
+    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", said_wait)
     return server
+
+
+#: The end of a rank's script (after ``marks, rank = Path(sys.argv[1]), os.environ["RANK"]``; ``sys.argv[1:]``: scan's
+#: arguments): ``plate-inspect scan`` in this process, its exit code written to ``marks/exit-<rank>``.
+SCAN_RECORDING_EXIT = """
+from plate_inspect.cli.main import main
+
+sys.argv = ["plate-inspect", "scan", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    (marks / f"exit-{rank}").write_text(str(e.code))
+    raise
+"""

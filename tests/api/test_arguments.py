@@ -330,15 +330,10 @@ def test_no_gpu_errors_name_the_keyword_in_python_and_the_flag_in_the_cli(tmp_pa
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return helpers_train.digits_setup(tmp_path_factory.mktemp("types16"))
-
-
 @pytest.mark.parametrize("content", [[1, 2], 3, "plan", None])
-def test_plan_file_that_is_not_a_json_object_is_a_config_error(setup, tmp_path, content):
+def test_plan_file_that_is_not_a_json_object_is_a_config_error(digits_setup, tmp_path, content):
     """A plan file holding a JSON list/number/string/null was an AttributeError ('list' has no attribute 'get')."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(content))
     with pytest.raises(ConfigError, match="not a plate-plan"):
@@ -349,9 +344,9 @@ def test_plan_file_that_is_not_a_json_object_is_a_config_error(setup, tmp_path, 
         get_peft_model(helpers_train.load_digits(ckpt), PlateConfig(bundle=str(bundle.path), plan=str(path)))
 
 
-def test_plan_whose_bundle_entry_is_not_an_object_names_the_mismatch(setup):
+def test_plan_whose_bundle_entry_is_not_an_object_names_the_mismatch(digits_setup):
     """'bundle': "x" (hand-edited) was an AttributeError ('str' has no attribute 'get')."""
-    _, _, bundle = setup
+    _, _, bundle = digits_setup
     plan = {"format": "plate-plan", "format_version": 1, "bundle": "x", "modules": {"fc1": {"k": 1}}}
     with pytest.raises(ConfigError, match="the plan was made for bundle 'None'"):
         load_plan(plan, bundle)
@@ -378,9 +373,9 @@ def test_one_name_string_in_the_curvature_families_is_one_name():
     assert [b.param for b in lora_family(model, ["10"], rank=1).blocks] == ["10.weight"]
 
 
-def test_one_module_string_in_plate_family_is_one_module(setup):
+def test_one_module_string_in_plate_family_is_one_module(digits_setup):
     """plate_family(modules="fc2") looked for modules 'f', 'c' and '2' (CurvatureError)."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     family = plate_family(helpers_train.load_digits(ckpt), bundle, modules="fc2")
     assert [b.param for b in family.blocks] == ["fc2.weight"]
     assert family.dim == bundle.record("fc2").r * bundle.record("fc2").k

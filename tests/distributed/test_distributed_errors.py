@@ -97,9 +97,7 @@ def test_an_error_of_one_rank_alone_is_printed_with_its_rank(four_layers, tmp_pa
 @pytest.fixture
 def agent_store(monkeypatch):
     """The agent store of a two-rank job, seen from rank 1."""
-    server = agent_store_for_rank_1(monkeypatch, "t16")
-    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 0.5)
-    return server
+    return agent_store_for_rank_1(monkeypatch, "t16", said_wait=0.5)
 
 
 def test_say_once_compares_with_what_the_other_ranks_said(agent_store, monkeypatch):

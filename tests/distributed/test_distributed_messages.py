@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from helpers_distributed import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, run, torchrun
+from helpers_distributed import JOB_VARS, ONE_THREAD, SCAN_RECORDING_EXIT, agent_store_for_rank_1, run, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.distributed import Fault, RankInfo, say_once
@@ -31,8 +31,9 @@ def said(text: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- Ctrl-C and SIGTERM
-_SLOW_CLI = textwrap.dedent(
-    """
+_SLOW_CLI = (
+    textwrap.dedent(
+        """
     import os, sys, time
     from pathlib import Path
     from plate_inspect import scanner
@@ -47,15 +48,9 @@ _SLOW_CLI = textwrap.dedent(
         return _compute(todo, *args, **kwargs)
 
     scanner._compute = slow_compute
-    from plate_inspect.cli.main import main
-
-    sys.argv = ["plate-inspect", "scan", *sys.argv[1:]]
-    try:
-        main()
-    except SystemExit as e:
-        (marks / f"exit-{rank}").write_text(str(e.code))
-        raise
     """
+    )
+    + SCAN_RECORDING_EXIT
 )
 
 
@@ -178,9 +173,7 @@ def test_a_model_missing_on_one_node_is_said_at_once_and_the_waiting_rank_ends(f
 @pytest.fixture
 def agent_store(monkeypatch):
     """The agent store of a two-rank job, seen from rank 1."""
-    server = agent_store_for_rank_1(monkeypatch, "t17")
-    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 30.0)
-    return server
+    return agent_store_for_rank_1(monkeypatch, "t17", said_wait=30.0)
 
 
 def timed_say_once(line: str, error: BaseException | None = None) -> tuple[list[str], float]:

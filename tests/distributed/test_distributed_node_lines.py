@@ -23,9 +23,7 @@ FULL = "/scratch/b: cannot write the bundle: no space left on device"
 
 @pytest.fixture
 def agent_store(monkeypatch):
-    server = agent_store_for_rank_1(monkeypatch, "node-lines")
-    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 5.0)
-    return server
+    return agent_store_for_rank_1(monkeypatch, "node-lines", said_wait=5.0)
 
 
 def run_ranks(lines: dict[int, str], slow: dict[int, float], local_world_size: int) -> list[tuple[str, int]]:

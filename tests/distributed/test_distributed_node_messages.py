@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from helpers_distributed import JOB_VARS, ONE_THREAD, agent_store_for_rank_1, torchrun
+from helpers_distributed import JOB_VARS, ONE_THREAD, SCAN_RECORDING_EXIT, agent_store_for_rank_1, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.distributed import RankInfo, say_once
@@ -31,9 +31,7 @@ INTERRUPTED = "interrupted: finished modules are saved; rerun the same command t
 @pytest.fixture
 def agent_store(monkeypatch):
     """The agent store of a job (torchrun's agent holds it); the environment is rank 1's of two."""
-    server = agent_store_for_rank_1(monkeypatch, "t18")
-    monkeypatch.setattr(distributed.timing, "SAID_WAIT_SECONDS", 30.0)
-    return server
+    return agent_store_for_rank_1(monkeypatch, "t18", said_wait=30.0)
 
 
 def job(nodes: list[int], failing: set[int], line: str = LINE) -> tuple[list[str], float]:
@@ -214,8 +212,9 @@ def test_a_model_missing_on_one_node_is_said_once_for_that_node_and_the_job_ends
     assert took < 60  # (the waiting node ended well before its first note, at 60 s)
 
 
-_BUSY_RANK_0 = textwrap.dedent(
-    """
+_BUSY_RANK_0 = (
+    textwrap.dedent(
+        """
     import os, signal, sys, time
     from pathlib import Path
     from plate_inspect import distributed, scanner
@@ -238,15 +237,9 @@ _BUSY_RANK_0 = textwrap.dedent(
         return _compute(todo, *args, **kwargs)
 
     scanner._compute = compute
-    from plate_inspect.cli.main import main
-
-    sys.argv = ["plate-inspect", "scan", *sys.argv[1:]]
-    try:
-        main()
-    except SystemExit as e:
-        (marks / f"exit-{rank}").write_text(str(e.code))
-        raise
     """
+    )
+    + SCAN_RECORDING_EXIT
 )
 
 

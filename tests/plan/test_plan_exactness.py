@@ -110,16 +110,8 @@ def test_greedy_fallback_states_a_valid_lower_bound(objective):
             assert found.to_json()["gap"] == pytest.approx(found.objective - found.lower_bound)
 
 
-@pytest.fixture(scope="module")
-def unequal_bundle(tmp_path_factory):
-    """r = 64 on a 64-wide model: q/o/down get r = 57, k/v (32 rows) 28, gate/up 64: three different r."""
-    root = tmp_path_factory.mktemp("plan16")
-    ckpt = write_llama_like(root / "model", layers=2, dtype=torch.float32, planted_fraction=0.1)
-    return scan(ckpt.path, root / "bundle", r=64, tau=0.5, max_rank=512)
-
-
-def test_plan_states_its_optimality_in_text_and_json(unequal_bundle, tmp_path, monkeypatch):
-    b = unequal_bundle
+def test_plan_states_its_optimality_in_text_and_json(three_r_bundle, tmp_path, monkeypatch):
+    b = three_r_bundle
     assert len({rec.r for rec in b}) == 3
     plan = plan_budget(b, "5%", "minimax").to_json()
     assert plan["optimality"]["method"] == "exact"
@@ -169,18 +161,18 @@ def _oracle_plan(bundle_dir, modules: dict, budget: int, objective: str) -> tupl
 
 
 @pytest.fixture(scope="module")
-def three_r_bundle(tmp_path_factory):
-    """r = 64 on a 64-wide fp32 model: q/o/down keep r = 57, k/v 28, gate/up 64 (three different r)."""
-    root = tmp_path_factory.mktemp("qa16plan")
+def three_r_bundle_tau_06(tmp_path_factory):
+    """The model of conftest's three_r_bundle scanned at tau 0.6: q/o/down keep r = 57, k/v 28, gate/up 64."""
+    root = tmp_path_factory.mktemp("three_r_tau_06")
     ckpt = write_llama_like(root / "model", layers=2, dtype=torch.float32, planted_fraction=0.1)
     return plate_inspect.scan(ckpt.path, root / "bundle", r=64, tau=0.6, max_rank=512)
 
 
 @pytest.mark.parametrize("objective", ["minimax", "mean"])
-def test_plan_budget_equals_an_exhaustive_search(three_r_bundle, objective, tmp_path):
+def test_plan_budget_equals_an_exhaustive_search(three_r_bundle_tau_06, objective, tmp_path):
     """The CLI's plan file spends the most the budget allows and has the best objective at that spend, for budgets
     at the edges: just above the minimum (sum of r), 1%, mid-range, and beyond what the bundle holds."""
-    b = three_r_bundle
+    b = three_r_bundle_tau_06
     assert len({rec.r for rec in b}) == 3
     minimum = sum(rec.r for rec in b)
     capacity = sum(rec.r * rec.k for rec in b)
@@ -202,7 +194,6 @@ def test_plan_budget_equals_an_exhaustive_search(three_r_bundle, objective, tmp_
 @pytest.fixture(scope="module")
 def gate_bundle(tmp_path_factory):
     """A Qwen2-MoE model scanned at a low tau on q_proj (2 layers) and the one-row shared_expert_gate (r = 0)."""
-    from plate_inspect import scan
     from plate_inspect.testing.synthetic import write_family
 
     root = tmp_path_factory.mktemp("gate")

@@ -13,7 +13,6 @@ import torch
 from click.testing import CliRunner
 from helpers_plan import brute_force, curve, score
 
-from plate_inspect import scan
 from plate_inspect.cli.main import cli
 from plate_inspect.geometry import k_for_tau
 from plate_inspect.plan import (
@@ -24,7 +23,6 @@ from plate_inspect.plan import (
     captured_energy_curve,
     plan_budget,
 )
-from plate_inspect.testing.synthetic import write_llama_like
 
 
 def spend_of(ranks, ks):
@@ -193,14 +191,6 @@ def test_guards_fall_back_to_the_greedy_and_say_which(monkeypatch):
     monkeypatch.setattr("plate_inspect.plan.REACH_LIMIT", 10)
     found = allocation(curves, ranks, k_max, budget, "mean", limit=0)
     assert found.method == "greedy" and "table of reachable spends" in found.reason
-
-
-@pytest.fixture(scope="module")
-def three_r_bundle(tmp_path_factory):
-    """r = 64 on a 64-wide model: q/o/down get r = 57, k/v (32 rows) 28, gate/up 64: three different r."""
-    root = tmp_path_factory.mktemp("plan18")
-    ckpt = write_llama_like(root / "model", layers=2, dtype=torch.float32, planted_fraction=0.1)
-    return scan(ckpt.path, root / "bundle", r=64, tau=0.5, max_rank=512)
 
 
 def test_plan_file_and_text_say_exact_for_mean(three_r_bundle, tmp_path, monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import helpers_train
 import pytest
 import torch
 from helpers_train import (
@@ -31,17 +30,12 @@ from plate_inspect.train.layer import (
 from plate_inspect.train.sequential import merge_checkpoint
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return helpers_train.digits_setup(tmp_path_factory.mktemp("layer"))
-
-
 def _x(n=9, d=64, seed=1):
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
 
 
-def test_only_a_receives_gradients_and_init_is_exact(setup):
-    _, ckpt, bundle = setup
+def test_only_a_receives_gradients_and_init_is_exact(digits_setup):
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     x = _x()
     ref = model(x).detach().clone()
@@ -60,8 +54,8 @@ def test_only_a_receives_gradients_and_init_is_exact(setup):
     assert all(b.ndim == 1 or b.shape[0] == layer.d_in for b in layer.buffers() if b is not None)
 
 
-def test_forward_and_merge_match_dense_oracle(setup):
-    _, ckpt, bundle = setup
+def test_forward_and_merge_match_dense_oracle(digits_setup):
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     w0 = {m: getattr(model, m).weight.detach().clone() for m in BACKBONE}
     trainable = apply_bundle(model, bundle, rho=0.5)
@@ -116,8 +110,8 @@ def test_conv1d_orientation_against_oracle():
     assert torch.equal(conv.weight, w_stored)
 
 
-def test_bf16_autocast_and_bf16_weights(setup):
-    _, ckpt, bundle = setup
+def test_bf16_autocast_and_bf16_weights(digits_setup):
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     trainable = apply_bundle(model, bundle)
     randomize_adapters(trainable, seed=5, scale=0.1)
@@ -141,10 +135,10 @@ def test_bf16_autocast_and_bf16_weights(setup):
     assert torch.equal(model.fc2.base.weight, load_digits(ckpt).fc2.weight.to(torch.bfloat16))
 
 
-def test_gradient_checkpointing_gives_same_gradients(setup):
+def test_gradient_checkpointing_gives_same_gradients(digits_setup):
     from torch.utils.checkpoint import checkpoint
 
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     grads = []
     for use_ckpt in (False, True):
         model = load_digits(ckpt)
@@ -158,8 +152,8 @@ def test_gradient_checkpointing_gives_same_gradients(setup):
         torch.testing.assert_close(a, b)
 
 
-def test_fingerprint_mismatch_is_refused_and_skip_warns(setup, tmp_path):
-    _, ckpt, bundle = setup
+def test_fingerprint_mismatch_is_refused_and_skip_warns(digits_setup, tmp_path):
+    _, ckpt, bundle = digits_setup
     other, _ = digits_checkpoint(tmp_path / "other", seed=1)
     with pytest.raises(BundleError, match="module 'fc1'.*fingerprint"):
         apply_bundle(other, bundle)
@@ -174,8 +168,8 @@ def test_fingerprint_mismatch_is_refused_and_skip_warns(setup, tmp_path):
         apply_bundle(wide, bundle, modules=["fc1"], check_fingerprints=False)
 
 
-def test_adapter_save_load_round_trip_and_refusals(setup, tmp_path):
-    root, ckpt, bundle = setup
+def test_adapter_save_load_round_trip_and_refusals(digits_setup, tmp_path):
+    root, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     randomize_adapters(apply_bundle(model, bundle), seed=7)
     x = _x()
@@ -200,11 +194,11 @@ def test_adapter_save_load_round_trip_and_refusals(setup, tmp_path):
         load_adapter(load_digits(other_ckpt), path)
 
 
-def test_adapter_whose_bundle_moved_or_other_model_says_what_to_do(setup, tmp_path):
+def test_adapter_whose_bundle_moved_or_other_model_says_what_to_do(digits_setup, tmp_path):
     """A moved bundle names bundle=; bundle=NEW reproduces the dense oracle; another model's bundle says rescan."""
     import shutil
 
-    root, ckpt, bundle = setup
+    root, ckpt, bundle = digits_setup
     own = tmp_path / "bundle"
     shutil.copytree(bundle.path, own)
     model = load_digits(ckpt)
@@ -295,12 +289,12 @@ def _edited_copy(bundle: Bundle, where, module: str) -> Bundle:
     return Bundle.load(where)
 
 
-def test_q_dtype_adapter_reloads_and_merges_and_an_edited_q_is_refused(setup, tmp_path):
+def test_q_dtype_adapter_reloads_and_merges_and_an_edited_q_is_refused(digits_setup, tmp_path):
     """apply_bundle(q_dtype=bf16): B/Q's identity is the bundle's (not the rounded Q's), so the adapter reloads (with
     Q in bf16 again) and merges with the Q it held (bf16); a bundle whose Q was edited is still refused."""
     from oracles import load_all
 
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     randomize_adapters(apply_bundle(model, bundle, q_dtype=torch.bfloat16), seed=3, scale=0.2)
     assert model.fc1.plate_Q.dtype == torch.bfloat16
@@ -327,12 +321,12 @@ def test_q_dtype_adapter_reloads_and_merges_and_an_edited_q_is_refused(setup, tm
         merge_checkpoint(ckpt, path, tmp_path / "merged2", bundle=edited)
 
 
-def test_apply_bundle_twice_keeps_every_a_trainable_and_rho_per_module(setup, tmp_path):
+def test_apply_bundle_twice_keeps_every_a_trainable_and_rho_per_module(digits_setup, tmp_path):
     from oracles import load_all
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     first = apply_bundle(model, bundle, rho=0.5, modules=["fc1"])
     second = apply_bundle(model, bundle, rho=2.0, modules=["fc2", "fc3"])
@@ -369,8 +363,8 @@ def test_apply_bundle_twice_keeps_every_a_trainable_and_rho_per_module(setup, tm
     assert torch.equal(again(x), one(x))
 
 
-def test_load_adapter_with_another_bundle_is_refused_before_any_plan_error(setup, tmp_path):
-    _, ckpt, bundle = setup
+def test_load_adapter_with_another_bundle_is_refused_before_any_plan_error(digits_setup, tmp_path):
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     randomize_adapters(apply_bundle(model, bundle), seed=6, scale=0.2)
     path = save_adapter(model, tmp_path / "adapter.safetensors")
@@ -387,8 +381,8 @@ def test_load_adapter_with_another_bundle_is_refused_before_any_plan_error(setup
 
 
 @pytest.mark.parametrize("rho", [float("nan"), float("inf"), 0.0, -1.0, "0.5", None, True])
-def test_rho_must_be_a_positive_finite_number(setup, rho):
-    _, ckpt, bundle = setup
+def test_rho_must_be_a_positive_finite_number(digits_setup, rho):
+    _, ckpt, bundle = digits_setup
     with pytest.raises(ConfigError, match="rho must be a positive finite number"):
         PlateLinear(nn.Linear(4, 3), torch.tensor([0]), torch.zeros(4, 2), rho=rho)
     model = load_digits(ckpt)
@@ -397,8 +391,8 @@ def test_rho_must_be_a_positive_finite_number(setup, rho):
     assert not plate_layers(model)
 
 
-def test_modules_takes_one_name_or_a_list(setup):
-    _, ckpt, bundle = setup
+def test_modules_takes_one_name_or_a_list(digits_setup):
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     apply_bundle(model, bundle, modules="fc2")
     assert set(plate_layers(model)) == {"fc2"}
@@ -408,8 +402,8 @@ def test_modules_takes_one_name_or_a_list(setup):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with -m cuda on a GPU machine)")
-def test_cuda_forward_merge_match_cpu(setup):
-    _, ckpt, bundle = setup
+def test_cuda_forward_merge_match_cpu(digits_setup):
+    _, ckpt, bundle = digits_setup
     outs = {}
     for dev in ("cpu", "cuda"):
         model = load_digits(ckpt).to(dev)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import helpers_train
 import numpy as np
 import pytest
 import torch
@@ -31,11 +30,6 @@ from plate_inspect.train.layer import (
 )
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return helpers_train.digits_setup(tmp_path_factory.mktemp("apiqa18"))
-
-
 # --------------------------------------------------------------------------- model argument
 @pytest.mark.parametrize("model", [None, 3, "model.safetensors"])
 @pytest.mark.parametrize(
@@ -50,27 +44,27 @@ def setup(tmp_path_factory):
         ("plate_layers", lambda m, b, a: plate_layers(m)),
     ],
 )
-def test_a_model_that_is_no_module_is_named(setup, tmp_path, model, function, call):
+def test_a_model_that_is_no_module_is_named(digits_setup, tmp_path, model, function, call):
     """Each raised "'NoneType' object has no attribute 'named_modules'" from inside torch."""
-    _, _, bundle = setup
+    _, _, bundle = digits_setup
     with pytest.raises(ConfigError, match=rf"^{function}: model must be a torch.nn.Module, got {model!r}"):
         call(model, bundle, tmp_path / "a.safetensors")
 
 
 # --------------------------------------------------------------------------- apply_bundle's settings
 @pytest.mark.parametrize("q_dtype", ["float16", torch.int64, 16])
-def test_apply_bundle_names_a_bad_q_dtype(setup, q_dtype):
+def test_apply_bundle_names_a_bad_q_dtype(digits_setup, q_dtype):
     """'float16' reached Tensor.to as a device name (RuntimeError: Invalid device string); torch.int64 was blamed on
     the bundle (BundleError: Q must be a floating tensor)."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     with pytest.raises(ConfigError, match=r"^q_dtype must be a torch floating dtype"):
         apply_bundle(model, bundle, q_dtype=q_dtype)
     assert not plate_layers(model) and all(p.requires_grad for p in model.parameters())  # nothing changed
 
 
-def test_apply_bundle_takes_a_floating_q_dtype(setup):
-    _, ckpt, bundle = setup
+def test_apply_bundle_takes_a_floating_q_dtype(digits_setup):
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     apply_bundle(model, bundle, q_dtype=torch.float64)
     layer = plate_layers(model)["fc1"]
@@ -78,9 +72,9 @@ def test_apply_bundle_takes_a_floating_q_dtype(setup):
     assert torch.equal(layer.plate_Q, Bundle.load(bundle.path).q("fc1", dtype=torch.float64))
 
 
-def test_apply_bundle_refuses_an_empty_module_list(setup):
+def test_apply_bundle_refuses_an_empty_module_list(digits_setup):
     """modules=[] wrapped nothing and froze every parameter: a run that trains nothing, without a word."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     with pytest.raises(ConfigError, match=r"^modules is empty"):
         apply_bundle(model, bundle, modules=[])
@@ -88,31 +82,31 @@ def test_apply_bundle_refuses_an_empty_module_list(setup):
 
 
 @pytest.mark.parametrize("flag", ["no", 0, None])
-def test_apply_bundle_check_fingerprints_must_be_a_bool(setup, flag):
+def test_apply_bundle_check_fingerprints_must_be_a_bool(digits_setup, flag):
     """'no' is truthy: the check ran although the caller meant to skip it."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     with pytest.raises(ConfigError, match=r"^check_fingerprints must be True or False"):
         apply_bundle(load_digits(ckpt), bundle, check_fingerprints=flag)
 
 
 @pytest.mark.parametrize("plan", [3, b"plan.json", ""])
-def test_apply_bundle_names_a_bad_plan_argument(setup, plan):
+def test_apply_bundle_names_a_bad_plan_argument(digits_setup, plan):
     """3 raised "TypeError: expected str, bytes or os.PathLike object, not int" from Path."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     with pytest.raises(ConfigError, match=r"^plan must be a plate-plan \(a dict or a JSON file's path\) or None"):
         apply_bundle(load_digits(ckpt), bundle, plan=plan)
 
 
-def test_apply_bundle_names_a_bad_references_argument(setup):
-    _, ckpt, bundle = setup
+def test_apply_bundle_names_a_bad_references_argument(digits_setup):
+    _, ckpt, bundle = digits_setup
     with pytest.raises(ConfigError, match=r"^references must be a dict"):
         apply_bundle(load_digits(ckpt), bundle, references=3)
 
 
 @pytest.mark.parametrize("k", [0, -1, 10**6, 2.0, True])
-def test_module_geometry_refuses_a_k_outside_the_bundle(setup, k):
+def test_module_geometry_refuses_a_k_outside_the_bundle(digits_setup, k):
     """k=-1 gave Q[:, :-1] (k-1 columns), 0 an empty Q, 10**6 the whole Q, all without a word."""
-    _, _, bundle = setup
+    _, _, bundle = digits_setup
     top = bundle.record("fc1").k
     with pytest.raises(ConfigError, match=rf"^module 'fc1': k must be an integer in 1..{top}"):
         module_geometry(bundle, "fc1", k=k)
@@ -138,9 +132,9 @@ def test_plate_linear_refuses_a_non_finite_q(bad):
 
 # --------------------------------------------------------------------------- adapter files
 @pytest.mark.parametrize("path", [None, 3, ""])
-def test_save_and_load_adapter_name_a_bad_path(setup, path):
+def test_save_and_load_adapter_name_a_bad_path(digits_setup, path):
     """None raised "TypeError: expected str, bytes or os.PathLike object, not NoneType" from Path."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     apply_bundle(model, bundle)
     with pytest.raises(ConfigError, match=r"^path must be a path \(str or os.PathLike\)"):
@@ -149,18 +143,18 @@ def test_save_and_load_adapter_name_a_bad_path(setup, path):
         load_adapter(load_digits(ckpt), path)
 
 
-def test_save_adapter_to_a_directory_says_to_give_a_file(setup, tmp_path):
+def test_save_adapter_to_a_directory_says_to_give_a_file(digits_setup, tmp_path):
     """It raised safetensors' "SafetensorError: Error while serializing: I/O error: Is a directory"."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     apply_bundle(model, bundle)
     with pytest.raises(ConfigError, match=rf"^{tmp_path}: is a directory; give save_adapter a file path"):
         save_adapter(model, tmp_path)
 
 
-def test_save_adapter_does_not_replace_the_model_weights(setup, tmp_path):
+def test_save_adapter_does_not_replace_the_model_weights(digits_setup, tmp_path):
     """save_adapter(model, "ckpt/model.safetensors") replaced the model's weights with the adapter, without a word."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(ckpt.read_bytes())
     model = load_digits(ckpt)
@@ -216,33 +210,33 @@ def test_analysis_names_a_model_that_is_no_module(function, call):
         ({"inputs": None}, r"^inputs must be an iterable of model inputs"),
     ],
 )
-def test_weight_activation_alignment_names_a_bad_argument(setup, kwargs, message):
-    _, ckpt, _ = setup
+def test_weight_activation_alignment_names_a_bad_argument(digits_setup, kwargs, message):
+    _, ckpt, _ = digits_setup
     args = {"inputs": _inputs(), "ks": [4], **kwargs}
     with pytest.raises(ConfigError, match=message):
         alignment.weight_activation_alignment(load_digits(ckpt), **args)
 
 
-def test_weight_activation_alignment_takes_numpy_integers(setup):
+def test_weight_activation_alignment_takes_numpy_integers(digits_setup):
     """The checks let NumPy integers through (a k from np.arange), with the same records as Python ints."""
-    _, ckpt, _ = setup
+    _, ckpt, _ = digits_setup
     model = load_digits(ckpt)
     as_numpy = alignment.weight_activation_alignment(model, _inputs(), ks=np.array([4]), n_random=np.int64(2))
     as_int = alignment.weight_activation_alignment(model, _inputs(), ks=[4], n_random=2)
     assert as_numpy == as_int and all(r.k == 4 for r in as_int)
 
 
-def test_alignment_refuses_non_finite_inputs(setup):
+def test_alignment_refuses_non_finite_inputs(digits_setup):
     """NaN inputs gave records of NaN (ve_weight=nan, ve_oracle=0.0) without a word."""
-    _, ckpt, _ = setup
+    _, ckpt, _ = digits_setup
     bad = [torch.full((4, 64), math.nan)]
     with pytest.raises(AlignmentError, match=r"^fc1: the activation moment holds NaN or Inf"):
         alignment.weight_activation_alignment(load_digits(ckpt), bad, ks=[4])
 
 
-def test_alignment_names_inputs_of_the_wrong_width(setup):
+def test_alignment_names_inputs_of_the_wrong_width(digits_setup):
     """A 7-feature input for a 64-input layer raised "RuntimeError: shape '[-1, 64]' is invalid" from the hook."""
-    _, ckpt, _ = setup
+    _, ckpt, _ = digits_setup
     with pytest.raises(AlignmentError, match=r"^fc1: its input has 7 features .* the layer takes 64"):
         alignment.weight_activation_alignment(load_digits(ckpt), [torch.randn(4, 7)], ks=[4])
 
@@ -279,8 +273,8 @@ def _old_task(n=32, seed=0):
 
 
 @pytest.fixture(scope="module")
-def problem(setup):
-    _, ckpt, _ = setup
+def problem(digits_setup):
+    _, ckpt, _ = digits_setup
     model = load_digits(ckpt)
     return model, curvature.OldTaskProblem(model, F.cross_entropy, _old_task())
 
@@ -341,25 +335,25 @@ def test_analyze_family_names_a_bad_argument(problem, kwargs, message):
         ({"forward": 3}, r"^forward must be a function"),
     ],
 )
-def test_old_task_problem_names_a_bad_argument(setup, kwargs, message):
-    _, ckpt, _ = setup
+def test_old_task_problem_names_a_bad_argument(digits_setup, kwargs, message):
+    _, ckpt, _ = digits_setup
     args = {"model": load_digits(ckpt), "loss_fn": F.cross_entropy, "data": _old_task(), **kwargs}
     with pytest.raises(ConfigError, match=message):
         curvature.OldTaskProblem(**args)
 
 
-def test_lora_family_names_a_non_integer_rank(setup):
+def test_lora_family_names_a_non_integer_rank(digits_setup):
     """rank=2.5 raised torch.randn's "received an invalid combination of arguments"."""
-    _, ckpt, _ = setup
+    _, ckpt, _ = digits_setup
     with pytest.raises(ConfigError, match=r"^rank must be a positive integer, got 2.5"):
         curvature.lora_family(load_digits(ckpt), ["fc1"], rank=2.5)
     with pytest.raises(ConfigError, match=r"^modules must be a list of names"):
         curvature.lora_family(load_digits(ckpt), 3, rank=2)
 
 
-def test_plate_family_takes_a_bundle_path_as_apply_bundle_does(setup):
+def test_plate_family_takes_a_bundle_path_as_apply_bundle_does(digits_setup):
     """A path raised "'str' object has no attribute 'modules'"; the family equals the one of the loaded bundle."""
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     by_path = curvature.plate_family(model, str(bundle.path))
     loaded = curvature.plate_family(model, bundle)
@@ -391,11 +385,11 @@ def test_batches_checks_its_arguments():
         ({"carry_geometry": "yes"}, r"^carry_geometry must be True or False, got 'yes'"),
     ],
 )
-def test_plate_config_names_a_bad_argument(setup, kwargs, message):
+def test_plate_config_names_a_bad_argument(digits_setup, kwargs, message):
     pytest.importorskip("peft")
     from plate_inspect.train.peft import PlateConfig
 
-    _, _, bundle = setup
+    _, _, bundle = digits_setup
     with pytest.raises(ConfigError, match=message):
         PlateConfig(**{"bundle": str(bundle.path), **kwargs})
     good = PlateConfig(bundle=str(bundle.path), check_fingerprints=False, carry_geometry=True)
@@ -478,11 +472,11 @@ def test_run_sequential_takes_one_method_as_a_string(tmp_path):
 
 
 # --------------------------------------------------------------------------- merging into a checkpoint
-def test_merge_checkpoint_names_a_bad_argument(setup, tmp_path):
+def test_merge_checkpoint_names_a_bad_argument(digits_setup, tmp_path):
     """out=None raised a TypeError from Path; overwrite="no" (truthy) would replace OUT; progress=3 failed mid-merge."""
     from plate_inspect.train.sequential import finish_interrupted_merge, merge_checkpoint, sequential_step
 
-    _, ckpt, bundle = setup
+    _, ckpt, bundle = digits_setup
     model = load_digits(ckpt)
     apply_bundle(model, bundle)
     adapter = save_adapter(model, tmp_path / "adapter.safetensors")

@@ -6,7 +6,6 @@ The weight check and B/Q wait until the weights are loaded (``AwaitingWeights``)
 
 from __future__ import annotations
 
-import helpers_train
 import pytest
 import torch
 from helpers_train import BACKBONE, load_digits, randomize_adapters
@@ -17,11 +16,6 @@ from plate_inspect.errors import BundleError
 from plate_inspect.experiments import digits
 from plate_inspect.train.layer import apply_bundle, finish_meta_init, load_adapter, plate_layers, save_adapter
 from plate_inspect.train.peft import PlateConfig, PlateLayer
-
-
-@pytest.fixture(scope="module")
-def digits_setup(tmp_path_factory):
-    return helpers_train.digits_setup(tmp_path_factory.mktemp("meta_digits"))
 
 
 def _meta_digits() -> digits.DigitsMLP:

@@ -21,11 +21,6 @@ from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.train.peft import PlateConfig, PlateLayer
 
 
-@pytest.fixture(scope="module")
-def digits_setup(tmp_path_factory):
-    return helpers_train.digits_setup(tmp_path_factory.mktemp("peft_digits"))
-
-
 def test_registered_as_peft_method():
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 

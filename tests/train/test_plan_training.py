@@ -15,11 +15,6 @@ from plate_inspect.train.layer import apply_bundle, load_adapter, plate_layers, 
 from plate_inspect.train.peft import PlateConfig, PlateLayer
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return helpers_train.digits_setup(tmp_path_factory.mktemp("plan"))
-
-
 def _plan(bundle, ks: dict[str, int]) -> dict:
     identity = {"identity": bundle.manifest.identity}
     return {
@@ -30,8 +25,8 @@ def _plan(bundle, ks: dict[str, int]) -> dict:
     }
 
 
-def test_plan_uses_the_bottom_prefix_of_q_against_dense_oracle(setup, tmp_path):
-    _, ckpt, bundle = setup
+def test_plan_uses_the_bottom_prefix_of_q_against_dense_oracle(digits_setup, tmp_path):
+    _, ckpt, bundle = digits_setup
     k2 = bundle.record("fc2").k // 2
     plan = _plan(bundle, {"fc2": k2})
     path = tmp_path / "plan.json"
@@ -62,8 +57,8 @@ def test_plan_uses_the_bottom_prefix_of_q_against_dense_oracle(setup, tmp_path):
     torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
 
 
-def test_plan_errors(setup, tmp_path):
-    _, ckpt, bundle = setup
+def test_plan_errors(digits_setup, tmp_path):
+    _, ckpt, bundle = digits_setup
     too_big = bundle.record("fc1").k + 1
     with pytest.raises(ConfigError, match="fc1.*1\\.\\.\\d+"):
         apply_bundle(load_digits(ckpt), bundle, plan=_plan(bundle, {"fc1": too_big}))
@@ -77,10 +72,10 @@ def test_plan_errors(setup, tmp_path):
         apply_bundle(load_digits(ckpt), bundle, plan=tmp_path / "missing.json")
 
 
-def test_plan_is_tied_to_the_bundle_content_not_its_layout(setup, tmp_path):
+def test_plan_is_tied_to_the_bundle_content_not_its_layout(digits_setup, tmp_path):
     """The layout-only source_signature (the same for any weights of these shapes, and any settings) no longer
     passes for the bundle; a plan of a bundle with other settings over the same weights is refused too."""
-    root, ckpt, bundle = setup
+    root, ckpt, bundle = digits_setup
     by_layout = _plan(bundle, {"fc1": 2})
     by_layout["bundle"]["identity"] = bundle.manifest.source_signature
     with pytest.raises(ConfigError, match="made for bundle"):
@@ -92,8 +87,8 @@ def test_plan_is_tied_to_the_bundle_content_not_its_layout(setup, tmp_path):
     assert apply_bundle(load_digits(ckpt), other, plan=_plan(other, {"fc1": 2}))  # its own plan applies
 
 
-def test_peft_plate_config_plan(setup, tmp_path):
-    _, ckpt, bundle = setup
+def test_peft_plate_config_plan(digits_setup, tmp_path):
+    _, ckpt, bundle = digits_setup
     k1 = 3
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(_plan(bundle, {"fc1": k1})))
