@@ -3,11 +3,13 @@ one node, a subprocess that cannot outlive its test, and the store and environme
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -80,3 +82,30 @@ except SystemExit as e:
     (marks / f"exit-{rank}").write_text(str(e.code))
     raise
 """
+
+
+@contextlib.contextmanager
+def scan_job(script: str, model: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """``script`` (a rank's script ending in SCAN_RECORDING_EXIT) run by torchrun on two ranks, scanning ``model``
+    into ``tmp_path/b`` at r = 8: the job (a session of its own, stdout and stderr merged) and the directory the
+    ranks write their marks into. A job still running at the end is killed, its whole process group."""
+    path, marks = tmp_path / "rank_script.py", tmp_path / "marks"
+    path.write_text(script)
+    marks.mkdir()
+    # torchrun's usual 30 s grace before it SIGKILLs a rank (the helper's 2 s is short for a loaded machine)
+    cmd = torchrun("--shutdown-timeout", "30", "--", str(path), str(marks), str(model), "--out",
+                   str(tmp_path / "b"), "--r", "8", "--quiet")  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if k not in JOB_VARS}, **ONE_THREAD}
+    job = subprocess.Popen(cmd, env=env, text=True, start_new_session=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        yield job, marks
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+
+
+def said(text: str) -> list[str]:
+    """The lines a user reads as the job's own (errors and interruptions), not torchrun's report."""
+    return [line for line in text.splitlines() if line.startswith(("error:", "interrupted", "rank "))]

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import textwrap
 import threading
 import time
 
 import pytest
-from helpers_distributed import JOB_VARS, ONE_THREAD, SCAN_RECORDING_EXIT, agent_store_for_rank_1, run, torchrun
+from helpers_distributed import (
+    SCAN_RECORDING_EXIT,
+    agent_store_for_rank_1,
+    run,
+    said,
+    scan_job,
+    torchrun,
+)
 
 from plate_inspect import distributed
 from plate_inspect.distributed import Fault, RankInfo, say_once
 from plate_inspect.errors import BundleError
 
 INTERRUPTED = "interrupted: finished modules are saved; rerun the same command to resume"
-
-
-def said(text: str) -> list[str]:
-    """The lines a user reads as the job's own (errors and interruptions), not torchrun's report."""
-    return [line for line in text.splitlines() if line.startswith(("error:", "interrupted", "rank "))]
 
 
 # --------------------------------------------------------------------------- Ctrl-C and SIGTERM
@@ -59,16 +60,7 @@ def test_an_interrupted_job_says_so_once(four_layers, tmp_path, how):
     """Ctrl-C in the terminal (torchrun passes SIGINT on to every rank) or a scheduler's SIGTERM to every process of
     the job (scancel, a pod's stop): each rank used to print the interrupted line; now rank 0 alone does, and every
     rank still exits with 130."""
-    script, marks = tmp_path / "slow.py", tmp_path / "marks"
-    script.write_text(_SLOW_CLI)
-    marks.mkdir()
-    # torchrun's usual 30 s grace before it SIGKILLs a rank (the helper's 2 s is short for a loaded machine)
-    cmd = torchrun("--shutdown-timeout", "30", "--", str(script), str(marks), str(four_layers.path), "--out",
-                   str(tmp_path / "b"), "--r", "8", "--quiet")  # fmt: skip
-    env = {**{k: v for k, v in os.environ.items() if k not in JOB_VARS}, **ONE_THREAD}
-    job = subprocess.Popen(cmd, env=env, text=True, start_new_session=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT)  # fmt: skip
-    try:
+    with scan_job(_SLOW_CLI, four_layers.path, tmp_path) as (job, marks):
         deadline = time.monotonic() + 120
         while not all((marks / f"scanning-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
             assert job.poll() is None, job.stdout.read()
@@ -79,10 +71,6 @@ def test_an_interrupted_job_says_so_once(four_layers, tmp_path, how):
             for pid in [job.pid, *(int((marks / f"scanning-{r}").read_text()) for r in (0, 1))]:
                 os.kill(pid, signal.SIGTERM)
         output, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
     assert said(output) == [INTERRUPTED], output
     assert [(marks / f"exit-{r}").read_text() for r in (0, 1)] == ["130", "130"]
 

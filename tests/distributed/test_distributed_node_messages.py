@@ -18,7 +18,14 @@ import time
 
 import pytest
 import torch
-from helpers_distributed import JOB_VARS, ONE_THREAD, SCAN_RECORDING_EXIT, agent_store_for_rank_1, torchrun
+from helpers_distributed import (
+    JOB_VARS,
+    ONE_THREAD,
+    SCAN_RECORDING_EXIT,
+    agent_store_for_rank_1,
+    said,
+    scan_job,
+)
 
 from plate_inspect import distributed
 from plate_inspect.distributed import RankInfo, say_once
@@ -248,25 +255,12 @@ def test_a_ctrl_c_while_rank_0_is_inside_a_long_operation_is_said_once(four_laye
     blocks the signals for 5 s; the wait is 2 s here, 10 s by default): rank 1 says the interrupted line when the
     wait is over, as before, and rank 0, whose handler runs only when the operation returns, used to add its own
     (2 lines). Now it sees that rank 1 said it: one line, at the same time as before."""
-    script, marks = tmp_path / "busy.py", tmp_path / "marks"
-    script.write_text(_BUSY_RANK_0)
-    marks.mkdir()
-    cmd = torchrun("--shutdown-timeout", "30", "--", str(script), str(marks), str(four_layers.path), "--out",
-                   str(tmp_path / "b"), "--r", "8", "--quiet")  # fmt: skip
-    env = {**{k: v for k, v in os.environ.items() if k not in JOB_VARS}, **ONE_THREAD}
-    job = subprocess.Popen(cmd, env=env, text=True, start_new_session=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT)  # fmt: skip
-    try:
+    with scan_job(_BUSY_RANK_0, four_layers.path, tmp_path) as (job, marks):
         deadline = time.monotonic() + 120
         while not ((marks / "busy").exists() and (marks / "scanning-1").exists()) and time.monotonic() < deadline:
             assert job.poll() is None, job.stdout.read()
             time.sleep(0.05)
         os.kill(job.pid, signal.SIGINT)  # the terminal's Ctrl-C reaches torchrun, which passes it on
         output, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
-    lines = [line for line in output.splitlines() if line.startswith(("error:", "interrupted", "rank "))]
-    assert lines == [f"rank 1: {INTERRUPTED}"], output
+    assert said(output) == [f"rank 1: {INTERRUPTED}"], output
     assert [(marks / f"exit-{r}").read_text() for r in (0, 1)] == ["130", "130"]
