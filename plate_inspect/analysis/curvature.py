@@ -192,6 +192,7 @@ def gn_decomposition(
 
 
 def _median_ratio(num: np.ndarray, den: np.ndarray) -> float:
+    """median(|num| / |den|) over the probes (a 0/0 probe is NaN, x/0 inf, as numpy gives them); NaN for none."""
     with np.errstate(divide="ignore", invalid="ignore"):
         r = np.abs(num) / np.abs(den)
     return float(np.median(r)) if r.size else float("nan")

@@ -54,10 +54,12 @@ class UpdateFamily:
 
     @property
     def dim(self) -> int:
+        """dim(S): the number of coordinates."""
         return sum(b.dim for b in self.blocks)
 
     @property
     def params(self) -> list[str]:
+        """The names of the parameters the family moves."""
         return [b.param for b in self.blocks]
 
     def embed(self, c: torch.Tensor) -> Params:
@@ -77,6 +79,7 @@ class UpdateFamily:
 
 
 def _identity_block(name: str, p: torch.Tensor) -> Block:
+    """Every coordinate of parameter ``p``: the delta is the coordinates reshaped."""
     shape = tuple(p.shape)
     return Block(name, p.numel(), lambda c: c.reshape(shape), lambda d: d.reshape(-1))
 
@@ -98,6 +101,7 @@ def _names(names: object, argument: str) -> list[str]:
 
 
 def _check_params(named: dict[str, Any], chosen: Iterable[str]) -> None:
+    """A CurvatureError naming the parameters of ``chosen`` the model lacks."""
     missing = [n for n in chosen if n not in named]
     if missing:
         raise CurvatureError(f"parameters not in the model: {missing}; it has {list(named)[:20]}")

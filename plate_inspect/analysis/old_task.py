@@ -107,6 +107,8 @@ class OldTaskProblem:
 
     # ----------------------------------------------------------------- plumbing
     def _f(self, sub: Params, x: Any) -> torch.Tensor:
+        """f_theta(x) with the parameters in ``sub`` replaced (the others at theta0): the function torch.func
+        differentiates."""
         state = {**self.theta0, **self.buffers, **sub}
         # scaled_dot_product_attention's fused kernels (flash, memory-efficient) have no double backward and no
         # forward-mode derivative: Hessian-vector products through attention need the plain math kernel
@@ -119,6 +121,7 @@ class OldTaskProblem:
         return {n: self.theta0[n] for n in names}
 
     def _weights(self) -> list[float]:
+        """n_b / N per batch: batch means weighted into the mean over all samples."""
         return [s / self.n for s in self.sizes]
 
     # ----------------------------------------------------------------- values
@@ -161,6 +164,7 @@ class OldTaskProblem:
         return {n: d.to(self.theta0[n].dtype) for n, d in v.items()}
 
     def _jvp(self, v: Params, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f(x), J(x) v) at theta0: one forward-mode pass."""
         out = jvp(lambda p: self._f(p, x), (self._primals(v),), (self._tangents(v),))
         return out[0], out[1]  # (its stub also allows has_aux's triple)
 
