@@ -66,6 +66,7 @@ class AlignmentRecord:
 
     @property
     def al_over_chance(self) -> float:
+        """AL_k / (k / d_in): how many times the chance-level alignment of a random k-frame."""
         return self.al_weight / self.al_chance if self.al_chance > 0 else float("inf")
 
     def to_json(self) -> dict[str, Any]:
@@ -221,6 +222,7 @@ def select_linear_modules(model: nn.Module, target_modules: str | Sequence[str] 
 
 
 def _call(model: nn.Module, item: Any) -> Any:
+    """One forward pass on one input: ``model(**item)`` for a dict, ``model(*item)`` for a tuple/list."""
     if isinstance(item, dict):
         return model(**item)
     if isinstance(item, (tuple, list)):
