@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.table import Table
 
-from plate_inspect.cli.common import console, err_console, progress_bar, split_names
+from plate_inspect.cli.common import console, err_console, progress_bar, quiet_option, split_names
 from plate_inspect.errors import ConfigError, cli_text, json_file_holds, refuse_to_replace
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def _family(name: str, model: nn.Module, bundle: Bundle, lora_rank: int, seed: i
 @click.option("--per-layer", is_flag=True, help="One table row per layer (default: averaged per module type).")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help=JSON_OUT_HELP)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option()
 def align_command(
     model: str | None,
     text_file: Path | None,
@@ -290,7 +290,7 @@ def print_alignment_table(records: list[AlignmentRecord], per_layer: bool = Fals
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help=JSON_OUT_HELP)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option()
 def curvature_command(
     out: Path | None,
     epochs: int,

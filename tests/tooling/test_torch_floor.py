@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from helpers_analysis import TinyTransformer, dense_basis, dense_oracles, op_dense
 
-from plate_inspect.analysis import curvature
+from plate_inspect.analysis import curvature, old_task
 from plate_inspect.analysis.curvature import OldTaskProblem, UpdateFamily, restricted_operator, selector_basis_block
 
 
@@ -21,7 +21,7 @@ def test_curvature_through_attention_without_torch_nn_attention(monkeypatch):
     `plate-inspect curvature` and every import of the analysis failed there. Without it, products through attention
     still run on the math kernel (torch.backends.cuda.sdp_kernel; the fused kernels have no double backward, the
     product would raise) and the restricted Hessian equals M^T H M of the dense float64 Hessian."""
-    monkeypatch.setattr(curvature, "sdpa_kernel", None)  # as the import leaves it on torch 2.2
+    monkeypatch.setattr(old_task, "sdpa_kernel", None)  # as the import leaves it on torch 2.2
     torch.manual_seed(0)
     model = TinyTransformer().double().eval()
     g = torch.Generator().manual_seed(4)
