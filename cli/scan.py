@@ -227,7 +227,7 @@ def scan_command(
                 f"model: {ckpt.source.id} at {ckpt.source.revision}, commit {ckpt.source.commit} ({ckpt.root})",
                 soft_wrap=True,
             )
-        for note in ckpt.notes:
+        for note in [*ckpt.notes, *plan.notes]:
             err_console.print(f"note: {escape(note)}", soft_wrap=True)
         err_console.print(f"{counted(len(plan.targets), 'target module')} ({plan.selection_note}) -> {out}")
         before, now = previous_source(out), source_record(plan.checkpoint)

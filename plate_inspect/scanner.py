@@ -57,6 +57,7 @@ from plate_inspect.targets import (
     load_target,
     name_list,
     select_targets,
+    unmatched_target_patterns,
 )
 
 
@@ -78,6 +79,7 @@ class ScanPlan:
     targets: list[TargetModule]
     selection_note: str
     settings: ScanSettings
+    notes: list[str] = field(default_factory=list)  # said before the scan (the CLI prints them)
 
     def __repr__(self) -> str:
         """One short line (a REPL shows it): the checkpoint, how many targets, the settings; not every tensor."""
@@ -115,7 +117,8 @@ def plan_scan(
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(ckpt.logical_weight(target.logical_name))
     check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
-    return ScanPlan(ckpt, targets, note, settings)
+    unmatched = unmatched_target_patterns(ckpt, settings.target_modules, targets, settings.layers is not None)
+    return ScanPlan(ckpt, targets, note, settings, [unmatched] if unmatched else [])
 
 
 def refuse_bundle_as_model(source: str | os.PathLike) -> None:
