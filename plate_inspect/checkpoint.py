@@ -475,7 +475,7 @@ class Checkpoint:
                 _refuse_packed(ckpt)
                 return ckpt
             if weight_map is not None:
-                files, tensors = _open_sharded(root, index_path, weight_map)
+                files, tensors, notes = _open_sharded(root, index_path, weight_map)
             else:
                 files = sorted(p for p in root.glob("*.safetensors"))
                 if not files:
@@ -500,7 +500,7 @@ class Checkpoint:
                             "a directory must hold one checkpoint"
                         )
                     tensors.update(entries)
-            ckpt = cls(root, files, tensors, _read_config(root / "config.json"))
+            ckpt = cls(root, files, tensors, _read_config(root / "config.json"), notes=notes)
         _refuse_packed(ckpt)
         return ckpt
 
@@ -1057,8 +1057,13 @@ def read_weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _open_sharded(root: Path, index_path: Path, weight_map: dict[str, str]) -> tuple[list[Path], dict[str, TensorInfo]]:
-    """The shards an index names (inside ``root``, present, headers valid) and each listed tensor's place."""
+def _open_sharded(
+    root: Path, index_path: Path, weight_map: dict[str, str]
+) -> tuple[list[Path], dict[str, TensorInfo], list[str]]:
+    """The shards an index names (inside ``root``, present, headers valid), each listed tensor's place, and notes.
+
+    A tensor a shard holds that the index does not list is read too, as transformers loads every tensor of the
+    shards (a hand-edited or stale index): left out, its module dropped out of the scan without a word."""
     root_norm = os.path.normpath(root)
     shard_names = sorted(set(weight_map.values()))
     files: list[Path] = []
@@ -1082,15 +1087,27 @@ def _open_sharded(root: Path, index_path: Path, weight_map: dict[str, str]) -> t
                 "come from different versions: re-download both"
             )
         tensors[name] = info
+    unlisted: dict[str, TensorInfo] = {}
     for shard in shard_names:  # a second, different copy in another shard: which one a loader takes is unclear
         for name, other in headers[shard].items():
-            listed = tensors.get(name)
-            if listed is not None and listed.file != other.file and not _same_stored(listed, other):
+            listed = tensors.get(name, unlisted.get(name))
+            if listed is None:
+                unlisted[name] = other
+            elif listed.file != other.file and not _same_stored(listed, other):
+                said = "(as the index says) " if name in tensors else ""
                 raise CorruptCheckpointError(
-                    f"{index_path}: tensor '{name}' is in '{listed.file.name}' (as the index says) and, with other "
+                    f"{index_path}: tensor '{name}' is in '{listed.file.name}' {said}and, with other "
                     f"values, in '{shard}'; the shards come from different saves: re-download the checkpoint"
                 )
-    return files, tensors
+    notes = []
+    if unlisted:
+        first = min(unlisted)
+        notes.append(
+            f"{INDEX_FILE} does not list {len(unlisted)} tensor{'s' if len(unlisted) > 1 else ''} its shards hold "
+            f"('{first}' in {unlisted[first].file.name}{', ...' if len(unlisted) > 1 else ''}); they are read too, "
+            "as transformers loads every tensor of the shards (the index is stale or was edited?)"
+        )
+    return files, {**tensors, **unlisted}, notes
 
 
 def _same_stored(a: TensorInfo, b: TensorInfo) -> bool:

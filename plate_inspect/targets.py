@@ -936,10 +936,13 @@ def check_layer_count(
     for multimodal wrappers), 0 to N-1, DeepSeek's multi-token-prediction layers besides: a layer missing (a shard
     left out of a directory without index, a truncated conversion) or one beyond N (another model's config.json;
     transformers would not load it) made a complete-looking bundle of another model than the one transformers builds.
-    Checked only where the chosen modules sit in one stack (encoder-decoder models count their layers otherwise)."""
-    n_layers = text_config(config).get("num_hidden_layers")
+    Checked only where the chosen modules sit in one stack and the model is no encoder-decoder (BART's
+    num_hidden_layers is its encoder's count; a distilled decoder has fewer)."""
+    c = text_config(config)
+    n_layers = c.get("num_hidden_layers")
     stacks = {where[0] for where in map(stack_of, (t.name for t in chosen)) if where is not None}
-    if type(n_layers) is not int or n_layers < 0 or len(stacks) != 1:
+    two_stacks = c.get("is_encoder_decoder") or any(k in c for k in ("encoder_layers", "decoder_layers"))
+    if type(n_layers) is not int or n_layers < 0 or len(stacks) != 1 or two_stacks:
         return
     (stack,) = stacks
     held = {

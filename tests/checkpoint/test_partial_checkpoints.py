@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers_cli import run_cli
 from safetensors.torch import load_file, save_file
 
@@ -142,3 +143,46 @@ def test_a_matching_count_and_deepseeks_extra_prediction_layer_pass(sharded, tmp
         assert {t.layer for t in chosen} >= {0, 1}, family
     chosen, _ = select_targets(Checkpoint.open(sharded / "model-00002-of-00004.safetensors"))
     assert {t.layer for t in chosen} == {1}
+
+
+# --------------------------------------------------------------------------- an index that lists too little
+def test_a_tensor_the_index_does_not_list_is_read_from_its_shard(sharded, tmp_path):
+    """Before: a weight in a shard but not in the index's weight_map was left out, and its module with it (20 of 21
+    modules, no word); transformers loads every tensor of the shards, so the scan reads it too, and says so."""
+    model = tmp_path / "stale"
+    shutil.copytree(sharded, model)
+    index = json.loads((model / INDEX_FILE).read_text())
+    shard = index["weight_map"].pop("model.layers.1.self_attn.q_proj.weight")
+    (model / INDEX_FILE).write_text(json.dumps(index))
+    ckpt = Checkpoint.open(model)
+    assert ckpt.tensors["model.layers.1.self_attn.q_proj.weight"].file.name == shard
+    assert set(ckpt.tensors) == set(Checkpoint.open(sharded).tensors)
+    assert any(
+        "does not list 1 tensor" in note and "model.layers.1.self_attn.q_proj.weight" in note for note in ckpt.notes
+    )
+    for source, out in ((model, tmp_path / "a"), (sharded, tmp_path / "b")):
+        code, output = run_cli("scan", source, "--out", out, "--r", "4", "-q")
+        assert code == 0, output
+    manifests = [json.loads((out / "manifest.json").read_text()) for out in (tmp_path / "a", tmp_path / "b")]
+    assert len(manifests[0]["modules"]) == 21
+    assert manifests[0]["identity"] == manifests[1]["identity"]  # the same weights and settings as the intact model
+
+
+def test_an_encoder_decoder_whose_decoder_is_shorter_is_not_refused(tmp_path):
+    """distilbart-style: num_hidden_layers (the encoder's count) 3, decoder_layers 2; --layers decoder scans 2."""
+    layers = {"model.encoder.layers": 3, "model.decoder.layers": 2}
+    tensors = {f"{stack}.{i}.fc1.weight": torch.randn(24, 16) for stack, n in layers.items() for i in range(n)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = {
+        "model_type": "bart",
+        "d_model": 16,
+        "encoder_ffn_dim": 24,
+        "decoder_ffn_dim": 24,
+        "num_hidden_layers": 3,
+        "encoder_layers": 3,
+        "decoder_layers": 2,
+        "is_encoder_decoder": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    chosen, _ = select_targets(Checkpoint.open(tmp_path), target_modules="fc1", layers=["decoder"])
+    assert sorted(t.name for t in chosen) == ["model.decoder.layers.0.fc1", "model.decoder.layers.1.fc1"]
