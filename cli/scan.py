@@ -97,6 +97,14 @@ def print_summary(bundle: Bundle) -> None:
             + (", ..." if len(no_rows) > 1 else "")
             + "): too few output rows to pick redundant ones (r <= 0.9 d_out), so PLATE trains nothing there"
         )
+    flat = [rec.name for rec in bundle if rec.r > 0 and rec.total_energy == 0]
+    if flat:  # zero-initialised layers (block expansion): the numbers read like any other module's
+        console.print(
+            f"[yellow]note[/]: {counted(len(flat), 'module')} whose rows outside B are all zero ({flat[0]}"
+            + (", ..." if len(flat) > 1 else "")
+            + "): no input direction carries energy there, so Q is an arbitrary basis of the whole input space "
+            "(k = d_in, within --max-rank) and there is no geometry to inherit (a zero-initialised layer?)"
+        )
     stats = bundle.stats()
     if "variant" in stats and "wall_seconds" not in stats:  # an ablation bundle: derived, not scanned
         console.print(f"ablation bundle: {stats['variant']} (seed {stats.get('seed')}) of {stats.get('from')}")
