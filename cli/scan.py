@@ -22,6 +22,7 @@ from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 from plate_inspect.errors import PlateInspectError
 from plate_inspect.formatting import counted
 from plate_inspect.scanner import (
+    check_devices,
     check_out_dir,
     default_out_dir,
     plan_scan,
@@ -227,6 +228,7 @@ def scan_command(
     out = out or default_out_dir(model)
     report_path = scan_report_path(out) if make_report else None  # refused before the scan, not after it
     check_out_dir(out)  # before the checkpoint is opened: a hub model would be downloaded first
+    check_devices(device, devices)  # likewise
     plan = plan_scan(model, settings, revision=revision, offline=True if offline else None)
     if root:
         ckpt = plan.checkpoint

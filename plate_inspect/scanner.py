@@ -207,6 +207,7 @@ def scan(
     )
     progress = as_callback(progress, "scan")  # here, so that a deprecation warning names the function called
     check_out_dir(out)
+    check_devices(device, devices)
     plan = plan_scan(source, settings, revision=revision, offline=offline)
     return run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
 
@@ -219,6 +220,18 @@ class ShareResult:
     records: list[ModuleRecord]
     stats: dict[str, Any]
     computed: list[str] = field(default_factory=list)
+
+
+def check_devices(device: str = "cpu", devices: str | Sequence[str] | None = None) -> None:
+    """ConfigError for a ``device`` / ``devices`` this machine cannot run (``--device cuda`` without a GPU, ``mps``,
+    both given): call it before the checkpoint is opened, since opening a hub model downloads its weights first
+    (a 140 GB download, then "no CUDA device"). :func:`run_scan` applies the same rules."""
+    if devices is not None:
+        if device not in ("cpu", None):
+            raise ConfigError(f"give either --devices ({devices}) or --device ({device}), not both")
+        distributed.parse_devices(devices)
+    else:
+        _resolve_device(device)
 
 
 def run_scan(
@@ -666,7 +679,7 @@ def _resolve_device(device: str) -> torch.device:
             'device="cpu" (CLI: --device cpu)'
         )
     if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be cpu or cuda, got {device!r}")
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     return dev
 
 
