@@ -22,6 +22,7 @@ from plate_inspect.embedded import DEFAULT_MODEL_NAME, default_model_path
 from plate_inspect.errors import PlateInspectError
 from plate_inspect.formatting import counted
 from plate_inspect.scanner import (
+    check_devices,
     check_out_dir,
     default_out_dir,
     plan_scan,
@@ -96,6 +97,14 @@ def print_summary(bundle: Bundle) -> None:
             f"[yellow]note[/]: {counted(len(no_rows), 'module')} with r = 0 ({no_rows[0]}"
             + (", ..." if len(no_rows) > 1 else "")
             + "): too few output rows to pick redundant ones (r <= 0.9 d_out), so PLATE trains nothing there"
+        )
+    flat = [rec.name for rec in bundle if rec.r > 0 and rec.total_energy == 0]
+    if flat:  # zero-initialised layers (block expansion): the numbers read like any other module's
+        console.print(
+            f"[yellow]note[/]: {counted(len(flat), 'module')} whose rows outside B are all zero ({flat[0]}"
+            + (", ..." if len(flat) > 1 else "")
+            + "): no input direction carries energy there, so Q is an arbitrary basis of the whole input space "
+            "(k = d_in, within --max-rank) and there is no geometry to inherit (a zero-initialised layer?)"
         )
     stats = bundle.stats()
     if "variant" in stats and "wall_seconds" not in stats:  # an ablation bundle: derived, not scanned
@@ -219,6 +228,7 @@ def scan_command(
     out = out or default_out_dir(model)
     report_path = scan_report_path(out) if make_report else None  # refused before the scan, not after it
     check_out_dir(out)  # before the checkpoint is opened: a hub model would be downloaded first
+    check_devices(device, devices)  # likewise
     plan = plan_scan(model, settings, revision=revision, offline=True if offline else None)
     if root:
         ckpt = plan.checkpoint
@@ -227,7 +237,7 @@ def scan_command(
                 f"model: {ckpt.source.id} at {ckpt.source.revision}, commit {ckpt.source.commit} ({ckpt.root})",
                 soft_wrap=True,
             )
-        for note in ckpt.notes:
+        for note in [*ckpt.notes, *plan.notes]:
             err_console.print(f"note: {escape(note)}", soft_wrap=True)
         err_console.print(f"{counted(len(plan.targets), 'target module')} ({plan.selection_note}) -> {out}")
         before, now = previous_source(out), source_record(plan.checkpoint)

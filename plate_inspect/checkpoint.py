@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -399,6 +400,8 @@ class Checkpoint:
     bytes_read: int = 0
     #: what the user should know about how the checkpoint was chosen (files left aside), one line each
     notes: list[str] = field(default_factory=list)
+    #: one file given of a sharded checkpoint (an index beside it lists others, or its name numbers it): part of a model
+    one_shard: bool = False
     _logical: dict[str, LogicalWeight] | None = field(default=None, init=False, repr=False)
 
     def __repr__(self) -> str:
@@ -459,7 +462,8 @@ class Checkpoint:
             config = path.parent / "config.json"
             if not config.exists() and path.is_symlink():  # a link to a model's file: the config is beside the file
                 config = path.resolve().parent / "config.json"
-            ckpt = cls(path.parent, [path], tensors, _read_config(config), notes=_one_shard_note(path))
+            notes = _one_shard_note(path)
+            ckpt = cls(path.parent, [path], tensors, _read_config(config), notes=notes, one_shard=bool(notes))
         else:
             root = path
             index_path = root / INDEX_FILE
@@ -471,7 +475,7 @@ class Checkpoint:
                 _refuse_packed(ckpt)
                 return ckpt
             if weight_map is not None:
-                files, tensors = _open_sharded(root, index_path, weight_map)
+                files, tensors, notes = _open_sharded(root, index_path, weight_map)
             else:
                 files = sorted(p for p in root.glob("*.safetensors"))
                 if not files:
@@ -485,6 +489,7 @@ class Checkpoint:
                         f"{root}: no .safetensors files found; give a Hugging Face model directory (model.safetensors, "
                         "or shards with model.safetensors.index.json), a .safetensors file, or a hub repo id"
                     )
+                _refuse_missing_shards(root, files)
                 tensors = {}
                 for f in files:
                     entries, _ = parse_safetensors_header(f)
@@ -495,7 +500,7 @@ class Checkpoint:
                             "a directory must hold one checkpoint"
                         )
                     tensors.update(entries)
-            ckpt = cls(root, files, tensors, _read_config(root / "config.json"))
+            ckpt = cls(root, files, tensors, _read_config(root / "config.json"), notes=notes)
         _refuse_packed(ckpt)
         return ckpt
 
@@ -925,9 +930,42 @@ def _refuse_packed(ckpt: Checkpoint) -> None:
                 )
 
 
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>[0-9]+)-of-(?P<n>[0-9]+)\.safetensors")
+
+
+def _refuse_missing_shards(root: Path, files: Iterable[Path]) -> None:
+    """CheckpointError when shards are numbered (``model-00002-of-00004.safetensors``) and some of them are not in
+    ``root``, which has no index to name its shards: reading the others would scan part of the model as if whole
+    (an interrupted or partial download, a shard copied away). Names the missing files."""
+    found: dict[tuple[str, int, str], set[int]] = {}
+    for f in files:
+        m = _SHARD_NAME.fullmatch(f.name)
+        if m and 0 < int(m["i"]) <= int(m["n"]):
+            found.setdefault((m["stem"], len(m["i"]), m["n"]), set()).add(int(m["i"]))
+    missing = [
+        f"{stem}-{i:0{width}d}-of-{n}.safetensors"
+        for (stem, width, n), have in sorted(found.items())
+        for i in range(1, int(n) + 1)
+        if i not in have
+    ]
+    if missing:
+        listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise CheckpointError(
+            f"{root}: shard{'s' if len(missing) > 1 else ''} {listed} missing (the shards are numbered, and there is "
+            f"no {INDEX_FILE} to say which tensors they hold); re-download the checkpoint with its index, or give one "
+            "shard's file to scan it alone"
+        )
+
+
 def _one_shard_note(path: Path) -> list[str]:
     """A note when ``path`` is one shard of the sharded checkpoint beside it: only its tensors are read."""
     index = path.parent / INDEX_FILE
+    numbered = _SHARD_NAME.fullmatch(path.name)
+    if not index.is_file() and numbered and int(numbered["n"]) > 1:  # no index: its name says it is one of n
+        return [
+            f"{path.name} is, by its name, shard {int(numbered['i'])} of {int(numbered['n'])} of a sharded checkpoint: "
+            "only its tensors are scanned"
+        ]
     try:
         shards = set(read_weight_map(index).values()) if index.is_file() else set()
     except CorruptCheckpointError:
@@ -1019,8 +1057,13 @@ def read_weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _open_sharded(root: Path, index_path: Path, weight_map: dict[str, str]) -> tuple[list[Path], dict[str, TensorInfo]]:
-    """The shards an index names (inside ``root``, present, headers valid) and each listed tensor's place."""
+def _open_sharded(
+    root: Path, index_path: Path, weight_map: dict[str, str]
+) -> tuple[list[Path], dict[str, TensorInfo], list[str]]:
+    """The shards an index names (inside ``root``, present, headers valid), each listed tensor's place, and notes.
+
+    A tensor a shard holds that the index does not list is read too, as transformers loads every tensor of the
+    shards (a hand-edited or stale index): left out, its module dropped out of the scan without a word."""
     root_norm = os.path.normpath(root)
     shard_names = sorted(set(weight_map.values()))
     files: list[Path] = []
@@ -1044,15 +1087,27 @@ def _open_sharded(root: Path, index_path: Path, weight_map: dict[str, str]) -> t
                 "come from different versions: re-download both"
             )
         tensors[name] = info
+    unlisted: dict[str, TensorInfo] = {}
     for shard in shard_names:  # a second, different copy in another shard: which one a loader takes is unclear
         for name, other in headers[shard].items():
-            listed = tensors.get(name)
-            if listed is not None and listed.file != other.file and not _same_stored(listed, other):
+            listed = tensors.get(name, unlisted.get(name))
+            if listed is None:
+                unlisted[name] = other
+            elif listed.file != other.file and not _same_stored(listed, other):
+                said = "(as the index says) " if name in tensors else ""
                 raise CorruptCheckpointError(
-                    f"{index_path}: tensor '{name}' is in '{listed.file.name}' (as the index says) and, with other "
+                    f"{index_path}: tensor '{name}' is in '{listed.file.name}' {said}and, with other "
                     f"values, in '{shard}'; the shards come from different saves: re-download the checkpoint"
                 )
-    return files, tensors
+    notes = []
+    if unlisted:
+        first = min(unlisted)
+        notes.append(
+            f"{INDEX_FILE} does not list {len(unlisted)} tensor{'s' if len(unlisted) > 1 else ''} its shards hold "
+            f"('{first}' in {unlisted[first].file.name}{', ...' if len(unlisted) > 1 else ''}); they are read too, "
+            "as transformers loads every tensor of the shards (the index is stale or was edited?)"
+        )
+    return files, {**tensors, **unlisted}, notes
 
 
 def _same_stored(a: TensorInfo, b: TensorInfo) -> bool:

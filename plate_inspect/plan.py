@@ -61,8 +61,9 @@ class Budget:
 
 
 def parse_budget(spec: str, records: list[ModuleRecord]) -> Budget:
-    """'2e6' / '2,000,000' (parameters), '1%' (of the target modules' weights sum d_out*d_in), 'lora:16' or
-    'as LoRA r=16' (LoRA's sum r*(d_in+d_out) at r=16 on the same modules)."""
+    """'2e6' / '2,000,000' / '2_000_000' (parameters), '1%' (of the target modules' weights sum d_out*d_in),
+    'lora:16' or 'as LoRA r=16' (LoRA's sum r*(d_in+d_out) at r=16 on the same modules). Commas group thousands
+    only: '1,5e6' (a decimal comma) and '1,00' are refused, not read as 15e6 and 100."""
     text = str(spec).strip()
     low = text.lower().replace(" ", "")
     lora = re.fullmatch(r"(?:as)?lora(?::|=|r=|:r=|,r=|r)?(\d+)", low)  # 'lora:16', 'as LoRA r=16', 'lora 16'
@@ -78,7 +79,9 @@ def parse_budget(spec: str, records: list[ModuleRecord]) -> Budget:
                 raise ValueError
             total = sum(r.d_in * r.d_out for r in records)
             return Budget(text, "percent", pct, int(math.floor(pct / 100 * total)))
-        value = float(low.replace(",", "").replace("_", ""))
+        if "," in low and not re.fullmatch(r"[0-9]{1,3}(,[0-9]{3})+", low):  # '1,5e6' is 1.5e6 in many locales
+            raise ValueError
+        value = float(low.replace(",", ""))
         if not (value >= 1 and math.isfinite(value) and value == int(value)):  # a count: 2e6 yes, 1.5 no
             raise ValueError
         return Budget(text, "absolute", value, int(value))

@@ -57,6 +57,7 @@ from plate_inspect.targets import (
     load_target,
     name_list,
     select_targets,
+    unmatched_target_patterns,
 )
 
 
@@ -78,6 +79,7 @@ class ScanPlan:
     targets: list[TargetModule]
     selection_note: str
     settings: ScanSettings
+    notes: list[str] = field(default_factory=list)  # said before the scan (the CLI prints them)
 
     def __repr__(self) -> str:
         """One short line (a REPL shows it): the checkpoint, how many targets, the settings; not every tensor."""
@@ -115,7 +117,8 @@ def plan_scan(
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(ckpt.logical_weight(target.logical_name))
     check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
-    return ScanPlan(ckpt, targets, note, settings)
+    unmatched = unmatched_target_patterns(ckpt, settings.target_modules, targets, settings.layers is not None)
+    return ScanPlan(ckpt, targets, note, settings, [unmatched] if unmatched else [])
 
 
 def refuse_bundle_as_model(source: str | os.PathLike) -> None:
@@ -204,6 +207,7 @@ def scan(
     )
     progress = as_callback(progress, "scan")  # here, so that a deprecation warning names the function called
     check_out_dir(out)
+    check_devices(device, devices)
     plan = plan_scan(source, settings, revision=revision, offline=offline)
     return run_scan(plan, out, overwrite=overwrite, device=device, devices=devices, progress=progress)
 
@@ -216,6 +220,18 @@ class ShareResult:
     records: list[ModuleRecord]
     stats: dict[str, Any]
     computed: list[str] = field(default_factory=list)
+
+
+def check_devices(device: str = "cpu", devices: str | Sequence[str] | None = None) -> None:
+    """ConfigError for a ``device`` / ``devices`` this machine cannot run (``--device cuda`` without a GPU, ``mps``,
+    both given): call it before the checkpoint is opened, since opening a hub model downloads its weights first
+    (a 140 GB download, then "no CUDA device"). :func:`run_scan` applies the same rules."""
+    if devices is not None:
+        if device not in ("cpu", None):
+            raise ConfigError(f"give either --devices ({devices}) or --device ({device}), not both")
+        distributed.parse_devices(devices)
+    else:
+        _resolve_device(device)
 
 
 def run_scan(
@@ -663,7 +679,7 @@ def _resolve_device(device: str) -> torch.device:
             'device="cpu" (CLI: --device cpu)'
         )
     if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be cpu or cuda, got {device!r}")
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     return dev
 
 

@@ -56,7 +56,9 @@ __all__ = [
     "text_config",
     "mtp_layers",
     "select_targets",
+    "unmatched_target_patterns",
     "check_weight_ranks",
+    "check_layer_count",
     "expected_shapes",
     "EXPERT_COUNT_KEYS",
     "expected_experts",
@@ -413,6 +415,11 @@ def _tied_head_hint(ckpt: Checkpoint, target_modules: list[str] | None) -> str:
     )
 
 
+def _weight_suffix_hint(patterns: list[str]) -> str:
+    """A pattern copied from a tensor listing (``...q_proj.weight``) names a parameter; modules are matched."""
+    return "; give module names without '.weight'" if any(p.endswith(".weight") for p in patterns) else ""
+
+
 def _stack_layout_by_shape(
     candidates: list[TargetModule], shapes: dict[str, tuple[int, int] | None]
 ) -> list[TargetModule]:
@@ -508,6 +515,7 @@ def select_targets(
             + (f", layers [{format_layers(entries)}]" if entries is not None else "")
             + f"); weights in this checkpoint have types: {', '.join(sample) or 'none'}"
             + (f"; its layers: {layers_there(t.name for t in candidates)}" if entries is not None else "")
+            + _weight_suffix_hint(target_modules or [])
             + _tied_head_hint(ckpt, target_modules)
         )
     chosen.sort(key=lambda t: (t.layer if t.layer is not None else 1 << 30, _natural_key(t.name)))
@@ -516,8 +524,33 @@ def select_targets(
         check_shape_against_config(t, shapes, experts)
     check_weight_ranks(ckpt, chosen, FAMILY_TARGETS.get(model_type or "", ()) if not target_modules else (), entries)
     check_moe_layers(ckpt.config, model_type, candidates, chosen)
+    if not ckpt.one_shard:  # one shard given alone holds some layers, and says so
+        check_layer_count(ckpt.config, candidates, chosen)
     check_expert_counts(candidates, chosen, experts, EXPERT_COUNT_KEYS.get(model_type or ""))
     return chosen, note
+
+
+def unmatched_target_patterns(
+    ckpt: Checkpoint, target_modules: str | Iterable[str] | None, chosen: Sequence[TargetModule], layers_given: bool
+) -> str:
+    """A note naming the ``--target-modules`` entries that select none of the ``chosen`` modules while the others
+    select some ("" when each selects one): a mistyped name (``v_porj``) was dropped without a word, and the bundle
+    then lacked the modules the user meant to train."""
+    patterns = name_list(target_modules) if target_modules else []
+    unmatched = [p for p in dict.fromkeys(patterns) if not any(target_matches(t, p) for t in chosen)]
+    if not unmatched:
+        return ""
+    where = "of the selected layers" if layers_given else "of this checkpoint"
+    types = sorted({m.module_type for w in _matrix_weights(ckpt) for m in _modules_of(w, None)})
+    shown = ", ".join(types[:30]) + (", ..." if len(types) > 30 else "")
+    tied = _tied_head_hint(ckpt, unmatched)
+    return (
+        f"--target-modules {', '.join(repr(p) for p in unmatched)} matched no module {where}"
+        + ("" if tied else " (a typo?)")
+        + f"; scanning the {len(chosen)} modules the other names matched; module types here: {shown}"
+        + _weight_suffix_hint(unmatched)
+        + tied
+    )
 
 
 # --------------------------------------------------------------------------- shape checks
@@ -894,6 +927,40 @@ def check_moe_layers(
                 f"layer {layer}: config.json makes it a mixture-of-experts layer ({why}), but the checkpoint holds "
                 f"{found} there; {do}"
             )
+
+
+def check_layer_count(
+    config: dict[str, Any], candidates: Sequence[TargetModule], chosen: Sequence[TargetModule]
+) -> None:
+    """The layers of the stack the chosen modules sit in must be config.json's ``num_hidden_layers`` (``text_config``
+    for multimodal wrappers), 0 to N-1, DeepSeek's multi-token-prediction layers besides: a layer missing (a shard
+    left out of a directory without index, a truncated conversion) or one beyond N (another model's config.json;
+    transformers would not load it) made a complete-looking bundle of another model than the one transformers builds.
+    Checked only where the chosen modules sit in one stack and the model is no encoder-decoder (BART's
+    num_hidden_layers is its encoder's count; a distilled decoder has fewer)."""
+    c = text_config(config)
+    n_layers = c.get("num_hidden_layers")
+    stacks = {where[0] for where in map(stack_of, (t.name for t in chosen)) if where is not None}
+    two_stacks = c.get("is_encoder_decoder") or any(k in c for k in ("encoder_layers", "decoder_layers"))
+    if type(n_layers) is not int or n_layers < 0 or len(stacks) != 1 or two_stacks:
+        return
+    (stack,) = stacks
+    held = {
+        where[1] for where in map(stack_of, (t.name for t in candidates)) if where is not None and where[0] == stack
+    }
+    missing = sorted(set(range(n_layers)) - held)
+    extra = sorted(held - set(range(n_layers)) - mtp_layers(config))
+    if not missing and not extra:
+        return
+    what = (
+        f"layer{'s' if len(missing) > 1 else ''} {span(missing)} missing (a shard left out, or a partial conversion?)"
+        if missing
+        else f"layer{'s' if len(extra) > 1 else ''} {span(extra)} beyond them, which transformers would not load"
+    )
+    raise CorruptCheckpointError(
+        f"config.json says num_hidden_layers {n_layers} (layers 0-{n_layers - 1}), but the checkpoint holds {stack} "
+        f"layers {span(held)}: {what}; use the complete checkpoint with the config.json that came with it"
+    )
 
 
 def modules_by_name(ckpt: Checkpoint) -> dict[str, TargetModule]:
