@@ -9,6 +9,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from plate_inspect.errors import ConfigError
 from plate_inspect.formatting import human_bytes
 from plate_inspect.progress import ProgressCallback, ProgressEvent
 
@@ -26,10 +27,16 @@ def quiet_option(*old_names: str) -> Callable[[Any], Any]:
     return click.option("--quiet", "-q", *old_names, "quiet", is_flag=True, help=f"No progress bar{note}.")
 
 
-def split_names(text: str | None) -> list[str] | None:
-    """A comma-separated option value (``--target-modules q_proj,v_proj``) as a list; None when not given."""
-    names = [t.strip() for t in text.split(",") if t.strip()] if text else []
-    return names or None
+def split_names(text: str | None, option: str = "--target-modules") -> list[str] | None:
+    """A comma-separated option value (``--target-modules q_proj,v_proj``) as a list; None when not given. A value
+    that names nothing (``,``, ``" , "``: unset shell variables joined by commas) is a ConfigError: read as no value,
+    it selected the defaults."""
+    if text is None:
+        return None
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ConfigError(f"{option} {text!r} names no module (only commas and blanks); give names, or leave it out")
+    return names
 
 
 @contextlib.contextmanager
