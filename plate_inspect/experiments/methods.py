@@ -101,7 +101,7 @@ def budget_value_problem(key: str, value: object) -> str | None:
         return None if 0 < number < 1 else "a number strictly between 0 and 1"
     if key == "lam":
         return None if math.isfinite(number) and number >= 0 else "a finite number >= 0"
-    ok = is_integer(value) and value >= 1  # type: ignore[operator]
+    ok = is_integer(value) and number >= 1  # an int: its float (inf beyond range) compares as it does
     return None if ok else "an integer >= 1"
 
 
