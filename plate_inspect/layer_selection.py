@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, SupportsIndex
 
 from plate_inspect.errors import ConfigError
 from plate_inspect.formatting import counted
@@ -46,8 +46,8 @@ _WHOLE = -1  # the sort key of a whole-stack entry: before the stack's own indic
 
 
 def _entry(stack: str, index: int | None) -> LayerEntry:
-    """The one spelling of an entry: i, 'stack:i', or 'stack' for a whole stack."""
-    return index if not stack else stack if index is None else f"{stack}:{index}"
+    """The one spelling of an entry: i, 'stack:i', or 'stack' for a whole stack (an index-less entry has a stack)."""
+    return stack if index is None else index if not stack else f"{stack}:{index}"
 
 
 def _entry_key(entry: tuple[str, int | None]) -> tuple[str, int]:
@@ -92,7 +92,7 @@ def layer_entry(entry: object) -> tuple[str, int | None]:
         if m and m.group(4) is None and m.group(6) is None:
             stack, index = m.group(1) or "", m.group(3) or m.group(5)
             return stack, None if index is None else int(index)
-    elif not isinstance(entry, bool):
+    elif isinstance(entry, SupportsIndex) and not isinstance(entry, bool):
         try:
             index = operator.index(entry)
         except TypeError:

@@ -30,9 +30,11 @@ from plate_inspect.targets import (
     TargetModule,
     check_target_patterns,
     format_layers,
+    layer_entries,
     layers_there,
     load_target,
     modules_by_name,
+    name_list,
     select_layers,
     select_targets,
     target_matches,
@@ -189,8 +191,8 @@ def audit(
         seed=seed,
         sketch_dim=sketch_dim,
         anchors=anchors,
-        target_modules=target_modules,
-        layers=layers,
+        target_modules=tuple(name_list(target_modules)) if target_modules else None,
+        layers=layer_entries(layers) if layers is not None else None,
         precision=precision,
     )
     check_target_patterns(settings.target_modules)

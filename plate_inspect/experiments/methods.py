@@ -25,10 +25,10 @@ Every method gets the stage-1 checkpoint and returns a :class:`Prepared` model w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -101,7 +101,7 @@ def budget_value_problem(key: str, value: object) -> str | None:
         return None if 0 < number < 1 else "a number strictly between 0 and 1"
     if key == "lam":
         return None if math.isfinite(number) and number >= 0 else "a finite number >= 0"
-    ok = is_integer(value) and value >= 1  # type: ignore[operator]
+    ok = is_integer(value) and number >= 1  # an int: its float (inf beyond range) compares as it does
     return None if ok else "an integer >= 1"
 
 
@@ -211,16 +211,24 @@ class Prepared:
 
 
 # --------------------------------------------------------------------------- penalties (pure functions)
+def _total(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of scalar tensors, as ``sum`` adds them (left to right); a zero tensor for none (``sum`` gives int 0)."""
+    total = None
+    for term in terms:
+        total = term if total is None else total + term
+    return torch.zeros(()) if total is None else total
+
+
 def l2_init_penalty(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor], lam: float) -> torch.Tensor:
     """lam * sum_i ||params_i - anchors_i||_F^2 (L2 Init toward the pre-task-2 weights)."""
-    return lam * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors, strict=True))
+    return lam * _total(((p - a) ** 2).sum() for p, a in zip(params, anchors, strict=True))
 
 
 def olora_penalty(
     old_a: Sequence[torch.Tensor], new_a: Sequence[torch.Tensor], lam: float = OLORA_LAMBDA
 ) -> torch.Tensor:
     """lam * sum_layers ||A_old A_new^T||_F^2 (O-LoRA's orthogonality loss; A is r x d_in, rows = input directions)."""
-    return lam * sum(((a_old @ a_new.T) ** 2).sum() for a_old, a_new in zip(old_a, new_a, strict=True))
+    return lam * _total(((a_old @ a_new.T) ** 2).sum() for a_old, a_new in zip(old_a, new_a, strict=True))
 
 
 def task1_lora_basis(w1: torch.Tensor, w0: torch.Tensor, rank: int) -> torch.Tensor:
@@ -306,7 +314,13 @@ def _prepare_lora(method: str, rank: int, model: nn.Module, stage1: StageOne) ->
     max_rank = min(min(s) for s in backbone_shapes(model))
     if not 1 <= rank <= max_rank and method in ("pissa", "mica", "corda", "o_lora"):
         raise ConfigError(f"{method}: rank {rank} exceeds the smallest layer dimension {max_rank}")
-    inits: dict[str, bool | str] = {"lora": True, "o_lora": True, "pissa": "pissa", "mica": "mica", "corda": "corda"}
+    inits: dict[str, bool | Literal["pissa", "mica", "corda"]] = {
+        "lora": True,
+        "o_lora": True,
+        "pissa": "pissa",
+        "mica": "mica",
+        "corda": "corda",
+    }
     init = inits[method]
     kwargs: dict[str, Any] = {}
     if method == "corda":
@@ -315,7 +329,7 @@ def _prepare_lora(method: str, rank: int, model: nn.Module, stage1: StageOne) ->
         kwargs["corda_config"] = CordaConfig(corda_method="kpm")
     cfg = LoraConfig(
         r=rank,
-        lora_alpha=LORA_ALPHA_PER_RANK * rank,
+        lora_alpha=LORA_ALPHA_PER_RANK * rank,  # type: ignore[arg-type]  # peft says int; its scaling is alpha / r
         lora_dropout=0.0,
         target_modules=list(BACKBONE),
         init_lora_weights=init,
@@ -335,17 +349,24 @@ def _prepare_lora(method: str, rank: int, model: nn.Module, stage1: StageOne) ->
     penalty = None
     if method == "o_lora":
         old = [task1_lora_basis(w1[m], w0[m], rank) for m in BACKBONE]
-        new = [peft_model.base_model.model.get_submodule(m).lora_A["default"].weight for m in BACKBONE]
+        new = [_lora_a(peft_model, m).weight for m in BACKBONE]
         penalty = lambda: olora_penalty(old, new, OLORA_LAMBDA)  # noqa: E731
         config["lambda"] = OLORA_LAMBDA
     return Prepared(peft_model, adapter + _head2(model), sum(p.numel() for p in adapter), penalty, config)
+
+
+def _lora_a(peft_model: nn.Module, module: str) -> nn.Linear:
+    """The default adapter's LoRA A layer on backbone ``module`` of a PeftModel."""
+    lora_a = peft_model.get_submodule(f"base_model.model.{module}.lora_A.default")
+    assert isinstance(lora_a, nn.Linear), f"{module}: LoRA A is a {type(lora_a).__name__}"
+    return lora_a
 
 
 def _prepare_osf(n_low: int, model: nn.Module) -> Prepared:
     from peft import OSFConfig, get_peft_model
 
     shapes = dict(zip(BACKBONE, backbone_shapes(model), strict=True))
-    pattern = {}
+    pattern: dict[str, int | float] = {}  # peft's type: a rank, or a fraction of the layer's
     for m, (d_out, d_in) in shapes.items():
         if not 1 <= n_low < min(d_out, d_in):
             raise ConfigError(f"osf: n_low {n_low} must be in 1..{min(d_out, d_in) - 1} for {m} {d_out}x{d_in}")

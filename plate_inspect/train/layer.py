@@ -21,14 +21,14 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from plate_inspect.arguments import bool_argument
 from plate_inspect.atomic import path_argument
-from plate_inspect.bundle import Bundle, ModuleRecord
+from plate_inspect.bundle import Bundle
 from plate_inspect.errors import BundleError, ConfigError, refuse_to_replace
 from plate_inspect.train.core import (
     add_branch,
@@ -39,6 +39,9 @@ from plate_inspect.train.core import (
     validate_geometry,
 )
 from plate_inspect.train.weightcheck import WeightSketch, check_weight
+
+if TYPE_CHECKING:
+    from plate_inspect.train.weightcheck import WeightRecord  # the weight check's record protocol
 
 ADAPTER_FORMAT = "plate-adapter"
 ADAPTER_VERSION = 1
@@ -83,8 +86,17 @@ def layout_of(module: nn.Module) -> str:
 
 def oriented_shape(module: nn.Module) -> tuple[int, int]:
     """[d_out, d_in] of a Linear or Conv1D, whatever the stored layout."""
-    a, b = module.weight.shape
-    return (b, a) if layout_of(module) == "conv1d" else (a, b)
+    layout = layout_of(module)
+    a, b = layer_weight(module).shape
+    return (b, a) if layout == "conv1d" else (a, b)
+
+
+def layer_weight(module: nn.Module) -> torch.Tensor:
+    """The weight of a Linear / Conv1D (the base layer of a PLATE layer), typed as the tensor it is: nn.Module's
+    attribute typing says ``Tensor | Module``. A DTensor or meta tensor is a tensor too."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is not a tensor"
+    return weight
 
 
 def input_width_error(layer: str, x: torch.Tensor, d_in: int, d_out: int) -> RuntimeError:
@@ -128,7 +140,7 @@ class PlateLinear(nn.Module):
         self.rho = check_rho(rho)
         self.d_out, self.d_in = d_out, d_in
         self.geometry_digest = digest or geometry_digest(b_idx, q)
-        dev = base.weight.device
+        dev = layer_weight(base).device
         self.register_buffer("plate_B_idx", b_idx.to(geometry_device(dev)))
         self.register_buffer("plate_Q", q.to(geometry_device(dev)).contiguous())
         self.plate_A = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=dev, dtype=torch.float32))
@@ -155,11 +167,12 @@ class PlateLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.base.weight
+        return layer_weight(self.base)
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return self.base.bias
+        bias = self.base.bias
+        return bias if isinstance(bias, torch.Tensor) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._awaiting:
@@ -176,10 +189,12 @@ class PlateLinear(nn.Module):
         """A layer made on meta-device weights, now loaded: check them, reload B/Q beside them, see to A."""
         with torch.inference_mode(False):
             for key, awaiting in list(self._awaiting.items()):
-                sketch, b_idx, q = settle_branch(self, self.base, key, awaiting, zero_a)
-                dev = self.base.weight.device
-                self.plate_B_idx = b_idx.to(dev)
-                self.plate_Q = q.to(dev, self.plate_Q.dtype).contiguous()
+                sketch, geometry = settle_branch(self, self.base, key, awaiting, zero_a)
+                if geometry is not None:  # else B/Q came with a state dict (persistent buffers): kept as loaded
+                    b_idx, q = geometry
+                    dev = layer_weight(self.base).device
+                    self.plate_B_idx = b_idx.to(dev)
+                    self.plate_Q = q.to(dev, self.plate_Q.dtype).contiguous()
                 self.weight_sketch = sketch if sketch is not None else getattr(self, "weight_sketch", None)
                 del self._awaiting[key]
 
@@ -189,13 +204,13 @@ class PlateLinear(nn.Module):
             self.settle(zero_a=False)
         if not self.merged:
             self._saved_rows = merge_rows(
-                self.base.weight, self.layout, self.plate_B_idx, self.plate_A, self.plate_Q, self.rho
+                layer_weight(self.base), self.layout, self.plate_B_idx, self.plate_A, self.plate_Q, self.rho
             )
 
     def unmerge(self) -> None:
         """Restore the base weight exactly as it was before merge()."""
         if self._saved_rows is not None:  # merged
-            unmerge_rows(self.base.weight, self.layout, self.plate_B_idx, self._saved_rows)
+            unmerge_rows(layer_weight(self.base), self.layout, self.plate_B_idx, self._saved_rows)
             self._saved_rows = None
 
     def extra_repr(self) -> str:
@@ -224,7 +239,7 @@ class AwaitingWeights:
     """
 
     name: str  # the model's module name, for messages
-    record: Any  # what the weight must be: the bundle's ModuleRecord, or an adapter's record of it
+    record: WeightRecord  # what the weight must be: the bundle's ModuleRecord, or an adapter's record of it
     check_fingerprint: bool
     reference: WeightSketch | None
     bundle: Bundle | None  # B/Q are reloaded from it (None: the adapter's state dict carries them)
@@ -243,15 +258,29 @@ _UNSET_A = (
 )
 
 
+@runtime_checkable
+class AwaitsWeights(Protocol):
+    """A PLATE layer that can hold branches made on meta-device weights (PlateLinear, the PEFT PlateLayer):
+    ``_awaiting`` maps A's name to what its branch owes; ``settle`` pays it."""
+
+    _awaiting: dict[str, AwaitingWeights]
+
+    def settle(self, zero_a: bool) -> None: ...
+
+    def get_parameter(self, target: str) -> nn.Parameter: ...
+
+
 def settle_branch(
     layer: nn.Module, base: nn.Module, a_key: str, awaiting: AwaitingWeights, zero_a: bool
-) -> tuple[WeightSketch | None, torch.Tensor | None, torch.Tensor | None]:
-    """Check a branch's now-loaded weight, read its B/Q again (as stored; None when carried), zero or check A.
+) -> tuple[WeightSketch | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Check a branch's now-loaded weight, read its B/Q again (as stored; None when the bundle is None: a state
+    dict carries them), zero or check A; returns (the weight's sketch or None, (B, Q) or None).
 
     ``a_key``: A's name in ``layer`` (``plate_A``, or ``plate_A.<adapter>`` for the PEFT layer).
     """
     name = awaiting.name
-    if is_meta_tensor(base.weight):
+    weight = layer_weight(base)
+    if is_meta_tensor(weight):
         raise BundleError(
             f"module '{name}': its weight is still on the meta device; load the weights (to_empty() + "
             "load_state_dict or set_model_state_dict) before the first forward or finish_meta_init(model)"
@@ -270,10 +299,10 @@ def settle_branch(
         entry = awaiting.record_entry
         if entry is not None and entry.get("sketch") is None:
             entry["sketch"] = sketch.to_json()
-    b_idx = q = None
+    geometry = None
     if awaiting.bundle is not None:
-        b_idx, q = module_geometry(awaiting.bundle, awaiting.bundle_module, awaiting.k, q_dtype=None)
-        if geometry_digest(b_idx, q) != awaiting.digest:
+        geometry = module_geometry(awaiting.bundle, awaiting.bundle_module, awaiting.k, q_dtype=None)
+        if geometry_digest(*geometry) != awaiting.digest:
             raise BundleError(
                 f"module '{name}': B/Q in {awaiting.bundle.path} changed since the PLATE layer was made (rescanned "
                 "in place?); make the PLATE model again"
@@ -284,16 +313,18 @@ def settle_branch(
             a.zero_()  # in place: a sharded A stays sharded, an optimizer made already keeps it
     elif zero_a and not hasattr(a, "to_local"):
         parent, _, leaf = a_key.rpartition(".")  # loaded with assign=True, never to_empty(): a new zero A
-        zero = nn.Parameter(torch.zeros_like(a, device=base.weight.device), requires_grad=a.requires_grad)
+        zero = nn.Parameter(torch.zeros_like(a, device=weight.device), requires_grad=a.requires_grad)
         setattr(layer.get_submodule(parent), leaf, zero)
     elif zero_a:
         raise BundleError(f"module '{name}': A is sharded on the meta device; call model.to_empty(device=...) first")
     elif not awaiting.a_loaded:
         raise BundleError(f"module '{name}': {_UNSET_A}")
-    return sketch, b_idx, q
+    return sketch, geometry
 
 
-def note_loaded_a(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *args: Any) -> None:
+def note_loaded_a(
+    module: AwaitsWeights, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *args: Any
+) -> None:
     """load_state_dict pre-hook: a state dict that holds a meta-made A gives it values (into a materialised A, or
     with ``assign=True``, as accelerate's FSDP2 loading does)."""
     assign = bool(local_metadata.get("assign_to_params_buffers"))
@@ -312,9 +343,8 @@ def finish_meta_init(model: nn.Module) -> int:
     """
     done = 0
     for module in model.modules():
-        awaiting = getattr(module, "_awaiting", None)
-        if awaiting and hasattr(module, "settle"):
-            done += len(awaiting)
+        if isinstance(module, AwaitsWeights) and module._awaiting:
+            done += len(module._awaiting)
             module.settle(zero_a=True)
     return done
 
@@ -367,7 +397,7 @@ def unresolved_modules(model: nn.Module, missing: list[str], resolved: int) -> B
 def check_module_against_record(
     module: nn.Module,
     name: str,
-    record: ModuleRecord,
+    record: WeightRecord,
     check_fingerprint: bool = True,
     reference: WeightSketch | None = None,
     bundle: Bundle | None = None,
@@ -393,7 +423,7 @@ def check_module_against_record(
         )
     if not check_fingerprint:
         return None
-    if is_meta_tensor(module.weight):
+    if is_meta_tensor(layer_weight(module)):
         raise BundleError(
             f"module '{name}': its weight is on the meta device (not loaded yet); load the weights first "
             "(from_pretrained, or to_empty() + load_state_dict)"
@@ -480,10 +510,11 @@ def require_input_grads(model: nn.Module) -> None:
     is already checkpointed at ``get_peft_model`` (``_prepare_model_for_gradient_checkpointing``), transformers 4.x
     when it holds the adapter itself (``add_adapter``), transformers 5 for every model taking ``input_ids``. Models
     without input embeddings are left as they are (only ``use_reentrant=False`` trains them)."""
-    if model.__dict__.get("_plate_input_grads") or not hasattr(model, "enable_input_require_grads"):
+    enable = getattr(model, "enable_input_require_grads", None)
+    if model.__dict__.get("_plate_input_grads") or enable is None:
         return
     try:
-        model.enable_input_require_grads()
+        enable()
     except (NotImplementedError, AttributeError):  # no input embeddings (transformers 4.x raises)
         return
     model.__dict__["_plate_input_grads"] = True
@@ -700,7 +731,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     layers = plate_layers(model)
     if not layers:
         raise ConfigError("the model has no PLATE layers to save; call apply_bundle first")
-    tensors, digests, fingerprints, ks, sketches, rhos, q_dtypes, identity = {}, {}, {}, {}, {}, {}, {}, None
+    tensors, digests, fingerprints, ks, sketches, rhos, q_dtypes = {}, {}, {}, {}, {}, {}, {}
     for layer in layers.values():
         name = getattr(layer, "bundle_name", None)
         if name is None:
@@ -714,7 +745,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
         sketch = getattr(layer, "weight_sketch", None)
         if sketch is not None:
             sketches[name] = sketch.to_json()
-        identity = identity or layer.bundle_identity
+    identity = next(iter(layers.values())).bundle_identity  # every layer has one (it has a bundle_name)
     uniform = len(set(rhos.values())) == 1
     meta = {
         "format": ADAPTER_FORMAT,

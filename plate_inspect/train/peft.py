@@ -57,6 +57,7 @@ from plate_inspect.train.layer import (
     geometry_device,
     input_width_error,
     is_meta_tensor,
+    layer_weight,
     layout_of,
     load_plan,
     module_geometry,
@@ -74,12 +75,13 @@ PEFT_NAME = "plate"
 def _ensure_peft_type() -> PeftType:
     """Add ``PLATE`` to peft's PeftType enum (peft 0.21's registration only accepts enum members)."""
     if "PLATE" in PeftType.__members__:
-        return PeftType.PLATE
+        return PeftType["PLATE"]
     member = str.__new__(PeftType, "PLATE")
     member._name_ = "PLATE"
     member._value_ = "PLATE"
-    if hasattr(PeftType, "_add_member_"):  # Python >= 3.13
-        PeftType._add_member_("PLATE", member)
+    add_member = getattr(PeftType, "_add_member_", None)  # Python >= 3.13
+    if add_member is not None:
+        add_member("PLATE", member)
     else:
         type.__setattr__(PeftType, "PLATE", member)
         PeftType._member_map_["PLATE"] = member
@@ -142,7 +144,8 @@ def _modules_to_save(value: object) -> list[str] | None:
 class PlateConfig(PeftConfig):
     """Configuration of a PLATE adapter: the bundle it is built from, rho, and optionally a subset of its modules."""
 
-    bundle: str | None = field(default=None, metadata={"help": "Path of the PLATE init bundle (from scan)."})
+    # required: "" (or None) is refused in __post_init__, which makes it the absolute path as a str
+    bundle: str | os.PathLike = field(default="", metadata={"help": "Path of the PLATE init bundle (from scan)."})
     rho: float = field(default=0.5, metadata={"help": "Scale of the update: W' = W + rho B A Q^T."})
     target_modules: list[str] | str | set[str] | None = field(
         default=None,
@@ -228,7 +231,7 @@ class PlateConfig(PeftConfig):
             saved.bundle_relative = os.path.relpath(self.bundle, Path(save_directory).expanduser().resolve())
         except ValueError:  # on another drive (Windows): no relative path
             saved.bundle_relative = None
-        PeftConfig.save_pretrained(saved, save_directory, **kwargs)
+        PeftConfig.save_pretrained(saved, os.fspath(save_directory), **kwargs)
 
     @classmethod
     def from_pretrained(
@@ -246,9 +249,10 @@ class PlateConfig(PeftConfig):
 
 def _moved_bundle(folder: Path, config: PlateConfig) -> Path | None:
     """The bundle at ``bundle_relative`` from the adapter directory, when the recorded absolute path is gone."""
-    if not folder.is_dir() or Path(config.bundle).exists() or not _relative_applies(config):
+    relative = config.bundle_relative
+    if relative is None or not folder.is_dir() or Path(config.bundle).exists() or not _relative_applies(config):
         return None
-    found = (folder / config.bundle_relative).resolve()
+    found = (folder / relative).resolve()
     return found if found.exists() else None
 
 
@@ -297,7 +301,8 @@ def _refuse_lora_options(init):
     return __init__
 
 
-PlateConfig.__init__ = _refuse_lora_options(PlateConfig.__init__)
+# the dataclass's own __init__, wrapped: type checkers keep its signature (hence assigning, not overriding)
+PlateConfig.__init__ = _refuse_lora_options(PlateConfig.__init__)  # type: ignore[method-assign]
 
 
 class _GeometryDict(BufferDict):
@@ -318,18 +323,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
     other_param_names = ("plate_B_idx", "plate_Q", "plate_rho")
     module_name: str  # the model's name for it (set by PlateModel; named in its errors)
 
-    def __init__(
-        self,
-        base_layer: nn.Module,
-        adapter_name: str,
-        b_idx: torch.Tensor,
-        q: torch.Tensor,
-        rho: float,
-        digest: str | None = None,
-        carried: frozenset[str] | None = None,
-        pending: bool = False,
-        awaiting: AwaitingWeights | None = None,
-    ):
+    def __init__(self, base_layer: nn.Module, adapter_name: str, geometry: BranchGeometry, rho: float):
         super().__init__()
         BaseTunerLayer.__init__(self)
         self.base_layer = base_layer
@@ -348,30 +342,23 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         self.merged_adapters: list[str] = []
         self._active_adapter = adapter_name
         self._inplace = type(base_layer) is nn.Linear or self.layout == "conv1d"
-        self.update_layer(adapter_name, b_idx, q, rho, digest, carried, pending, awaiting)
+        self.update_layer(adapter_name, geometry, rho)
         self.register_load_state_dict_pre_hook(_check_carried_geometry)
         self.register_load_state_dict_pre_hook(note_loaded_a)
         self.register_load_state_dict_post_hook(_carried_geometry_loaded)
 
-    def update_layer(
-        self,
-        adapter_name: str,
-        b_idx: torch.Tensor,
-        q: torch.Tensor,
-        rho: float,
-        digest: str | None = None,
-        carried: frozenset[str] | None = None,
-        pending: bool = False,
-        awaiting: AwaitingWeights | None = None,
-    ) -> None:
+    def update_layer(self, adapter_name: str, geometry: BranchGeometry, rho: float) -> None:
         """Add (or replace) one adapter: zero A [r, k], B indices, frozen Q (validated by the shared core).
 
-        ``carried``: the digests a saved B/Q may have (the adapter carries its geometry; Q is held in the model's
-        dtype); ``pending``: B/Q are placeholders that the adapter's state dict fills in; ``awaiting``: the base
-        weight is on the meta device (B/Q wait on the CPU, A on meta, until ``settle``).
+        ``geometry.carried``: the digests a saved B/Q may have (the adapter carries its geometry; Q is held in the
+        model's dtype); ``pending``: B/Q are placeholders that the adapter's state dict fills in; ``awaiting``: the
+        base weight is on the meta device (B/Q wait on the CPU, A on meta, until ``settle``).
         """
-        weight = self.get_base_layer().weight
-        b_idx, q = validate_geometry(b_idx, q, self.out_features, self.in_features, where=type(self).__name__)
+        carried, pending, awaiting = geometry.carried, geometry.pending, geometry.awaiting
+        weight = layer_weight(self.get_base_layer())
+        b_idx, q = validate_geometry(
+            geometry.b_idx, geometry.q, self.out_features, self.in_features, where=type(self).__name__
+        )
         rho = check_rho(rho)
         for buffers in (self.plate_B_idx, self.plate_Q):
             (buffers.carried.add if carried is not None else buffers.carried.discard)(adapter_name)
@@ -383,7 +370,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         if awaiting is not None:
             self._awaiting[f"plate_A.{adapter_name}"] = awaiting
         self.plate_rho[adapter_name] = rho
-        self.plate_digest[adapter_name] = digest or geometry_digest(b_idx, q)
+        self.plate_digest[adapter_name] = geometry.digest
         self.plate_carried.pop(adapter_name, None)
         self._pending.discard(adapter_name)
         if carried is not None:
@@ -422,9 +409,10 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         base = self.get_base_layer()
         with torch.inference_mode(False):
             for key, awaiting in list(self._awaiting.items()):
-                _, b_idx, q = settle_branch(self, base, key, awaiting, zero_a)
-                name, dev = key.removeprefix("plate_A."), base.weight.device
-                if b_idx is not None:
+                _, geometry = settle_branch(self, base, key, awaiting, zero_a)
+                name, dev = key.removeprefix("plate_A."), layer_weight(base).device
+                if geometry is not None:  # else carried: the adapter's state dict gives B/Q
+                    b_idx, q = geometry
                     self.plate_B_idx[name] = b_idx.to(dev)
                     self.plate_Q[name] = q.to(dev, self.plate_Q[name].dtype).contiguous()
                 del self._awaiting[key]
@@ -440,7 +428,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         if self._awaiting:
             self.settle(zero_a=False)
         adapter_names = check_adapters_to_merge(self, adapter_names)
-        w = self.get_base_layer().weight
+        w = layer_weight(self.get_base_layer())
         for name in adapter_names:
             if name not in self.plate_A:
                 continue
@@ -458,7 +446,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
             return
-        w = self.get_base_layer().weight
+        w = layer_weight(self.get_base_layer())
         while self.merged_adapters:
             name = self.merged_adapters.pop()
             unmerge_rows(w, self.layout, self.plate_B_idx[name], self._saved_rows.pop(name))
@@ -496,7 +484,7 @@ def _carried_geometry_loaded(layer: PlateLayer, incompatible: Any) -> None:
     if layer._pending:
         name = sorted(layer._pending)[0]
         raise BundleError(f"adapter '{name}': the adapter file lacks the B/Q it should carry (incomplete adapter)")
-    weight = layer.get_base_layer().weight
+    weight = layer_weight(layer.get_base_layer())
     for name in layer.plate_carried:
         q = layer.plate_Q[name]
         if weight.is_floating_point() and q.dtype != weight.dtype and not q.is_meta:
@@ -509,6 +497,12 @@ def _carried_digests(b_idx: torch.Tensor, q: torch.Tensor) -> dict[str, str]:
 
 
 _CARRY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _plate_config(config: PeftConfig) -> PlateConfig:
+    """A PlateModel's adapter config (peft types ``peft_config`` as holding any PeftConfig; a tuner holds its own)."""
+    assert isinstance(config, PlateConfig), f"a PlateModel adapter with a {type(config).__name__}"
+    return config
 
 
 def _tuner_base(module: nn.Module, name: str) -> nn.Module:
@@ -570,14 +564,23 @@ def _first_difference(recorded: dict[str, dict[str, Any]], records: dict[str, di
     return f"module '{extra[0]}' is in the bundle but not in the adapter" if extra else None
 
 
-# B, Q, digest, carried digests, pending (carried B/Q to come from the state dict), awaiting (meta-device weight)
-_Geometry = tuple[torch.Tensor, torch.Tensor, str, "frozenset[str] | None", bool, "AwaitingWeights | None"]
+@dataclass(frozen=True)
+class BranchGeometry:
+    """One adapter's branch on one module, as PlateModel prepares it before the layer is made (or updated)."""
+
+    b_idx: torch.Tensor
+    q: torch.Tensor
+    digest: str  # of B/Q as the bundle stores them
+    carried: frozenset[str] | None = None  # the digests a carried (saved) B/Q may have; None: a lean adapter
+    pending: bool = False  # the carried B/Q are placeholders the adapter's state dict fills in
+    awaiting: AwaitingWeights | None = None  # made beside a meta-device weight: what it owes once that is loaded
 
 
 @dataclass(frozen=True)
 class _Record:
     """What the weight check needs of a module (a bundle ModuleRecord or one recorded in the adapter config)."""
 
+    name: str  # the bundle's module name
     shape: list[int]
     dtype: str
     fingerprint: str
@@ -715,7 +718,7 @@ class PlateModel(BaseTuner):
                 f"{where}: an adapter named {adapter_name!r} exists already; pick another name or "
                 f"delete_adapter({adapter_name!r}) first"
             )
-        configs = [self.peft_config[a] for a in adapters]
+        configs = [_plate_config(self.peft_config[a]) for a in adapters]
         records: dict[str, dict[str, Any]] = {}
         owner: dict[str, str] = {}
         for a, c in zip(adapters, configs, strict=True):
@@ -736,10 +739,10 @@ class PlateModel(BaseTuner):
         if not configs[0].carry_geometry and len({c.bundle for c in configs}) > 1:
             raise ConfigError(
                 f"{where}: adapters {adapters} read their B/Q from different bundle paths "
-                f"({sorted({c.bundle for c in configs})}); a lean adapter reads them from one: combine adapters "
+                f"({sorted({str(c.bundle) for c in configs})}); a lean adapter reads them from one: combine adapters "
                 "made from one bundle"
             )
-        geometry: dict[str, _Geometry] = {}
+        geometry: dict[str, BranchGeometry] = {}
         for name, layer in self.model.named_modules():
             held = [a for a in adapters if isinstance(layer, PlateLayer) and a in layer.plate_A]
             if not held:
@@ -749,7 +752,7 @@ class PlateModel(BaseTuner):
                 raise ConfigError(f"{where}: module '{name}' waits for its weights; call finish_meta_init(model) first")
             first = held[0]
             b_idx, q = layer.plate_B_idx[first], layer.plate_Q[first]
-            geometry[name] = (b_idx, q, layer.plate_digest[first], layer.plate_carried.get(first), False, None)
+            geometry[name] = BranchGeometry(b_idx, q, layer.plate_digest[first], layer.plate_carried.get(first))
         rho = configs[0].rho
         self.peft_config[adapter_name] = replace(
             configs[0], target_modules=set(records), module_records=records, bundle_digest=_bundle_digest(records)
@@ -780,17 +783,17 @@ class PlateModel(BaseTuner):
         super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
         for layer in self.model.modules():
             if isinstance(layer, PlateLayer) and adapter_name in layer.plate_carried:
-                weight = layer.get_base_layer().weight
+                weight = layer_weight(layer.get_base_layer())
                 if weight.is_floating_point() and layer.plate_Q[adapter_name].dtype != weight.dtype:
                     layer.plate_Q[adapter_name] = layer.plate_Q[adapter_name].to(weight.dtype)
 
     def _prepare_plate(self, model: nn.Module, adapter_name: str) -> None:
         """Load the bundle (or the geometry the adapter carries), check weights and the recorded identity."""
         # filled in on a copy: the caller's PlateConfig stays as given, reusable for another model or bundle
-        config: PlateConfig = copy.copy(self.peft_config[adapter_name])
+        config = copy.copy(_plate_config(self.peft_config[adapter_name]))
         self.peft_config[adapter_name] = config
         if not hasattr(self, "_plate"):
-            self._plate: dict[str, dict[str, _Geometry]] = {}
+            self._plate: dict[str, dict[str, BranchGeometry]] = {}
         if not config.check_fingerprints:
             warnings.warn("PlateConfig: fingerprint check skipped", stacklevel=3)
         recorded = config.module_records or {}
@@ -810,7 +813,7 @@ class PlateModel(BaseTuner):
             ref = recorded.get(m, {}).get("sketch")
             ref = WeightSketch.from_json(ref) if ref else None
             module = _tuner_base(model.get_submodule(m), m)
-            meta = is_meta_tensor(module.weight)  # checked once loaded (AwaitingWeights)
+            meta = is_meta_tensor(layer_weight(module))  # checked once loaded (AwaitingWeights)
             sketch = check_module_against_record(
                 module, m, rec, config.check_fingerprints and not meta, ref, bundle, adapter=bool(recorded)
             )
@@ -821,7 +824,8 @@ class PlateModel(BaseTuner):
             if meta:
                 check = config.check_fingerprints
                 awaiting = AwaitingWeights(m, rec, check, ref, bundle, name, ks.get(name), digest, bool(recorded))
-            geometry[m] = (b_idx, q, digest, frozenset(carried.values()) if carried else None, False, awaiting)
+            accepted = frozenset(carried.values()) if carried else None
+            geometry[m] = BranchGeometry(b_idx, q, digest, accepted, awaiting=awaiting)
             records[m] = {
                 "bundle_module": name,
                 "shape": list(rec.shape),
@@ -849,13 +853,13 @@ class PlateModel(BaseTuner):
         config.bundle_digest, config.bundle_signature, config.module_records = digest, sig, records
         self._plate[adapter_name] = geometry
 
-    def _carried_geometry(self, model: nn.Module, config: PlateConfig) -> dict[str, _Geometry]:
+    def _carried_geometry(self, model: nn.Module, config: PlateConfig) -> dict[str, BranchGeometry]:
         """Placeholders of the recorded shapes for an adapter that carries B and Q (its state dict fills them in)."""
         records = config.module_records or {}
         if _bundle_digest(records) != config.bundle_digest:
             raise BundleError(f"{config.bundle}: the adapter's module records do not match its bundle digest")
         config.target_modules = set(records)
-        geometry: dict[str, _Geometry] = {}
+        geometry: dict[str, BranchGeometry] = {}
         for m, rec in records.items():
             try:
                 module = model.get_submodule(m)
@@ -864,7 +868,7 @@ class PlateModel(BaseTuner):
                     f"adapter module '{m}': the model has no such module; it belongs to another model"
                 ) from None
             module = _tuner_base(module, m)
-            if is_meta_tensor(module.weight):
+            if is_meta_tensor(layer_weight(module)):
                 raise BundleError(
                     f"adapter module '{m}': the model's weights are on the meta device; an adapter that carries its "
                     "B/Q loads onto loaded weights: load them first (from_pretrained, or to_empty() + load_state_dict)"
@@ -873,7 +877,7 @@ class PlateModel(BaseTuner):
             check_module_against_record(
                 module,
                 m,
-                _Record(rec["shape"], rec["dtype"], rec["fingerprint"]),
+                _Record(rec.get("bundle_module", m), rec["shape"], rec["dtype"], rec["fingerprint"]),
                 config.check_fingerprints,
                 sketch,
                 adapter=True,
@@ -883,27 +887,28 @@ class PlateModel(BaseTuner):
             if None in accepted:
                 raise BundleError(f"adapter module '{m}': adapter_config.json records no digest of the carried B/Q")
             q = torch.zeros(rec["shape"][1], rec["k"])
-            geometry[m] = (torch.arange(rec["r"]), q, rec["digest"], accepted, True, None)
+            geometry[m] = BranchGeometry(torch.arange(rec["r"]), q, rec["digest"], accepted, pending=True)
         return geometry
 
     def _create_and_replace(
         self,
-        peft_config: PlateConfig,
+        peft_config: PeftConfig,
         adapter_name: str,
         target: nn.Module,
         target_name: str,
         parent: nn.Module,
         current_key: str,
+        parameter_name: str | None = None,
         **kwargs: Any,
     ) -> None:
         geometry = self._plate[adapter_name]
         if current_key not in geometry:
             raise BundleError(f"module '{current_key}' matches target_modules but the bundle has no geometry for it")
-        b_idx, q, digest, carried, pending, awaiting = geometry[current_key]
+        rho = _plate_config(peft_config).rho
         if isinstance(target, PlateLayer):
-            target.update_layer(adapter_name, b_idx, q, peft_config.rho, digest, carried, pending, awaiting)
+            target.update_layer(adapter_name, geometry[current_key], rho)
         else:
-            new_module = PlateLayer(target, adapter_name, b_idx, q, peft_config.rho, digest, carried, pending, awaiting)
+            new_module = PlateLayer(target, adapter_name, geometry[current_key], rho)
             new_module.module_name = current_key  # named in its errors
             if adapter_name not in self.active_adapters:
                 new_module.requires_grad_(False)
@@ -917,10 +922,11 @@ class PlateModel(BaseTuner):
         for name, buffer in real.items():
             owner, _, leaf = name.rpartition(".")
             module = new_module.get_submodule(owner)
-            if module._buffers[leaf].is_meta:
+            now = module._buffers[leaf]
+            if now is not None and now.is_meta:
                 module._buffers[leaf] = buffer
 
-    def _prepare_adapter_config(self, peft_config: PlateConfig, model_config: dict) -> PlateConfig:
+    def _prepare_adapter_config(self, peft_config: PeftConfig, model_config: dict) -> PeftConfig:
         return peft_config
 
 
