@@ -311,7 +311,7 @@ def fingerprint_tensor(tensor: torch.Tensor, block_bytes: int = 64 << 20) -> str
     h = hashlib.sha256()
     step = max(1, block_bytes // max(flat.element_size(), 1))
     for i in range(0, flat.numel(), step):
-        h.update(flat[i : i + step].to("cpu", copy=True).view(torch.uint8).numpy())
+        h.update(flat[i : i + step].to("cpu", copy=True).view(torch.uint8).numpy().data)  # memoryview: no copy
     return "sha256:" + h.hexdigest()
 
 

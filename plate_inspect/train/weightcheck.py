@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -39,13 +39,30 @@ from plate_inspect.dtypes import FLOAT_DTYPES
 from plate_inspect.errors import BundleError, PlateInspectError
 
 if TYPE_CHECKING:
-    from plate_inspect.bundle import Bundle, ModuleRecord
+    from plate_inspect.bundle import Bundle
 
 SKETCH_SIZE = 8
 SKETCH_SEED = 20240917
 TOLERANCE_UNITS = 2.0  # allowed ||E||_F / ||W||_F in units of the model dtype's unit roundoff
 #: Stored dtypes a model never holds as such: the weight is their float32 dequantization, checked by sketch.
 QUANTIZED_DTYPES = frozenset({*FP8_DTYPES, "MXFP4"})
+
+
+class WeightRecord(Protocol):
+    """What the weight check reads of a module's record: a bundle's ModuleRecord, or the one a PEFT adapter that
+    carries its B/Q saved (``name``: the bundle's module name, read only to find the bundle's source weight)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> list[int]: ...  # [d_out, d_in]
+
+    @property
+    def dtype(self) -> str: ...  # the weight's stored dtype
+
+    @property
+    def fingerprint(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -162,7 +179,7 @@ def source_reference(bundle: Bundle, name: str) -> WeightSketch | None:
 def check_weight(
     module: nn.Module,
     name: str,
-    record: ModuleRecord,
+    record: WeightRecord,
     layout: str,
     reference: WeightSketch | None = None,
     bundle: Bundle | None = None,
