@@ -42,7 +42,7 @@ from plate_inspect.experiments.methods import (
     prepare,
     repeated_values,
 )
-from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -505,6 +505,7 @@ def run_continual(
     as done in the opening event).
     """
     path_argument(out_dir, "out_dir")
+    progress = as_callback(progress, "run_continual")  # a non-function failed at the first event, after OUT was made
     if settings is not None and not isinstance(settings, ContinualSettings):
         raise ConfigError(f"settings must be a ContinualSettings or None, got {settings!r:.80}")
     s = settings or ContinualSettings()

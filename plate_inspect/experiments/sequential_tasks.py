@@ -51,7 +51,7 @@ from plate_inspect.experiments.methods import (
     backbone_shapes,
     repeated_values,
 )
-from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import name_list
 
 if TYPE_CHECKING:
@@ -225,6 +225,7 @@ def run_sequential(
     2..4 of every (seed, method); those of kept runs count as done in the opening event).
     """
     path_argument(out, "out")
+    progress = as_callback(progress, "run_sequential")  # a non-function failed at the first event, after OUT was made
     names = name_list(methods, "methods")  # one string is one method (it was iterated: the methods p, l, a, t, e)
     unknown = [m for m in names if m not in SEQUENTIAL_METHODS]
     if not names or unknown:
