@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from plate_inspect.arguments import MAX_SEED, is_integer, real_value
+from plate_inspect.arguments import (
+    MAX_SEED,
+    describe,
+    finite_numbers,
+    is_integer,
+    iterable_argument,
+    positive_int,
+    positive_ints,
+    real_value,
+)
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason, path_argument
 from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
@@ -43,6 +52,7 @@ from plate_inspect.experiments.methods import (
     repeated_values,
 )
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
+from plate_inspect.targets import name_list
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -191,7 +201,8 @@ MAX_SEEDS = 10_000  # far beyond any useful confidence interval (the paper: 10);
 
 def check_steps(value: int, what: str) -> None:
     """ConfigError for a step count above MAX_STEPS (e.g. --steps 10^23: it would train for ever, with no bar under
-    -q); ``what`` names the setting and its flag."""
+    -q) or one that is no positive integer; ``what`` names the setting and its flag."""
+    value = positive_int(value, what)
     if value > MAX_STEPS:
         raise ConfigError(
             f"{what} {value:,} is more than {MAX_STEPS:,} Adam steps (~{MAX_STEPS // PAPER_STEPS}x the paper's "
@@ -270,6 +281,17 @@ class ContinualResult:
 # --------------------------------------------------------------------------- measurements
 def symmetric_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> float:
     """Mean over rows of 0.5 (KL(p||q) + KL(q||p)) between softmax(logits_p) and softmax(logits_q)."""
+    for argument, logits in (("logits_p", logits_p), ("logits_q", logits_q)):
+        if not (isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.numel() and logits.ndim):
+            raise ConfigError(
+                f"symmetric_kl: {argument} must be a non-empty float tensor of logits [rows, classes], got "
+                f"{describe(logits)}"
+            )
+    if logits_p.shape != logits_q.shape:
+        raise ConfigError(
+            f"symmetric_kl: logits_p {list(logits_p.shape)} and logits_q {list(logits_q.shape)} differ in shape; give "
+            "the two models' logits on the same inputs"
+        )
     lp = torch.log_softmax(logits_p.double(), dim=-1)
     lq = torch.log_softmax(logits_q.double(), dim=-1)
     kl_pq = (lp.exp() * (lp - lq)).sum(-1)
@@ -286,6 +308,7 @@ def task_logits(model: torch.nn.Module, x: torch.Tensor, task: int = 1) -> torch
 
 def ci95(values: list[float]) -> tuple[float, float]:
     """(mean, half-width of the 95% Student-t confidence interval of the mean); half-width 0 for one value."""
+    values = finite_numbers(values, "ci95: values")
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, 0.0
@@ -696,6 +719,10 @@ def select_records(
     """The finished runs of the given methods, stage-2 step counts and seeds (None: all), for a report of part of a
     run; ConfigError naming what ``where`` holds for a value no finished run has (a report of a typo would be empty).
     Records of the continual benchmark or of the sequential one (both have method, steps and seed)."""
+    records = list(iterable_argument(records, "records", "run records (RunRecord or SequentialRecord)"))
+    methods = name_list(methods, "methods (CLI: --methods)") if methods is not None else None
+    steps = positive_ints(steps, "steps (CLI: --steps)") if steps is not None else None
+    seeds = seed_list(seeds) if seeds is not None else None
     rank = {m: i for i, m in enumerate(METHODS)}
     for flag, what, wanted, attr in (
         ("CLI: --methods", "method", methods, "method"),
@@ -719,6 +746,10 @@ def select_records(
 def summarize(records: list[RunRecord]) -> list[dict[str, Any]]:
     """Mean and 95% CI over seeds per (data, steps, method, budget); accuracies/forgetting in %, KL raw; the trainable
     count's mean and its range over seeds (it differs by seed for PLATE and its ablations)."""
+    records = list(iterable_argument(records, "summarize: records", "RunRecord"))
+    if not all(isinstance(rec, RunRecord) for rec in records):
+        bad = next(rec for rec in records if not isinstance(rec, RunRecord))
+        raise ConfigError(f"summarize: records must be RunRecords (records_from_dir gives them), got {bad!r:.80}")
     groups: dict[tuple[str, int, str, str], list[RunRecord]] = {}
     for rec in records:
         groups.setdefault((rec.data, rec.steps, rec.method, rec.budget), []).append(rec)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from plate_inspect.arguments import (
+    describe,
     iterable_argument,
     non_negative_int,
     positive_int,
@@ -85,21 +86,14 @@ def class_range_task(
 def _examples(x: object, y: object, function: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) when x is a 2-D float tensor of inputs and y a 1-D integer tensor of as many labels, else ConfigError."""
     if not (isinstance(x, torch.Tensor) and x.ndim == 2 and x.is_floating_point()):
-        raise ConfigError(f"{function}: x must be a 2-D float tensor [examples, features], got {_describe(x)}")
+        raise ConfigError(f"{function}: x must be a 2-D float tensor [examples, features], got {describe(x)}")
     if not (isinstance(y, torch.Tensor) and y.ndim == 1 and not y.is_floating_point() and y.dtype != torch.bool):
-        raise ConfigError(f"{function}: y must be a 1-D integer tensor of class labels, got {_describe(y)}")
+        raise ConfigError(f"{function}: y must be a 1-D integer tensor of class labels, got {describe(y)}")
     if x.shape[0] != y.shape[0]:
         raise ConfigError(
             f"{function}: x has {x.shape[0]} examples but y has {y.shape[0]} labels; give one label per example"
         )
     return x, y
-
-
-def _describe(value: object) -> str:
-    """A tensor by dtype and shape (its values would fill the message), anything else by repr."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
-    return f"{value!r:.80}"
 
 
 def load_tasks(data: str = "digits", root: str | None = None) -> tuple[Task, Task]:
