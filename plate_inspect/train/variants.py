@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from plate_inspect.arguments import bool_argument, seed_argument
+from plate_inspect.atomic import path_argument
 from plate_inspect.bundle import (
     Bundle,
     BundleWriter,
@@ -49,7 +51,7 @@ from plate_inspect.geometry import (
     random_rows,
 )
 from plate_inspect.health import health_record, weight_spectrum
-from plate_inspect.targets import TargetModule, load_target, modules_by_name
+from plate_inspect.targets import TargetModule, load_target, modules_by_name, name_list
 
 VARIANTS = ("random_b", "least_redundant_b", "random_q", "high_energy_q", "random_bq")
 #: The variants whose B differs from PLATE's: their frozen rows, hence their spectrum and health, are their own.
@@ -82,6 +84,17 @@ def variant_geometry(
     raise ConfigError(f"unknown variant '{variant}'; choose one of {', '.join(VARIANTS)}")
 
 
+def _check_variants(names: list[str]) -> list[str]:
+    """``names`` when each is a known ablation, given once; else a ConfigError naming the first bad one."""
+    for name in names:
+        if name not in VARIANTS:
+            raise ConfigError(f"unknown variant {name!r:.80}; choose one of {', '.join(VARIANTS)}")
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ConfigError(f"variants lists '{twice}' twice; give each variant once")
+    return names
+
+
 def variant_identity(base: Bundle, variant: str, seed: int) -> dict[str, object]:
     """What makes an ablation bundle what it is: its kind, its seed and the identity of the bundle it derives from."""
     return {"kind": variant, "seed": seed, "base_identity": base.manifest.identity or base.manifest.content_identity()}
@@ -100,8 +113,10 @@ def make_variant(
     ``out`` may hold an unfinished or finished build of the same ablation (same kind, seed and base bundle): it is
     resumed or kept. Another ablation, seed or base bundle there is refused unless ``overwrite``.
     """
-    if variant not in VARIANTS:
-        raise ConfigError(f"unknown variant '{variant}'; choose one of {', '.join(VARIANTS)}")
+    _check_variants([variant])
+    out = path_argument(out, "out")
+    seed = seed_argument(seed)
+    bool_argument(overwrite, "overwrite")
     src = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
     ckpt = Checkpoint.open(checkpoint)
     m = src.manifest
@@ -215,7 +230,12 @@ def make_variants(
     seed: int = 0,
     overwrite: bool = False,
 ) -> dict[str, Bundle]:
-    """All requested ablations, each in ``out_root/<variant>``."""
+    """All requested ablations, each in ``out_root/<variant>`` (every argument is checked before the first is
+    written)."""
+    variants = tuple(_check_variants(name_list(variants, "variants")))
+    out_root = path_argument(out_root, "out_root")
+    seed = seed_argument(seed)
+    bool_argument(overwrite, "overwrite")
     return {
         v: make_variant(bundle, checkpoint, v, Path(out_root) / v, seed=seed, overwrite=overwrite) for v in variants
     }
