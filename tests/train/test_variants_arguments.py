@@ -30,8 +30,9 @@ def setup(tmp_path_factory):
         ({"variant": None}, r"^unknown variant None; choose one of random_b, "),
     ],
 )
-def test_make_variant_names_a_bad_argument(setup, tmp_path, kwargs, message):
+def test_make_variant_names_a_bad_argument(setup, tmp_path, monkeypatch, kwargs, message):
     ckpt, bundle = setup
+    monkeypatch.chdir(tmp_path)  # out='  ' wrote the ablation into a directory of spaces here
     arguments = {"bundle": bundle, "checkpoint": ckpt, "variant": "random_b", "out": tmp_path / "v", **kwargs}
     with pytest.raises(ConfigError, match=message):
         make_variant(**arguments)
