@@ -108,7 +108,7 @@ class ContinualSettings:
     def quick(cls, **overrides: Any) -> ContinualSettings:
         """One budget per method, 60 stage-2 and 180 stage-1 steps: a smoke run of every code path."""
         s = cls(steps=(60,), stage1_steps=180, **overrides)
-        return replace(s, budgets={m: default_budgets(m)[:1] for m in s.methods})
+        return replace(s, budgets={m: default_budgets(m)[:1] for m in name_list(s.methods, "methods (CLI: --methods)")})
 
     def validate(self) -> None:
         """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
@@ -129,10 +129,11 @@ class ContinualSettings:
             )
         if not self.methods:
             raise ConfigError(f"no methods given; choose from {', '.join(METHODS)}")
-        for m in self.methods:
+        for m in name_list(self.methods, "methods (CLI: --methods)"):  # 3 was iterated: a TypeError
             if m not in METHODS:
                 raise ConfigError(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
-        steps = (*self.steps, self.stage1_steps)
+        stage2 = iterable_argument(self.steps, "steps (CLI: --steps)", "step counts (e.g. [60, 2400])")
+        steps = (*stage2, self.stage1_steps)
         if not self.steps or not all(is_integer(v) and v >= 1 for v in steps):
             raise ConfigError(f"steps must be integers >= 1 (got stage 2 {self.steps}, stage 1 {self.stage1_steps})")
         for v in self.steps:
@@ -159,6 +160,8 @@ def check_data_root(data: str, data_root: str | os.PathLike | None) -> None:
             f"--data-root applies to fashion-mnist only: {data} ships with scikit-learn and reads no files; drop "
             "--data-root (API: data_root=None) or use --data fashion-mnist"
         )
+    if data_root is not None:
+        path_argument(data_root, "data_root (CLI: --data-root)")
 
 
 _MARKERS = {"continual": "runs.jsonl", "sequential": "sequential.json"}  # the file each experiment's OUT holds
@@ -168,7 +171,7 @@ def check_own_directory(out: str | os.PathLike, ours: tuple[str, ...] = ()) -> N
     """ConfigError when an existing ``out`` is a model checkpoint (config.json, or *.safetensors other than
     ``ours``) or a PLATE bundle (manifest.json): the run would add its files to it (a model directory with a second
     *.safetensors is another checkpoint to every reader, the scan included)."""
-    out = Path(out)
+    out = path_argument(out, "out")
     if not out.is_dir():
         return
     if (out / "manifest.json").is_file():
@@ -187,6 +190,7 @@ def check_not_other_experiment(out: str | os.PathLike, experiment: str) -> None:
     """ConfigError when ``out`` holds the other experiment's runs (both write seed<N>/ directories, so one OUT mixed
     would make each resume and report read the other's files), a model checkpoint or a bundle
     (:func:`check_own_directory`)."""
+    out = path_argument(out, "out")
     check_own_directory(out)
     for other, marker in _MARKERS.items():
         if other != experiment and (Path(out) / marker).exists():
@@ -216,7 +220,8 @@ def seed_list(seeds: int | Iterable[int]) -> list[int]:
     neither = "seeds must be a count or a list of integers, got {!r}"
     if isinstance(seeds, (bool, str, bytes, bytearray)):  # bool: an int, but no count; bytes would iterate as ints
         raise ConfigError(neither.format(seeds))
-    if isinstance(seeds, int):
+    if is_integer(seeds):  # NumPy integers too
+        seeds = int(seeds)  # type: ignore[call-overload]
         if seeds > MAX_SEEDS:
             raise ConfigError(
                 f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
@@ -302,7 +307,9 @@ def symmetric_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> float:
 @torch.no_grad()
 def task_logits(model: torch.nn.Module, x: torch.Tensor, task: int = 1) -> torch.Tensor:
     """The logits of one task's head, in eval mode (the benchmark's models have one head per task)."""
-    model.eval()
+    from plate_inspect.train.layer import model_argument
+
+    model_argument(model, "task_logits").eval()
     return model(x, task=task)
 
 
@@ -695,7 +702,7 @@ def _read_results(path: Path) -> list[RunRecord]:
     try:
         data = json.loads(path.read_text())
         validate_records(data)
-    except (OSError, ValueError) as e:  # ConfigError is a ValueError
+    except (OSError, ValueError, ConfigError) as e:  # validate_records' ConfigError: named with the file here
         raise ConfigError(f"{path}: not a results.json of run records ({e})") from None
     return [RunRecord(**rec) for rec in data]
 
@@ -703,7 +710,8 @@ def _read_results(path: Path) -> list[RunRecord]:
 def only_results_json(out: str | os.PathLike) -> bool:
     """Whether ``out`` keeps its runs in results.json alone (no runs.jsonl): they cannot be resumed or added to,
     and a report of part of them would overwrite the only copy of the others."""
-    return (Path(out) / "results.json").is_file() and not (Path(out) / "runs.jsonl").exists()
+    out = path_argument(out, "out")
+    return (out / "results.json").is_file() and not (out / "runs.jsonl").exists()
 
 
 _R = TypeVar("_R", bound="RunRecord | SequentialRecord")
@@ -793,9 +801,10 @@ def validate_records(data: Any) -> None:
         if rec["data"] not in digits.DATA_SETS or not (isinstance(rec["steps"], int) and rec["steps"] > 0):
             raise ConfigError(f"record {rec} has a bad data set or step count")
         for key in ("task1_acc_before", "task1_acc_after", "task2_acc"):
-            if not 0.0 <= rec[key] <= 1.0:
-                raise ConfigError(f"{key}={rec[key]} is not an accuracy in [0, 1]")
-        if not (isinstance(rec["trainable_params"], int) and rec["trainable_params"] > 0):
+            if not 0.0 <= real_value(rec[key]) <= 1.0:  # None, a string, NaN: not an accuracy (was a TypeError)
+                raise ConfigError(f"{key}={rec[key]!r:.80} is not an accuracy in [0, 1]")
+        if not (is_integer(rec["trainable_params"]) and rec["trainable_params"] > 0):
             raise ConfigError(f"trainable_params={rec['trainable_params']!r} must be a positive int")
-        if not (math.isfinite(rec["kl_task1"]) and rec["kl_task1"] >= 0 and 0 < rec["trainable_pct"] <= 100):
+        kl, pct = real_value(rec["kl_task1"]), real_value(rec["trainable_pct"])
+        if not (math.isfinite(kl) and kl >= 0 and 0 < pct <= 100):
             raise ConfigError(f"record {rec} has a bad KL or trainable %")

@@ -98,6 +98,7 @@ def _examples(x: object, y: object, function: str) -> tuple[torch.Tensor, torch.
 
 def load_tasks(data: str = "digits", root: str | None = None) -> tuple[Task, Task]:
     """The two-task split of ``data`` ("digits" or "fashion-mnist"): classes 0-4, then 5-9."""
+    _check_root(root)
     if data == "digits":
         return load_digit_tasks()
     if data == "fashion-mnist":
@@ -109,6 +110,7 @@ def load_tasks(data: str = "digits", root: str | None = None) -> tuple[Task, Tas
 
 def load_pair_tasks(data: str = "digits", root: str | None = None) -> list[Task]:
     """The four binary tasks of the paper's sequential appendix: 2v3, 4v5, 6v7, 8v9 (labels 0/1)."""
+    _check_root(root)
     if data == "digits":
         x, y = _digits_arrays()
         return [class_range_task(x, y, lo, lo + 2) for lo in (2, 4, 6, 8)]
@@ -119,11 +121,22 @@ def load_pair_tasks(data: str = "digits", root: str | None = None) -> list[Task]
     raise ConfigError(f"unknown data set '{data}'; choose one of {', '.join(DATA_SETS)}")
 
 
+def _check_root(root: object) -> None:
+    """ConfigError for a ``root`` that is neither None nor a path (3 was a TypeError from Path)."""
+    if root is not None:
+        from plate_inspect.atomic import path_argument
+
+        path_argument(root, "root (CLI: --data-root)")
+
+
 class DigitsMLP(nn.Module):
     """3-layer ReLU backbone (fc1, fc2, fc3) and one head per task (head1, head2, ...)."""
 
     def __init__(self, d_in: int = 64, hidden: int = 256, n_classes: int = 5, n_tasks: int = 2):
         super().__init__()
+        d_in, hidden = positive_int(d_in, "DigitsMLP: d_in"), positive_int(hidden, "DigitsMLP: hidden")
+        n_classes = positive_int(n_classes, "DigitsMLP: n_classes")
+        n_tasks = positive_int(n_tasks, "DigitsMLP: n_tasks")
         self.fc1 = nn.Linear(d_in, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
         self.fc3 = nn.Linear(hidden, hidden)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plate_inspect.arguments import is_integer
 from plate_inspect.atomic import atomic_write, make_dirs, path_argument
 from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
@@ -235,8 +236,9 @@ def run_sequential(
         raise ConfigError(f"methods list {', '.join(repeated_values(names))} twice; give each once")
     seeds_run = seed_list(seeds)
     for what, value in (("steps", steps), ("lora_rank", lora_rank), ("osf_n", osf_n), ("r", r)):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if not (is_integer(value) and value >= 1):  # NumPy integers too (stored as int below)
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
+    steps, lora_rank, osf_n, r = int(steps), int(lora_rank), int(osf_n), int(r)
     check_steps(steps, "steps (CLI: --steps)")
     check_data_root(data, data_root)
     tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)  # before OUT is touched

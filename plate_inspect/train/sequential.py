@@ -702,6 +702,10 @@ def rescan(
     (:func:`rescan_plan`)."""
     from plate_inspect.scanner import run_scan
 
+    path_argument(merged, "merged")
+    path_argument(out, "out")
+    if not isinstance(previous, Bundle):
+        path_argument(previous, "previous")
     plan, run = rescan_plan(merged, previous, overrides)
     return run_scan(plan, out, **run)
 
