@@ -18,6 +18,7 @@ import contextlib
 import errno
 import json
 import math
+import numbers
 import os
 import statistics
 from collections.abc import Iterable, Iterator
@@ -220,13 +221,13 @@ def seed_list(seeds: int | Iterable[int]) -> list[int]:
     neither = "seeds must be a count or a list of integers, got {!r}"
     if isinstance(seeds, (bool, str, bytes, bytearray)):  # bool: an int, but no count; bytes would iterate as ints
         raise ConfigError(neither.format(seeds))
-    if is_integer(seeds):  # NumPy integers too
-        seeds = int(seeds)  # type: ignore[call-overload]
-        if seeds > MAX_SEEDS:
+    if isinstance(seeds, (int, numbers.Integral)):  # NumPy integers too (bool was refused above)
+        count = int(seeds)
+        if count > MAX_SEEDS:
             raise ConfigError(
-                f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
+                f"seeds (CLI: --seeds) {count:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
             )
-        values = list(range(seeds))
+        values = list(range(count))
     else:
         try:
             values = list(seeds)
