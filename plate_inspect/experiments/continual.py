@@ -537,6 +537,8 @@ def run_continual(
     """
     path_argument(out_dir, "out_dir")
     progress = as_callback(progress, "run_continual")  # a non-function failed at the first event, after OUT was made
+    if console is not None and not callable(getattr(console, "print", None)):  # failed after every run had finished
+        raise ConfigError(f"console must be a rich.console.Console or None, got {console!r:.80}")
     if settings is not None and not isinstance(settings, ContinualSettings):
         raise ConfigError(f"settings must be a ContinualSettings or None, got {settings!r:.80}")
     s = settings or ContinualSettings()

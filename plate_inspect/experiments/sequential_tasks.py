@@ -351,6 +351,8 @@ def report_sequential(
     from plate_inspect.experiments.continual import select_records
 
     settings = recorded_settings(out)
+    methods = name_list(methods, "methods (CLI: --methods)") if methods is not None else None  # "lora": one method
+    chosen_seeds = seed_list(seeds) if seeds is not None else None  # both checked before a legacy OUT is rewritten
     out = Path(out)
     path = out / "sequential.json"
     previous = _read_json(path)
@@ -362,7 +364,7 @@ def report_sequential(
         also = f" ({other} made with other settings than {path.name} records)" if other else ""
         raise ConfigError(f"{out}: holds no finished (seed, method) run yet{also}; nothing to report")
     records = [r for group in units.values() for r in group]
-    records = select_records(records, out, methods, None, seed_list(seeds) if seeds is not None else None)
+    records = select_records(records, out, methods, None, chosen_seeds)
     names = list(methods) if methods else [m for m in SEQUENTIAL_METHODS if any(r.method == m for r in records)]
     records.sort(key=lambda r: (r.seed, names.index(r.method)))  # stable: each run's records keep their order
     result = SequentialResult(path, records)

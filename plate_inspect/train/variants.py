@@ -67,6 +67,7 @@ def variant_geometry(
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, Q) of one module for an ablation, same r and k as PLATE's (b_idx, q). ``weight`` is [d_out, d_in]."""
+    seed = seed_argument(seed)  # None was a RuntimeError from torch.manual_seed
     d_out, d_in = weight.shape
     r, k = int(b_idx.numel()), int(q.shape[1])
     if variant == "random_b":
