@@ -111,3 +111,12 @@ def iterable_argument(value: Any, argument: str, what: str) -> Any:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ConfigError(f"{argument} must be an iterable of {what}, got {value!r:.80}")
     return value
+
+
+def describe(value: object) -> str:
+    """``value`` for an error message: an array or tensor by type, dtype and shape (its values would fill the
+    line), anything else by its repr cut to 80 characters."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"a {type(value).__name__} of dtype {dtype} and shape {list(shape)}"
+    return f"{value!r:.80}"

@@ -266,10 +266,12 @@ def os_error_reason(path: str | os.PathLike, e: OSError) -> str:
 
 
 def path_argument(value: object, argument: str) -> Path:
-    """``value`` as a Path, or a ConfigError naming ``argument`` when it is no path (None, a number, ''): the check
-    at the boundary of the public functions that take one (else a TypeError from deep inside ``Path``)."""
+    """``value`` as a Path, or a ConfigError naming ``argument`` when it is no path (None, a number, '', '  '): the
+    check at the boundary of the public functions that take one (else a TypeError from deep inside ``Path``). A blank
+    path is refused as the CLI refuses a blank argument (an unset variable: '' means the current directory, '  ' a
+    directory named by spaces)."""
     from plate_inspect.errors import ConfigError
 
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
         raise ConfigError(f"{argument} must be a path (str or os.PathLike), got {value!r:.80}")
     return Path(value)

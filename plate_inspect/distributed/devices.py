@@ -25,7 +25,12 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def parse_devices(spec: str | Sequence[str]) -> list[str]:
-    """'cuda:0,cuda:1' or 'all' (every visible GPU) -> device names; repeated 'cpu' entries run CPU workers."""
+    """'cuda:0,cuda:1' or 'all' (every visible GPU) -> device names; repeated 'cpu' entries run CPU workers. A list
+    of names is taken too; anything else (a number, None) is a ConfigError naming ``devices``."""
+    from plate_inspect.targets import name_list
+
+    if not isinstance(spec, str):
+        spec = name_list(spec, "devices (CLI: --devices)")
     if isinstance(spec, str):
         if spec.strip() == "all":
             count = torch.cuda.device_count()

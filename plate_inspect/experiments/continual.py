@@ -18,6 +18,7 @@ import contextlib
 import errno
 import json
 import math
+import numbers
 import os
 import statistics
 from collections.abc import Iterable, Iterator
@@ -27,7 +28,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from plate_inspect.arguments import MAX_SEED, is_integer, real_value
+from plate_inspect.arguments import (
+    MAX_SEED,
+    describe,
+    finite_numbers,
+    is_integer,
+    iterable_argument,
+    positive_int,
+    positive_ints,
+    real_value,
+)
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason, path_argument
 from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
@@ -42,7 +52,8 @@ from plate_inspect.experiments.methods import (
     prepare,
     repeated_values,
 )
-from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
+from plate_inspect.targets import name_list
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -98,7 +109,7 @@ class ContinualSettings:
     def quick(cls, **overrides: Any) -> ContinualSettings:
         """One budget per method, 60 stage-2 and 180 stage-1 steps: a smoke run of every code path."""
         s = cls(steps=(60,), stage1_steps=180, **overrides)
-        return replace(s, budgets={m: default_budgets(m)[:1] for m in s.methods})
+        return replace(s, budgets={m: default_budgets(m)[:1] for m in name_list(s.methods, "methods (CLI: --methods)")})
 
     def validate(self) -> None:
         """ConfigError for a setting that would fail mid-run or give a misleading summary (a run listed twice would
@@ -119,10 +130,11 @@ class ContinualSettings:
             )
         if not self.methods:
             raise ConfigError(f"no methods given; choose from {', '.join(METHODS)}")
-        for m in self.methods:
+        for m in name_list(self.methods, "methods (CLI: --methods)"):  # 3 was iterated: a TypeError
             if m not in METHODS:
                 raise ConfigError(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
-        steps = (*self.steps, self.stage1_steps)
+        stage2 = iterable_argument(self.steps, "steps (CLI: --steps)", "step counts (e.g. [60, 2400])")
+        steps = (*stage2, self.stage1_steps)
         if not self.steps or not all(is_integer(v) and v >= 1 for v in steps):
             raise ConfigError(f"steps must be integers >= 1 (got stage 2 {self.steps}, stage 1 {self.stage1_steps})")
         for v in self.steps:
@@ -149,6 +161,8 @@ def check_data_root(data: str, data_root: str | os.PathLike | None) -> None:
             f"--data-root applies to fashion-mnist only: {data} ships with scikit-learn and reads no files; drop "
             "--data-root (API: data_root=None) or use --data fashion-mnist"
         )
+    if data_root is not None:
+        path_argument(data_root, "data_root (CLI: --data-root)")
 
 
 _MARKERS = {"continual": "runs.jsonl", "sequential": "sequential.json"}  # the file each experiment's OUT holds
@@ -158,7 +172,7 @@ def check_own_directory(out: str | os.PathLike, ours: tuple[str, ...] = ()) -> N
     """ConfigError when an existing ``out`` is a model checkpoint (config.json, or *.safetensors other than
     ``ours``) or a PLATE bundle (manifest.json): the run would add its files to it (a model directory with a second
     *.safetensors is another checkpoint to every reader, the scan included)."""
-    out = Path(out)
+    out = path_argument(out, "out")
     if not out.is_dir():
         return
     if (out / "manifest.json").is_file():
@@ -177,6 +191,7 @@ def check_not_other_experiment(out: str | os.PathLike, experiment: str) -> None:
     """ConfigError when ``out`` holds the other experiment's runs (both write seed<N>/ directories, so one OUT mixed
     would make each resume and report read the other's files), a model checkpoint or a bundle
     (:func:`check_own_directory`)."""
+    out = path_argument(out, "out")
     check_own_directory(out)
     for other, marker in _MARKERS.items():
         if other != experiment and (Path(out) / marker).exists():
@@ -191,7 +206,8 @@ MAX_SEEDS = 10_000  # far beyond any useful confidence interval (the paper: 10);
 
 def check_steps(value: int, what: str) -> None:
     """ConfigError for a step count above MAX_STEPS (e.g. --steps 10^23: it would train for ever, with no bar under
-    -q); ``what`` names the setting and its flag."""
+    -q) or one that is no positive integer; ``what`` names the setting and its flag."""
+    value = positive_int(value, what)
     if value > MAX_STEPS:
         raise ConfigError(
             f"{what} {value:,} is more than {MAX_STEPS:,} Adam steps (~{MAX_STEPS // PAPER_STEPS}x the paper's "
@@ -205,12 +221,13 @@ def seed_list(seeds: int | Iterable[int]) -> list[int]:
     neither = "seeds must be a count or a list of integers, got {!r}"
     if isinstance(seeds, (bool, str, bytes, bytearray)):  # bool: an int, but no count; bytes would iterate as ints
         raise ConfigError(neither.format(seeds))
-    if isinstance(seeds, int):
-        if seeds > MAX_SEEDS:
+    if isinstance(seeds, (int, numbers.Integral)):  # NumPy integers too (bool was refused above)
+        count = int(seeds)
+        if count > MAX_SEEDS:
             raise ConfigError(
-                f"seeds (CLI: --seeds) {seeds:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
+                f"seeds (CLI: --seeds) {count:,} is more than {MAX_SEEDS:,}; give a count such as 10 (the paper's)"
             )
-        values = list(range(seeds))
+        values = list(range(count))
     else:
         try:
             values = list(seeds)
@@ -270,6 +287,17 @@ class ContinualResult:
 # --------------------------------------------------------------------------- measurements
 def symmetric_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> float:
     """Mean over rows of 0.5 (KL(p||q) + KL(q||p)) between softmax(logits_p) and softmax(logits_q)."""
+    for argument, logits in (("logits_p", logits_p), ("logits_q", logits_q)):
+        if not (isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.numel() and logits.ndim):
+            raise ConfigError(
+                f"symmetric_kl: {argument} must be a non-empty float tensor of logits [rows, classes], got "
+                f"{describe(logits)}"
+            )
+    if logits_p.shape != logits_q.shape:
+        raise ConfigError(
+            f"symmetric_kl: logits_p {list(logits_p.shape)} and logits_q {list(logits_q.shape)} differ in shape; give "
+            "the two models' logits on the same inputs"
+        )
     lp = torch.log_softmax(logits_p.double(), dim=-1)
     lq = torch.log_softmax(logits_q.double(), dim=-1)
     kl_pq = (lp.exp() * (lp - lq)).sum(-1)
@@ -280,12 +308,15 @@ def symmetric_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> float:
 @torch.no_grad()
 def task_logits(model: torch.nn.Module, x: torch.Tensor, task: int = 1) -> torch.Tensor:
     """The logits of one task's head, in eval mode (the benchmark's models have one head per task)."""
-    model.eval()
+    from plate_inspect.train.layer import model_argument
+
+    model_argument(model, "task_logits").eval()
     return model(x, task=task)
 
 
 def ci95(values: list[float]) -> tuple[float, float]:
     """(mean, half-width of the 95% Student-t confidence interval of the mean); half-width 0 for one value."""
+    values = finite_numbers(values, "ci95: values")
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, 0.0
@@ -505,6 +536,9 @@ def run_continual(
     as done in the opening event).
     """
     path_argument(out_dir, "out_dir")
+    progress = as_callback(progress, "run_continual")  # a non-function failed at the first event, after OUT was made
+    if console is not None and not callable(getattr(console, "print", None)):  # failed after every run had finished
+        raise ConfigError(f"console must be a rich.console.Console or None, got {console!r:.80}")
     if settings is not None and not isinstance(settings, ContinualSettings):
         raise ConfigError(f"settings must be a ContinualSettings or None, got {settings!r:.80}")
     s = settings or ContinualSettings()
@@ -671,7 +705,7 @@ def _read_results(path: Path) -> list[RunRecord]:
     try:
         data = json.loads(path.read_text())
         validate_records(data)
-    except (OSError, ValueError) as e:  # ConfigError is a ValueError
+    except (OSError, ValueError, ConfigError) as e:  # validate_records' ConfigError: named with the file here
         raise ConfigError(f"{path}: not a results.json of run records ({e})") from None
     return [RunRecord(**rec) for rec in data]
 
@@ -679,7 +713,8 @@ def _read_results(path: Path) -> list[RunRecord]:
 def only_results_json(out: str | os.PathLike) -> bool:
     """Whether ``out`` keeps its runs in results.json alone (no runs.jsonl): they cannot be resumed or added to,
     and a report of part of them would overwrite the only copy of the others."""
-    return (Path(out) / "results.json").is_file() and not (Path(out) / "runs.jsonl").exists()
+    out = path_argument(out, "out")
+    return (out / "results.json").is_file() and not (out / "runs.jsonl").exists()
 
 
 _R = TypeVar("_R", bound="RunRecord | SequentialRecord")
@@ -695,6 +730,10 @@ def select_records(
     """The finished runs of the given methods, stage-2 step counts and seeds (None: all), for a report of part of a
     run; ConfigError naming what ``where`` holds for a value no finished run has (a report of a typo would be empty).
     Records of the continual benchmark or of the sequential one (both have method, steps and seed)."""
+    records = list(iterable_argument(records, "records", "run records (RunRecord or SequentialRecord)"))
+    methods = name_list(methods, "methods (CLI: --methods)") if methods is not None else None
+    steps = positive_ints(steps, "steps (CLI: --steps)") if steps is not None else None
+    seeds = seed_list(seeds) if seeds is not None else None
     rank = {m: i for i, m in enumerate(METHODS)}
     for flag, what, wanted, attr in (
         ("CLI: --methods", "method", methods, "method"),
@@ -718,6 +757,10 @@ def select_records(
 def summarize(records: list[RunRecord]) -> list[dict[str, Any]]:
     """Mean and 95% CI over seeds per (data, steps, method, budget); accuracies/forgetting in %, KL raw; the trainable
     count's mean and its range over seeds (it differs by seed for PLATE and its ablations)."""
+    records = list(iterable_argument(records, "summarize: records", "RunRecord"))
+    if not all(isinstance(rec, RunRecord) for rec in records):
+        bad = next(rec for rec in records if not isinstance(rec, RunRecord))
+        raise ConfigError(f"summarize: records must be RunRecords (records_from_dir gives them), got {bad!r:.80}")
     groups: dict[tuple[str, int, str, str], list[RunRecord]] = {}
     for rec in records:
         groups.setdefault((rec.data, rec.steps, rec.method, rec.budget), []).append(rec)
@@ -761,9 +804,10 @@ def validate_records(data: Any) -> None:
         if rec["data"] not in digits.DATA_SETS or not (isinstance(rec["steps"], int) and rec["steps"] > 0):
             raise ConfigError(f"record {rec} has a bad data set or step count")
         for key in ("task1_acc_before", "task1_acc_after", "task2_acc"):
-            if not 0.0 <= rec[key] <= 1.0:
-                raise ConfigError(f"{key}={rec[key]} is not an accuracy in [0, 1]")
-        if not (isinstance(rec["trainable_params"], int) and rec["trainable_params"] > 0):
+            if not 0.0 <= real_value(rec[key]) <= 1.0:  # None, a string, NaN: not an accuracy (was a TypeError)
+                raise ConfigError(f"{key}={rec[key]!r:.80} is not an accuracy in [0, 1]")
+        if not (is_integer(rec["trainable_params"]) and rec["trainable_params"] > 0):
             raise ConfigError(f"trainable_params={rec['trainable_params']!r} must be a positive int")
-        if not (math.isfinite(rec["kl_task1"]) and rec["kl_task1"] >= 0 and 0 < rec["trainable_pct"] <= 100):
+        kl, pct = real_value(rec["kl_task1"]), real_value(rec["trainable_pct"])
+        if not (math.isfinite(kl) and kl >= 0 and 0 < pct <= 100):
             raise ConfigError(f"record {rec} has a bad KL or trainable %")

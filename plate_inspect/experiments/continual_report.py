@@ -10,7 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from plate_inspect.atomic import atomic_write
+from plate_inspect.arguments import iterable_argument
+from plate_inspect.atomic import atomic_write, path_argument
+from plate_inspect.errors import ConfigError
 from plate_inspect.experiments.methods import METHODS
 
 if TYPE_CHECKING:
@@ -34,6 +36,26 @@ COLORS = {
     "plate_random_bq": "#e377c2",
 }
 ABLATIONS = tuple(m for m in METHODS if m.startswith("plate"))
+
+
+#: The keys of a :func:`continual.summarize` row that the tables and figures read.
+ROW_KEYS = ("data", "steps", "method", "budget", "seeds", "trainable_params", "data_using", "trainable_pct",
+            "task1_acc_before", "forgetting", "task2_acc", "kl_task1")  # fmt: skip
+
+
+def summary_rows(rows: object, function: str) -> list[dict[str, Any]]:
+    """``rows`` as a list when it is a non-empty list of :func:`continual.summarize` rows, else a ConfigError naming
+    ``function`` (None was a TypeError, [] "max() arg is an empty sequence", a row of other keys a KeyError)."""
+    items = list(iterable_argument(rows, f"{function}: rows", "summary rows (continual.summarize gives them)"))
+    if not items:
+        raise ConfigError(f"{function}: rows is empty; give the rows continual.summarize makes of at least one run")
+    for row in items:
+        missing = [key for key in ROW_KEYS if key not in row] if isinstance(row, dict) else list(ROW_KEYS)
+        if missing:
+            raise ConfigError(
+                f"{function}: rows must be continual.summarize rows; {row!r:.80} lacks {', '.join(missing[:3])}"
+            )
+    return items
 
 
 def _pm(row: dict[str, Any], key: str, fmt: str) -> str:
@@ -67,6 +89,7 @@ def _label(row: dict[str, Any]) -> str:
 
 def main_steps(rows: list[dict[str, Any]]) -> int:
     """The step count the frontier and ablation table show: the largest one run."""
+    rows = summary_rows(rows, "main_steps")
     return max(r["steps"] for r in rows)
 
 
@@ -82,6 +105,7 @@ def kl_ratios(rows: list[dict[str, Any]], steps: int) -> dict[tuple[str, str], f
 
 def rich_table(rows: list[dict[str, Any]], title: str) -> Table:
     """Every (steps, method, budget) row as a rich Table (mean ± 95% CI; accuracies and forgetting in %)."""
+    rows = summary_rows(rows, "rich_table")
     from rich import box
     from rich.table import Table
 
@@ -111,6 +135,7 @@ def rich_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """All rows as a Markdown table (mean ± 95% CI over seeds)."""
+    rows = summary_rows(rows, "markdown_table")
     lines = [
         "| steps | method | budget | trainable | % backbone | seeds | task-1 before (%) | forgetting (pts) "
         "| task-2 (%) | sym. KL |",
@@ -178,6 +203,7 @@ def _md(headers: tuple[str, ...], body: list[list[str]]) -> str:
 
 def markdown_report(rows: list[dict[str, Any]]) -> str:
     """summary.md: all rows, the ablation table at the main step count, and the step sensitivity if several."""
+    rows = summary_rows(rows, "markdown_report")
     steps = main_steps(rows)
     parts = ["## All runs (mean ± 95% CI over seeds)", "", markdown_table(rows)]
     abl = ablation_rows(rows, steps)
@@ -276,6 +302,8 @@ def sensitivity_figure(rows: list[dict[str, Any]], title: str) -> go.Figure:
 
 def write_html(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     """One self-contained HTML page (plotly.js inlined once) with the frontier, ablation and sensitivity figures."""
+    path = path_argument(path, "path")
+    rows = summary_rows(rows, "write_html")
     steps = main_steps(rows)
     figures = [frontier_figure(rows, steps, title)]
     abl = ablation_rows(rows, steps)

@@ -18,10 +18,12 @@ import torch
 from torch import nn
 
 from plate_inspect.arguments import (
+    describe,
     iterable_argument,
     non_negative_int,
     positive_int,
     positive_number,
+    real_value,
     seed_argument,
 )
 from plate_inspect.errors import ConfigError
@@ -67,14 +69,36 @@ def class_range_task(
     """Classes lo..hi-1 of (x, y) relabelled 0..hi-lo-1, with a fixed stratified train/test split."""
     from sklearn.model_selection import train_test_split
 
+    x, y = _examples(x, y, "class_range_task")
+    lo, hi = non_negative_int(lo, "class_range_task: lo"), positive_int(hi, "class_range_task: hi")
+    if lo >= hi:
+        raise ConfigError(f"class_range_task: lo ({lo}) must be below hi ({hi}): the classes lo..hi-1")
+    test = real_value(test_size)
+    if not 0 < test < 1:
+        raise ConfigError(f"class_range_task: test_size must be a fraction in (0, 1), got {test_size!r:.80}")
+    split_seed = seed_argument(split_seed)
     mask = (y >= lo) & (y < hi)
     xs, ys = x[mask].numpy(), (y[mask] - lo).numpy()
     xtr, xte, ytr, yte = train_test_split(xs, ys, test_size=test_size, random_state=split_seed, stratify=ys)
     return Task(torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte))
 
 
+def _examples(x: object, y: object, function: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) when x is a 2-D float tensor of inputs and y a 1-D integer tensor of as many labels, else ConfigError."""
+    if not (isinstance(x, torch.Tensor) and x.ndim == 2 and x.is_floating_point()):
+        raise ConfigError(f"{function}: x must be a 2-D float tensor [examples, features], got {describe(x)}")
+    if not (isinstance(y, torch.Tensor) and y.ndim == 1 and not y.is_floating_point() and y.dtype != torch.bool):
+        raise ConfigError(f"{function}: y must be a 1-D integer tensor of class labels, got {describe(y)}")
+    if x.shape[0] != y.shape[0]:
+        raise ConfigError(
+            f"{function}: x has {x.shape[0]} examples but y has {y.shape[0]} labels; give one label per example"
+        )
+    return x, y
+
+
 def load_tasks(data: str = "digits", root: str | None = None) -> tuple[Task, Task]:
     """The two-task split of ``data`` ("digits" or "fashion-mnist"): classes 0-4, then 5-9."""
+    _check_root(root)
     if data == "digits":
         return load_digit_tasks()
     if data == "fashion-mnist":
@@ -86,6 +110,7 @@ def load_tasks(data: str = "digits", root: str | None = None) -> tuple[Task, Tas
 
 def load_pair_tasks(data: str = "digits", root: str | None = None) -> list[Task]:
     """The four binary tasks of the paper's sequential appendix: 2v3, 4v5, 6v7, 8v9 (labels 0/1)."""
+    _check_root(root)
     if data == "digits":
         x, y = _digits_arrays()
         return [class_range_task(x, y, lo, lo + 2) for lo in (2, 4, 6, 8)]
@@ -96,11 +121,22 @@ def load_pair_tasks(data: str = "digits", root: str | None = None) -> list[Task]
     raise ConfigError(f"unknown data set '{data}'; choose one of {', '.join(DATA_SETS)}")
 
 
+def _check_root(root: object) -> None:
+    """ConfigError for a ``root`` that is neither None nor a path (3 was a TypeError from Path)."""
+    if root is not None:
+        from plate_inspect.atomic import path_argument
+
+        path_argument(root, "root (CLI: --data-root)")
+
+
 class DigitsMLP(nn.Module):
     """3-layer ReLU backbone (fc1, fc2, fc3) and one head per task (head1, head2, ...)."""
 
     def __init__(self, d_in: int = 64, hidden: int = 256, n_classes: int = 5, n_tasks: int = 2):
         super().__init__()
+        d_in, hidden = positive_int(d_in, "DigitsMLP: d_in"), positive_int(hidden, "DigitsMLP: hidden")
+        n_classes = positive_int(n_classes, "DigitsMLP: n_classes")
+        n_tasks = positive_int(n_tasks, "DigitsMLP: n_tasks")
         self.fc1 = nn.Linear(d_in, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
         self.fc3 = nn.Linear(hidden, hidden)
@@ -212,6 +248,10 @@ def train_stage1(
 
 def initial_model(d_in: int, seed: int, n_classes: int = 5, n_tasks: int = 2) -> DigitsMLP:
     """The untrained MLP that :func:`train_stage1` starts from for ``seed`` (its initialisation W0)."""
+    d_in = positive_int(d_in, "initial_model: d_in")
+    seed = seed_argument(seed)
+    n_classes = positive_int(n_classes, "initial_model: n_classes")
+    n_tasks = positive_int(n_tasks, "initial_model: n_tasks")
     torch.manual_seed(seed)
     return DigitsMLP(d_in=d_in, n_classes=n_classes, n_tasks=n_tasks)
 
@@ -221,27 +261,50 @@ def save_model(model: nn.Module, path: str | os.PathLike) -> None:
     half of one; a full disk raises OSError instead of safetensors' own error)."""
     from safetensors.torch import save
 
-    from plate_inspect.atomic import atomic_write
+    from plate_inspect.atomic import atomic_write, path_argument
+    from plate_inspect.train.layer import model_argument
 
+    path = path_argument(path, "path")
+    model_argument(model, "save_model")
     atomic_write(path, save({k: v.detach().contiguous() for k, v in model.state_dict().items()}))
 
 
 def load_model(path: str | os.PathLike) -> DigitsMLP:
-    """A DigitsMLP with the weights of a safetensors file written by :func:`save_model` (shapes from the file)."""
+    """A DigitsMLP with the weights of a safetensors file written by :func:`save_model` (shapes from the file); any
+    other file is a ConfigError naming it (another model's safetensors raised KeyError: 'head1.weight')."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from plate_inspect.atomic import path_argument
 
-    state = load_file(str(path_argument(path, "path")))
+    path = path_argument(path, "path")
+    advice = "give a file written by digits.save_model"
+    try:
+        state = load_file(str(path))
+    except SafetensorError as e:
+        raise ConfigError(f"{path}: is not a safetensors file ({e}); {advice}") from None
     n_tasks = sum(1 for k in state if k.startswith("head") and k.endswith(".weight"))
-    n_classes, hidden = state["head1.weight"].shape
-    model = DigitsMLP(d_in=state["fc1.weight"].shape[1], hidden=hidden, n_classes=n_classes, n_tasks=n_tasks)
-    model.load_state_dict(state)
+    try:
+        n_classes, hidden = state["head1.weight"].shape
+        model = DigitsMLP(d_in=state["fc1.weight"].shape[1], hidden=hidden, n_classes=n_classes, n_tasks=n_tasks)
+        model.load_state_dict(state)
+    except (KeyError, ValueError, RuntimeError) as e:  # missing or extra tensors, other shapes
+        names = ", ".join(sorted(state)[:4]) + (", ..." if len(state) > 4 else "")
+        reason = f"no tensor {e}" if isinstance(e, KeyError) else str(e).strip().splitlines()[-1].strip()
+        raise ConfigError(
+            f"{path}: is not a digits model ({reason}; it holds {names or 'no tensors'}); {advice}"
+        ) from None
     return model
 
 
 @torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task_id: int) -> float:
     """Top-1 accuracy of task `task_id`'s head on (x, y), in eval mode."""
+    from plate_inspect.train.layer import model_argument
+
+    model_argument(model, "accuracy")
+    x, y = _examples(x, y, "accuracy")
+    if not len(y):
+        raise ConfigError("accuracy: x and y hold no examples; an accuracy of none is undefined")
     model.eval()
     return float((model(x, task=task_id).argmax(dim=1) == y).float().mean())

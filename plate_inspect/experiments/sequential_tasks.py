@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plate_inspect.arguments import is_integer
 from plate_inspect.atomic import atomic_write, make_dirs, path_argument
 from plate_inspect.errors import ConfigError, os_error_text
 from plate_inspect.experiments import digits
@@ -51,7 +52,7 @@ from plate_inspect.experiments.methods import (
     backbone_shapes,
     repeated_values,
 )
-from plate_inspect.progress import ProgressCallback, ProgressCounter
+from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import name_list
 
 if TYPE_CHECKING:
@@ -225,6 +226,7 @@ def run_sequential(
     2..4 of every (seed, method); those of kept runs count as done in the opening event).
     """
     path_argument(out, "out")
+    progress = as_callback(progress, "run_sequential")  # a non-function failed at the first event, after OUT was made
     names = name_list(methods, "methods")  # one string is one method (it was iterated: the methods p, l, a, t, e)
     unknown = [m for m in names if m not in SEQUENTIAL_METHODS]
     if not names or unknown:
@@ -234,8 +236,9 @@ def run_sequential(
         raise ConfigError(f"methods list {', '.join(repeated_values(names))} twice; give each once")
     seeds_run = seed_list(seeds)
     for what, value in (("steps", steps), ("lora_rank", lora_rank), ("osf_n", osf_n), ("r", r)):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if not (is_integer(value) and value >= 1):  # NumPy integers too (stored as int below)
             raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
+    steps, lora_rank, osf_n, r = int(steps), int(lora_rank), int(osf_n), int(r)
     check_steps(steps, "steps (CLI: --steps)")
     check_data_root(data, data_root)
     tasks = digits.load_pair_tasks(data, str(data_root) if data_root else None)  # before OUT is touched
@@ -348,6 +351,8 @@ def report_sequential(
     from plate_inspect.experiments.continual import select_records
 
     settings = recorded_settings(out)
+    methods = name_list(methods, "methods (CLI: --methods)") if methods is not None else None  # "lora": one method
+    chosen_seeds = seed_list(seeds) if seeds is not None else None  # both checked before a legacy OUT is rewritten
     out = Path(out)
     path = out / "sequential.json"
     previous = _read_json(path)
@@ -359,7 +364,7 @@ def report_sequential(
         also = f" ({other} made with other settings than {path.name} records)" if other else ""
         raise ConfigError(f"{out}: holds no finished (seed, method) run yet{also}; nothing to report")
     records = [r for group in units.values() for r in group]
-    records = select_records(records, out, methods, None, seed_list(seeds) if seeds is not None else None)
+    records = select_records(records, out, methods, None, chosen_seeds)
     names = list(methods) if methods else [m for m in SEQUENTIAL_METHODS if any(r.method == m for r in records)]
     records.sort(key=lambda r: (r.seed, names.index(r.method)))  # stable: each run's records keep their order
     result = SequentialResult(path, records)

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -40,6 +40,9 @@ from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import EXPERT_LAYOUTS
 from plate_inspect.train.core import geometry_digest, merged_copy
 from plate_inspect.train.layer import adapter_q_dtype, module_geometry, read_adapter
+
+if TYPE_CHECKING:
+    from plate_inspect.scanner import ScanPlan
 
 #: config, index, tokenizer and chat-template files, and a remote-code model's modeling/configuration code (its
 #: config.json's auto_map names them: without them from_pretrained(out, trust_remote_code=True) fails)
@@ -658,20 +661,53 @@ def split_scan_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dic
     return fields, {k: v for k, v in overrides.items() if k not in fields}
 
 
+def rescan_plan(
+    model: str | os.PathLike, previous: Bundle | str | os.PathLike, overrides: dict[str, Any]
+) -> tuple[ScanPlan, dict[str, Any]]:
+    """The rescan's plan of ``model`` (the previous bundle's settings, ``overrides`` winning) and its
+    :func:`run_scan` keywords, each value checked by the function the scan itself checks it with: the
+    :class:`ScanSettings` constructor, :func:`plan_scan` (target modules, layers, sketch dim against the weights; the
+    source checkpoint has the merged one's names and shapes, so its plan checks them before a merge), and run_scan's
+    device, devices, expert_group and progress rules. So :func:`sequential_step`
+    refuses ``tau=5`` or ``device='tpu'`` before the merge writes (they failed after the merged checkpoint was
+    written). An old-style ``progress`` comes back adapted (its deprecation warning is given once)."""
+    import dataclasses
+
+    from plate_inspect.distributed import parse_devices
+    from plate_inspect.progress import as_callback
+    from plate_inspect.scanner import _group_size, _resolve_device, plan_scan
+
+    fields, run = split_scan_overrides(overrides)
+    prev = previous if isinstance(previous, Bundle) else Bundle.load(previous)
+    plan = plan_scan(model, dataclasses.replace(prev.settings, **fields))
+    if "overwrite" in run:
+        bool_argument(run["overwrite"], "overwrite")
+    if "progress" in run:
+        run["progress"] = as_callback(run["progress"], "rescan")
+    if run.get("devices") is not None:
+        parse_devices(run["devices"])
+    if run.get("device") is not None:
+        _resolve_device(run["device"])
+    if run.get("expert_group") is not None:
+        _group_size(torch.device("cpu"), run["expert_group"])
+    return plan, run
+
+
 def rescan(
     merged: str | os.PathLike, previous: Bundle | str | os.PathLike, out: str | os.PathLike, **overrides: Any
 ) -> Bundle:
     """Scan the merged checkpoint with the scanner, using the previous bundle's settings (``overrides`` win: any
     :class:`ScanSettings` field, or a keyword of :func:`run_scan`: ``overwrite``, ``device``, ``devices``,
-    ``progress``, ``expert_group``; anything else is a ConfigError)."""
-    import dataclasses
+    ``progress``, ``expert_group``; anything else is a ConfigError). Every value is checked before the scan writes
+    (:func:`rescan_plan`)."""
+    from plate_inspect.scanner import run_scan
 
-    from plate_inspect.scanner import plan_scan, run_scan
-
-    fields, run = split_scan_overrides(overrides)
-    prev = previous if isinstance(previous, Bundle) else Bundle.load(previous)
-    settings = dataclasses.replace(prev.settings, **fields)
-    return run_scan(plan_scan(merged, settings), out, **run)
+    path_argument(merged, "merged")
+    path_argument(out, "out")
+    if not isinstance(previous, Bundle):
+        path_argument(previous, "previous")
+    plan, run = rescan_plan(merged, previous, overrides)
+    return run_scan(plan, out, **run)
 
 
 def sequential_step(
@@ -686,12 +722,17 @@ def sequential_step(
     """Merge the adapter into ``source``, write it to ``out``, rescan it into ``bundle_out`` (default out/bundle).
 
     A ``bundle_out`` that already holds a bundle is refused before anything is written, unless ``overwrite``;
-    ``scan_overrides`` are :func:`rescan`'s (an unknown one is refused before anything is written too)."""
+    ``scan_overrides`` are :func:`rescan`'s: an unknown one, or a bad value of any scan setting (``tau=5``,
+    ``device='tpu'``, target modules the model lacks), is refused before anything is written too."""
+    from plate_inspect.scanner import plan_scan, run_scan
+
     path_argument(out, "out")
+    path_argument(adapter, "adapter")
     split_scan_overrides(scan_overrides)
     bundle_out = check_rescan_out(bundle_out or Path(out) / "bundle", overwrite)
-    result = merge_checkpoint(source, adapter, out, bundle=bundle, overwrite=overwrite)
     _, meta = read_adapter(adapter)
-    prev = bundle if bundle is not None else meta["bundle_path"]
-    result.bundle = rescan(result.out, prev, bundle_out, overwrite=overwrite, **scan_overrides)
+    prev = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle or _recorded_bundle(adapter, meta))
+    checked, run = rescan_plan(source, prev, {**scan_overrides, "overwrite": overwrite})  # before the merge writes
+    result = merge_checkpoint(source, adapter, out, bundle=prev, overwrite=overwrite)
+    result.bundle = run_scan(plan_scan(result.out, checked.settings), bundle_out, **run)
     return result

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from plate_inspect.arguments import bool_argument, seed_argument
+from plate_inspect.atomic import path_argument
 from plate_inspect.bundle import (
     Bundle,
     BundleWriter,
@@ -49,7 +51,7 @@ from plate_inspect.geometry import (
     random_rows,
 )
 from plate_inspect.health import health_record, weight_spectrum
-from plate_inspect.targets import TargetModule, load_target, modules_by_name
+from plate_inspect.targets import TargetModule, load_target, modules_by_name, name_list
 
 VARIANTS = ("random_b", "least_redundant_b", "random_q", "high_energy_q", "random_bq")
 #: The variants whose B differs from PLATE's: their frozen rows, hence their spectrum and health, are their own.
@@ -65,6 +67,7 @@ def variant_geometry(
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, Q) of one module for an ablation, same r and k as PLATE's (b_idx, q). ``weight`` is [d_out, d_in]."""
+    seed = seed_argument(seed)  # None was a RuntimeError from torch.manual_seed
     d_out, d_in = weight.shape
     r, k = int(b_idx.numel()), int(q.shape[1])
     if variant == "random_b":
@@ -80,6 +83,17 @@ def variant_geometry(
     if variant == "random_bq":
         return random_rows(d_out, r, seed), random_orthonormal(d_in, k, seed + 1, dtype=q.dtype)
     raise ConfigError(f"unknown variant '{variant}'; choose one of {', '.join(VARIANTS)}")
+
+
+def _check_variants(names: list[str]) -> list[str]:
+    """``names`` when each is a known ablation, given once; else a ConfigError naming the first bad one."""
+    for name in names:
+        if name not in VARIANTS:
+            raise ConfigError(f"unknown variant {name!r:.80}; choose one of {', '.join(VARIANTS)}")
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ConfigError(f"variants lists '{twice}' twice; give each variant once")
+    return names
 
 
 def variant_identity(base: Bundle, variant: str, seed: int) -> dict[str, object]:
@@ -100,8 +114,10 @@ def make_variant(
     ``out`` may hold an unfinished or finished build of the same ablation (same kind, seed and base bundle): it is
     resumed or kept. Another ablation, seed or base bundle there is refused unless ``overwrite``.
     """
-    if variant not in VARIANTS:
-        raise ConfigError(f"unknown variant '{variant}'; choose one of {', '.join(VARIANTS)}")
+    _check_variants([variant])
+    out = path_argument(out, "out")
+    seed = seed_argument(seed)
+    bool_argument(overwrite, "overwrite")
     src = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
     ckpt = Checkpoint.open(checkpoint)
     m = src.manifest
@@ -215,7 +231,12 @@ def make_variants(
     seed: int = 0,
     overwrite: bool = False,
 ) -> dict[str, Bundle]:
-    """All requested ablations, each in ``out_root/<variant>``."""
+    """All requested ablations, each in ``out_root/<variant>`` (every argument is checked before the first is
+    written)."""
+    variants = tuple(_check_variants(name_list(variants, "variants")))
+    out_root = path_argument(out_root, "out_root")
+    seed = seed_argument(seed)
+    bool_argument(overwrite, "overwrite")
     return {
         v: make_variant(bundle, checkpoint, v, Path(out_root) / v, seed=seed, overwrite=overwrite) for v in variants
     }
