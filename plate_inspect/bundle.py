@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
+from plate_inspect.arguments import finite_numbers
 from plate_inspect.atomic import atomic_write, path_argument, stale_temps
 from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
@@ -150,7 +151,9 @@ class ScanSettings:
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if self.q_dtype not in Q_DTYPES:
             raise ConfigError(f"q dtype must be one of {sorted(Q_DTYPES)}, got {self.q_dtype!r}")
-        grid = tuple(sorted({float(t) for t in self.tau_grid}))
+        if not (isinstance(self.include_mtp, int) and self.include_mtp in (0, 1)):  # 'no' was read as True
+            raise ConfigError(f"include_mtp must be True or False, got {self.include_mtp!r:.80}")
+        grid = tuple(sorted(set(finite_numbers(self.tau_grid, "tau_grid", empty=True))))  # None: TypeError
         if any(not 0 < t < 1 for t in grid):
             raise ConfigError(f"tau grid values must lie strictly between 0 and 1, got {list(grid)}")
         normal = {

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from plate_inspect import distributed
+from plate_inspect.arguments import positive_int
 from plate_inspect.batched import DEFAULT_GROUP_SIZE, batched_plate_geometry, expert_groups
 from plate_inspect.bundle import (
     FORMAT_NAME,
@@ -273,6 +274,7 @@ def run_scan(
     writer = BundleWriter(out, manifest, overwrite=overwrite)
     with distributed.join() as group, closing(writer):  # closing: the directory lock goes with any error
         dev = distributed.rank_device(_resolve_device(device), group.info)
+        group_size = _group_size(dev, expert_group)
         group.agree(distributed.plan_identity(plan), "the scan plan")  # before any rank touches the directory
         # the directory is checked (and cleared with overwrite) before any rank writes; every rank goes on with the
         # settings it resolved to (an equivalent spelling of the bundle's own: its part files stay valid)
@@ -282,7 +284,6 @@ def run_scan(
         parts = parts_of(plan.targets)
         costs = [(part, sum(distributed.module_cost(*t.shape) for t in members)) for part, members in parts.items()]
         mine = distributed.assign_parts(costs, group.world_size)[group.rank]
-        group_size = _group_size(dev, expert_group)
         # under torchrun rank 0's events also carry the whole job's progress, the last one after the gather
         with group.job_progress(progress, len(plan.targets), sum(t.nbytes for t in plan.targets)) as share_progress:
             result = _scan_share(ckpt, {p: parts[p] for p in mine}, writer, dev, share_progress, group_size)
@@ -527,9 +528,7 @@ def _load_all(ckpt: Checkpoint, targets: list[TargetModule], pin: bool = False) 
 def _group_size(device: torch.device, expert_group: int | None) -> int:
     """Experts per batched eigensolve: the given number, else DEFAULT_GROUP_SIZE on CUDA and 1 (none) on CPU."""
     if expert_group is not None:
-        if expert_group < 1:
-            raise ConfigError(f"expert_group must be a positive integer, got {expert_group!r}")
-        return expert_group
+        return positive_int(expert_group, "expert_group")  # 'x' was a TypeError from '<'; 2.5 was taken
     return DEFAULT_GROUP_SIZE if device.type == "cuda" else 1
 
 
@@ -669,6 +668,8 @@ def module_outputs(
 
 
 def _resolve_device(device: str) -> torch.device:
+    if not isinstance(device, (str, torch.device)):  # None was a TypeError from torch.device
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r:.80}")
     try:
         dev = torch.device(device)
     except RuntimeError:
