@@ -44,3 +44,17 @@ def digits_setup(tmp_path_factory):
     import helpers_train
 
     return helpers_train.digits_setup(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture(scope="module")
+def digits_adapter(tmp_path_factory):
+    """(checkpoint, bundle, save_adapter file) of an untrained digits MLP with r=8, tau=0.8, one per test module."""
+    import helpers_train
+
+    from plate_inspect.train.layer import apply_bundle, save_adapter
+
+    root = tmp_path_factory.mktemp("digits-adapter")
+    _, ckpt, bundle = helpers_train.digits_setup(root, r=8, tau=0.8)
+    model = helpers_train.load_digits(ckpt)
+    apply_bundle(model, bundle)
+    return ckpt, bundle, save_adapter(model, root / "adapter.safetensors")

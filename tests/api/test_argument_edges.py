@@ -4,13 +4,13 @@ work (not an AttributeError from ``str.split``, not a TypeError from deep inside
 from __future__ import annotations
 
 import pytest
-from helpers_train import digits_setup, load_digits
+from helpers_train import load_digits
 
 import plate_inspect.train.sequential as sequential
 from plate_inspect.arguments import text_argument
 from plate_inspect.errors import ConfigError
 from plate_inspect.experiments.methods import parse_methods
-from plate_inspect.train.layer import apply_bundle, save_adapter
+from plate_inspect.train.layer import apply_bundle
 
 
 @pytest.mark.parametrize("value", [3, None, ["lora", "plate"], b"lora"])
@@ -39,16 +39,6 @@ def test_scan_overrides_are_split_into_settings_and_run_scan_keywords():
     assert message.startswith("unknown scan settings 'tua', 'bogus' (did you mean 'tau'?); the rescan takes ")
     for allowed in ("r,", "tau,", "max_rank", "include_mtp", "overwrite", "device,", "devices", "progress"):
         assert allowed in message, allowed
-
-
-@pytest.fixture(scope="module")
-def digits_adapter(tmp_path_factory):
-    """A digits checkpoint, its bundle, and a save_adapter file of it."""
-    root = tmp_path_factory.mktemp("edges")
-    _, ckpt, bundle = digits_setup(root, r=8, tau=0.8)
-    model = load_digits(ckpt)
-    apply_bundle(model, bundle)
-    return ckpt, bundle, save_adapter(model, root / "adapter.safetensors")
 
 
 def test_rescan_refuses_an_unknown_keyword_before_scanning(digits_adapter, tmp_path):

@@ -8,22 +8,10 @@ import dataclasses
 import warnings
 
 import pytest
-from helpers_train import digits_setup, load_digits
 
 from plate_inspect import scan
 from plate_inspect.errors import ConfigError
 from plate_inspect.train import sequential
-from plate_inspect.train.layer import apply_bundle, save_adapter
-
-
-@pytest.fixture(scope="module")
-def digits_adapter(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rescan-settings")
-    _, ckpt, bundle = digits_setup(root, r=8, tau=0.8)
-    model = load_digits(ckpt)
-    apply_bundle(model, bundle)
-    return ckpt, bundle, save_adapter(model, root / "adapter.safetensors")
-
 
 BAD = [
     ({"tau": 5}, ConfigError, r"^tau must lie strictly between 0 and 1, got 5"),
