@@ -235,6 +235,17 @@ def check_devices(device: str = "cpu", devices: str | Sequence[str] | None = Non
         _resolve_device(device)
 
 
+def check_run_arguments(
+    device: str = "cpu", devices: str | Sequence[str] | None = None, expert_group: int | None = None
+) -> None:
+    """ConfigError for :func:`run_scan` keywords it would refuse (:func:`check_devices`' rules, an ``expert_group``
+    that is not a positive integer), without a plan or an output: run_scan checks them before it touches ``out``, and
+    a rescan before its merge writes."""
+    check_devices(device, devices)
+    if expert_group is not None:
+        positive_int(expert_group, "expert_group")
+
+
 def run_scan(
     plan: ScanPlan,
     out: str | os.PathLike,
@@ -252,6 +263,7 @@ def run_scan(
     ``expert_group``: experts of one projection solved per batched eigensolve (default: 64 on CUDA, 1 on CPU).
     """
     progress = as_callback(progress, "run_scan")
+    check_run_arguments(device, devices, expert_group)
     if devices is not None:
         if device not in ("cpu", None):
             raise ConfigError(f"give either --devices ({devices}) or --device ({device}), not both")

@@ -673,9 +673,8 @@ def rescan_plan(
     written). An old-style ``progress`` comes back adapted (its deprecation warning is given once)."""
     import dataclasses
 
-    from plate_inspect.distributed import parse_devices
     from plate_inspect.progress import as_callback
-    from plate_inspect.scanner import _group_size, _resolve_device, plan_scan
+    from plate_inspect.scanner import check_run_arguments, plan_scan
 
     fields, run = split_scan_overrides(overrides)
     prev = previous if isinstance(previous, Bundle) else Bundle.load(previous)
@@ -684,12 +683,7 @@ def rescan_plan(
         bool_argument(run["overwrite"], "overwrite")
     if "progress" in run:
         run["progress"] = as_callback(run["progress"], "rescan")
-    if run.get("devices") is not None:
-        parse_devices(run["devices"])
-    if run.get("device") is not None:
-        _resolve_device(run["device"])
-    if run.get("expert_group") is not None:
-        _group_size(torch.device("cpu"), run["expert_group"])
+    check_run_arguments(run.get("device", "cpu"), run.get("devices"), run.get("expert_group"))
     return plan, run
 
 
