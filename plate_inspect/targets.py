@@ -929,6 +929,11 @@ def check_moe_layers(
             )
 
 
+#: words naming a multimodal model's non-text layer stacks (``model.vision_tower.encoder.layers``, ``visual.blocks``),
+#: whose layer count is their own sub-config's (``vision_config``), not ``num_hidden_layers`` of the text model
+_OTHER_TOWERS = ("vision", "visual", "image", "audio", "speech", "whisper")
+
+
 def check_layer_count(
     config: dict[str, Any], candidates: Sequence[TargetModule], chosen: Sequence[TargetModule]
 ) -> None:
@@ -945,6 +950,8 @@ def check_layer_count(
     if type(n_layers) is not int or n_layers < 0 or len(stacks) != 1 or two_stacks:
         return
     (stack,) = stacks
+    if any(tower in stack.lower() for tower in _OTHER_TOWERS):  # a vision/audio tower: its count is in its own config
+        return
     held = {
         where[1] for where in map(stack_of, (t.name for t in candidates)) if where is not None and where[0] == stack
     }
