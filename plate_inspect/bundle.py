@@ -134,7 +134,7 @@ class ScanSettings:
     seed: int = 0
     sketch_dim: int | None = None
     anchors: int = 256
-    target_modules: tuple[str, ...] | None = None
+    target_modules: str | Iterable[str] | None = None  # stored as a tuple of names (one string: one name)
     layers: tuple[LayerEntry, ...] | None = None  # ints (every stack's layer i), 'stack:i' and 'stack' strings
     precision: str = "float32"
     q_dtype: str = "float32"

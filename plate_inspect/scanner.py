@@ -56,7 +56,6 @@ from plate_inspect.targets import (
     TargetModule,
     layer_entries,
     load_target,
-    name_list,
     select_targets,
     unmatched_target_patterns,
 )
@@ -199,7 +198,7 @@ def scan(
         seed=seed,
         sketch_dim=sketch_dim,
         anchors=anchors,
-        target_modules=tuple(name_list(target_modules)) if target_modules else None,
+        target_modules=target_modules,  # ScanSettings reads one string as one name
         layers=layer_entries(layers) if layers is not None else None,
         precision=precision,
         q_dtype=q_dtype,

@@ -34,7 +34,6 @@ from plate_inspect.targets import (
     layers_there,
     load_target,
     modules_by_name,
-    name_list,
     select_layers,
     select_targets,
     target_matches,
@@ -191,7 +190,7 @@ def audit(
         seed=seed,
         sketch_dim=sketch_dim,
         anchors=anchors,
-        target_modules=tuple(name_list(target_modules)) if target_modules else None,
+        target_modules=target_modules,  # ScanSettings reads one string as one name
         layers=layer_entries(layers) if layers is not None else None,
         precision=precision,
     )
