@@ -81,13 +81,13 @@ def health_command(bundle: Path, as_json: bool, experts: bool) -> None:
       plate-inspect health bundles/dsv3 --experts     # every expert, not their groups' means
     """
     b = Bundle.load(bundle)
+    b.check_parts()  # before anything is shown, as plan/report/verify: a table would include a missing part's modules
     records = {rec.name: checked_health(b, rec.name, rec.health) for rec in b if rec.health is not None}
     if not records:
         raise BundleError(f"{b.path}: no health records (a bundle from an older scan); rescan to add them")
     lacking = len(b.modules) - len(records)
     if as_json:
         click.echo(json.dumps(records, indent=2))
-        b.check_parts()
         return
     table = Table(title=f"spectral health ({next(iter(records.values()))['spectrum_of']})", box=box.SIMPLE_HEAD)
     table.add_column("module", no_wrap=True)
@@ -110,4 +110,3 @@ def health_command(bundle: Path, as_json: bool, experts: bool) -> None:
         console.print(f"alpha: mean {sum(alphas) / len(alphas):.3f}; {inside}/{len(alphas)} modules in [2, 6]{without}")
     elif unfitted:
         console.print(f"alpha: no module has a power-law fit{without}")
-    b.check_parts()  # the health records are the manifest's: a missing or truncated part file is an error after them
