@@ -116,6 +116,14 @@ def print_summary(bundle: Bundle) -> None:
             + (f" x {stats['world_size']} processes" if stats.get("world_size") else "")
         )
         console.print(reuse_line(stats))
+        disagreed = stats.get("manifest_disagreed")
+        if isinstance(disagreed, list) and disagreed:  # see rescan_baseline: an edited manifest.json
+            console.print(
+                f"[yellow]note[/]: manifest.json's record of {counted(len(disagreed), 'module')} ({disagreed[0]}"
+                + (", ..." if len(disagreed) > 1 else "")
+                + ") disagreed with its part file's header (fingerprint, dtype, shape or layout; the manifest was "
+                "edited?): the weights were checked against the part file's record, and the manifest rewritten"
+            )
 
 
 def reuse_line(stats: dict) -> str:

@@ -414,6 +414,21 @@ def changed_since_baseline(manifest: Manifest) -> set[str] | None:
     return {n for n, rec in manifest.modules.items() if n in base and base[n] != weight_key_json(rec)}
 
 
+def rescan_baseline(path: Path, old: Manifest) -> tuple[dict[str, list], list[str]]:
+    """What a rescan counts changes against, for a finished bundle ``old`` in ``path``: each module's weight key
+    from its part file's header (what the scan checks the weights against to keep a module), from its manifest
+    record where no part vouches for it; and the modules whose manifest record disagrees with their part header
+    (an edited manifest: the rescan rewrites it from the part files)."""
+    headers = finished_modules(path, old)
+    baseline, disagree = {}, []
+    for name, rec in old.modules.items():
+        header = headers.get(name)
+        if header is not None and weight_key(header) != weight_key(rec):
+            disagree.append(name)
+        baseline[name] = weight_key_json(header or rec)
+    return baseline, disagree
+
+
 def content_identity(settings: ScanSettings, variant: dict[str, Any] | None, records: Iterable[ModuleRecord]) -> str:
     """sha256 over the settings, the variant and (name, fingerprint, dtype, shape, layout) of every module."""
     modules = sorted([rec.name, *weight_key(rec)] for rec in records)
@@ -766,6 +781,7 @@ class BundleWriter:
         self._elsewhere_hint = "write elsewhere (CLI: --out)" if cli_hints else "write elsewhere (another out)"
         self.damaged: list[str] = []  # modules whose stored tensors no longer matched their digests (recomputed)
         self.resumed = False  # the directory held an unfinished bundle of the same settings: this run finishes it
+        self.manifest_disagrees: list[str] = []  # modules whose old manifest record disagreed with their part header
         self._lock: int | None = None
 
     def open(self) -> Manifest:
@@ -829,9 +845,10 @@ class BundleWriter:
             self._refuse_other(old)
             self.resumed = not old.complete
             # a rescan remembers the finished bundle it updates, through any number of interruptions
-            self.manifest.baseline = (
-                old.baseline if not old.complete else {n: weight_key_json(r) for n, r in old.modules.items()}
-            )
+            if old.complete:
+                self.manifest.baseline, self.manifest_disagrees = rescan_baseline(self.path, old)
+            else:
+                self.manifest.baseline = old.baseline
         elif self.overwrite:  # only the bundle's own files (foreign ones were refused above)
             for p in list(self.path.glob("*.safetensors")) + [existing, self.path / STATS]:
                 with contextlib.suppress(FileNotFoundError):

@@ -516,6 +516,8 @@ def _finish(writer: BundleWriter, results: list[ShareResult], world_size: int) -
         stats["modules_changed"] = len(changed)
         stats["modules_changed_earlier"] = len(changed - now)  # recomputed by the interrupted run(s), kept by this one
     stats["resumed"] = writer.resumed
+    if writer.manifest_disagrees:  # an edited manifest: its records were not what the part files were made from
+        stats["manifest_disagreed"] = writer.manifest_disagrees
     if world_size > 1:
         stats["world_size"] = world_size
         stats["ranks"] = ranks
