@@ -164,7 +164,8 @@ def reuse_line(stats: dict) -> str:
         return f"finished an interrupted scan: all {total} modules were already written (kept {kept}, computed 0)"
     if resumed:
         return f"resumed an interrupted scan: kept {kept} finished modules, computed {computed} (of {total})"
-    if not kept:
+    rescan = resumed is False and "modules_changed_earlier" in stats  # of a finished bundle (its weights known)
+    if not kept and not (rescan and computed and not changed):
         return f"computed {computed} of {total} modules"
     if changed or not computed:
         return f"{changed} of {total} modules changed since the bundle was made: recomputed {computed}, kept {kept}"

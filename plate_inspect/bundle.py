@@ -40,6 +40,7 @@ from plate_inspect.atomic import atomic_write, path_argument, stale_temps
 from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
 from plate_inspect.errors import BundleError, ConfigError, PlateInspectError, os_error_text
+from plate_inspect.formatting import counted
 from plate_inspect.geometry import DEFAULT_TAU_GRID, validate_settings
 from plate_inspect.targets import LayerEntry, layer_entries, name_list
 
@@ -463,12 +464,21 @@ def stored_b_problem(rec: ModuleRecord, b_idx: torch.Tensor) -> str:
     return ""
 
 
+def _modules_phrase(records: list[ModuleRecord], named: bool = True) -> str:
+    """ "layer 1's 7 modules (model.layers.1.mlp.down_proj, ...)": how many, of which layers, the first one named."""
+    layers = sorted({rec.layer for rec in records if rec.layer is not None})
+    of = f"layer {', '.join(map(str, layers))}'s " if layers else ""
+    first = f" ({records[0].name}{', ...' if len(records) > 1 else ''})" if named else ""
+    return f"{of}{counted(len(records), 'module')}{first}"
+
+
 class Bundle:
     """A PLATE init bundle on disk: the manifest in memory, tensors read on demand."""
 
     def __init__(self, path: Path, manifest: Manifest):
         self.path = path
         self.manifest = manifest
+        self._mixed_up: dict[str, str] = {}  # part file -> what it holds instead of its modules (read failures only)
 
     @classmethod
     def load(cls, path: str | os.PathLike, require_complete: bool = True) -> Bundle:
@@ -559,7 +569,42 @@ class Bundle:
             with safe_open(str(part), framework="pt") as f:
                 return f.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for corrupt files / missing keys
-            raise self.damaged(name, read_problem(e, key)) from None
+            mixed = "" if isinstance(e, FileNotFoundError) else self._part_mixed_up(rec.file)
+            raise self.damaged(name, f"the part file {mixed}" if mixed else read_problem(e, key)) from None
+
+    def _part_mixed_up(self, file: str) -> str:
+        """:meth:`mixed_up` of a part file whose tensor could not be read ('' if its header cannot be read either);
+        once per file (verify reads every module of a swapped part)."""
+        from plate_inspect.checkpoint import parse_safetensors_header
+
+        if file not in self._mixed_up:
+            try:
+                entries, _ = parse_safetensors_header(self.path / file)
+                self._mixed_up[file] = self.mixed_up(file, entries)
+            except PlateInspectError:
+                self._mixed_up[file] = ""
+        return self._mixed_up[file]
+
+    def mixed_up(self, file: str, keys: Iterable[str]) -> str:
+        """'' when part file ``file`` (tensor names ``keys``) holds every tensor of the modules the manifest puts in
+        it; else what it holds instead: another part's modules (part files renamed or swapped by hand), or too few.
+
+        Said once with the modules named, where a read would say only that one tensor is not in the file."""
+        keys = set(keys)
+        mine = [rec for rec in self if rec.file == file]
+        lacking = [rec for rec in mine if any(f"{rec.name}.{kind}" not in keys for kind in TENSOR_KINDS)]
+        if not lacking:
+            return ""
+        held = {key.rsplit(".", 1)[0] for key in keys}
+        others = [rec for rec in self if rec.name in held and rec.file != file]
+        if not others:
+            return f"lacks the tensors of {_modules_phrase(lacking)} that the manifest puts in it"
+        own = _modules_phrase(mine, named=False)
+        own = own if own.startswith("layer") else f"the {own}"
+        return (
+            f"holds {_modules_phrase(others)}, not {own} the manifest puts in it "
+            f"(part files renamed or swapped by hand; the manifest puts those in {others[0].file})"
+        )
 
     def damaged(self, name: str, problem: str) -> BundleError:
         """The one-line error for a module whose part file is missing, unreadable or holds damaged tensors: the file,
@@ -585,9 +630,13 @@ class Bundle:
                 problems[file] = "missing"
                 continue
             try:
-                parse_safetensors_header(path)
+                entries, _ = parse_safetensors_header(path)
             except PlateInspectError as e:
                 problems[file] = str(e).removeprefix(f"{path}: ").split("; ")[0]  # the reader's mend is for models
+                continue
+            mixed = self.mixed_up(file, entries)
+            if mixed:
+                problems[file] = mixed
         return problems
 
     def check_parts(self) -> None:
