@@ -593,6 +593,18 @@ def _compute_weight(
             f"{target.tensor.file.name}: tensor '{target.tensor.name}' has values up to {largest:.3g}, too large for "
             f"{settings.precision} Gram matrices (they would overflow); check that the checkpoint is not corrupt{hint}"
         )
+    # and below the dtype's smallest normal number products underflow: the Gram reads as zero (k = d_in), no energy
+    if 0 < largest * largest < 16 * torch.finfo(weight.dtype).tiny:
+        hint = (
+            " or scan with --precision float64, whose range holds their Gram matrices (the geometry is scale-free)"
+            if weight.dtype != torch.float64
+            else ""
+        )
+        raise CheckpointError(
+            f"{target.tensor.file.name}: tensor '{target.tensor.name}' has values of at most {largest:.3g}, too small "
+            f"for {settings.precision} Gram matrices (their entries would underflow to zero, every input direction "
+            f"reading as carrying no energy); check that the checkpoint is not corrupt{hint}"
+        )
     return weight
 
 
