@@ -30,6 +30,7 @@ from plate_inspect.errors import (
     ConfigError,
     CorruptCheckpointError,
     UnsupportedWeightError,
+    dangling_link,
     os_error_advice,
 )
 
@@ -444,6 +445,9 @@ class Checkpoint:
             ckpt = cls._open_local(root)
             ckpt.source = SourceRef("hub", str(source), revision or "main", commit)
             return ckpt
+        link = dangling_link(path)
+        if link is not None:  # exists() follows the link: it is a path, but not one to read
+            raise CheckpointError(f"{path}: cannot read: No such file or directory; {link}")
         raise CheckpointError(f"'{source}' is neither an existing path nor a Hugging Face repo id (org/name)")
 
     @classmethod
@@ -1075,7 +1079,11 @@ def _open_sharded(
             raise CheckpointError(f"{index_path}: shard '{shard}' points outside the model directory; refusing")
         shard_path = Path(shard_norm)
         if not shard_path.is_file():
-            raise CheckpointError(f"{index_path}: names shard '{shard}', which is missing; re-download it")
+            link = dangling_link(shard_path)
+            raise CheckpointError(
+                f"{index_path}: names shard '{shard}', which is missing; "
+                + (link.replace("it is a", f"{shard} is a", 1) if link else "re-download it")
+            )
         files.append(shard_path)
         headers[shard], _ = parse_safetensors_header(shard_path)
     tensors: dict[str, TensorInfo] = {}

@@ -73,9 +73,38 @@ def os_error_text(e: OSError) -> str | None:
     return f"{where}: {e.strerror or type(e).__name__}; {os_error_advice(e)}"
 
 
+def dangling_link(path: str | os.PathLike) -> str | None:
+    """What to say of ``path`` when it is a symbolic link to nothing, else None: the link's target, and the mend. In
+    a Hugging Face cache (``models--ORG--NAME/snapshots/COMMIT/FILE -> ../../blobs/HASH``) the blob is missing (a
+    download interrupted or pruned): the ``hf download`` command that fetches it again, as hub.py words a missing
+    shard."""
+    link = Path(path)
+    if not link.is_symlink() or link.exists():
+        return None
+    target = os.readlink(link)
+    parts = Path(os.path.abspath(link)).parts
+    at = len(parts) - 1 - parts[::-1].index("snapshots") if "snapshots" in parts else -1
+    if 1 <= at < len(parts) - 2 and parts[at - 1].startswith("models--"):
+        repo = parts[at - 1].removeprefix("models--").replace("--", "/")
+        file, commit = "/".join(parts[at + 2 :]), parts[at + 1]
+        return (
+            f"it is a link into the Hugging Face cache ({target}) whose blob is missing (a download interrupted or "
+            f"the cache pruned); download it again on a connected machine with: hf download {repo} {file} "
+            f"--revision {commit}"
+        )
+    where = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(link)), target))
+    return (
+        f"it is a symbolic link to {target} ({where}), which does not exist: restore that file, or re-create the link"
+    )
+
+
 def os_error_advice(e: OSError) -> str:
     """What to do about ``e`` (by errno: permissions, a read-only or full disk, a wrong path), for messages that
     word the failure themselves ("cannot read: Permission denied; <advice>")."""
+    if e.errno == errno.ENOENT and e.filename is not None:
+        link = dangling_link(os.fsdecode(e.filename))
+        if link is not None:
+            return link
     if e.errno in (errno.EACCES, errno.EPERM) and e.filename is not None:
         closed = _closed_directory(os.fspath(e.filename))
         if closed is not None:  # name the directory in the way, not only the file asked for inside it
