@@ -51,12 +51,17 @@ from plate_inspect.dtypes import PRECISIONS, Q_DTYPES
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.geometry import DEFAULT_TAU_GRID, ModuleGeometry, check_sketch_dim, module_seed, plate_geometry
 from plate_inspect.health import health_record
+from plate_inspect.layer_selection import format_layers, span
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
     TargetModule,
     layer_entries,
+    layer_entry,
+    layer_list,
+    layers_there,
     load_target,
     select_targets,
+    stack_of,
     unmatched_target_patterns,
 )
 
@@ -118,7 +123,30 @@ def plan_scan(
         require_float_dtype(ckpt.logical_weight(target.logical_name))
     check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
     unmatched = unmatched_target_patterns(ckpt, settings.target_modules, targets, settings.layers is not None)
-    return ScanPlan(ckpt, targets, note, settings, [unmatched] if unmatched else [])
+    absent = absent_layers_note(ckpt, settings.layers)
+    return ScanPlan(ckpt, targets, note, settings, [n for n in (unmatched, absent) if n])
+
+
+def absent_layers_note(ckpt: Checkpoint, layers: Iterable[object] | None) -> str:
+    """A note naming the plain ``--layers`` indices that no layer of the checkpoint has ('' when each exists):
+    ``--layers 0-5`` on a 2-layer model scanned layers 0-1 without a word. (A selection that keeps nothing is
+    refused by select_targets; a 'stack:i' entry past its stack is refused there too.)"""
+    if layers is None:
+        return ""
+    entries = [layer_entry(e) for e in layer_list(layers)]
+    wanted = {i for stack, i in entries if not stack and i is not None}
+    present = {where[1] for name in ckpt.tensors if (where := stack_of(name)) is not None}
+    absent = wanted - present
+    if not absent:
+        return ""
+    where = "this shard (one file of a sharded model)" if ckpt.one_shard else "this checkpoint"
+    plain = all(not stack for stack, _ in entries)
+    these = f"layers {span(absent)} are" if len(absent) > 1 else f"layer {span(absent)} is"
+    return (
+        f"--layers {span(wanted) if plain else format_layers(layers)}: {these} not in {where} (its layers: "
+        f"{layers_there(ckpt.tensors)}); scanning "
+        + (f"layers {span(wanted & present)}" if plain else "the rest of the selection")
+    )
 
 
 def refuse_bundle_as_model(source: str | os.PathLike) -> None:
