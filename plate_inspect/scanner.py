@@ -135,7 +135,7 @@ def absent_layers_note(ckpt: Checkpoint, layers: Iterable[object] | None) -> str
         return ""
     entries = [layer_entry(e) for e in layer_list(layers)]
     wanted = {i for stack, i in entries if not stack and i is not None}
-    present = {where[1] for name in ckpt.tensors if (where := stack_of(name)) is not None}
+    present = {at[1] for name in ckpt.tensors if (at := stack_of(name)) is not None}
     absent = wanted - present
     if not absent:
         return ""
