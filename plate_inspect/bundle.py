@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -126,7 +126,8 @@ class ScanSettings:
     """The settings that determine a bundle's content (two scans with equal settings agree bit for bit).
 
     The one carrier of a scan's settings: :func:`plate_inspect.scanner.plan_scan` and the CLI take it whole.
-    Values are checked and normalised on construction (tuples, a sorted tau grid); bad ones raise ConfigError.
+    Values are checked and normalised on construction; bad ones raise ConfigError. The constructor takes any
+    iterable of names (one string: one name), layer entries and taus; the fields hold tuples (a sorted tau grid).
     """
 
     r: int = 64
@@ -135,12 +136,30 @@ class ScanSettings:
     seed: int = 0
     sketch_dim: int | None = None
     anchors: int = 256
-    target_modules: str | Iterable[str] | None = None  # stored as a tuple of names (one string: one name)
+    target_modules: tuple[str, ...] | None = None  # names, suffixes, regexes or module types; None: the defaults
     layers: tuple[LayerEntry, ...] | None = None  # ints (every stack's layer i), 'stack:i' and 'stack' strings
     precision: str = "float32"
     q_dtype: str = "float32"
     tau_grid: tuple[float, ...] = DEFAULT_TAU_GRID
     include_mtp: bool = False  # DeepSeek's multi-token-prediction layer: it changes the planned modules
+
+    if TYPE_CHECKING:  # what the constructor takes; __post_init__ normalises it into the fields' types above
+
+        def __init__(
+            self,
+            r: int = 64,
+            tau: float = 0.9,
+            max_rank: int = 512,
+            seed: int = 0,
+            sketch_dim: int | None = None,
+            anchors: int = 256,
+            target_modules: str | Iterable[str] | None = None,  # one string is one name
+            layers: Iterable[LayerEntry] | None = None,
+            precision: str = "float32",
+            q_dtype: str = "float32",
+            tau_grid: Iterable[float] = DEFAULT_TAU_GRID,
+            include_mtp: bool = False,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         validate_settings(

@@ -55,7 +55,6 @@ from plate_inspect.layer_selection import format_layers, span
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
 from plate_inspect.targets import (
     TargetModule,
-    layer_entries,
     layer_entry,
     layer_list,
     layers_there,
@@ -116,9 +115,7 @@ def plan_scan(
     settings = settings if settings is not None else ScanSettings()
     refuse_bundle_as_model(source)
     ckpt = Checkpoint.open(source, revision=revision, offline=offline)
-    targets, note = select_targets(
-        ckpt, list(settings.target_modules or []) or None, settings.layers, include_mtp=settings.include_mtp
-    )
+    targets, note = select_targets(ckpt, settings.target_modules, settings.layers, include_mtp=settings.include_mtp)
     for target in targets:  # fail before any work, not halfway through a long scan
         require_float_dtype(ckpt.logical_weight(target.logical_name))
     check_sketch_dim(settings.sketch_dim, [(target.name, target.shape[1]) for target in targets])
@@ -226,11 +223,11 @@ def scan(
         seed=seed,
         sketch_dim=sketch_dim,
         anchors=anchors,
-        target_modules=target_modules,  # ScanSettings reads one string as one name
-        layers=layer_entries(layers) if layers is not None else None,
+        target_modules=target_modules,
+        layers=layers,
         precision=precision,
         q_dtype=q_dtype,
-        tau_grid=tuple(tau_grid),
+        tau_grid=tau_grid,
         include_mtp=include_mtp,
     )
     progress = as_callback(progress, "scan")  # here, so that a deprecation warning names the function called
