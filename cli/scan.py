@@ -109,9 +109,10 @@ def print_summary(bundle: Bundle) -> None:
     stats = bundle.stats()
     if "variant" in stats and "wall_seconds" not in stats:  # an ablation bundle: derived, not scanned
         console.print(f"ablation bundle: {stats['variant']} (seed {stats.get('seed')}) of {stats.get('from')}")
-    elif stats:
+    elif stats:  # an unfinished bundle's statistics are those of the scan that last finished it
         console.print(
-            f"scan: {stats.get('wall_seconds', 0):.1f} s, read {human_bytes(stats.get('bytes_read', 0))}, "
+            ("scan" if m.complete else "last finished scan (not this unfinished one)")
+            + f": {stats.get('wall_seconds', 0):.1f} s, read {human_bytes(stats.get('bytes_read', 0))}, "
             f"peak RSS {human_bytes(stats.get('peak_rss_bytes', 0))}, device {stats.get('device')}"
             + (f" x {stats['world_size']} processes" if stats.get("world_size") else "")
         )
@@ -165,7 +166,7 @@ def reuse_line(stats: dict) -> str:
     if resumed:
         return f"resumed an interrupted scan: kept {kept} finished modules, computed {computed} (of {total})"
     rescan = resumed is False and "modules_changed_earlier" in stats  # of a finished bundle (its weights known)
-    if not kept and not (rescan and computed and not changed):
+    if not kept and not rescan:
         return f"computed {computed} of {total} modules"
     if changed or not computed:
         return f"{changed} of {total} modules changed since the bundle was made: recomputed {computed}, kept {kept}"
