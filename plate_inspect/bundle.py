@@ -381,12 +381,12 @@ class Manifest:
         return content_identity(self.settings, self.variant, self.modules.values())
 
 
-def _rescan_progress(manifest: Manifest) -> tuple[int, int] | None:
-    """(modules recomputed, modules in the part files) of an interrupted rescan of a finished bundle; None for an
-    interrupted first scan. A rescan's part files hold every module of the bundle it updates: 'written' says
-    nothing there, the modules whose weights differ from that bundle's were recomputed."""
+def _rescan_recomputed(manifest: Manifest) -> int | None:
+    """How many modules an interrupted rescan of a finished bundle recomputed; None for an interrupted first scan.
+    A rescan's part files hold every module of the bundle it updates, so 'written' says nothing there: the modules
+    whose weights differ from that bundle's are the ones it recomputed."""
     changed = changed_since_baseline(manifest)
-    return None if changed is None else (len(changed), len(manifest.modules))
+    return None if changed is None else len(changed)
 
 
 def unfinished_state(manifest: Manifest) -> str:
@@ -394,10 +394,10 @@ def unfinished_state(manifest: Manifest) -> str:
     'all 14 modules written, not finalised' when only the manifest's completion is missing; for an interrupted
     rescan, 'rescan interrupted after recomputing 3 modules'."""
     done, total = len(manifest.modules), len(manifest.planned)
-    rescan = _rescan_progress(manifest)
+    rescan = _rescan_recomputed(manifest)
     if rescan is not None:
         missing = f", {total - done} of {total} not written" if done < total else ""
-        return f"rescan interrupted after recomputing {counted(rescan[0], 'module')}{missing}"
+        return f"rescan interrupted after recomputing {counted(rescan, 'module')}{missing}"
     if total and done == total:
         return f"all {total} modules written, not finalised"
     return f"{done} of {total} modules written"
@@ -406,12 +406,12 @@ def unfinished_state(manifest: Manifest) -> str:
 def unfinished_note(manifest: Manifest) -> str:
     """What is wrong with an unfinished bundle and what to do, as one sentence (for errors, ``info`` and ``verify``)."""
     done, total = len(manifest.modules), len(manifest.planned)
-    rescan = _rescan_progress(manifest)
+    rescan = _rescan_recomputed(manifest)
     if rescan is not None:
         missing = f"; {total - done} of its {total} modules have no part file" if done < total else ""
         return (
             "bundle is being rescanned: the rescan was interrupted after recomputing "
-            f"{counted(rescan[0], 'module')} for changed weights (the others still hold the geometry of the weights "
+            f"{counted(rescan, 'module')} for changed weights (the others still hold the geometry of the weights "
             f"the bundle was made from){missing}; rerun the same scan command to finish it (only modules whose "
             "weights changed are recomputed)"
         )
