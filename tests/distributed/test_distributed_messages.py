@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import textwrap
 import threading
 import time
@@ -269,3 +270,35 @@ def test_a_rank_whose_rank_0_stopped_beating_does_not_wait_for_the_bound(agent_s
         beating.set()
         thread.join()
     assert out == [f"rank 1: {INTERRUPTED}"] and took >= 2.0  # waited for the bound: rank 0 was alive
+
+
+_SAYS_WHILE_SIGTERMED = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    from datetime import timedelta
+    import torch
+    from plate_inspect import distributed
+    from plate_inspect.distributed import say_once
+
+    port = distributed.devices._free_port()  # the agent store, with rank 1's environment
+    server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    os.environ.update(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="late", TORCHELASTIC_RESTART_COUNT="0")
+    distributed.timing.SAID_WAIT_SECONDS, distributed.timing.QUIET_EXIT_SECONDS = 3.0, 0.0
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # torchrun's, while rank 1 waits
+    say_once(sys.argv[1], print, KeyboardInterrupt())
+    print("exit", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    """
+)
+
+
+def test_a_late_sigterm_while_a_rank_says_its_line_does_not_end_it(tmp_path):
+    """scancel SIGTERMs every rank, and torchrun, stopped by its own SIGTERM, sends each rank another. On a busy
+    node torchrun's came seconds after the first had ended the scan, when the CLI's handler was gone: rank 1,
+    waiting for rank 0's interrupted line, died at the signal's default action (exit -15: the flake of the scancel
+    case above under load), as did a rank 0 that had not printed it yet. Now a rank saying its line ignores it: rank
+    1 says the line when rank 0 said nothing within the wait, and SIGTERM's default action is back after."""
+    script = tmp_path / "late_sigterm.py"
+    script.write_text(_SAYS_WHILE_SIGTERMED)
+    done = run([sys.executable, str(script), INTERRUPTED], check=False, timeout=120)
+    assert (done.returncode, done.stdout.splitlines()) == (0, [f"rank 1: {INTERRUPTED}", "exit True"]), done.stderr
