@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+import torch
 from helpers_distributed import (
     SCAN_RECORDING_EXIT,
     agent_store_for_rank_1,
@@ -219,6 +220,26 @@ def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
     mine = BundleError("disk full on node 0")
     mine.plate_fault = Fault("own", 0, after_agreement=True)
     assert timed_say_once("disk full on node 0", mine)[0] == [f"disk full on node 0; {distributed.messages.RESUME}"]
+
+
+def test_a_verdict_of_rank_0_is_said_on_rank_0_as_it_is(agent_store, monkeypatch):
+    """Rank 0's own verdict (:meth:`Coordinator.on_root`: another job holds the --out directory's lock, two jobs
+    started at once) passed on rank 0 for its own error in its share: its line got "the part files finished so far
+    are kept: rerun the same command to resume", wrong while the other job runs. Now rank 0 says it as a single
+    process would (the ranks that received it stay quiet: test_the_kind_of_fault_decides_who_says_it)."""
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda box, src: None)  # (rank 0's box: as is)
+    locked = BundleError("/b: another scan is writing this bundle right now (the directory is locked)")
+
+    def open_directory() -> None:
+        raise locked
+
+    monkeypatch.setenv("RANK", "0")
+    group = distributed.Coordinator(RankInfo(0, 2, 0, 2))
+    group.agreed = True  # (the ranks agreed on the plan before rank 0 opened the directory)
+    with pytest.raises(BundleError) as raised:
+        group.on_root(open_directory)
+    distributed.reporting.record_fault(raised.value, group)  # (as join does)
+    assert timed_say_once(str(locked), raised.value)[0] == [str(locked)]
 
 
 def test_an_interruption_is_said_by_rank_0_unless_a_rank_said_why(agent_store, monkeypatch):
