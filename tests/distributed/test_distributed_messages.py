@@ -34,9 +34,8 @@ INTERRUPTED = "interrupted: finished modules are saved; rerun the same command t
 
 
 # --------------------------------------------------------------------------- Ctrl-C and SIGTERM
-_SLOW_CLI = (
-    textwrap.dedent(
-        """
+_SLOW_SHARE = textwrap.dedent(
+    """
     import os, sys, time
     from pathlib import Path
     from plate_inspect import scanner
@@ -52,9 +51,8 @@ _SLOW_CLI = (
 
     scanner._compute = slow_compute
     """
-    )
-    + SCAN_RECORDING_EXIT
 )
+_SLOW_CLI = _SLOW_SHARE + SCAN_RECORDING_EXIT
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "scancel"])
@@ -75,6 +73,46 @@ def test_an_interrupted_job_says_so_once(four_layers, tmp_path, how):
         output, _ = job.communicate(timeout=120)
     assert said(output) == [INTERRUPTED], output
     assert [(marks / f"exit-{r}").read_text() for r in (0, 1)] == ["130", "130"]
+
+
+_BUSY_SAYING = (
+    _SLOW_SHARE
+    + textwrap.dedent(
+        """
+    from plate_inspect.distributed import reporting
+
+    _say = reporting._say_interrupted
+
+    def busy_say(*args, **kwargs):  # a rank on a busy node: 3 s from the interrupt to its line
+        (marks / f"saying-{rank}").write_text("")
+        time.sleep(3)
+        return _say(*args, **kwargs)
+
+    reporting._say_interrupted = busy_say
+    """
+    )
+    + SCAN_RECORDING_EXIT
+)
+
+
+def test_torchruns_late_sigterm_after_scancels_leaves_the_line_and_exit_130(four_layers, tmp_path):
+    """scancel SIGTERMs every rank and torchrun; torchrun then SIGTERMs the ranks again. On a busy node torchrun's
+    came after a rank had left the scan, while it was getting to its interrupted line: both ranks died there (-15),
+    and the job ended without any line (the scancel case above failed so under load: no exit marks). Here torchrun
+    gets its SIGTERM once both ranks are on their way to the line, which takes them 3 s."""
+    with scan_job(_BUSY_SAYING, four_layers.path, tmp_path) as (job, marks):
+        deadline = time.monotonic() + 120
+        while not all((marks / f"scanning-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            assert job.poll() is None, job.stdout.read()
+            time.sleep(0.1)
+        for r in (0, 1):
+            os.kill(int((marks / f"scanning-{r}").read_text()), signal.SIGTERM)  # scancel's, to each rank
+        while not all((marks / f"saying-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(job.pid, signal.SIGTERM)  # scancel's to torchrun, which passes it on to the ranks
+        output, _ = job.communicate(timeout=120)
+    assert said(output) == [INTERRUPTED], output
+    assert [(marks / f"exit-{r}").read_text() for r in (0, 1) if (marks / f"exit-{r}").exists()] == ["130", "130"]
 
 
 # --------------------------------------------------------------------------- an error on one rank only
