@@ -24,7 +24,8 @@ def sigterm_interrupts(info: RankInfo) -> Iterator[None]:
     torchrun stops every rank with SIGTERM when one fails (a killed rank, another node's error); rank 0 used to
     die silently, leaving only torchrun's report, which names the failed rank but not how to go on. Only in the
     main thread, only over the default handler (never a program's own), restored after; not for ``--devices``
-    workers, which their parent stops and reports itself."""
+    workers, which their parent stops and reports itself. Only the first SIGTERM raises (scancel's and torchrun's
+    both come)."""
 
     if (
         info.world_size == 1
@@ -36,7 +37,13 @@ def sigterm_interrupts(info: RankInfo) -> Iterator[None]:
         yield
         return
 
+    fired = False
+
     def interrupt(signum: int, frame: Any) -> None:
+        nonlocal fired
+        if fired:  # scancel's SIGTERM and torchrun's: a second one while the first unwinds (finishing the part being
+            return  # written, telling the other ranks) would cut that short, raised wherever it lands
+        fired = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)

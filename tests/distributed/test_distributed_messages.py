@@ -361,3 +361,20 @@ def test_a_late_sigterm_while_a_rank_says_its_line_does_not_end_it(tmp_path):
     script.write_text(_SAYS_WHILE_SIGTERMED)
     done = run([sys.executable, str(script), INTERRUPTED], check=False, timeout=120)
     assert (done.returncode, done.stdout.splitlines()) == (0, [f"rank 1: {INTERRUPTED}", "exit True"]), done.stderr
+
+
+def test_a_second_sigterm_while_rank_0_unwinds_a_python_callers_scan_raises_nothing(monkeypatch):
+    """Rank 0 of a torchrun job scanning from Python (no CLI handler): SIGTERM raises KeyboardInterrupt, so that the
+    scan ends as after a Ctrl-C. scancel's SIGTERM and torchrun's both reach it: the second raised again while the
+    first unwound (finishing the part being written, telling the other ranks), wherever it landed. Now the first
+    alone raises; SIGTERM's default action is back after."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t21")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with distributed.signals.sigterm_interrupts(RankInfo(0, 2, 0, 2)):
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+        try:
+            signal.raise_signal(signal.SIGTERM)  # torchrun's, while the first unwinds
+        except KeyboardInterrupt:
+            pytest.fail("the second SIGTERM raised KeyboardInterrupt again")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
