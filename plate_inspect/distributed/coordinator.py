@@ -89,8 +89,10 @@ class Coordinator:
             outcome = box[0]
         ok, value = outcome
         if not ok:
-            if not self.is_root:
-                self._verdict = value  # rank 0 failed with it and says it (say_once): this rank stays quiet
+            # rank 0's verdict on every rank, rank 0's own included: rank 0 says it as it is (say_once), the others
+            # stay quiet (on rank 0 it passed for its own error in its share: "another scan is writing this bundle"
+            # got "the part files finished so far are kept: rerun the same command to resume")
+            self._verdict = value
             raise value
         return value
 

@@ -26,7 +26,8 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 def parse_devices(spec: str | Sequence[str]) -> list[str]:
     """'cuda:0,cuda:1' or 'all' (every visible GPU) -> device names; repeated 'cpu' entries run CPU workers. A list
-    of names is taken too; anything else (a number, None) is a ConfigError naming ``devices``."""
+    of names is taken too; anything else (a number, None) is a ConfigError naming ``devices``. GPUs come back as
+    torch names them (``cuda:01`` is ``cuda:1``); one named twice, or not visible, is a ConfigError."""
     from plate_inspect.targets import name_list
 
     if not isinstance(spec, str):
@@ -41,20 +42,29 @@ def parse_devices(spec: str | Sequence[str]) -> list[str]:
                 )
             return [f"cuda:{i}" for i in range(count)]
         spec = [d.strip() for d in spec.split(",") if d.strip()]
-    devices = list(spec)
-    if not devices:
+    given = [d.strip() for d in spec]
+    if not given:
         raise ConfigError("--devices is empty; give e.g. cuda:0,cuda:1 or all")
+    devices = [_device_name(d) for d in given]
     cuda = [d for d in devices if d != "cpu"]
     if len(set(cuda)) != len(cuda):
-        raise ConfigError(f"--devices names a GPU twice ({', '.join(devices)}); give each GPU once")
+        raise ConfigError(f"--devices names a GPU twice ({', '.join(given)}); give each GPU once")
+    count = torch.cuda.device_count()
     for d in cuda:
-        head, _, index = d.partition(":")
-        if head != "cuda" or not index.isdigit():
-            raise ConfigError(f"--devices: '{d}' is not cpu or cuda:N")
-        dev = torch.device(d)
-        if dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"--devices: {d} is not visible (this machine shows {torch.cuda.device_count()} GPUs)")
+        if torch.device(d).index >= count:
+            raise ConfigError(f"--devices: {d} is not visible (this machine shows {count} GPUs)")
     return devices
+
+
+def _device_name(entry: str) -> str:
+    """One --devices entry as torch names it: ``cpu``, or ``cuda:N`` with N in decimal digits (``cuda:01`` is
+    ``cuda:1``, so that naming a GPU twice is seen; torch itself refused it with a traceback)."""
+    if entry == "cpu":
+        return entry
+    head, _, index = entry.partition(":")
+    if head != "cuda" or not (index.isascii() and index.isdigit()):
+        raise ConfigError(f"--devices: '{entry}' is not cpu or cuda:N")
+    return f"cuda:{int(index)}"
 
 
 def scan_on_devices(

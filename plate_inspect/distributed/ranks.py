@@ -67,8 +67,16 @@ def rank_device(device: torch.device, info: RankInfo) -> torch.device:
         return device
     count = torch.cuda.device_count()
     if info.local_rank >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        # a scheduler that binds one GPU to each rank (Slurm's --gpus-per-task) shows each rank its own as cuda:0
+        bound = (
+            f" (CUDA_VISIBLE_DEVICES={visible}: if the scheduler gives each rank a GPU of its own, give --device "
+            "cuda:0)"
+            if visible is not None
+            else ""
+        )
         raise ConfigError(
-            f"rank {info.rank} has LOCAL_RANK={info.local_rank} but this machine shows {count} CUDA devices; "
-            "run at most one process per GPU (--nproc-per-node)"
+            f"rank {info.rank} has LOCAL_RANK={info.local_rank} but this process sees {count} CUDA "
+            f"device{'' if count == 1 else 's'}{bound}; run at most one process per GPU (--nproc-per-node)"
         )
     return torch.device("cuda", info.local_rank)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from plate_inspect.distributed import identity, timing
 from plate_inspect.distributed.messages import RESUME
 from plate_inspect.distributed.ranks import RankInfo, rank_from_env
+from plate_inspect.distributed.signals import sigterm_ignored_while_saying
 from plate_inspect.distributed.store import BoundedStore, agent_store
 from plate_inspect.distributed.tracking import FAULT_ATTRIBUTE, Fault, job_key, scan_now
 from plate_inspect.errors import ConfigError
@@ -48,7 +49,9 @@ def say_once(
       line of its own (its error says how to resume; torchrun stops the others).
 
     A rank without an agent store (a job started without torchrun, or its store gone) says its line with its rank.
-    A rank that says a line posts it after printing, so that no rank falls quiet (and exits) before it spoke."""
+    A rank that says a line posts it after printing, so that no rank falls quiet (and exits) before it spoke. A
+    SIGTERM that comes while it says its line (torchrun's, after scancel's own) is ignored
+    (:func:`~plate_inspect.distributed.signals.sigterm_ignored_while_saying`)."""
     if info is None:
         try:
             info = rank_from_env()
@@ -57,6 +60,12 @@ def say_once(
     if info.world_size == 1:
         say(line)
         return
+    with sigterm_ignored_while_saying():  # torchrun's SIGTERM, late on a busy node, no longer ends the rank here
+        _say_in_job(line, say, error, info)
+
+
+def _say_in_job(line: str, say: Callable[[str], None], error: BaseException | None, info: RankInfo) -> None:
+    """:func:`say_once` in a job of several ranks."""
     fault = getattr(error, FAULT_ATTRIBUTE, None)
     if not isinstance(fault, Fault):  # raised outside a scan (scan_now says which one it belongs to)
         fault = Fault("interrupted" if isinstance(error, KeyboardInterrupt) else "own", info.rank, scan=scan_now())

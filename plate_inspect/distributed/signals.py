@@ -24,7 +24,8 @@ def sigterm_interrupts(info: RankInfo) -> Iterator[None]:
     torchrun stops every rank with SIGTERM when one fails (a killed rank, another node's error); rank 0 used to
     die silently, leaving only torchrun's report, which names the failed rank but not how to go on. Only in the
     main thread, only over the default handler (never a program's own), restored after; not for ``--devices``
-    workers, which their parent stops and reports itself."""
+    workers, which their parent stops and reports itself. Only the first SIGTERM raises (scancel's and torchrun's
+    both come)."""
 
     if (
         info.world_size == 1
@@ -36,7 +37,13 @@ def sigterm_interrupts(info: RankInfo) -> Iterator[None]:
         yield
         return
 
+    fired = False
+
     def interrupt(signum: int, frame: Any) -> None:
+        nonlocal fired
+        if fired:  # scancel's SIGTERM and torchrun's: a second one while the first unwinds (finishing the part being
+            return  # written, telling the other ranks) would cut that short, raised wherever it lands
+        fired = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
@@ -44,6 +51,34 @@ def sigterm_interrupts(info: RankInfo) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sigterm_ignored_while_saying() -> Iterator[None]:
+    """While a rank says its line (:func:`say_once`), a SIGTERM at its default action is ignored, not fatal.
+
+    scancel gives every rank a SIGTERM and torchrun, stopped by its own, sends each rank another one: the first ends
+    the scan (the CLI turns it into a KeyboardInterrupt), and the CLI's handler is gone by the time the rank says the
+    interrupted line. On a busy node torchrun's SIGTERM came seconds later, while rank 1 waited for rank 0's line (or
+    before rank 0 had printed it): the rank died there (exit -15, not 130), and a rank 0 killed so left the job
+    without its interrupted line.
+    Saying is bounded (``timing.SAID_WAIT_SECONDS``, and torchrun's SIGKILL after its shutdown timeout); the process
+    exits right after. Only in the main thread, only over the default handler (never a program's own)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _ignore)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """A signal handler that does nothing (unlike SIG_IGN, a child started meanwhile gets the default back)."""
 
 
 @contextlib.contextmanager

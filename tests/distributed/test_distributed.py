@@ -12,11 +12,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from helpers_distributed import EXE, ONE_THREAD, run, torchrun
 from oracles import assert_same_bundle
 
 import plate_inspect
-from plate_inspect.distributed import assign_parts, module_cost, parse_devices, rank_from_env
+from plate_inspect.distributed import RankInfo, assign_parts, module_cost, parse_devices, rank_device, rank_from_env
 from plate_inspect.errors import BundleError, ConfigError
 
 
@@ -265,3 +266,24 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "X"
+
+
+def test_a_rank_bound_to_a_gpu_of_its_own_is_told_to_give_cuda_0(monkeypatch):
+    """`--device cuda` gives rank N cuda:LOCAL_RANK. A scheduler that binds one GPU to each rank (Slurm's
+    --gpus-per-task=1) shows each rank only its own, as cuda:0: rank 3 was told to run one process per GPU, which it
+    did. The line now names CUDA_VISIBLE_DEVICES and --device cuda:0 (an explicit index is kept on every rank)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    rank_3 = RankInfo(rank=3, world_size=4, local_rank=3, local_world_size=4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ConfigError) as bound:
+        rank_device(torch.device("cuda"), rank_3)
+    assert str(bound.value) == (
+        "rank 3 has LOCAL_RANK=3 but this process sees 1 CUDA device (CUDA_VISIBLE_DEVICES=3: if the scheduler gives "
+        "each rank a GPU of its own, give --device cuda:0); run at most one process per GPU (--nproc-per-node)"
+    )
+    assert rank_device(torch.device("cuda:0"), rank_3) == torch.device("cuda:0")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"^rank 3 has LOCAL_RANK=3 but this process sees 2 CUDA devices; run at"):
+        rank_device(torch.device("cuda"), rank_3)
+    assert rank_device(torch.device("cuda"), RankInfo(1, 4, 1, 4)) == torch.device("cuda", 1)

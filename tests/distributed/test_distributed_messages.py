@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import textwrap
 import threading
 import time
 
 import pytest
+import torch
 from helpers_distributed import (
     SCAN_RECORDING_EXIT,
     agent_store_for_rank_1,
@@ -32,9 +34,8 @@ INTERRUPTED = "interrupted: finished modules are saved; rerun the same command t
 
 
 # --------------------------------------------------------------------------- Ctrl-C and SIGTERM
-_SLOW_CLI = (
-    textwrap.dedent(
-        """
+_SLOW_SHARE = textwrap.dedent(
+    """
     import os, sys, time
     from pathlib import Path
     from plate_inspect import scanner
@@ -50,9 +51,8 @@ _SLOW_CLI = (
 
     scanner._compute = slow_compute
     """
-    )
-    + SCAN_RECORDING_EXIT
 )
+_SLOW_CLI = _SLOW_SHARE + SCAN_RECORDING_EXIT
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "scancel"])
@@ -73,6 +73,46 @@ def test_an_interrupted_job_says_so_once(four_layers, tmp_path, how):
         output, _ = job.communicate(timeout=120)
     assert said(output) == [INTERRUPTED], output
     assert [(marks / f"exit-{r}").read_text() for r in (0, 1)] == ["130", "130"]
+
+
+_BUSY_SAYING = (
+    _SLOW_SHARE
+    + textwrap.dedent(
+        """
+    from plate_inspect.distributed import reporting
+
+    _say = reporting._say_interrupted
+
+    def busy_say(*args, **kwargs):  # a rank on a busy node: 3 s from the interrupt to its line
+        (marks / f"saying-{rank}").write_text("")
+        time.sleep(3)
+        return _say(*args, **kwargs)
+
+    reporting._say_interrupted = busy_say
+    """
+    )
+    + SCAN_RECORDING_EXIT
+)
+
+
+def test_torchruns_late_sigterm_after_scancels_leaves_the_line_and_exit_130(four_layers, tmp_path):
+    """scancel SIGTERMs every rank and torchrun; torchrun then SIGTERMs the ranks again. On a busy node torchrun's
+    came after a rank had left the scan, while it was getting to its interrupted line: both ranks died there (-15),
+    and the job ended without any line (the scancel case above failed so under load: no exit marks). Here torchrun
+    gets its SIGTERM once both ranks are on their way to the line, which takes them 3 s."""
+    with scan_job(_BUSY_SAYING, four_layers.path, tmp_path) as (job, marks):
+        deadline = time.monotonic() + 120
+        while not all((marks / f"scanning-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            assert job.poll() is None, job.stdout.read()
+            time.sleep(0.1)
+        for r in (0, 1):
+            os.kill(int((marks / f"scanning-{r}").read_text()), signal.SIGTERM)  # scancel's, to each rank
+        while not all((marks / f"saying-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(job.pid, signal.SIGTERM)  # scancel's to torchrun, which passes it on to the ranks
+        output, _ = job.communicate(timeout=120)
+    assert said(output) == [INTERRUPTED], output
+    assert [(marks / f"exit-{r}").read_text() for r in (0, 1) if (marks / f"exit-{r}").exists()] == ["130", "130"]
 
 
 # --------------------------------------------------------------------------- an error on one rank only
@@ -220,6 +260,26 @@ def test_the_kind_of_fault_decides_who_says_it(agent_store, monkeypatch):
     assert timed_say_once("disk full on node 0", mine)[0] == [f"disk full on node 0; {distributed.messages.RESUME}"]
 
 
+def test_a_verdict_of_rank_0_is_said_on_rank_0_as_it_is(agent_store, monkeypatch):
+    """Rank 0's own verdict (:meth:`Coordinator.on_root`: another job holds the --out directory's lock, two jobs
+    started at once) passed on rank 0 for its own error in its share: its line got "the part files finished so far
+    are kept: rerun the same command to resume", wrong while the other job runs. Now rank 0 says it as a single
+    process would (the ranks that received it stay quiet: test_the_kind_of_fault_decides_who_says_it)."""
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda box, src: None)  # (rank 0's box: as is)
+    locked = BundleError("/b: another scan is writing this bundle right now (the directory is locked)")
+
+    def open_directory() -> None:
+        raise locked
+
+    monkeypatch.setenv("RANK", "0")
+    group = distributed.Coordinator(RankInfo(0, 2, 0, 2))
+    group.agreed = True  # (the ranks agreed on the plan before rank 0 opened the directory)
+    with pytest.raises(BundleError) as raised:
+        group.on_root(open_directory)
+    distributed.reporting.record_fault(raised.value, group)  # (as join does)
+    assert timed_say_once(str(locked), raised.value)[0] == [str(locked)]
+
+
 def test_an_interruption_is_said_by_rank_0_unless_a_rank_said_why(agent_store, monkeypatch):
     """Interrupted: rank 0 says it; rank 1 is quiet once rank 0 has, and says it with its rank when rank 0 said
     nothing within the wait (rank 0 gone, or busy: then rank 0 is quiet when it gets to it, session 18). After a
@@ -269,3 +329,52 @@ def test_a_rank_whose_rank_0_stopped_beating_does_not_wait_for_the_bound(agent_s
         beating.set()
         thread.join()
     assert out == [f"rank 1: {INTERRUPTED}"] and took >= 2.0  # waited for the bound: rank 0 was alive
+
+
+_SAYS_WHILE_SIGTERMED = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    from datetime import timedelta
+    import torch
+    from plate_inspect import distributed
+    from plate_inspect.distributed import say_once
+
+    port = distributed.devices._free_port()  # the agent store, with rank 1's environment
+    server = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    os.environ.update(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="late", TORCHELASTIC_RESTART_COUNT="0")
+    distributed.timing.SAID_WAIT_SECONDS, distributed.timing.QUIET_EXIT_SECONDS = 3.0, 0.0
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # torchrun's, while rank 1 waits
+    say_once(sys.argv[1], print, KeyboardInterrupt())
+    print("exit", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    """
+)
+
+
+def test_a_late_sigterm_while_a_rank_says_its_line_does_not_end_it(tmp_path):
+    """scancel SIGTERMs every rank, and torchrun, stopped by its own SIGTERM, sends each rank another. On a busy
+    node torchrun's came seconds after the first had ended the scan, when the CLI's handler was gone: rank 1,
+    waiting for rank 0's interrupted line, died at the signal's default action (exit -15: the flake of the scancel
+    case above under load), as did a rank 0 that had not printed it yet. Now a rank saying its line ignores it: rank
+    1 says the line when rank 0 said nothing within the wait, and SIGTERM's default action is back after."""
+    script = tmp_path / "late_sigterm.py"
+    script.write_text(_SAYS_WHILE_SIGTERMED)
+    done = run([sys.executable, str(script), INTERRUPTED], check=False, timeout=120)
+    assert (done.returncode, done.stdout.splitlines()) == (0, [f"rank 1: {INTERRUPTED}", "exit True"]), done.stderr
+
+
+def test_a_second_sigterm_while_rank_0_unwinds_a_python_callers_scan_raises_nothing(monkeypatch):
+    """Rank 0 of a torchrun job scanning from Python (no CLI handler): SIGTERM raises KeyboardInterrupt, so that the
+    scan ends as after a Ctrl-C. scancel's SIGTERM and torchrun's both reach it: the second raised again while the
+    first unwound (finishing the part being written, telling the other ranks), wherever it landed. Now the first
+    alone raises; SIGTERM's default action is back after."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t21")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with distributed.signals.sigterm_interrupts(RankInfo(0, 2, 0, 2)):
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+        try:
+            signal.raise_signal(signal.SIGTERM)  # torchrun's, while the first unwinds
+        except KeyboardInterrupt:
+            pytest.fail("the second SIGTERM raised KeyboardInterrupt again")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
