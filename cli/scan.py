@@ -273,7 +273,10 @@ def scan_command(
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM (kill, a batch scheduler's preemption, a container stop) ends the scan as Ctrl-C does: the part file
     being written is finished, the same "interrupted ... rerun to resume" line is printed, exit code 130. Without
-    it the process died mid-write: no message, a stray temp file, the layer being written lost."""
+    it the process died mid-write: no message, a stray temp file, the layer being written lost. Once it fired, later
+    SIGTERMs stay ignored after the scan too: the process is on its way out (exit 130), and torchrun's SIGTERM, late
+    after scancel's on a busy node, killed a rank before it had said the interrupted line (say_once ignores one
+    while a rank says it; this covers the moment between)."""
 
     fired = False
 
@@ -291,7 +294,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not fired:
+            signal.signal(signal.SIGTERM, previous)
 
 
 #: Where ``scan --report`` writes its report, inside the bundle directory.
