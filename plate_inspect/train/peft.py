@@ -499,6 +499,24 @@ def _carried_digests(b_idx: torch.Tensor, q: torch.Tensor) -> dict[str, str]:
 _CARRY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _zero_empty_a(model: nn.Module, adapter_name: str) -> None:
+    """Give a zero A (PLATE's start) to every branch of ``adapter_name`` that peft made on the meta device beside a
+    loaded weight (``low_cpu_mem_usage=True``: the tensors wait for a state dict, and ``get_peft_model`` loads none).
+
+    A meta A is no value: torch's CPU kernels read it as garbage (the logits moved, training stepped nothing). A
+    zero A costs r*k numbers; a state dict loaded afterwards (``PeftModel.from_pretrained``, assign=True) replaces
+    it. Branches made on meta-device weights keep a meta A until their weights come (``AwaitingWeights``).
+    """
+    for layer in model.modules():
+        if not isinstance(layer, PlateLayer) or adapter_name not in layer.plate_A:
+            continue
+        a = layer.plate_A[adapter_name]
+        weight = layer_weight(layer.get_base_layer())
+        if is_meta_tensor(a) and not is_meta_tensor(weight) and f"plate_A.{adapter_name}" not in layer._awaiting:
+            zero = torch.zeros(a.shape, dtype=a.dtype, device=weight.device)
+            layer.plate_A[adapter_name] = nn.Parameter(zero, requires_grad=a.requires_grad)
+
+
 def _plate_config(config: PeftConfig) -> PlateConfig:
     """A PlateModel's adapter config (peft types ``peft_config`` as holding any PeftConfig; a tuner holds its own)."""
     assert isinstance(config, PlateConfig), f"a PlateModel adapter with a {type(config).__name__}"
@@ -779,7 +797,10 @@ class PlateModel(BaseTuner):
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         """peft upcasts every bf16/fp16 adapter tensor to float32 (``autocast_adapter_dtype``, on by default): right
         for A, but a carried Q stays in the model's dtype, as ``carry_geometry`` promises (half the adapter's size
-        in bf16; the widened values are the same, so the round trip is exact)."""
+        in bf16; the widened values are the same, so the round trip is exact).
+        peft calls this after making an adapter, outside its ``low_cpu_mem_usage`` context: where a meta A is given
+        its zero start (``_zero_empty_a``)."""
+        _zero_empty_a(self.model, adapter_name)
         super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
         for layer in self.model.modules():
             if isinstance(layer, PlateLayer) and adapter_name in layer.plate_carried:
