@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -672,23 +673,48 @@ def plate_layers(model: nn.Module) -> dict[str, PlateLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, PlateLinear)}
 
 
+#: what a PeftModel offers for each of the functions below that act on apply_bundle's layers
+PEFT_WAY = {
+    "merge_all": "model.merge_adapter() (or merge_and_unload())",
+    "unmerge_all": "model.unmerge_adapter()",
+    "unload": "model.merge_and_unload() (model.unload() drops the adapters unmerged)",
+    "save_adapter": "model.save_pretrained(DIRECTORY)",
+}
+
+
+def own_plate_layers(model: nn.Module, function: str) -> dict[str, PlateLinear]:
+    """``plate_layers(model)`` for a function acting on apply_bundle's layers; a model whose PLATE layers are the
+    PEFT method's is refused naming peft's own call (these functions found no layer there and returned as if
+    done: ``unload`` handed back the PeftModel with its adapters in place)."""
+    layers = plate_layers(model_argument(model, function))
+    peft_module = sys.modules.get("plate_inspect.train.peft")  # not imported: no PEFT PLATE layer can exist
+    if not layers and peft_module is not None:
+        peft_layer = next((n for n, m in model.named_modules() if isinstance(m, peft_module.PlateLayer)), None)
+        if peft_layer is not None:
+            raise ConfigError(
+                f"{function}: the model's PLATE layers are the PEFT method's ('{peft_layer}', ...), not "
+                f"apply_bundle's; use {PEFT_WAY[function]}"
+            )
+    return layers
+
+
 def merge_all(model: nn.Module) -> None:
     """merge() every PLATE layer."""
-    for layer in plate_layers(model_argument(model, "merge_all")).values():
+    for layer in own_plate_layers(model, "merge_all").values():
         layer.merge()
 
 
 def unmerge_all(model: nn.Module) -> None:
     """unmerge() every PLATE layer."""
-    for layer in plate_layers(model_argument(model, "unmerge_all")).values():
+    for layer in own_plate_layers(model, "unmerge_all").values():
         layer.unmerge()
 
 
 def unload(model: nn.Module, merge: bool = True) -> nn.Module:
     """Replace every PLATE layer by its base layer (merged first unless ``merge=False``); returns the model."""
-    model_argument(model, "unload")
+    layers = own_plate_layers(model, "unload")
     bool_argument(merge, "merge")
-    for name, layer in plate_layers(model).items():
+    for name, layer in layers.items():
         if merge:
             layer.merge()
         else:
@@ -728,7 +754,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     refuse_to_replace(
         path, _is_adapter_file, "a PLATE adapter", "the adapter", "path", str(path.with_name("adapter.safetensors"))
     )
-    layers = plate_layers(model)
+    layers = own_plate_layers(model, "save_adapter")
     if not layers:
         raise ConfigError("the model has no PLATE layers to save; call apply_bundle first")
     tensors, digests, fingerprints, ks, sketches, rhos, q_dtypes = {}, {}, {}, {}, {}, {}, {}

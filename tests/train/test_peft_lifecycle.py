@@ -74,3 +74,28 @@ def test_low_cpu_mem_usage_loading_keeps_the_saved_a(qwen, tmp_path):
         loaded.set_adapter("two")
         assert torch.equal(loaded(input_ids=_ids()).logits, want)
 
+
+@pytest.mark.parametrize(
+    ("function", "peft_way"),
+    [("merge_all", "merge_adapter()"), ("unmerge_all", "unmerge_adapter()"), ("unload", "merge_and_unload()")],
+)
+def test_apply_bundle_tools_refuse_a_peft_model(qwen, function, peft_way):
+    """merge_all / unmerge_all / unload act on apply_bundle's layers; on a PeftModel they found none and returned
+    as if done (unload handed back the PeftModel, adapters in place). Now: one line naming peft's own call."""
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.train import layer as plate_layer
+
+    model = get_peft_model(_base(qwen), PlateConfig(bundle=str(qwen / "bundle")))
+    with pytest.raises(ConfigError, match=rf"{function}: .*PEFT.*{peft_way.replace('(', '[(]').replace(')', '[)]')}"):
+        getattr(plate_layer, function)(model)
+    assert sum(isinstance(m, PlateLayer) for m in model.modules()) == 14  # left as it was
+
+
+def test_save_adapter_of_a_peft_model_names_save_pretrained(qwen, tmp_path):
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.train.layer import save_adapter
+
+    model = get_peft_model(_base(qwen), PlateConfig(bundle=str(qwen / "bundle")))
+    with pytest.raises(ConfigError, match=r"save_adapter: .*PEFT.*save_pretrained"):
+        save_adapter(model, tmp_path / "adapter.safetensors")
+    assert not (tmp_path / "adapter.safetensors").exists()
