@@ -395,6 +395,31 @@ def unresolved_modules(model: nn.Module, missing: list[str], resolved: int) -> B
     )
 
 
+def is_offloaded(module: nn.Module, model: nn.Module | None = None) -> bool:
+    """True when accelerate offloads the module's weights (``device_map`` with cpu/disk offload): the module holds
+    them on the meta device between calls and its hook brings them in for each call. ``model``: the model it is in;
+    peft's ``from_pretrained`` removes the hooks before it adds the adapter (and dispatches again after loading), so
+    there a meta weight in a model whose ``hf_device_map`` offloads tells it."""
+    hook = getattr(module, "_hf_hook", None)
+    if any(getattr(h, "offload", False) is True for h in getattr(hook, "hooks", (hook,))):
+        return True
+    device_map = getattr(model, "hf_device_map", None)
+    offloading = isinstance(device_map, dict) and bool({"cpu", "disk"} & {str(d) for d in device_map.values()})
+    return offloading and is_meta_tensor(layer_weight(module))
+
+
+def refuse_offloaded(module: nn.Module, name: str, model: nn.Module | None = None) -> None:
+    """BundleError for a layer accelerate offloads: its meta weight is no model made on the meta device (no
+    ``to_empty()`` + load will come), and PLATE needs the values (the weight check, merging)."""
+    if is_offloaded(module, model):
+        raise BundleError(
+            f"module '{name}': accelerate offloads its weight (device_map put its layer on 'cpu' or 'disk' with "
+            "offload), and PLATE needs it in memory (to check it against the bundle, to merge into it): load the "
+            "model with a device_map that keeps the adapted layers on a device (or none), or leave the offloaded "
+            "layers out (target_modules / apply_bundle(modules=...))"
+        )
+
+
 def check_module_against_record(
     module: nn.Module,
     name: str,
@@ -415,6 +440,7 @@ def check_module_against_record(
             f"module '{name}' is already wrapped ({type(module).__name__}); use one PLATE route per model "
             f"(apply_bundle or the PEFT method; several PEFT adapters: add_adapter), or {how} first"
         )
+    refuse_offloaded(module, name)
     layout = layout_of(module)
     shape = list(oriented_shape(module))
     if shape != list(record.shape):

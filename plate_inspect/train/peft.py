@@ -63,6 +63,7 @@ from plate_inspect.train.layer import (
     module_geometry,
     note_loaded_a,
     oriented_shape,
+    refuse_offloaded,
     resolve_module_names,
     settle_branch,
     unresolved_modules,
@@ -834,6 +835,7 @@ class PlateModel(BaseTuner):
             ref = recorded.get(m, {}).get("sketch")
             ref = WeightSketch.from_json(ref) if ref else None
             module = _tuner_base(model.get_submodule(m), m)
+            refuse_offloaded(module, m, model)
             meta = is_meta_tensor(layer_weight(module))  # checked once loaded (AwaitingWeights)
             sketch = check_module_against_record(
                 module, m, rec, config.check_fingerprints and not meta, ref, bundle, adapter=bool(recorded)
@@ -889,6 +891,7 @@ class PlateModel(BaseTuner):
                     f"adapter module '{m}': the model has no such module; it belongs to another model"
                 ) from None
             module = _tuner_base(module, m)
+            refuse_offloaded(module, m, model)
             if is_meta_tensor(layer_weight(module)):
                 raise BundleError(
                     f"adapter module '{m}': the model's weights are on the meta device; an adapter that carries its "
