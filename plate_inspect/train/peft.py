@@ -145,8 +145,11 @@ def _modules_to_save(value: object) -> list[str] | None:
 class PlateConfig(PeftConfig):
     """Configuration of a PLATE adapter: the bundle it is built from, rho, and optionally a subset of its modules."""
 
-    # required: "" (or None) is refused in __post_init__, which makes it the absolute path as a str
-    bundle: str | os.PathLike = field(default="", metadata={"help": "Path of the PLATE init bundle (from scan)."})
+    # required: "" (or None) is refused in __post_init__, which makes it the absolute path as a str (a Bundle, as
+    # scan() returns, is taken for its directory; typed as what the adapter holds)
+    bundle: str | os.PathLike = field(
+        default="", metadata={"help": "Path of the PLATE init bundle (from scan), or the Bundle scan() returns."}
+    )
     rho: float = field(default=0.5, metadata={"help": "Scale of the update: W' = W + rho B A Q^T."})
     target_modules: list[str] | str | set[str] | None = field(
         default=None,
@@ -193,6 +196,8 @@ class PlateConfig(PeftConfig):
         self.peft_type = PLATE_TYPE
         if not self.bundle:
             raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
+        if isinstance(self.bundle, Bundle):  # what scan() returns, and apply_bundle takes: its directory
+            self.bundle = self.bundle.path
         self.bundle = str(path_argument(self.bundle, "bundle").expanduser().resolve())
         self.rho = check_rho(self.rho)
         for name, (accepts, want) in _FIELD_TYPES.items():  # at construction, not as an AttributeError later
