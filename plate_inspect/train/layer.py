@@ -183,7 +183,8 @@ class PlateLinear(nn.Module):
         y = self.base(x)
         if self.merged:
             return y
-        return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=self._inplace)
+        inplace = self._inplace and not self.base._forward_hooks  # a hook may hold the base output: keep it
+        return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=inplace)
 
     @torch.compiler.disable
     def settle(self, zero_a: bool) -> None:

@@ -394,10 +394,13 @@ class PlateLayer(nn.Module, BaseTunerLayer):
             if self.merged:
                 self.unmerge()
             return self.base_layer(x, *args, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
+        base_out = self.base_layer(x, *args, **kwargs)
         if self.merged:
-            return result
-        for i, name in enumerate(a for a in self.active_adapters if a in self.plate_A):
+            return base_out
+        # in place into the base output only when nothing else holds it (a forward hook on the base layer may)
+        own = self._inplace and not self.get_base_layer()._forward_hooks
+        result = base_out
+        for name in (a for a in self.active_adapters if a in self.plate_A):
             result = add_branch(
                 result,
                 x,
@@ -405,7 +408,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
                 self.plate_Q[name],
                 self.plate_A[name],
                 self.plate_rho[name],
-                inplace=self._inplace or i > 0,
+                inplace=own or result is not base_out,
             )
         return result
 
