@@ -3,6 +3,7 @@ AttributeError or TypeError inside get_peft_model; modules_to_save is read as pe
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -146,3 +147,13 @@ def test_bundle_may_be_the_bundle_object_scan_returns(digits, tmp_path):
     assert a.peft_config["default"].bundle_digest == b.peft_config["default"].bundle_digest
     a.save_pretrained(tmp_path / "adapter")
     assert PlateConfig.from_pretrained(tmp_path / "adapter").bundle == bundle
+
+
+@pytest.mark.parametrize(("given", "shown"), [([], "[]"), (["zzz", "yyy"], "['yyy', 'zzz']")])
+def test_target_modules_matching_nothing_are_shown_as_given(digits, given, shown):
+    """The refusal showed peft's set of the list ("target_modules set() match none ..." for an empty list)."""
+    from plate_inspect.errors import BundleError
+
+    ckpt, bundle = digits
+    with pytest.raises(BundleError, match=rf"^target_modules {re.escape(shown)} match none of the bundle's"):
+        get_peft_model(load_digits(ckpt), PlateConfig(bundle=bundle, target_modules=given))
