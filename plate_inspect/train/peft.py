@@ -653,9 +653,9 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
         hint = ""
         if isinstance(tm, str) and any(m.endswith("." + tm) for m in mapping.values()):
             hint = f" (to match it as a name suffix, pass a list: target_modules=[{tm!r}])"
+        given = tm if isinstance(tm, str) else sorted(tm or ())  # as given, not peft's set ("set()" for [])
         raise BundleError(
-            f"target_modules {tm if isinstance(tm, str) else sorted(tm)!r} match none of the bundle's {len(mapping)} "
-            f"modules ({shown}, ...){hint}; "
+            f"target_modules {given!r} match none of the bundle's {len(mapping)} modules ({shown}, ...){hint}; "
             "accepted: a list of module names or name suffixes, the model's or the bundle's (['q_proj', 'v_proj']); "
             "a string, which as in peft is a regular expression matching whole names ('.*\\.q_proj'); "
             "None or 'all-linear' for every module of the bundle"
