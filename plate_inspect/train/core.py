@@ -240,7 +240,12 @@ def merge_rows(
 
 @torch.no_grad()
 def unmerge_rows(weight: torch.Tensor, layout: str, b_idx: torch.Tensor, saved: torch.Tensor) -> None:
-    """Put back the rows ``merge_rows`` replaced: the weight is bit-identical to before the merge."""
+    """Put back the rows ``merge_rows`` replaced: the weight is bit-identical to before the merge.
+
+    The rows stay as they were at merge time; a model cast or moved since (``merge_adapter()``, ``.to(bf16)``,
+    ``unmerge_adapter()``) gets them cast and moved as its weight was: the cast of the unmerged weight, exactly.
+    """
+    saved = saved.to(weight.device, weight.dtype)
     if layout == "conv1d":
         weight[:, b_idx] = saved
     else:
