@@ -4,8 +4,8 @@ Such a layer holds its weight on the meta device between calls (accelerate's hoo
 the PLATE routes took it for a model made on the meta device: ``get_peft_model`` / ``apply_bundle`` deferred the
 weight check, and the first forward failed saying to load the weights with ``to_empty()`` (which would wipe the
 offloaded model); ``PeftModel.from_pretrained`` failed inside torch ("Cannot copy out of meta tensor"), after
-peft's offload bookkeeping had already rewritten the base checkpoint's file in place. Now each route refuses in
-one line, naming the module and what to do, before anything is changed on disk.
+peft's offload bookkeeping had already rewritten the base checkpoint's file (loaded by a relative path) in place.
+Now each route refuses in one line, naming the module and what to do, before anything is changed on disk.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ def qwen(tmp_path_factory):
     return root
 
 
-def _offloaded(root, tmp_path):
+def _offloaded(root, tmp_path, path=None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        root / "model", dtype=torch.float32, device_map=DEVICE_MAP, offload_folder=str(tmp_path / "offload")
+        path or root / "model", dtype=torch.float32, device_map=DEVICE_MAP, offload_folder=str(tmp_path / "offload")
     )
     assert model.model.layers[1].self_attn.q_proj.weight.is_meta  # offloaded: accelerate brings it in per call
     return model
@@ -72,7 +72,9 @@ def test_get_peft_model_and_apply_bundle_refuse_offloaded_layers(qwen, tmp_path)
 
 
 @pytest.mark.parametrize("carry", [False, True])
-def test_from_pretrained_refuses_offloaded_layers_and_leaves_the_checkpoint(qwen, tmp_path, carry):
+def test_from_pretrained_refuses_offloaded_layers_and_leaves_the_checkpoint(qwen, tmp_path, carry, monkeypatch):
+    """peft's offload bookkeeping writes its renamed copy at the checkpoint's path with the leading '/' lost: over
+    the checkpoint itself when the model was loaded by a relative path (as here), else under the working directory."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(qwen / "model", dtype=torch.float32)
@@ -80,6 +82,7 @@ def test_from_pretrained_refuses_offloaded_layers_and_leaves_the_checkpoint(qwen
         tmp_path / "adapter"
     )
     before = _digest(qwen / "model" / "model.safetensors")
+    monkeypatch.chdir(qwen)
     with pytest.raises(BundleError, match=WHAT):
-        PeftModel.from_pretrained(_offloaded(qwen, tmp_path), tmp_path / "adapter")
+        PeftModel.from_pretrained(_offloaded(qwen, tmp_path, path="model"), tmp_path / "adapter")
     assert _digest(qwen / "model" / "model.safetensors") == before
