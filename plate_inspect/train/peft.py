@@ -664,6 +664,17 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
     return chosen
 
 
+#: the head names peft adds to modules_to_save for a task (SEQ_CLS / TOKEN_CLS: both; a model has one of them)
+_PEFT_HEAD_NAMES = (frozenset({"classifier", "score"}),)
+
+
+def _other_head_name_reached(name: str, names: list[str], keys: list[str]) -> bool:
+    """Whether ``name`` is one of peft's alternative head names and another of them reaches a module: then peft added
+    both (the user gave neither), and the one the model lacks is no mistake to warn about."""
+    group = next((g for g in _PEFT_HEAD_NAMES if name in g), frozenset())
+    return any(other in names and any(k.endswith(other) for k in keys) for other in group - {name})
+
+
 def _check_modules_to_save(names: list[str] | None, model: nn.Module, chosen: list[str]) -> None:
     """peft's two rules for ``modules_to_save``, side by side: a module named whole (``fc2``, ``...q_proj``) is left
     out of the adapted ones and trained fully, as with LoRA; but peft saves every module whose name merely ends
@@ -686,7 +697,7 @@ def _check_modules_to_save(names: list[str] | None, model: nn.Module, chosen: li
                 "adapts (peft would save it fully too, and fail); give whole module names, e.g. "
                 f"{example!r} (a module of the bundle named whole is trained fully instead of adapted)"
             )
-        if not reached:
+        if not reached and not _other_head_name_reached(name, names or [], keys):
             warnings.warn(
                 f"PlateConfig: modules_to_save entry {name!r} matches no module of the model and is ignored (it "
                 "trains the modules whose name ends with it)",

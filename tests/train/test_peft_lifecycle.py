@@ -99,3 +99,21 @@ def test_save_adapter_of_a_peft_model_names_save_pretrained(qwen, tmp_path):
     with pytest.raises(ConfigError, match=r"save_adapter: .*PEFT.*save_pretrained"):
         save_adapter(model, tmp_path / "adapter.safetensors")
     assert not (tmp_path / "adapter.safetensors").exists()
+
+
+def test_sequence_classification_head_trains_without_a_warning_for_peft_defaults(qwen):
+    """task_type='SEQ_CLS': peft adds both of its head names, 'classifier' and 'score', to modules_to_save; a Qwen2
+    head is 'score', and PLATE's no-match check warned about 'classifier', a name the user never gave."""
+    import warnings
+
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    base = AutoModelForSequenceClassification.from_pretrained(qwen / "model", num_labels=3, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = get_peft_model(base, PlateConfig(bundle=str(qwen / "bundle"), task_type="SEQ_CLS"))
+    assert not [w for w in caught if "modules_to_save" in str(w.message)]
+    trained = sorted({n.split(".")[2] for n, p in model.named_parameters() if p.requires_grad and "plate_A" not in n})
+    assert trained == ["score"]
+    assert sum(p.numel() for n, p in model.named_parameters() if "plate_A" in n) == 14 * 4 * 16
