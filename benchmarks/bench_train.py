@@ -47,19 +47,36 @@ def qwen2(args: argparse.Namespace):
     return Qwen2ForCausalLM(config)
 
 
+def workdir_settings(args: argparse.Namespace) -> dict[str, object]:
+    """What the model and bundles in a workdir are made from (``--workdir`` reuses them only while it holds)."""
+    model = {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "vocab", "seq")}
+    return {"model": model, "tau": args.tau, "max_rank": args.max_rank}
+
+
 def prepare(args: argparse.Namespace, root: Path) -> dict[int, str]:
-    """Save the model once and scan a bundle per r; returns {r: bundle path}."""
+    """Save the model once and scan a bundle per r; returns {r: bundle path}.
+
+    A workdir made with other sizes or scan settings is rebuilt (its model and bundles were reused as they were:
+    ``--hidden 32`` measured the earlier run's hidden-1024 model under a header saying 32).
+    """
     from plate_inspect import scan
 
     model_dir = root / "model"
-    if not (model_dir / "config.json").exists():
+    stamp = root / "settings.json"
+    want = workdir_settings(args)
+    have = json.loads(stamp.read_text()) if stamp.exists() else {}
+    new_model = have.get("model") != want["model"] or not (model_dir / "config.json").exists()
+    new_bundles = new_model or have.get("tau") != want["tau"] or have.get("max_rank") != want["max_rank"]
+    if new_model:
+        stamp.unlink(missing_ok=True)  # a run stopped half way leaves no stamp: the next one rebuilds
         qwen2(args).save_pretrained(model_dir, safe_serialization=True)
     bundles = {}
     for r in args.ranks:
         out = root / f"bundle_r{r}"
-        if not (out / "manifest.json").exists():
-            scan(model_dir, out, r=r, tau=args.tau, max_rank=args.max_rank)
+        if new_bundles or not (out / "manifest.json").exists():
+            scan(model_dir, out, r=r, tau=args.tau, max_rank=args.max_rank, overwrite=True)
         bundles[r] = str(out)
+    stamp.write_text(json.dumps(want))
     return bundles
 
 

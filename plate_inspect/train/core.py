@@ -98,30 +98,48 @@ def choose_order(n: int, d_in: int, k: int, r: int, need_grad_x: bool = True) ->
 
 
 class _PlateBranch(torch.autograd.Function):
-    """rho * x Q A^T as [n, r] with a per-call evaluation order; no gradient to Q, rho or the order."""
+    """rho * x Q A^T as [n, r] with a per-call evaluation order; no gradient to Q, rho or the order.
+
+    Written in the ``setup_context`` form with ``generate_vmap_rule``, so torch.func's reverse-mode transforms work
+    on PLATE layers as on plain ones (per-sample gradients by ``vmap(grad(...))``, ``jacrev``): the old
+    ``forward(ctx, ...)`` form refused every one of them. No ``jvp`` (forward mode): torch.compile cannot trace
+    a Function that defines one. The intermediate a backward needs (Z = x Q or M = A Q^T)
+    is a second, non-differentiable output so that ``setup_context`` can save it (an empty tensor when the order
+    needs none); callers use the first output.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(  # x2 [n, d_in], q [d_in, k], a [r, k], all in the compute dtype
-        ctx: Any, x2: torch.Tensor, q: torch.Tensor, a: torch.Tensor, rho: float, order: BranchOrder
-    ) -> torch.Tensor:
-        z: torch.Tensor | None = None
-        m: torch.Tensor | None = None
+        x2: torch.Tensor, q: torch.Tensor, a: torch.Tensor, rho: float, order: BranchOrder
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if order.forward == "xq":
             z = x2 @ q
             out = z @ a.t()
+            kept = z if order.grad_a == "z" else z.new_zeros(0)
         else:
             m = a @ q.t()
             out = x2 @ m.t()
+            kept = m if order.grad_x == "m" else m.new_zeros(0)
         if rho != 1.0:
             out = out * rho
-        ctx.rho, ctx.order = rho, order
-        keep_z = z if (order.grad_a == "z" and z is not None) else None
-        keep_m = m if (order.grad_x == "m" and m is not None) else None
-        ctx.save_for_backward(x2, q, a, keep_z, keep_m)
-        return out
+        return out, kept
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None, None]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x2, q, a, rho, order = inputs
+        kept = output[1]
+        ctx.mark_non_differentiable(kept)
+        ctx.rho, ctx.order = rho, order
+        keep_z = kept if (order.forward == "xq" and order.grad_a == "z") else None
+        keep_m = kept if (order.forward == "m" and order.grad_x == "m") else None
+        ctx.save_for_backward(x2, q, a, keep_z, keep_m)
+
+    @staticmethod
+    def backward(
+        ctx: Any, g: torch.Tensor, _g_kept: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None, None]:
         x2, q, a, z, m = ctx.saved_tensors
         order, rho = ctx.order, ctx.rho
         if rho != 1.0:
@@ -162,7 +180,7 @@ def branch_delta(
     if order is None:
         order = choose_order(n, d_in, k, r, need_grad_x=x.requires_grad)
     with torch.autocast(x.device.type, enabled=False):
-        out = _PlateBranch.apply(x2, q.to(dt), a.to(dt), float(rho), order)
+        out = _PlateBranch.apply(x2, q.to(dt), a.to(dt), float(rho), order)[0]
     return out.reshape(*lead, r)
 
 
@@ -222,7 +240,12 @@ def merge_rows(
 
 @torch.no_grad()
 def unmerge_rows(weight: torch.Tensor, layout: str, b_idx: torch.Tensor, saved: torch.Tensor) -> None:
-    """Put back the rows ``merge_rows`` replaced: the weight is bit-identical to before the merge."""
+    """Put back the rows ``merge_rows`` replaced: the weight is bit-identical to before the merge.
+
+    The rows stay as they were at merge time; a model cast or moved since (``merge_adapter()``, ``.to(bf16)``,
+    ``unmerge_adapter()``) gets them cast and moved as its weight was: the cast of the unmerged weight, exactly.
+    """
+    saved = saved.to(weight.device, weight.dtype)
     if layout == "conv1d":
         weight[:, b_idx] = saved
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,7 +183,8 @@ class PlateLinear(nn.Module):
         y = self.base(x)
         if self.merged:
             return y
-        return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=self._inplace)
+        inplace = self._inplace and not self.base._forward_hooks  # a hook may hold the base output: keep it
+        return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=inplace)
 
     @torch.compiler.disable
     def settle(self, zero_a: bool) -> None:
@@ -394,6 +396,31 @@ def unresolved_modules(model: nn.Module, missing: list[str], resolved: int) -> B
     )
 
 
+def is_offloaded(module: nn.Module, model: nn.Module | None = None) -> bool:
+    """True when accelerate offloads the module's weights (``device_map`` with cpu/disk offload): the module holds
+    them on the meta device between calls and its hook brings them in for each call. ``model``: the model it is in;
+    peft's ``from_pretrained`` removes the hooks before it adds the adapter (and dispatches again after loading), so
+    there a meta weight in a model whose ``hf_device_map`` offloads tells it."""
+    hook = getattr(module, "_hf_hook", None)
+    if any(getattr(h, "offload", False) is True for h in getattr(hook, "hooks", (hook,))):
+        return True
+    device_map = getattr(model, "hf_device_map", None)
+    offloading = isinstance(device_map, dict) and bool({"cpu", "disk"} & {str(d) for d in device_map.values()})
+    return offloading and is_meta_tensor(layer_weight(module))
+
+
+def refuse_offloaded(module: nn.Module, name: str, model: nn.Module | None = None) -> None:
+    """BundleError for a layer accelerate offloads: its meta weight is no model made on the meta device (no
+    ``to_empty()`` + load will come), and PLATE needs the values (the weight check, merging)."""
+    if is_offloaded(module, model):
+        raise BundleError(
+            f"module '{name}': accelerate offloads its weight (device_map put its layer on 'cpu' or 'disk' with "
+            "offload), and PLATE needs it in memory (to check it against the bundle, to merge into it): load the "
+            "model with a device_map that keeps the adapted layers on a device (or none), or leave the offloaded "
+            "layers out (target_modules / apply_bundle(modules=...))"
+        )
+
+
 def check_module_against_record(
     module: nn.Module,
     name: str,
@@ -414,6 +441,7 @@ def check_module_against_record(
             f"module '{name}' is already wrapped ({type(module).__name__}); use one PLATE route per model "
             f"(apply_bundle or the PEFT method; several PEFT adapters: add_adapter), or {how} first"
         )
+    refuse_offloaded(module, name)
     layout = layout_of(module)
     shape = list(oriented_shape(module))
     if shape != list(record.shape):
@@ -672,23 +700,48 @@ def plate_layers(model: nn.Module) -> dict[str, PlateLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, PlateLinear)}
 
 
+#: what a PeftModel offers for each of the functions below that act on apply_bundle's layers
+PEFT_WAY = {
+    "merge_all": "model.merge_adapter() (or merge_and_unload())",
+    "unmerge_all": "model.unmerge_adapter()",
+    "unload": "model.merge_and_unload() (model.unload() drops the adapters unmerged)",
+    "save_adapter": "model.save_pretrained(DIRECTORY)",
+}
+
+
+def own_plate_layers(model: nn.Module, function: str) -> dict[str, PlateLinear]:
+    """``plate_layers(model)`` for a function acting on apply_bundle's layers; a model whose PLATE layers are the
+    PEFT method's is refused naming peft's own call (these functions found no layer there and returned as if
+    done: ``unload`` handed back the PeftModel with its adapters in place)."""
+    layers = plate_layers(model_argument(model, function))
+    peft_module = sys.modules.get("plate_inspect.train.peft")  # not imported: no PEFT PLATE layer can exist
+    if not layers and peft_module is not None:
+        peft_layer = next((n for n, m in model.named_modules() if isinstance(m, peft_module.PlateLayer)), None)
+        if peft_layer is not None:
+            raise ConfigError(
+                f"{function}: the model's PLATE layers are the PEFT method's ('{peft_layer}', ...), not "
+                f"apply_bundle's; use {PEFT_WAY[function]}"
+            )
+    return layers
+
+
 def merge_all(model: nn.Module) -> None:
     """merge() every PLATE layer."""
-    for layer in plate_layers(model_argument(model, "merge_all")).values():
+    for layer in own_plate_layers(model, "merge_all").values():
         layer.merge()
 
 
 def unmerge_all(model: nn.Module) -> None:
     """unmerge() every PLATE layer."""
-    for layer in plate_layers(model_argument(model, "unmerge_all")).values():
+    for layer in own_plate_layers(model, "unmerge_all").values():
         layer.unmerge()
 
 
 def unload(model: nn.Module, merge: bool = True) -> nn.Module:
     """Replace every PLATE layer by its base layer (merged first unless ``merge=False``); returns the model."""
-    model_argument(model, "unload")
+    layers = own_plate_layers(model, "unload")
     bool_argument(merge, "merge")
-    for name, layer in plate_layers(model).items():
+    for name, layer in layers.items():
         if merge:
             layer.merge()
         else:
@@ -728,7 +781,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     refuse_to_replace(
         path, _is_adapter_file, "a PLATE adapter", "the adapter", "path", str(path.with_name("adapter.safetensors"))
     )
-    layers = plate_layers(model)
+    layers = own_plate_layers(model, "save_adapter")
     if not layers:
         raise ConfigError("the model has no PLATE layers to save; call apply_bundle first")
     tensors, digests, fingerprints, ks, sketches, rhos, q_dtypes = {}, {}, {}, {}, {}, {}, {}

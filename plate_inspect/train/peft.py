@@ -63,6 +63,7 @@ from plate_inspect.train.layer import (
     module_geometry,
     note_loaded_a,
     oriented_shape,
+    refuse_offloaded,
     resolve_module_names,
     settle_branch,
     unresolved_modules,
@@ -144,8 +145,11 @@ def _modules_to_save(value: object) -> list[str] | None:
 class PlateConfig(PeftConfig):
     """Configuration of a PLATE adapter: the bundle it is built from, rho, and optionally a subset of its modules."""
 
-    # required: "" (or None) is refused in __post_init__, which makes it the absolute path as a str
-    bundle: str | os.PathLike = field(default="", metadata={"help": "Path of the PLATE init bundle (from scan)."})
+    # required: "" (or None) is refused in __post_init__, which makes it the absolute path as a str (a Bundle, as
+    # scan() returns, is taken for its directory; typed as what the adapter holds)
+    bundle: str | os.PathLike = field(
+        default="", metadata={"help": "Path of the PLATE init bundle (from scan), or the Bundle scan() returns."}
+    )
     rho: float = field(default=0.5, metadata={"help": "Scale of the update: W' = W + rho B A Q^T."})
     target_modules: list[str] | str | set[str] | None = field(
         default=None,
@@ -192,6 +196,8 @@ class PlateConfig(PeftConfig):
         self.peft_type = PLATE_TYPE
         if not self.bundle:
             raise BundleError("PlateConfig needs bundle=<path of a PLATE init bundle> (make one: plate-inspect scan)")
+        if isinstance(self.bundle, Bundle):  # what scan() returns, and apply_bundle takes: its directory
+            self.bundle = self.bundle.path
         self.bundle = str(path_argument(self.bundle, "bundle").expanduser().resolve())
         self.rho = check_rho(self.rho)
         for name, (accepts, want) in _FIELD_TYPES.items():  # at construction, not as an AttributeError later
@@ -388,10 +394,13 @@ class PlateLayer(nn.Module, BaseTunerLayer):
             if self.merged:
                 self.unmerge()
             return self.base_layer(x, *args, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
+        base_out = self.base_layer(x, *args, **kwargs)
         if self.merged:
-            return result
-        for i, name in enumerate(a for a in self.active_adapters if a in self.plate_A):
+            return base_out
+        # in place into the base output only when nothing else holds it (a forward hook on the base layer may)
+        own = self._inplace and not self.get_base_layer()._forward_hooks
+        result = base_out
+        for name in (a for a in self.active_adapters if a in self.plate_A):
             result = add_branch(
                 result,
                 x,
@@ -399,7 +408,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
                 self.plate_Q[name],
                 self.plate_A[name],
                 self.plate_rho[name],
-                inplace=self._inplace or i > 0,
+                inplace=own or result is not base_out,
             )
         return result
 
@@ -497,6 +506,24 @@ def _carried_digests(b_idx: torch.Tensor, q: torch.Tensor) -> dict[str, str]:
 
 
 _CARRY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _zero_empty_a(model: nn.Module, adapter_name: str) -> None:
+    """Give a zero A (PLATE's start) to every branch of ``adapter_name`` that peft made on the meta device beside a
+    loaded weight (``low_cpu_mem_usage=True``: the tensors wait for a state dict, and ``get_peft_model`` loads none).
+
+    A meta A is no value: torch's CPU kernels read it as garbage (the logits moved, training stepped nothing). A
+    zero A costs r*k numbers; a state dict loaded afterwards (``PeftModel.from_pretrained``, assign=True) replaces
+    it. Branches made on meta-device weights keep a meta A until their weights come (``AwaitingWeights``).
+    """
+    for layer in model.modules():
+        if not isinstance(layer, PlateLayer) or adapter_name not in layer.plate_A:
+            continue
+        a = layer.plate_A[adapter_name]
+        weight = layer_weight(layer.get_base_layer())
+        if is_meta_tensor(a) and not is_meta_tensor(weight) and f"plate_A.{adapter_name}" not in layer._awaiting:
+            zero = torch.zeros(a.shape, dtype=a.dtype, device=weight.device)
+            layer.plate_A[adapter_name] = nn.Parameter(zero, requires_grad=a.requires_grad)
 
 
 def _plate_config(config: PeftConfig) -> PlateConfig:
@@ -626,14 +653,26 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
         hint = ""
         if isinstance(tm, str) and any(m.endswith("." + tm) for m in mapping.values()):
             hint = f" (to match it as a name suffix, pass a list: target_modules=[{tm!r}])"
+        given = tm if isinstance(tm, str) else sorted(tm or ())  # as given, not peft's set ("set()" for [])
         raise BundleError(
-            f"target_modules {tm!r} match none of the bundle's {len(mapping)} modules ({shown}, ...){hint}; "
+            f"target_modules {given!r} match none of the bundle's {len(mapping)} modules ({shown}, ...){hint}; "
             "accepted: a list of module names or name suffixes, the model's or the bundle's (['q_proj', 'v_proj']); "
             "a string, which as in peft is a regular expression matching whole names ('.*\\.q_proj'); "
             "None or 'all-linear' for every module of the bundle"
         )
     config.target_modules = set(chosen)
     return chosen
+
+
+#: the head names peft adds to modules_to_save for a task (SEQ_CLS / TOKEN_CLS: both; a model has one of them)
+_PEFT_HEAD_NAMES = (frozenset({"classifier", "score"}),)
+
+
+def _other_head_name_reached(name: str, names: list[str], keys: list[str]) -> bool:
+    """Whether ``name`` is one of peft's alternative head names and another of them reaches a module: then peft added
+    both (the user gave neither), and the one the model lacks is no mistake to warn about."""
+    group = next((g for g in _PEFT_HEAD_NAMES if name in g), frozenset())
+    return any(other in names and any(k.endswith(other) for k in keys) for other in group - {name})
 
 
 def _check_modules_to_save(names: list[str] | None, model: nn.Module, chosen: list[str]) -> None:
@@ -658,7 +697,7 @@ def _check_modules_to_save(names: list[str] | None, model: nn.Module, chosen: li
                 "adapts (peft would save it fully too, and fail); give whole module names, e.g. "
                 f"{example!r} (a module of the bundle named whole is trained fully instead of adapted)"
             )
-        if not reached:
+        if not reached and not _other_head_name_reached(name, names or [], keys):
             warnings.warn(
                 f"PlateConfig: modules_to_save entry {name!r} matches no module of the model and is ignored (it "
                 "trains the modules whose name ends with it)",
@@ -779,7 +818,10 @@ class PlateModel(BaseTuner):
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         """peft upcasts every bf16/fp16 adapter tensor to float32 (``autocast_adapter_dtype``, on by default): right
         for A, but a carried Q stays in the model's dtype, as ``carry_geometry`` promises (half the adapter's size
-        in bf16; the widened values are the same, so the round trip is exact)."""
+        in bf16; the widened values are the same, so the round trip is exact).
+        peft calls this after making an adapter, outside its ``low_cpu_mem_usage`` context: where a meta A is given
+        its zero start (``_zero_empty_a``)."""
+        _zero_empty_a(self.model, adapter_name)
         super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
         for layer in self.model.modules():
             if isinstance(layer, PlateLayer) and adapter_name in layer.plate_carried:
@@ -813,6 +855,7 @@ class PlateModel(BaseTuner):
             ref = recorded.get(m, {}).get("sketch")
             ref = WeightSketch.from_json(ref) if ref else None
             module = _tuner_base(model.get_submodule(m), m)
+            refuse_offloaded(module, m, model)
             meta = is_meta_tensor(layer_weight(module))  # checked once loaded (AwaitingWeights)
             sketch = check_module_against_record(
                 module, m, rec, config.check_fingerprints and not meta, ref, bundle, adapter=bool(recorded)
@@ -868,6 +911,7 @@ class PlateModel(BaseTuner):
                     f"adapter module '{m}': the model has no such module; it belongs to another model"
                 ) from None
             module = _tuner_base(module, m)
+            refuse_offloaded(module, m, model)
             if is_meta_tensor(layer_weight(module)):
                 raise BundleError(
                     f"adapter module '{m}': the model's weights are on the meta device; an adapter that carries its "

@@ -3,6 +3,7 @@ AttributeError or TypeError inside get_peft_model; modules_to_save is read as pe
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -131,3 +132,28 @@ def test_a_saved_adapter_with_modules_to_save_loads_and_matches(digits, tmp_path
     assert loaded.peft_config["default"].modules_to_save == ["head2"]
     torch.testing.assert_close(loaded(x, task=2), out, rtol=0, atol=0)
     assert not any(isinstance(m, PlateLinear) for m in loaded.modules())
+
+
+def test_bundle_may_be_the_bundle_object_scan_returns(digits, tmp_path):
+    """``scan()`` returns a Bundle, and apply_bundle takes one; PlateConfig refused it ("bundle must be a path").
+    It stands for its directory: the config holds that path and the adapter matches one made from the path."""
+    from plate_inspect.bundle import Bundle
+
+    ckpt, bundle = digits
+    by_object = PlateConfig(bundle=Bundle.load(bundle))
+    assert by_object.bundle == bundle
+    a = get_peft_model(load_digits(ckpt), by_object)
+    b = get_peft_model(load_digits(ckpt), PlateConfig(bundle=bundle))
+    assert a.peft_config["default"].bundle_digest == b.peft_config["default"].bundle_digest
+    a.save_pretrained(tmp_path / "adapter")
+    assert PlateConfig.from_pretrained(tmp_path / "adapter").bundle == bundle
+
+
+@pytest.mark.parametrize(("given", "shown"), [([], "[]"), (["zzz", "yyy"], "['yyy', 'zzz']")])
+def test_target_modules_matching_nothing_are_shown_as_given(digits, given, shown):
+    """The refusal showed peft's set of the list ("target_modules set() match none ..." for an empty list)."""
+    from plate_inspect.errors import BundleError
+
+    ckpt, bundle = digits
+    with pytest.raises(BundleError, match=rf"^target_modules {re.escape(shown)} match none of the bundle's"):
+        get_peft_model(load_digits(ckpt), PlateConfig(bundle=bundle, target_modules=given))
