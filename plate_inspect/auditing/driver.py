@@ -3,6 +3,7 @@ module at a time."""
 
 import json
 import os
+import shlex
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -93,8 +94,9 @@ def check_bundle_fits_base(
         whose, todo = (
             "",
             (
-                f"pass the bundle of BASE (plate-inspect scan {base} --out DIR, then --bundle DIR), audit against the "
-                "model the bundle was scanned from, or leave out --bundle (B is then chosen as the scan does)"
+                f"pass the bundle of BASE (plate-inspect scan {shlex.quote(str(base))} --out DIR, then --bundle "
+                "DIR), audit against the model the bundle was scanned from, or leave out --bundle (B is then chosen "
+                "as the scan does)"
             ),
         )
     else:
