@@ -252,6 +252,14 @@ def frontier_figure(rows: list[dict[str, Any]], steps: int, title: str) -> go.Fi
     return fig
 
 
+#: Heights of table_figure's parts (px): header, each row, the margins above (title) and below, and some slack.
+TABLE_HEADER_PX = 28
+TABLE_ROW_PX = 22
+TABLE_MARGIN_TOP_PX = 60
+TABLE_MARGIN_BOTTOM_PX = 10
+TABLE_SLACK_PX = 10
+
+
 def table_figure(headers: tuple[str, ...], body: list[list[str]], title: str) -> go.Figure:
     """A plotly table of already formatted cells (the HTML report's copy of a rich table)."""
     import plotly.graph_objects as go
@@ -269,14 +277,6 @@ def table_figure(headers: tuple[str, ...], body: list[list[str]], title: str) ->
     height = margin["t"] + margin["b"] + TABLE_HEADER_PX + TABLE_ROW_PX * len(body) + TABLE_SLACK_PX
     fig.update_layout(title=title, height=height, margin=margin)
     return fig
-
-
-#: Heights of table_figure's parts (px): header, each row, the margins above (title) and below, and some slack.
-TABLE_HEADER_PX = 28
-TABLE_ROW_PX = 22
-TABLE_MARGIN_TOP_PX = 60
-TABLE_MARGIN_BOTTOM_PX = 10
-TABLE_SLACK_PX = 10
 
 
 def sensitivity_figure(rows: list[dict[str, Any]], title: str) -> go.Figure:
