@@ -134,13 +134,17 @@ def fit_tall_heatmap(trace: dict[str, Any], layout: dict[str, Any], rows: int) -
         return
     xaxis = layout.setdefault("xaxis", {})
     xaxis.update(side="top", automargin=True)
-    # the slanted labels (~7 px a character at 12 px) go between the title and the plot
-    longest = max((len(str(x)) for x in trace.get("x", [])), default=0)
-    slant = math.sin(math.radians(abs(xaxis.get("tickangle", 35))))
+    # the slanted labels go between the title and the plot
     margin = layout.setdefault("margin", {})
-    margin["t"] = margin.get("t", 74) + 12 + math.ceil(7 * longest * slant)
+    margin["t"] = margin.get("t", 74) + slanted_labels_px(trace.get("x", []), xaxis.get("tickangle", -35))
     bar = trace.setdefault("colorbar", {})
     bar.update(lenmode="pixels", len=TALL_COLORBAR_PX, y=1, yanchor="top")
+
+
+def slanted_labels_px(labels: list[Any], angle: float) -> int:
+    """The height (px) that axis labels slanted by ``angle`` degrees take at 12 px (~7 px a character), plus a gap."""
+    longest = max((len(str(x)) for x in labels), default=0)
+    return 12 + math.ceil(7 * longest * math.sin(math.radians(abs(angle))))
 
 
 def color_range(hm: Heatmap, difference: bool = False) -> tuple[float, float]:

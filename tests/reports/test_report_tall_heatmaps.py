@@ -6,6 +6,7 @@ bundle report and in the audit page's figures; short heatmaps keep plotly's usua
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -94,3 +95,33 @@ def test_the_audit_heatmap_of_a_deep_model(layers, tall):
     assert [row[0] for row in trace["z"]] == pytest.approx(shares)  # the cells are the records' shares
     assert heat["layout"]["yaxis"]["autorange"] == "reversed"  # layer 0 at the top, as in the bundle report
     assert is_tall_layout(heat) is tall
+
+
+@pytest.mark.parametrize("layers", [1, 3, 12])
+def test_the_audit_heatmap_leaves_each_layer_a_readable_row_below_long_type_names(layers):
+    """plotly's default top margin (100 px: the title) and the slanted type names below the plot come out of the
+    figure's height; what is left must give every layer at least 20 px (3 layers under DeepSeek's type names got
+    ~10 px rows)."""
+    types = ["mlp.shared_experts.down_proj", "self_attn.kv_a_proj_with_mqa", "mlp.experts.gate_proj"]
+    records = [
+        AuditRecord(
+            module=f"model.layers.{i}.{t}",
+            protected_input_share=0.2,
+            frozen_row_share=0.5,
+            delta_norm=1.0,
+            relative_delta=0.1,
+            shape=(64, 64),
+            m=8,
+            r=8,
+            weight_norm=10.0,
+            protected_norm=0.4,
+        )
+        for i in range(layers)
+        for t in types
+    ]
+    heat = audit_figures(records)["heatmap"]
+    layout = heat["layout"]
+    angle = math.radians(abs(layout["xaxis"]["tickangle"]))
+    labels_px = 7 * max(len(t) for t in types) * math.sin(angle)  # ~7 px a character at plotly's 12 px font
+    plot_px = layout["height"] - layout.get("margin", {}).get("t", 100) - labels_px - 20
+    assert plot_px >= 20 * layers
