@@ -153,7 +153,7 @@ def _family(name: str, model: nn.Module, bundle: Bundle, lora_rank: int, seed: i
 )
 @click.option("--target-modules", default=None, help="Comma-separated module names or regexes [default: family's].")
 @click.option("--random-draws", type=int, default=8, show_default=True, help="Random k-frames averaged per k.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random k-frames (>= 0).")
 @click.option("--per-layer", is_flag=True, help="One table row per layer (default: averaged per module type).")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON on stdout.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None, help=JSON_OUT_HELP)
@@ -266,7 +266,7 @@ def print_alignment_table(records: list[AlignmentRecord], per_layer: bool = Fals
 
 # --------------------------------------------------------------------------- curvature
 @click.command("curvature")
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="Keep the checkpoint and bundle here.")
+@click.option("--out", "-o", type=click.Path(path_type=Path), default=None, help="Keep the checkpoint and bundle here.")
 @click.option("--epochs", type=int, default=30, show_default=True, help="Stage-1 training epochs on task 1.")
 @click.option("--r", "r", type=int, default=8, show_default=True, help="PLATE output rows per module.")
 @click.option("--tau", type=float, default=0.98, show_default=True, help="PLATE energy threshold.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -171,7 +172,8 @@ def _note_unreported(out: Path, others: int, command: str, options: str) -> None
     if others > 0:
         err_console.print(
             f"note: {out} also holds {others} finished run{'s' if others > 1 else ''} of other {options}, not in "
-            f"this report; `plate-inspect experiment {command} --out {out} --report-only` reports all",
+            f"this report; `plate-inspect experiment {command} --out {shlex.quote(str(out))} --report-only` "
+            "reports all",
             soft_wrap=True,
         )
 

@@ -31,7 +31,9 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,10 @@ class Budget:
         return {"spec": self.spec, "kind": self.kind, "value": self.value, "params": self.params}
 
 
+#: The largest absolute budget read (a float's range, as before counts were read exactly): far past any model.
+_LARGEST_BUDGET = Decimal(sys.float_info.max)
+
+
 def parse_budget(spec: str, records: list[ModuleRecord]) -> Budget:
     """'2e6' / '2,000,000' / '2_000_000' (parameters), '1%' (of the target modules' weights sum d_out*d_in),
     'lora:16' or 'as LoRA r=16' (LoRA's sum r*(d_in+d_out) at r=16 on the same modules). Commas group thousands
@@ -81,11 +87,12 @@ def parse_budget(spec: str, records: list[ModuleRecord]) -> Budget:
             return Budget(text, "percent", pct, int(math.floor(pct / 100 * total)))
         if "," in low and not re.fullmatch(r"[0-9]{1,3}(,[0-9]{3})+", low):  # '1,5e6' is 1.5e6 in many locales
             raise ValueError
-        value = float(low.replace(",", ""))
-        if not (value >= 1 and math.isfinite(value) and value == int(value)):  # a count: 2e6 yes, 1.5 no
-            raise ValueError
-        return Budget(text, "absolute", value, int(value))
-    except ValueError:
+        # read as a decimal, so a count past 2^53 is the count written ('123456789012345678' was ...680 as a float)
+        value = Decimal(low.replace(",", ""))
+        if not (value.is_finite() and 1 <= value <= _LARGEST_BUDGET and value == value.to_integral_value()):
+            raise ValueError  # a count: 2e6 yes, 1.5 no
+        return Budget(text, "absolute", float(value), int(value))
+    except (ValueError, InvalidOperation):
         raise ConfigError(
             f"--budget '{spec}': not a budget; use a whole parameter count ('2e6'), a percentage of the target weights "
             "('1%', in (0, 100]), or a LoRA-equivalent rank ('lora:16' or 'as LoRA r=16')"

@@ -22,6 +22,7 @@ from plate_inspect.auditing import (
     summarize,
     table_cells,
 )
+from plate_inspect.reports.figures import fit_tall_heatmap, slanted_labels_px
 from plate_inspect.targets import LayerEntry, layer_rows, module_type_of
 
 _MAX_BARS = 40
@@ -126,7 +127,7 @@ def _share_heatmap(records: list[AuditRecord], layers: Iterable[LayerEntry] | No
     for r in records:
         cells.setdefault((row_of[r.module], module_type_of(r.module)), []).append(r)
     shown = [[_share_cell(cells.get((lay, t), [])) for t in types] for lay in rows]
-    return {
+    figure: dict[str, Any] = {
         "data": [
             {
                 "type": "heatmap",
@@ -142,11 +143,15 @@ def _share_heatmap(records: list[AuditRecord], layers: Iterable[LayerEntry] | No
         ],
         "layout": {
             "title": {"text": "Protected input share by layer and module type"},
-            "xaxis": {"automargin": True},
-            "yaxis": {"title": {"text": "layer"}, "type": "category"},
-            "height": max(300, 40 + 22 * len(rows)),
+            "xaxis": {"automargin": True, "tickangle": -35},
+            "yaxis": {"title": {"text": "layer"}, "type": "category", "autorange": "reversed"},
+            # 22 px a layer besides the title and the slanted type names (a 3-layer heatmap was squeezed to ~10 px
+            # rows below long names such as mlp.shared_experts.down_proj)
+            "height": 140 + 22 * len(rows) + slanted_labels_px(types, -35),
         },
     }
+    fit_tall_heatmap(figure["data"][0], figure["layout"], len(rows))
+    return figure
 
 
 def _table(records: list[AuditRecord]) -> str:

@@ -115,7 +115,36 @@ def heatmap_figure(hm: Heatmap, subtitle: str = "", difference: bool = False) ->
     layout["margin"] = {"l": 60, "r": 10, "t": 92 if subtitle else 74, "b": 110}
     layout["xaxis"] = {"type": "category", "tickangle": -35, "automargin": True}
     layout["yaxis"] = {"type": "category", "autorange": "reversed", "title": {"text": "layer"}, "automargin": True}
+    fit_tall_heatmap(trace, layout, len(hm.rows))
     return {"data": [trace], "layout": layout}
+
+
+#: A layer x type heatmap with more rows than this is taller than a screen (16 px a row): see fit_tall_heatmap.
+TALL_HEATMAP_ROWS = 40
+#: The colour bar's length in pixels on a tall heatmap.
+TALL_COLORBAR_PX = 300
+
+
+def fit_tall_heatmap(trace: dict[str, Any], layout: dict[str, Any], rows: int) -> None:
+    """Keep a tall heatmap (a model of more than :data:`TALL_HEATMAP_ROWS` layers, drawn several screens high)
+    readable where the page shows it first: the module types labelled on top, and a colour bar of fixed length at
+    the top, instead of labels only below the last layer and a bar 0.9 of the plot's height long, its ticks screens
+    apart. Shorter heatmaps are left as they are."""
+    if rows <= TALL_HEATMAP_ROWS:
+        return
+    xaxis = layout.setdefault("xaxis", {})
+    xaxis.update(side="top", automargin=True)
+    # the slanted labels go between the title and the plot
+    margin = layout.setdefault("margin", {})
+    margin["t"] = margin.get("t", 74) + slanted_labels_px(trace.get("x", []), xaxis.get("tickangle", -35))
+    bar = trace.setdefault("colorbar", {})
+    bar.update(lenmode="pixels", len=TALL_COLORBAR_PX, y=1, yanchor="top")
+
+
+def slanted_labels_px(labels: list[Any], angle: float) -> int:
+    """The height (px) that axis labels slanted by ``angle`` degrees take at 12 px (~7 px a character), plus a gap."""
+    longest = max((len(str(x)) for x in labels), default=0)
+    return 12 + math.ceil(7 * longest * math.sin(math.radians(abs(angle))))
 
 
 def color_range(hm: Heatmap, difference: bool = False) -> tuple[float, float]:

@@ -3,6 +3,7 @@ module at a time."""
 
 import json
 import os
+import shlex
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -93,8 +94,9 @@ def check_bundle_fits_base(
         whose, todo = (
             "",
             (
-                f"pass the bundle of BASE (plate-inspect scan {base} --out DIR, then --bundle DIR), audit against the "
-                "model the bundle was scanned from, or leave out --bundle (B is then chosen as the scan does)"
+                f"pass the bundle of BASE (plate-inspect scan {shlex.quote(str(base))} --out DIR, then --bundle "
+                "DIR), audit against the model the bundle was scanned from, or leave out --bundle (B is then chosen "
+                "as the scan does)"
             ),
         )
     else:
@@ -104,6 +106,25 @@ def check_bundle_fits_base(
         f"{bundle.path}{whose}: the bundle was made for another model, {bundle_origin(bundle)}, not for BASE {base}"
         + (f" (model_type {base_type})" if base_type else "")
         + f": {len(absent) + len(reshaped)} of its {len(bundle.modules)} modules do not fit BASE ({example}); {todo}"
+    )
+
+
+def refuse_ablation_bundle(bundle: Bundle) -> None:
+    """An ablation bundle (Random-B, Least-redundant-B, Random-Q, ...) given as the audit's bundle: its B is not
+    PLATE's redundant rows (or it is, but its Q is not PLATE's), so the shares would be scored against a geometry
+    PLATE never uses, with nothing in the output saying so. Refused, naming the bundle it was made from. (A PLATE
+    adapter trained from an ablation bundle is audited against that bundle: that is the adapter's own geometry.)"""
+    variant = bundle.manifest.variant
+    if not variant:
+        return
+    kind = variant.get("kind", "an ablation") if isinstance(variant, dict) else str(variant)
+    origin = bundle.stats().get("from")
+    made_from = f" of {origin}" if origin else ""
+    use = f"--bundle {origin}" if origin else "the PLATE bundle it was made from as --bundle"
+    raise ConfigError(
+        f"{bundle.path}: is a {kind} ablation bundle{made_from}; the audit scores an update against PLATE's B and "
+        f"protected directions, which an ablation bundle does not hold; give {use}, or leave out --bundle (B is "
+        "then chosen as the scan chooses it)"
     )
 
 
@@ -199,6 +220,8 @@ def audit(
     _refuse_bundle_dir(base, "BASE")
     _refuse_bundle_dir(tuned, "TUNED")
     given = bundle if isinstance(bundle, Bundle) or bundle is None else Bundle.load(path_argument(bundle, "bundle"))
+    if given is not None:
+        refuse_ablation_bundle(given)
     base_ckpt = Checkpoint.open(base, revision=revision, offline=offline)
     if given is not None:
         check_bundle_fits_base(given, base_ckpt, base)

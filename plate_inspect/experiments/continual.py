@@ -20,6 +20,7 @@ import json
 import math
 import numbers
 import os
+import shlex
 import statistics
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -677,7 +678,8 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
     out = path_argument(out, "out")
     if not (out / "runs.jsonl").exists() and not (out / "results.json").exists():
         raise ConfigError(
-            f"{out}: no runs.jsonl or results.json here; run `plate-inspect experiment continual --out {out}` first"
+            f"{out}: no runs.jsonl or results.json here; run "
+            f"`plate-inspect experiment continual --out {shlex.quote(str(out))}` first"
         )
     try:
         raw = json.loads((out / "settings.json").read_text())
@@ -690,7 +692,8 @@ def records_from_dir(out: str | os.PathLike) -> tuple[list[RunRecord], Continual
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise ConfigError(
             f"{out / 'settings.json'}: missing or unreadable ({type(e).__name__}: {e}); it is written by "
-            f"`plate-inspect experiment continual --out {out}`: rerun that command with the run's options"
+            f"`plate-inspect experiment continual --out {shlex.quote(str(out))}`: rerun that command with the run's "
+            "options"
         ) from None
     if not (out / "runs.jsonl").exists():
         return _read_results(out / "results.json"), settings

@@ -252,13 +252,30 @@ def frontier_figure(rows: list[dict[str, Any]], steps: int, title: str) -> go.Fi
     return fig
 
 
+#: Heights of table_figure's parts (px): header, each row, the margins above (title) and below, and some slack.
+TABLE_HEADER_PX = 28
+TABLE_ROW_PX = 22
+TABLE_MARGIN_TOP_PX = 60
+TABLE_MARGIN_BOTTOM_PX = 10
+TABLE_SLACK_PX = 10
+
+
 def table_figure(headers: tuple[str, ...], body: list[list[str]], title: str) -> go.Figure:
     """A plotly table of already formatted cells (the HTML report's copy of a rich table)."""
     import plotly.graph_objects as go
 
     columns = [list(col) for col in zip(*body, strict=True)] if body else [[] for _ in headers]
-    fig = go.Figure(go.Table(header={"values": list(headers)}, cells={"values": columns, "align": "left"}))
-    fig.update_layout(title=title, height=120 + 24 * len(body))
+    fig = go.Figure(
+        go.Table(
+            header={"values": list(headers), "height": TABLE_HEADER_PX},
+            cells={"values": columns, "align": "left", "height": TABLE_ROW_PX},
+        )
+    )
+    # tall enough for every row: with plotly's default margins (100 + 80 px) the old 120 + 24 px a row left a
+    # 6-row ablation table 84 px, and it showed 3 rows (the rest behind a scroll bar)
+    margin = {"t": TABLE_MARGIN_TOP_PX, "b": TABLE_MARGIN_BOTTOM_PX}
+    height = margin["t"] + margin["b"] + TABLE_HEADER_PX + TABLE_ROW_PX * len(body) + TABLE_SLACK_PX
+    fig.update_layout(title=title, height=height, margin=margin)
     return fig
 
 

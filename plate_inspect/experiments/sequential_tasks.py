@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -330,7 +331,8 @@ def recorded_settings(out: str | os.PathLike) -> dict[str, Any]:
     path = Path(out) / "sequential.json"
     if not path.exists():
         raise ConfigError(
-            f"{out}: no sequential.json here; run `plate-inspect experiment sequential --out {out}` first"
+            f"{out}: no sequential.json here; run "
+            f"`plate-inspect experiment sequential --out {shlex.quote(str(out))}` first"
         )
     settings = _with_legacy_data(_read_json(path, "the finished runs under OUT/seed<N>/ are kept"))
     if not isinstance(settings, dict):
