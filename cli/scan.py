@@ -168,7 +168,9 @@ def reuse_line(stats: dict) -> str:
     rescan = resumed is False and "modules_changed_earlier" in stats  # of a finished bundle (its weights known)
     if not kept and not rescan:
         return f"computed {computed} of {total} modules"
-    if changed or not computed:
+    if not changed and not computed:
+        return f"no module changed since the bundle was made: kept all {kept}, recomputed 0"
+    if changed:
         return f"{changed} of {total} modules changed since the bundle was made: recomputed {computed}, kept {kept}"
     if resumed is False:  # a finished bundle, nothing changed, yet modules computed: their part files were missing
         return f"kept {kept} modules, recomputed {computed} whose part files were missing or unreadable (of {total})"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from plate_inspect.atomic import path_argument
-from plate_inspect.bundle import Bundle, ModuleRecord, damaged
+from plate_inspect.bundle import Bundle, ModuleRecord, damaged, part_records
 from plate_inspect.checkpoint import Checkpoint, refuse_adapter
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.geometry import exactness_allowance
@@ -182,6 +182,13 @@ def _diagnosis(report: VerifyReport, source: str) -> list[str]:
     return []
 
 
+def _header_fingerprint(b: Bundle, rec: ModuleRecord) -> str | None:
+    """The weight fingerprint a module's part file header records (what a rescan checks weights against), if it
+    vouches for the module with the bundle's settings; read only where the manifest's fingerprint did not match."""
+    header = part_records(b.path / rec.file, b.settings, b.manifest.variant).get(rec.name)
+    return header.fingerprint if header is not None else None
+
+
 def orthonormality_tolerance(dtype: torch.dtype) -> float:
     """How far max |Q^T Q - I| may be from 0 for a Q stored in ``dtype``: 1e-3, or 4 eps of the dtype if larger.
 
@@ -246,7 +253,13 @@ def _check_module(
         else:
             expert = target.expert if target.layout in EXPERT_LAYOUTS else None
             weight, fingerprint = None, ckpt.weight_fingerprint(target.logical_name, expert=expert)
-        if fingerprint != rec.fingerprint:
+        if fingerprint != rec.fingerprint and _header_fingerprint(b, rec) == fingerprint:
+            report.problems.append(
+                f"{where}: manifest.json records another weight fingerprint than its part file {rec.file}, whose "
+                "record matches the checkpoint's weight: the manifest was edited; rescan the model into the bundle "
+                "(nothing is recomputed, the manifest is rewritten from the part files)"
+            )
+        elif fingerprint != rec.fingerprint:
             report.problems.append(f"{where}: weight fingerprint differs: the bundle was made for other weights")
             report.changed.append(rec.name)
         elif weight is not None:

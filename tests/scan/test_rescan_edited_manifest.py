@@ -51,7 +51,7 @@ def test_an_edited_manifest_fingerprint_is_not_counted_as_changed_weights(tmp_pa
     _scan(model, out)
     _edit_manifest_fingerprint(out)
     output = _scan(model, out)
-    assert "0 of 7 modules changed since the bundle was made: recomputed 0, kept 7" in output, output
+    assert "no module changed since the bundle was made: kept all 7, recomputed 0" in output, output
     assert "1 of 7" not in output
     note = output[output.index("note: manifest.json's record of 1 module") :]
     assert EDITED in note and "disagreed with its part file's header" in note, output
@@ -91,3 +91,26 @@ def test_an_edited_manifest_record_of_a_changed_weight_counts_it_once(tmp_path, 
     output = _scan(model, out)
     assert "1 of 7 modules changed since the bundle was made: recomputed 1, kept 6" in output, output
     assert f"manifest.json's record of 1 module ({EDITED})" in output
+
+
+def test_verify_against_the_model_says_the_manifest_was_edited_not_the_weights(tmp_path, qwen_ckpt):
+    """verify said 'weight fingerprint differs: the bundle was made for other weights' and diagnosed a fine-tune; the
+    part file's record and the weights agree, so it names the edit and the mend (and no changed weights)."""
+    from plate_inspect import verify
+
+    model, out = tmp_path / "model", tmp_path / "b"
+    shutil.copytree(qwen_ckpt.path, model)
+    _scan(model, out)
+    _edit_manifest_fingerprint(out)
+    report = verify(out, model)
+    assert report.changed == [] and not any("fine-tune" in n for n in report.notes), report
+    edited = [p for p in report.problems if p.startswith(f"module '{EDITED}'")]
+    assert edited == [
+        f"module '{EDITED}': manifest.json records another weight fingerprint than its part file "
+        "layer-00000.safetensors, whose record matches the checkpoint's weight: the manifest was edited; rescan the "
+        "model into the bundle (nothing is recomputed, the manifest is rewritten from the part files)"
+    ]
+    _scale_weight(model, EDITED)  # now the weights did change: that is said as before
+    report = verify(out, model)
+    assert report.changed == [EDITED]
+    assert f"module '{EDITED}': weight fingerprint differs: the bundle was made for other weights" in report.problems
