@@ -31,7 +31,6 @@ from plate_inspect.targets import (
     TargetModule,
     check_target_patterns,
     format_layers,
-    layer_entries,
     layers_there,
     load_target,
     modules_by_name,
@@ -211,8 +210,8 @@ def audit(
         seed=seed,
         sketch_dim=sketch_dim,
         anchors=anchors,
-        target_modules=target_modules,  # ScanSettings reads one string as one name
-        layers=layer_entries(layers) if layers is not None else None,
+        target_modules=target_modules,  # ScanSettings reads one string as one name, any iterable as names
+        layers=layers,
         precision=precision,
     )
     check_target_patterns(settings.target_modules)
