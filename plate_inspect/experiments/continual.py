@@ -100,7 +100,7 @@ class ContinualSettings:
         if isinstance(self.methods, str):
             self.methods = (self.methods,)
         if is_integer(self.steps):
-            self.steps = (self.steps,)  # type: ignore[assignment]
+            self.steps = (self.steps,)
 
     def budgets_of(self, method: str) -> list[Budget]:
         return self.budgets.get(method) or default_budgets(method)
