@@ -8,12 +8,15 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar, overload
 
 from plate_inspect.errors import ConfigError
 
 #: torch.manual_seed's largest seed (NumPy's generators take it too)
 MAX_SEED = 2**63 - 1
+
+#: an iterable type kept as given (a list stays a list, a DataLoader a DataLoader)
+IterableT = TypeVar("IterableT", bound=Iterable[Any])
 
 
 def is_integer(value: object) -> TypeGuard[int]:
@@ -107,7 +110,11 @@ def positive_number(value: object, argument: str) -> float:
     return number
 
 
-def iterable_argument(value: Any, argument: str, what: str) -> Any:
+@overload
+def iterable_argument(value: IterableT, argument: str, what: str) -> IterableT: ...
+@overload
+def iterable_argument(value: object, argument: str, what: str) -> Iterable[Any]: ...
+def iterable_argument(value: object, argument: str, what: str) -> Iterable[Any]:
     """``value`` when it can be iterated (a list, a DataLoader), else a ConfigError saying what it should hold."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ConfigError(f"{argument} must be an iterable of {what}, got {value!r:.80}")

@@ -177,7 +177,7 @@ def capped_seq_len(seq_len: int, max_positions: int | None) -> tuple[int, str | 
 
 def hf_text_inputs(
     tokenizer: PreTrainedTokenizerBase, text: str, seq_len: int = 256, max_tokens: int | None = None
-) -> list[dict]:
+) -> list[dict[str, torch.Tensor]]:
     """Model inputs from text: the tokenized text cut into windows of seq_len tokens (special tokens added)."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if not ids:
