@@ -134,6 +134,7 @@ class CDPPipe:
         return reply.get("result", {})
 
     def close(self) -> None:
+        """Close Chromium (Browser.close, killed after 10 s if it hangs) and the pipes to it."""
         with contextlib.suppress(BrowserError, OSError):
             self.send("Browser.close", timeout=5)
         try:
@@ -162,6 +163,7 @@ class PageCheck:
 
     @property
     def every_plot_rendered(self) -> bool:
+        """Whether every plot div holds at least one plotly SVG (none means the page drew nothing)."""
         return bool(self.plots) and all(n > 0 for n in self.plots.values())
 
 
