@@ -71,6 +71,7 @@ class ShardedWriter:
         out.mkdir(parents=True, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor for the next shard (written by :meth:`flush`)."""
         self.pending[name] = tensor.contiguous()
 
     def flush(self, force: bool = False) -> None:
