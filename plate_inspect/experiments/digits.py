@@ -134,7 +134,7 @@ def _check_root(root: object) -> None:
 class DigitsMLP(nn.Module):
     """3-layer ReLU backbone (fc1, fc2, fc3) and one head per task (head1, head2, ...)."""
 
-    def __init__(self, d_in: int = 64, hidden: int = 256, n_classes: int = 5, n_tasks: int = 2):
+    def __init__(self, d_in: int = 64, hidden: int = 256, n_classes: int = 5, n_tasks: int = 2) -> None:
         super().__init__()
         d_in, hidden = positive_int(d_in, "DigitsMLP: d_in"), positive_int(hidden, "DigitsMLP: hidden")
         n_classes = positive_int(n_classes, "DigitsMLP: n_classes")
