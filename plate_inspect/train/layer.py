@@ -129,7 +129,7 @@ class PlateLinear(nn.Module):
         rho: float = 0.5,
         digest: str | None = None,
         awaiting: AwaitingWeights | None = None,
-    ):
+    ) -> None:
         """``digest``: the identity of B/Q when ``q`` is a rounded copy of a bundle's Q (default: digest of ``q``);
         ``awaiting``: the base weight is on the meta device, and this is what the layer owes once it is loaded."""
         super().__init__()
