@@ -324,7 +324,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
     other_param_names = ("plate_B_idx", "plate_Q", "plate_rho")
     module_name: str  # the model's name for it (set by PlateModel; named in its errors)
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, geometry: BranchGeometry, rho: float):
+    def __init__(self, base_layer: nn.Module, adapter_name: str, geometry: BranchGeometry, rho: float) -> None:
         super().__init__()
         BaseTunerLayer.__init__(self)
         self.base_layer = base_layer
