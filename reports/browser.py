@@ -49,7 +49,7 @@ def find_chromium() -> str | None:
 class CDPPipe:
     """A minimal DevTools-protocol client over Chromium's fd 3 (commands in) / fd 4 (events out) pipe."""
 
-    def __init__(self, chromium: str, user_data_dir: Path, extra_flags: list[str] | None = None):
+    def __init__(self, chromium: str, user_data_dir: Path, extra_flags: list[str] | None = None) -> None:
         cmd_r, cmd_w = os.pipe()
         res_r, res_w = os.pipe()
         # move the child's ends above 4 so dup2 onto 3 and 4 cannot clobber them
