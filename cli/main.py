@@ -129,13 +129,16 @@ class LazyGroup(click.Group):
     """Imports a subcommand's module only when it runs (keeps --help fast); turns user errors into one line."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
+        """Subcommand names in COMMANDS order (the help lists them without importing their modules)."""
         return list(COMMANDS)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The Commands section of --help from COMMANDS' short help lines, so no subcommand module is imported."""
         with formatter.section("Commands"):
             formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        """The subcommand ``name``, its module imported now (None for an unknown name)."""
         return self._load(name)
 
     def resolve_command(
@@ -168,6 +171,7 @@ class LazyGroup(click.Group):
     def make_context(
         self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
     ) -> click.Context:
+        """click's, after refusing an empty or blank argument on the command line (most often an unset variable)."""
         if parent is None:
             _refuse_empty_arguments(info_name or "plate-inspect", list(args))
         try:
@@ -188,6 +192,7 @@ class LazyGroup(click.Group):
         return f"{ctx.command_path} {name}"
 
     def invoke(self, ctx: click.Context) -> Any:
+        """click's, with a user error as one line (usage errors, PlateInspectError, an OS refusal); Ctrl-C exits 130."""
         words = [a for a in ctx.args if not a.startswith("-")][:1]  # a group's subcommand (experiment continual)
         try:
             return super().invoke(ctx)
@@ -225,6 +230,7 @@ def cli() -> None:
 
 
 def main() -> None:
+    """The ``plate-inspect`` console entry point."""
     cli(prog_name="plate-inspect")
 
 

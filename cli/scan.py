@@ -56,6 +56,7 @@ def summary_rows(records: list[ModuleRecord]) -> list[dict]:
 
 
 def print_summary(bundle: Bundle) -> None:
+    """Print a bundle's state, source, settings and targets, then its per-type table (k, energy, PLATE vs LoRA)."""
     m = bundle.manifest
     s = m.settings
     src = m.source.get("id", "?") + (f"@{m.source['revision']}" if m.source.get("revision") else "")
@@ -338,7 +339,7 @@ def write_scan_report(bundle: Bundle, path: Path) -> None:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--modules", "show_modules", is_flag=True, help="Also list every module.")
 @click.option("--expert-groups", "show_groups", is_flag=True, help="Also list every (layer, module type) expert group.")
-def info_command(bundle, show_modules, show_groups):
+def info_command(bundle: Path, show_modules: bool, show_groups: bool) -> None:
     """Summarise a PLATE init bundle (settings, per-type k and energy, parameter budgets, expert groups).
 
     Mixture-of-experts bundles also get one row per expert module type: how many layers x experts, and the
@@ -448,7 +449,7 @@ def info_command(bundle, show_modules, show_groups):
     help="Also check every Q against a float64 dense oracle on MODEL's weights (slow: an eigvalsh per module).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (same exit codes).")
-def verify_command(bundle, model, revision, exact, as_json):
+def verify_command(bundle: Path, model: str | None, revision: str | None, exact: bool, as_json: bool) -> None:
     """Check BUNDLE's tensors, and that it was made for MODEL's weights (exit 1 if not).
 
     \b

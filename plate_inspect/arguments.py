@@ -8,16 +8,20 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard, TypeVar, overload
 
 from plate_inspect.errors import ConfigError
 
 #: torch.manual_seed's largest seed (NumPy's generators take it too)
 MAX_SEED = 2**63 - 1
 
+#: an iterable type kept as given (a list stays a list, a DataLoader a DataLoader)
+IterableT = TypeVar("IterableT", bound=Iterable[Any])
 
-def is_integer(value: object) -> bool:
-    """An int (NumPy integers included), not a bool."""
+
+def is_integer(value: object) -> TypeGuard[int]:
+    """An int (NumPy integers included), not a bool. A TypeGuard, so that ``int(value)`` and comparisons type-check
+    after it: NumPy integers are typed as the int they behave as (``numbers.Integral`` would refuse ``value >= 1``)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -43,23 +47,23 @@ def bool_argument(value: object, argument: str) -> bool:
 
 def positive_int(value: object, argument: str) -> int:
     """``value`` as an int >= 1, else a ConfigError naming ``argument``."""
-    if not is_integer(value) or int(value) < 1:  # type: ignore[call-overload]
+    if not is_integer(value) or int(value) < 1:
         raise ConfigError(f"{argument} must be a positive integer, got {value!r:.80}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def non_negative_int(value: object, argument: str) -> int:
     """``value`` as an int >= 0, else a ConfigError naming ``argument``."""
-    if not is_integer(value) or int(value) < 0:  # type: ignore[call-overload]
+    if not is_integer(value) or int(value) < 0:
         raise ConfigError(f"{argument} must be an integer >= 0, got {value!r:.80}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def seed_argument(seed: object) -> int:
     """``seed`` as an int in 0..2^63-1 (the seeds torch and NumPy both take), else a ConfigError."""
-    if not is_integer(seed) or not 0 <= int(seed) <= MAX_SEED:  # type: ignore[call-overload]
+    if not is_integer(seed) or not 0 <= int(seed) <= MAX_SEED:
         raise ConfigError(f"seed must be a non-negative integer below 2^63, got {seed!r:.80}")
-    return int(seed)  # type: ignore[call-overload]
+    return int(seed)
 
 
 def positive_ints(values: object, argument: str) -> list[int]:
@@ -106,7 +110,11 @@ def positive_number(value: object, argument: str) -> float:
     return number
 
 
-def iterable_argument(value: Any, argument: str, what: str) -> Any:
+@overload
+def iterable_argument(value: IterableT, argument: str, what: str) -> IterableT: ...
+@overload
+def iterable_argument(value: object, argument: str, what: str) -> Iterable[Any]: ...
+def iterable_argument(value: object, argument: str, what: str) -> Iterable[Any]:
     """``value`` when it can be iterated (a list, a DataLoader), else a ConfigError saying what it should hold."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ConfigError(f"{argument} must be an iterable of {what}, got {value!r:.80}")

@@ -516,7 +516,7 @@ def _modules_phrase(records: list[ModuleRecord], named: bool = True) -> str:
 class Bundle:
     """A PLATE init bundle on disk: the manifest in memory, tensors read on demand."""
 
-    def __init__(self, path: Path, manifest: Manifest):
+    def __init__(self, path: Path, manifest: Manifest) -> None:
         self.path = path
         self.manifest = manifest
         self._mixed_up: dict[str, str] = {}  # part file -> what it holds instead of its modules (read failures only)
@@ -861,7 +861,9 @@ class BundleWriter:
     records, so whether an existing part can be kept is decided per module by :meth:`reusable`.
     """
 
-    def __init__(self, path: str | os.PathLike, manifest: Manifest, overwrite: bool = False, cli_hints: bool = True):
+    def __init__(
+        self, path: str | os.PathLike, manifest: Manifest, overwrite: bool = False, cli_hints: bool = True
+    ) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.overwrite = overwrite

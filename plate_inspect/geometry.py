@@ -176,6 +176,7 @@ class TridiagonalEigen(SymmetricEigen):
         return self._values
 
     def eigenvalues(self) -> torch.Tensor:
+        """All eigenvalues of S (those of T), ascending."""
         return torch.from_numpy(self._ascending_values().copy())
 
     def _mrrr_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
@@ -218,6 +219,7 @@ class TridiagonalEigen(SymmetricEigen):
         return self._all
 
     def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
+        """Eigenvectors start..p-1 of S: T's eigenvectors (float64, MRRR on index ranges) mapped back through H."""
         if p <= start:
             return torch.zeros(self.n, 0, dtype=torch.from_numpy(self.diag).dtype)
         return torch.from_numpy(
@@ -241,9 +243,11 @@ class DenseEigen(SymmetricEigen):
             self.values, self.vectors = torch.linalg.eigvalsh(s), None
 
     def eigenvalues(self) -> torch.Tensor:
+        """All eigenvalues, ascending (float64 when vectors were computed)."""
         return self.values
 
     def bottom_vectors(self, p: int, start: int = 0) -> torch.Tensor:
+        """Columns start..p-1 of the float64 eigenvectors (needs ``vectors=True``)."""
         return self.vectors[:, start:p]
 
 
@@ -370,6 +374,7 @@ class FrozenRows:
 
     @property
     def n_rows(self) -> int:
+        """Number of frozen rows (those kept), not the weight's d_out."""
         return self.weight.shape[0] if self.keep is None else int(self.keep.numel())
 
     def times(self, x: torch.Tensor) -> torch.Tensor:
@@ -399,6 +404,7 @@ class RitzCandidates:
 
     @classmethod
     def empty(cls, rows: FrozenRows) -> RitzCandidates:
+        """No candidates yet: S is d_in x 0 and Y is d_out x 0."""
         w = rows.weight
         return cls(w.new_zeros(w.shape[1], 0), w.new_zeros(w.shape[0], 0))
 
@@ -646,6 +652,7 @@ class ModuleGeometry:
 
     @property
     def k(self) -> int:
+        """The number of Q's columns (k chosen by tau and the rank cap)."""
         return self.basis.k
 
 

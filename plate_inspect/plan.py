@@ -59,6 +59,7 @@ class Budget:
     params: int
 
     def to_json(self) -> dict[str, Any]:
+        """The budget as the plan file records it."""
         return {"spec": self.spec, "kind": self.kind, "value": self.value, "params": self.params}
 
 
@@ -148,6 +149,7 @@ class Allocation:
     solver: str = ""  # exact: "closed form" (one r), "dynamic program" or "integer program"
 
     def to_json(self) -> dict[str, Any]:
+        """How the allocation was found, as the plan file's ``optimality`` (solver, or greedy's reason and bound)."""
         out: dict[str, Any] = {"method": self.method, "objective": self.objective}
         if self.method == "exact":
             out["solver"] = self.solver
@@ -620,17 +622,21 @@ class Plan:
 
     @property
     def spent(self) -> int:
+        """Trainable parameters the plan spends: the sum of its modules' ``params``."""
         return sum(m["params"] for m in self.modules.values())
 
     @property
     def max_captured_energy(self) -> float:
+        """The largest captured energy tr(Q^T G Q) / tr(G) among the plan's modules."""
         return max(m["captured_energy"] for m in self.modules.values())
 
     @property
     def mean_captured_energy(self) -> float:
+        """The mean captured energy over the plan's modules."""
         return sum(m["captured_energy"] for m in self.modules.values()) / len(self.modules)
 
     def to_json(self) -> dict[str, Any]:
+        """The plan file (format plate-plan v1): bundle identity, budget, objective and per-module k."""
         capacity = sum(m["r"] * m["bundle_k"] for m in self.modules.values())
         return {
             "format": PLAN_FORMAT,

@@ -68,11 +68,14 @@ from plate_inspect.targets import (
 class ScanProgress:
     """Deprecated (one release): the old scan front end. Pass ``progress=`` a function of one ProgressEvent."""
 
-    def start(self, total_modules: int, total_bytes: int, already_done: int, already_bytes: int) -> None: ...
+    def start(self, total_modules: int, total_bytes: int, already_done: int, already_bytes: int) -> None:
+        """Called once before the first module: what the scan will read, and what an earlier run already did."""
 
-    def module_done(self, name: str, nbytes: int) -> None: ...
+    def module_done(self, name: str, nbytes: int) -> None:
+        """Called after each module is written, with its stored bytes."""
 
-    def finish(self) -> None: ...
+    def finish(self) -> None:
+        """Called once when the scan is done."""
 
 
 @dataclass

@@ -49,7 +49,7 @@ def find_chromium() -> str | None:
 class CDPPipe:
     """A minimal DevTools-protocol client over Chromium's fd 3 (commands in) / fd 4 (events out) pipe."""
 
-    def __init__(self, chromium: str, user_data_dir: Path, extra_flags: list[str] | None = None):
+    def __init__(self, chromium: str, user_data_dir: Path, extra_flags: list[str] | None = None) -> None:
         cmd_r, cmd_w = os.pipe()
         res_r, res_w = os.pipe()
         # move the child's ends above 4 so dup2 onto 3 and 4 cannot clobber them
@@ -134,6 +134,7 @@ class CDPPipe:
         return reply.get("result", {})
 
     def close(self) -> None:
+        """Close Chromium (Browser.close, killed after 10 s if it hangs) and the pipes to it."""
         with contextlib.suppress(BrowserError, OSError):
             self.send("Browser.close", timeout=5)
         try:
@@ -162,6 +163,7 @@ class PageCheck:
 
     @property
     def every_plot_rendered(self) -> bool:
+        """Whether every plot div holds at least one plotly SVG (none means the page drew nothing)."""
         return bool(self.plots) and all(n > 0 for n in self.plots.values())
 
 

@@ -136,6 +136,7 @@ class BundleSummary:
 
     @property
     def plate_over_lora(self) -> float:
+        """PLATE's trainable parameters as a multiple of LoRA's at the same modules (NaN without LoRA's)."""
         return self.plate_params / self.lora_params if self.lora_params else float("nan")
 
 
@@ -415,6 +416,7 @@ class SpectrumView:
 
     @property
     def null_directions(self) -> int:
+        """The d_in - n_stored exact null directions (eigenvalue 0), beyond the stored spectrum."""
         return self.d_in - self.n_stored
 
     @property
@@ -583,6 +585,7 @@ class ExpertGroup:
 
     @property
     def d_in(self) -> int:
+        """The group's common input width (its shape's second entry)."""
         return self.shape[1]
 
 

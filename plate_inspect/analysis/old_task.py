@@ -72,7 +72,7 @@ class OldTaskProblem:
         loss_fn: LossFn,
         data: Iterable[tuple[Any, torch.Tensor]],
         forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    ):
+    ) -> None:
         model_argument(model, "OldTaskProblem")
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be a function loss_fn(outputs, targets), got {loss_fn!r:.80}")
@@ -238,7 +238,7 @@ class OldTaskProblem:
 class _Bound(nn.Module):
     """What a user ``forward(model, x)`` receives: calling it runs the model with the parameters replaced."""
 
-    def __init__(self, model: nn.Module, state: Params):
+    def __init__(self, model: nn.Module, state: Params) -> None:
         super().__init__()
         self._model, self._state = model, state
 

@@ -124,6 +124,7 @@ class CheckpointUpdate(UpdateSource):
                 )
 
     def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        """W_tuned - W_base of one module, dense; a quantized TUNED is compared with BASE rounded to TUNED's codes."""
         mine = self.modules.get(target.name)
         if mine is None:
             raise CheckpointError(
@@ -188,6 +189,7 @@ class LoraUpdate(UpdateSource):
             raise CheckpointError(f"{self.path}: a LoRA adapter dir without any '*.lora_A.weight' tensor")
 
     def bind(self, base: Checkpoint) -> list[str]:
+        """Map the LoRA's module names onto BASE's; check each lora_A/lora_B pair fits BASE's weight (headers only)."""
         available = [
             n[: -len(".weight")] for n, t in base.tensors.items() if n.endswith(".weight") and len(t.shape) == 2
         ]
@@ -232,6 +234,7 @@ class LoraUpdate(UpdateSource):
         return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
     def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        """s B A of one module as a low-rank delta (never the dense d_out x d_in product)."""
         peft_name = self.mapping[target.name]
         a_key, b_key = self.pairs[peft_name]
         a, _ = self.adapter.read(a_key)
@@ -257,6 +260,7 @@ class PlateUpdate(UpdateSource):
     recorded: str | None = None  # the bundle path the adapter records (where it was looked for)
 
     def bind(self, base: Checkpoint) -> list[str]:
+        """Check the adapter's bundle is the one it was trained with (B/Q digests); map its modules onto BASE's."""
         from plate_inspect.train.core import geometry_digest
 
         if self.bundle is None:
@@ -282,6 +286,7 @@ class PlateUpdate(UpdateSource):
         return list(self.mapping)
 
     def delta(self, target: TargetModule, base_weight: torch.Tensor) -> Delta:
+        """rho A Q^T on B's rows of one module, as a low-rank delta (Q cut to A's k when trained from a plan)."""
         name = self.mapping[target.name]
         bundle = self.bundle
         assert bundle is not None  # (bind refused an adapter without one)

@@ -41,7 +41,7 @@ class Coordinator:
         prefix: str = "",
         stop_main: bool = False,
         track: JobTrack | None = None,
-    ):
+    ) -> None:
         self.info = info
         self.track = track if track is not None else JobTrack(RankInfo())  # (without one: posts nothing)
         self._stop_main = stop_main  # a lost store interrupts the main thread (the scan): see _heartbeat

@@ -32,7 +32,7 @@ class JobProgress:
         progress: ProgressCallback | None,
         total: int,
         bytes_total: int,
-    ):
+    ) -> None:
         """``store``: the Coordinator's bounded store (posts); ``shared``: the job's raw store, which rank 0 clones for
         its reads; ``keys``: the job's counters of modules and bytes."""
         self._store, self._is_root, self._progress = store, is_root, progress

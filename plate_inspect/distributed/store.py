@@ -39,7 +39,7 @@ class BoundedStore:
     opened there too); a call that never returns leaves that thread blocked, not the caller. ``store`` may also be
     a function that opens the store (on that thread, so that connecting is bounded as well)."""
 
-    def __init__(self, store: Any, clone: bool = False, timeout: float | None = None):
+    def __init__(self, store: Any, clone: bool = False, timeout: float | None = None) -> None:
         self._timeout = timeout  # None: timing.STORE_TIMEOUT_SECONDS (read at each call)
         self._calls: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         self._timed_out: str | None = None

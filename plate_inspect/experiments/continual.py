@@ -101,9 +101,10 @@ class ContinualSettings:
         if isinstance(self.methods, str):
             self.methods = (self.methods,)
         if is_integer(self.steps):
-            self.steps = (self.steps,)  # type: ignore[assignment]
+            self.steps = (self.steps,)
 
     def budgets_of(self, method: str) -> list[Budget]:
+        """This method's budgets: the ones given in ``budgets``, else its default grid."""
         return self.budgets.get(method) or default_budgets(method)
 
     @classmethod
@@ -267,10 +268,12 @@ class RunRecord:
 
     @property
     def forgetting(self) -> float:
+        """Task-1 accuracy lost in stage 2 (before minus after; negative when it rose)."""
         return self.task1_acc_before - self.task1_acc_after
 
     @property
     def key(self) -> tuple[str, str, int, int]:
+        """(method, budget, seed, steps): what identifies a run; a resumed experiment keeps the runs recorded."""
         return (self.method, self.budget, self.seed, self.steps)
 
 

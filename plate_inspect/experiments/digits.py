@@ -44,9 +44,11 @@ class Task:
 
     @property
     def d_in(self) -> int:
+        """Number of input features."""
         return int(self.x_train.shape[1])
 
     def steps_per_epoch(self, batch_size: int = 128) -> int:
+        """Batches of ``batch_size`` in one pass over the training set (the last one may be short)."""
         return math.ceil(self.x_train.shape[0] / batch_size)
 
 
@@ -132,7 +134,7 @@ def _check_root(root: object) -> None:
 class DigitsMLP(nn.Module):
     """3-layer ReLU backbone (fc1, fc2, fc3) and one head per task (head1, head2, ...)."""
 
-    def __init__(self, d_in: int = 64, hidden: int = 256, n_classes: int = 5, n_tasks: int = 2):
+    def __init__(self, d_in: int = 64, hidden: int = 256, n_classes: int = 5, n_tasks: int = 2) -> None:
         super().__init__()
         d_in, hidden = positive_int(d_in, "DigitsMLP: d_in"), positive_int(hidden, "DigitsMLP: hidden")
         n_classes = positive_int(n_classes, "DigitsMLP: n_classes")
@@ -144,11 +146,13 @@ class DigitsMLP(nn.Module):
             self.add_module(f"head{t}", nn.Linear(hidden, n_classes))
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared backbone's output (fc1-fc3 with ReLU), before any task head."""
         x = torch.relu(self.fc1(x))
         x = torch.relu(self.fc2(x))
         return torch.relu(self.fc3(x))
 
     def forward(self, x: torch.Tensor, task: int = 1) -> torch.Tensor:
+        """Logits of task ``task``'s head; a task number the model has no head for is a ConfigError."""
         head = getattr(self, f"head{task}", None) if isinstance(task, int) and not isinstance(task, bool) else None
         if not isinstance(head, nn.Module):  # was AttributeError: 'DigitsMLP' object has no attribute 'head3'
             n = sum(1 for name, _ in self.named_children() if name.startswith("head"))

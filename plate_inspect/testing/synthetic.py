@@ -61,7 +61,7 @@ class ShardedWriter:
     """Collects tensors and writes them as one ``model.safetensors`` or, with ``max_shard_bytes``, as shards
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (memory: about one shard)."""
 
-    def __init__(self, out: Path, max_shard_bytes: int | None = None):
+    def __init__(self, out: Path, max_shard_bytes: int | None = None) -> None:
         self.out = out
         self.max_shard_bytes = max_shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
@@ -71,6 +71,7 @@ class ShardedWriter:
         out.mkdir(parents=True, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor for the next shard (written by :meth:`flush`)."""
         self.pending[name] = tensor.contiguous()
 
     def flush(self, force: bool = False) -> None:
@@ -423,7 +424,7 @@ VISION_LAYER = {
 class _LayerBuilder:
     """Generates one family's tensors with their real names: structured weights, ones for norms, zero biases."""
 
-    def __init__(self, gen: torch.Generator, dtype: torch.dtype, fp8: bool = False, mxfp4: bool = False):
+    def __init__(self, gen: torch.Generator, dtype: torch.dtype, fp8: bool = False, mxfp4: bool = False) -> None:
         self.gen = gen
         self.dtype = dtype
         self.fp8 = fp8  # linear weights as float8_e4m3fn with 128x128 block weight_scale_inv (DeepSeek-V3 release)

@@ -130,7 +130,7 @@ class PlateLinear(nn.Module):
         rho: float = 0.5,
         digest: str | None = None,
         awaiting: AwaitingWeights | None = None,
-    ):
+    ) -> None:
         """``digest``: the identity of B/Q when ``q`` is a rounded copy of a bundle's Q (default: digest of ``q``);
         ``awaiting``: the base weight is on the meta device, and this is what the layer owes once it is loaded."""
         super().__init__()
@@ -156,26 +156,32 @@ class PlateLinear(nn.Module):
 
     @property
     def merged(self) -> bool:
+        """Whether rho A Q^T is currently written into the base weight (by :meth:`merge`)."""
         return self._saved_rows is not None
 
     @property
     def r(self) -> int:
+        """r: the number of output rows the branch adapts (B's length)."""
         return int(self.plate_B_idx.numel())
 
     @property
     def k(self) -> int:
+        """k: the width of the input basis Q (A is r x k)."""
         return int(self.plate_Q.shape[1])
 
     @property
     def weight(self) -> torch.Tensor:
+        """The base layer's weight, oriented [d_out, d_in] (a Conv1D's is transposed)."""
         return layer_weight(self.base)
 
     @property
     def bias(self) -> torch.Tensor | None:
+        """The base layer's bias (None when it has none)."""
         bias = self.base.bias
         return bias if isinstance(bias, torch.Tensor) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """base(x) + rho * the branch on B's rows; a merged layer runs the base alone."""
         if self._awaiting:
             self.settle(zero_a=False)
         if x.shape[-1] != self.d_in:  # one int comparison (~0.15 us); torch.compile traces it away
@@ -216,6 +222,7 @@ class PlateLinear(nn.Module):
             self._saved_rows = None
 
     def extra_repr(self) -> str:
+        """d_in, d_out, r, k, rho and layout, for the model's repr."""
         return f"d_in={self.d_in}, d_out={self.d_out}, r={self.r}, k={self.k}, rho={self.rho}, layout={self.layout}"
 
 
@@ -267,9 +274,11 @@ class AwaitsWeights(Protocol):
 
     _awaiting: dict[str, AwaitingWeights]
 
-    def settle(self, zero_a: bool) -> None: ...
+    def settle(self, zero_a: bool) -> None:
+        """Pay what the branches owe once the weights are loaded (check them, reload B/Q, see to A)."""
 
-    def get_parameter(self, target: str) -> nn.Parameter: ...
+    def get_parameter(self, target: str) -> nn.Parameter:
+        """nn.Module's: the parameter at a dotted path (where a branch's A lives)."""
 
 
 def settle_branch(
@@ -562,6 +571,7 @@ class CheckpointingWithInputGrads:
         object.__setattr__(self, "__doc__", getattr(self.enable, "__doc__", None))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Switch checkpointing on through the wrapped ``enable``, then make the model's inputs require grad."""
         out = self.enable(*args, **kwargs)
         require_input_grads(self.model)
         return out

@@ -26,6 +26,7 @@ import numbers
 import os
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -292,10 +293,10 @@ _LORA_OPTIONS = {
 }
 
 
-def _refuse_lora_options(init):
+def _refuse_lora_options(init: Callable[..., None]) -> Callable[..., None]:
     """Wrap the dataclass __init__: a LoRA-only option gets one line naming PLATE's way instead of a TypeError."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: PlateConfig, *args: Any, **kwargs: Any) -> None:
         foreign = [k for k in kwargs if k in _LORA_OPTIONS]
         if foreign:
             k = foreign[0]
@@ -303,7 +304,7 @@ def _refuse_lora_options(init):
         init(self, *args, **kwargs)
 
     __init__.__doc__ = init.__doc__
-    __init__.__signature__ = inspect.signature(init)
+    __init__.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]  # a function takes any attribute
     return __init__
 
 
@@ -329,7 +330,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
     other_param_names = ("plate_B_idx", "plate_Q", "plate_rho")
     module_name: str  # the model's name for it (set by PlateModel; named in its errors)
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, geometry: BranchGeometry, rho: float):
+    def __init__(self, base_layer: nn.Module, adapter_name: str, geometry: BranchGeometry, rho: float) -> None:
         super().__init__()
         BaseTunerLayer.__init__(self)
         self.base_layer = base_layer
@@ -386,6 +387,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         self.set_adapter(self.active_adapters)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The base output plus each active adapter's rho * B A Q^T x (merged: in the weight; disabled: none)."""
         if self._awaiting:
             self.settle(zero_a=False)
         if x.shape[-1] != self.in_features:  # as PlateLinear's: the layer and both widths, not torch's mat1/mat2
@@ -461,6 +463,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
             unmerge_rows(w, self.layout, self.plate_B_idx[name], self._saved_rows.pop(name))
 
     def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        """False: peft's conversion of an adapter to LoRA is not offered for PLATE layers."""
         return False
 
     def __repr__(self) -> str:
@@ -722,6 +725,7 @@ class PlateModel(BaseTuner):
         return attr
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """Build the bundle's geometry for ``adapter_name`` (unless add_weighted_adapter did), then peft's injection."""
         if adapter_name not in getattr(self, "_combined", ()):  # add_weighted_adapter built its geometry already
             self._prepare_plate(model, adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)

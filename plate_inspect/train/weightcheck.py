@@ -53,16 +53,20 @@ class WeightRecord(Protocol):
     carries its B/Q saved (``name``: the bundle's module name, read only to find the bundle's source weight)."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The bundle's module name (used only to find the bundle's source weight)."""
 
     @property
-    def shape(self) -> list[int]: ...  # [d_out, d_in]
+    def shape(self) -> list[int]:
+        """The weight's shape, [d_out, d_in]."""
 
     @property
-    def dtype(self) -> str: ...  # the weight's stored dtype
+    def dtype(self) -> str:
+        """The weight's stored dtype (e.g. BF16, F8_E4M3)."""
 
     @property
-    def fingerprint(self) -> str: ...
+    def fingerprint(self) -> str:
+        """The fingerprint of the weight's stored bytes, as the bundle recorded it."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,12 @@ class WeightSketch:
     seed: int = SKETCH_SEED
 
     def to_json(self) -> dict[str, Any]:
+        """The sketch as a JSON object (what adapters record of the weight they were made on)."""
         return {"seed": self.seed, "fro": self.fro, "values": [list(v) for v in self.values]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WeightSketch:
+        """The sketch back from :meth:`to_json`'s dict."""
         return cls(tuple(tuple(float(x) for x in row) for row in d["values"]), float(d["fro"]), int(d["seed"]))
 
 
