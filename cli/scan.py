@@ -439,6 +439,10 @@ def info_command(bundle: Path, show_modules: bool, show_groups: bool) -> None:
     b.check_parts()  # the summary is the manifest's: a missing or truncated part file is an error after it
 
 
+#: How many of verify's problem lines are printed; the rest are counted (``--json`` has them all).
+PROBLEMS_SHOWN = 10
+
+
 @click.command("verify")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.argument("model", required=False)
@@ -449,7 +453,10 @@ def info_command(bundle: Path, show_modules: bool, show_groups: bool) -> None:
     help="Also check every Q against a float64 dense oracle on MODEL's weights (slow: an eigvalsh per module).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (same exit codes).")
-def verify_command(bundle: Path, model: str | None, revision: str | None, exact: bool, as_json: bool) -> None:
+@quiet_option()
+def verify_command(
+    bundle: Path, model: str | None, revision: str | None, exact: bool, as_json: bool, quiet: bool
+) -> None:
     """Check BUNDLE's tensors, and that it was made for MODEL's weights (exit 1 if not).
 
     \b
@@ -461,13 +468,16 @@ def verify_command(bundle: Path, model: str | None, revision: str | None, exact:
     """
     from plate_inspect.verification import verify
 
-    with progress_bar("verify", transient=True, quiet=as_json) as progress:
+    with progress_bar("verify", transient=True, quiet=as_json or quiet) as progress:
         report = verify(bundle, model, revision=revision, progress=progress, exact=exact)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
         raise SystemExit(0 if report.ok else 1)
-    for problem in report.problems:
+    for problem in report.problems[:PROBLEMS_SHOWN]:
         console.print(f"[red]x[/] {problem}")
+    if len(report.problems) > PROBLEMS_SHOWN:  # a bundle of another model: one line per module buried the summary
+        more = len(report.problems) - PROBLEMS_SHOWN
+        console.print(f"[red]x[/] ... and {counted(more, 'more problem')} (--json lists every one)")
     for note in report.notes:
         console.print(f"[yellow]note[/]: {note}")
     if report.exactness:

@@ -86,3 +86,17 @@ def test_curvature_out_short_and_long_forms_are_one_option(tmp_path, flag):
     blocker.write_text("mine")
     assert_user_error(["curvature", flag, blocker, "-q"], "cannot create the output directory", "choose another --out")
     assert blocker.read_text() == "mine"
+
+
+def test_every_command_that_draws_a_progress_bar_can_be_quieted():
+    """A long command draws a rich bar on stderr; in a script or a log it is noise, and -q must turn it off."""
+    import inspect
+
+    drawing = [path for path, cmd in leaf_commands().items() if "progress_bar(" in inspect.getsource(cmd.callback)]
+    assert "scan" in drawing and "verify" in drawing  # found by reading the commands, not listed here
+    lacking = [path for path in drawing if "--quiet" not in options_by_name_of(leaf_commands()[path])]
+    assert lacking == []
+
+
+def options_by_name_of(cmd: click.Command) -> set[str]:
+    return {o for p in cmd.params if isinstance(p, click.Option) for o in p.opts}
