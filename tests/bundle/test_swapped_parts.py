@@ -7,6 +7,7 @@ modules the file holds instead of its own, and a rescan into the bundle repairs 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -53,11 +54,11 @@ def test_reading_a_swapped_part_names_the_layer_it_holds(scanned, tmp_path):
 
 def test_verify_and_health_say_what_happened_and_a_rescan_repairs_it(scanned, qwen_ckpt, tmp_path):
     path = _swapped(scanned, tmp_path / "b")
-    code, output = run_cli("verify", path)
+    code, output = run_cli("verify", path, "--json")  # every problem (the console shows the first 10)
     assert code == 1 and "File does not contain tensor" not in output, output
-    flat = " ".join(output.split())  # the console wraps long lines
-    assert flat.count("the part file holds layer 1's 7 modules") == 7, output
-    assert flat.count("the part file holds layer 0's 7 modules") == 7, output
+    problems = [" ".join(problem.split()) for problem in json.loads(output)["problems"]]
+    assert sum("the part file holds layer 1's 7 modules" in problem for problem in problems) == 7, output
+    assert sum("the part file holds layer 0's 7 modules" in problem for problem in problems) == 7, output
     assert_user_error(["health", path], "layer-00000.safetensors (holds layer 1's 7 modules", "swapped by hand")
     code, output = run_cli("scan", qwen_ckpt.path, "--out", path, "--r", R, "--quiet")
     assert code == 0, output
