@@ -71,9 +71,9 @@ def test_a_shallow_bundle_keeps_the_usual_layout(tmp_path):
         assert fig["data"][0]["colorbar"]["len"] == 0.9 and "lenmode" not in fig["data"][0]["colorbar"]
 
 
-def audit_record(layer: int, share: float) -> AuditRecord:
+def audit_record(layer: int, share: float, module_type: str = "self_attn.q_proj") -> AuditRecord:
     return AuditRecord(
-        module=f"model.layers.{layer}.self_attn.q_proj",
+        module=f"model.layers.{layer}.{module_type}",
         protected_input_share=share,
         frozen_row_share=0.5,
         delta_norm=1.0,
@@ -103,22 +103,7 @@ def test_the_audit_heatmap_leaves_each_layer_a_readable_row_below_long_type_name
     figure's height; what is left must give every layer at least 20 px (3 layers under DeepSeek's type names got
     ~10 px rows)."""
     types = ["mlp.shared_experts.down_proj", "self_attn.kv_a_proj_with_mqa", "mlp.experts.gate_proj"]
-    records = [
-        AuditRecord(
-            module=f"model.layers.{i}.{t}",
-            protected_input_share=0.2,
-            frozen_row_share=0.5,
-            delta_norm=1.0,
-            relative_delta=0.1,
-            shape=(64, 64),
-            m=8,
-            r=8,
-            weight_norm=10.0,
-            protected_norm=0.4,
-        )
-        for i in range(layers)
-        for t in types
-    ]
+    records = [audit_record(i, 0.2, t) for i in range(layers) for t in types]
     heat = audit_figures(records)["heatmap"]
     layout = heat["layout"]
     angle = math.radians(abs(layout["xaxis"]["tickangle"]))

@@ -14,10 +14,8 @@ import hashlib
 
 import pytest
 import torch
-from helpers_train import save_tiny_qwen2
 from peft import PeftModel, get_peft_model
 
-from plate_inspect import scan
 from plate_inspect.errors import BundleError
 from plate_inspect.train.layer import apply_bundle
 from plate_inspect.train.peft import PlateConfig
@@ -33,11 +31,9 @@ DEVICE_MAP = {
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    root = tmp_path_factory.mktemp("offloaded")
-    save_tiny_qwen2(root / "model")
-    scan(root / "model", root / "bundle", r=4, tau=0.8, max_rank=16, overwrite=True)
-    return root
+def qwen(tiny_qwen):
+    """The directory holding the tiny Qwen2 (model/) and its bundle (bundle/): this module's own copy."""
+    return tiny_qwen[0]
 
 
 def _offloaded(root, tmp_path, path=None):

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_train import save_tiny_qwen2
 from peft import PeftModel, get_peft_model
 
-from plate_inspect import scan
 from plate_inspect.train.peft import PlateConfig, PlateLayer
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    root = tmp_path_factory.mktemp("peft_lifecycle")
-    save_tiny_qwen2(root / "model")
-    scan(root / "model", root / "bundle", r=4, tau=0.8, max_rank=16, overwrite=True)
-    return root
+def qwen(tiny_qwen):
+    """The directory holding the tiny Qwen2 (model/) and its bundle (bundle/): this module's own copy."""
+    return tiny_qwen[0]
 
 
 def _base(root):
