@@ -15,6 +15,7 @@ bundle or other weights.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -110,6 +111,28 @@ def input_width_error(layer: str, x: torch.Tensor, d_in: int, d_out: int) -> Run
     )
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def compile_disabled(method: _Method) -> _Method:
+    """``torch.compiler.disable(method)`` without importing torch._dynamo when the module is (that import costs ~2 s
+    on every ``import plate_inspect.train.layer``): a call with torch._dynamo not loaded cannot be under
+    torch.compile and runs the method directly; otherwise the disabled method (made once) runs. The flag
+    ``_torchdynamo_disable`` tells a tracing torch.compile to call this wrapper eagerly rather than inline it."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return method(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(method))
+        return disabled[0](*args, **kwargs)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return cast("_Method", call)
+
+
 class PlateLinear(nn.Module):
     """A frozen Linear/Conv1D plus a PLATE branch: y = base(x) + rho * scatter_B((x Q) A^T) (math in ``core``)."""
 
@@ -192,7 +215,7 @@ class PlateLinear(nn.Module):
         inplace = self._inplace and not self.base._forward_hooks  # a hook may hold the base output: keep it
         return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=inplace)
 
-    @torch.compiler.disable
+    @compile_disabled
     def settle(self, zero_a: bool) -> None:
         """A layer made on meta-device weights, now loaded: check them, reload B/Q beside them, see to A."""
         with torch.inference_mode(False):

@@ -55,6 +55,7 @@ from plate_inspect.train.layer import (
     AwaitingWeights,
     CheckpointingWithInputGrads,
     check_module_against_record,
+    compile_disabled,
     geometry_device,
     input_width_error,
     is_meta_tensor,
@@ -414,7 +415,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
             )
         return result
 
-    @torch.compiler.disable
+    @compile_disabled
     def settle(self, zero_a: bool) -> None:
         """Adapters made on meta-device weights, now loaded: check them, reload B/Q beside them, see to A."""
         base = self.get_base_layer()
