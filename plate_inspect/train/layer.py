@@ -20,7 +20,8 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
@@ -428,29 +429,60 @@ def unresolved_modules(model: nn.Module, missing: list[str], resolved: int) -> B
     )
 
 
-def is_offloaded(module: nn.Module, model: nn.Module | None = None) -> bool:
-    """True when accelerate offloads the module's weights (``device_map`` with cpu/disk offload): the module holds
-    them on the meta device between calls and its hook brings them in for each call. ``model``: the model it is in;
-    peft's ``from_pretrained`` removes the hooks before it adds the adapter (and dispatches again after loading), so
-    there a meta weight in a model whose ``hf_device_map`` offloads tells it."""
+def offload_hook(module: nn.Module) -> Any | None:
+    """accelerate's hook that offloads the module's weights (``device_map`` with cpu/disk offload: the module holds
+    them on the meta device between calls and the hook brings them in for each call), or None."""
     hook = getattr(module, "_hf_hook", None)
-    if any(getattr(h, "offload", False) is True for h in getattr(hook, "hooks", (hook,))):
+    return next((h for h in getattr(hook, "hooks", (hook,)) if getattr(h, "offload", False) is True), None)
+
+
+def is_offloaded(module: nn.Module, model: nn.Module | None = None) -> bool:
+    """True when accelerate offloads the module's weights. ``model``: the model it is in; peft's
+    ``from_pretrained`` removes the hooks before it adds the adapter (and dispatches again after loading), so there
+    a meta weight in a model whose ``hf_device_map`` offloads tells it."""
+    if offload_hook(module) is not None:
         return True
     device_map = getattr(model, "hf_device_map", None)
     offloading = isinstance(device_map, dict) and bool({"cpu", "disk"} & {str(d) for d in device_map.values()})
     return offloading and is_meta_tensor(layer_weight(module))
 
 
+@contextmanager
+def onloaded(module: nn.Module) -> Iterator[None]:
+    """The module's offloaded weights brought in for the block, as its accelerate hook does for a call, and
+    offloaded again after (unchanged: writing back is peft's ``onload_layer``); nothing for any other module."""
+    hook = offload_hook(module)
+    if hook is None or not is_meta_tensor(layer_weight(module)):
+        yield
+        return
+    hook.pre_forward(module)
+    try:
+        yield
+    finally:
+        hook.post_forward(module, torch.tensor([]))
+
+
 def refuse_offloaded(module: nn.Module, name: str, model: nn.Module | None = None) -> None:
-    """BundleError for a layer accelerate offloads: its meta weight is no model made on the meta device (no
-    ``to_empty()`` + load will come), and PLATE needs the values (the weight check, merging)."""
-    if is_offloaded(module, model):
+    """BundleError for a layer whose weight accelerate holds offloaded now: its meta weight is no model made on the
+    meta device (no ``to_empty()`` + load will come). The PEFT method brings the weight in (``onloaded``) for the
+    check and merges; apply_bundle does not, and ``PeftModel.from_pretrained`` has taken the hooks away."""
+    if not (is_offloaded(module, model) and is_meta_tensor(layer_weight(module))):
+        return
+    if offload_hook(module) is not None:
         raise BundleError(
             f"module '{name}': accelerate offloads its weight (device_map put its layer on 'cpu' or 'disk' with "
-            "offload), and PLATE needs it in memory (to check it against the bundle, to merge into it): load the "
-            "model with a device_map that keeps the adapted layers on a device (or none), or leave the offloaded "
-            "layers out (target_modules / apply_bundle(modules=...))"
+            "offload), and apply_bundle needs it in memory: adapt an offloaded model with the PEFT method "
+            "(get_peft_model(model, PlateConfig(bundle=...)) brings the weight in to check it and to merge), or "
+            "load the model with a device_map that keeps the adapted layers on a device"
         )
+    raise BundleError(
+        f"module '{name}': accelerate offloads its weight (device_map put its layer on 'cpu' or 'disk' with "
+        "offload), and PeftModel.from_pretrained has taken the model's offload hooks away (peft's offload "
+        "bookkeeping would then rewrite the base checkpoint's file): load the base model again and add the saved "
+        "adapter with get_peft_model(model, PlateConfig.from_pretrained(DIR)) + set_peft_model_state_dict(model, "
+        "load_file(DIR/adapter_model.safetensors)), or load it with a device_map that keeps the adapted layers on a "
+        "device"
+    )
 
 
 def check_module_against_record(

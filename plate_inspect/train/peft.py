@@ -17,6 +17,7 @@ fingerprint and sketch and the B/Q digest: loading refuses a bundle or base mode
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from peft.config import PeftConfig
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_adapters_to_merge, onload_layer
 from peft.utils import PeftType, register_peft_method
 from torch import nn
 
@@ -64,6 +65,8 @@ from plate_inspect.train.layer import (
     load_plan,
     module_geometry,
     note_loaded_a,
+    offload_hook,
+    onloaded,
     oriented_shape,
     refuse_offloaded,
     resolve_module_names,
@@ -440,17 +443,18 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         if self._awaiting:
             self.settle(zero_a=False)
         adapter_names = check_adapters_to_merge(self, adapter_names)
-        w = layer_weight(self.get_base_layer())
-        for name in adapter_names:
-            if name not in self.plate_A:
-                continue
-            b, a, q = self.plate_B_idx[name], self.plate_A[name], self.plate_Q[name]
-            old = merge_rows(w, self.layout, b, a, q, self.plate_rho[name])
-            if safe_merge and not torch.isfinite(w).all():
-                unmerge_rows(w, self.layout, b, old)
-                raise ValueError(f"NaNs detected in the merged weights; the adapter {name} seems to be broken")
-            self._saved_rows[name] = old
-            self.merged_adapters.append(name)
+        with self._weight_in_memory():
+            w = layer_weight(self.get_base_layer())
+            for name in adapter_names:
+                if name not in self.plate_A:
+                    continue
+                b, a, q = self.plate_B_idx[name], self.plate_A[name], self.plate_Q[name]
+                old = merge_rows(w, self.layout, b, a, q, self.plate_rho[name])
+                if safe_merge and not torch.isfinite(w).all():
+                    unmerge_rows(w, self.layout, b, old)
+                    raise ValueError(f"NaNs detected in the merged weights; the adapter {name} seems to be broken")
+                self._saved_rows[name] = old
+                self.merged_adapters.append(name)
 
     @torch.no_grad()
     def unmerge(self) -> None:
@@ -458,10 +462,19 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
             return
-        w = layer_weight(self.get_base_layer())
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            unmerge_rows(w, self.layout, self.plate_B_idx[name], self._saved_rows.pop(name))
+        with self._weight_in_memory():
+            w = layer_weight(self.get_base_layer())
+            while self.merged_adapters:
+                name = self.merged_adapters.pop()
+                unmerge_rows(w, self.layout, self.plate_B_idx[name], self._saved_rows.pop(name))
+
+    def _weight_in_memory(self) -> contextlib.AbstractContextManager[Any]:
+        """peft's ``onload_layer`` while accelerate holds the base weight offloaded (a merge outside peft's own
+        merge calls, such as the unmerge a disabled adapter does): it brings the weight in and keeps what was
+        written into it; nothing otherwise."""
+        base = self.get_base_layer()
+        offloaded = offload_hook(base) is not None and is_meta_tensor(layer_weight(base))
+        return onload_layer(self) if offloaded else contextlib.nullcontext()
 
     def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
         """False: peft's conversion of an adapter to LoRA is not offered for PLATE layers."""
@@ -860,11 +873,12 @@ class PlateModel(BaseTuner):
             ref = recorded.get(m, {}).get("sketch")
             ref = WeightSketch.from_json(ref) if ref else None
             module = _tuner_base(model.get_submodule(m), m)
-            refuse_offloaded(module, m, model)
-            meta = is_meta_tensor(layer_weight(module))  # checked once loaded (AwaitingWeights)
-            sketch = check_module_against_record(
-                module, m, rec, config.check_fingerprints and not meta, ref, bundle, adapter=bool(recorded)
-            )
+            with onloaded(module):  # an accelerate-offloaded weight, brought in for the check
+                refuse_offloaded(module, m, model)
+                meta = is_meta_tensor(layer_weight(module))  # checked once loaded (AwaitingWeights)
+                sketch = check_module_against_record(
+                    module, m, rec, config.check_fingerprints and not meta, ref, bundle, adapter=bool(recorded)
+                )
             b_idx, q = module_geometry(bundle, name, ks.get(name), q_dtype=None)  # as stored: the bundle's digest
             digest = geometry_digest(b_idx, q)
             carried = _carried_digests(b_idx, q) if config.carry_geometry else None
@@ -916,21 +930,23 @@ class PlateModel(BaseTuner):
                     f"adapter module '{m}': the model has no such module; it belongs to another model"
                 ) from None
             module = _tuner_base(module, m)
-            refuse_offloaded(module, m, model)
-            if is_meta_tensor(layer_weight(module)):
-                raise BundleError(
-                    f"adapter module '{m}': the model's weights are on the meta device; an adapter that carries its "
-                    "B/Q loads onto loaded weights: load them first (from_pretrained, or to_empty() + load_state_dict)"
+            with onloaded(module):
+                refuse_offloaded(module, m, model)
+                if is_meta_tensor(layer_weight(module)):
+                    raise BundleError(
+                        f"adapter module '{m}': the model's weights are on the meta device; an adapter that carries "
+                        "its B/Q loads onto loaded weights: load them first (from_pretrained, or to_empty() + "
+                        "load_state_dict)"
+                    )
+                sketch = WeightSketch.from_json(rec["sketch"]) if rec.get("sketch") else None
+                check_module_against_record(
+                    module,
+                    m,
+                    _Record(rec.get("bundle_module", m), rec["shape"], rec["dtype"], rec["fingerprint"]),
+                    config.check_fingerprints,
+                    sketch,
+                    adapter=True,
                 )
-            sketch = WeightSketch.from_json(rec["sketch"]) if rec.get("sketch") else None
-            check_module_against_record(
-                module,
-                m,
-                _Record(rec.get("bundle_module", m), rec["shape"], rec["dtype"], rec["fingerprint"]),
-                config.check_fingerprints,
-                sketch,
-                adapter=True,
-            )
             # adapters written before carried_digests recorded one digest, of Q in the dtype it was saved in
             accepted = frozenset((rec.get("carried_digests") or {}).values()) or frozenset([rec.get("carried_digest")])
             if None in accepted:
@@ -954,14 +970,16 @@ class PlateModel(BaseTuner):
         if current_key not in geometry:
             raise BundleError(f"module '{current_key}' matches target_modules but the bundle has no geometry for it")
         rho = _plate_config(peft_config).rho
-        if isinstance(target, PlateLayer):
-            target.update_layer(adapter_name, geometry[current_key], rho)
-        else:
-            new_module = PlateLayer(target, adapter_name, geometry[current_key], rho)
-            new_module.module_name = current_key  # named in its errors
-            if adapter_name not in self.active_adapters:
-                new_module.requires_grad_(False)
-            self._replace_module(parent, target_name, new_module, target)
+        # an accelerate-offloaded weight is brought in meanwhile: B, Q and A go where its hook runs the layer
+        with onloaded(target.get_base_layer() if isinstance(target, PlateLayer) else target):
+            if isinstance(target, PlateLayer):
+                target.update_layer(adapter_name, geometry[current_key], rho)
+            else:
+                new_module = PlateLayer(target, adapter_name, geometry[current_key], rho)
+                new_module.module_name = current_key  # named in its errors
+                if adapter_name not in self.active_adapters:
+                    new_module.requires_grad_(False)
+                self._replace_module(parent, target_name, new_module, target)
 
     def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
         """peft's, except that B/Q made beside a meta-device weight keep their real values (peft moves every adapter
