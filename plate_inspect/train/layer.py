@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkabl
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
 
 from plate_inspect.arguments import bool_argument
 from plate_inspect.atomic import path_argument
@@ -134,6 +135,13 @@ def compile_disabled(method: _Method) -> _Method:
     return cast("_Method", call)
 
 
+def output_may_be_held(module: nn.Module) -> bool:
+    """True when a forward hook may hold the module's output: one of its own, or a global one
+    (``torch.nn.modules.module.register_module_forward_hook``, called for every module); a PLATE layer then adds its
+    branch into a new tensor rather than in place into the base output."""
+    return bool(module._forward_hooks) or bool(_global_forward_hooks)
+
+
 class PlateLinear(nn.Module):
     """A frozen Linear/Conv1D plus a PLATE branch: y = base(x) + rho * scatter_B((x Q) A^T) (math in ``core``)."""
 
@@ -213,7 +221,7 @@ class PlateLinear(nn.Module):
         y = self.base(x)
         if self.merged:
             return y
-        inplace = self._inplace and not self.base._forward_hooks  # a hook may hold the base output: keep it
+        inplace = self._inplace and not output_may_be_held(self.base)  # a hook's tensor is kept as it is
         return add_branch(y, x, self.plate_B_idx, self.plate_Q, self.plate_A, self.rho, inplace=inplace)
 
     @compile_disabled

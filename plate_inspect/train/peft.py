@@ -68,6 +68,7 @@ from plate_inspect.train.layer import (
     offload_hook,
     onloaded,
     oriented_shape,
+    output_may_be_held,
     refuse_offloaded,
     resolve_module_names,
     settle_branch,
@@ -404,7 +405,7 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         if self.merged:
             return base_out
         # in place into the base output only when nothing else holds it (a forward hook on the base layer may)
-        own = self._inplace and not self.get_base_layer()._forward_hooks
+        own = self._inplace and not output_may_be_held(self.get_base_layer())
         result = base_out
         for name in (a for a in self.active_adapters if a in self.plate_A):
             result = add_branch(
