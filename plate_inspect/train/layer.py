@@ -493,6 +493,21 @@ def refuse_offloaded(module: nn.Module, name: str, model: nn.Module | None = Non
     )
 
 
+def refuse_quantized(module: nn.Module, name: str) -> None:
+    """BundleError for a layer holding quantized codes (bitsandbytes ``Linear4bit``/``Linear8bitLt``: a uint8/int8
+    weight, 4-bit packed to another shape): the weight check and merging need the full-precision weight. Without the
+    check such a layer was refused as "another model" (4-bit) or "other weights, rescan" (8-bit), and with
+    ``check_fingerprints=False`` an 8-bit one took merges into its int8 codes (a wrong model, silently)."""
+    weight = layer_weight(module)
+    if not weight.is_floating_point():
+        raise BundleError(
+            f"module '{name}': its weight is quantized ({type(module).__name__} holds {weight.dtype} codes, as "
+            "bitsandbytes' 4-/8-bit layers do); PLATE checks the weight against the bundle and merges into it, "
+            "which needs the full-precision weight: load the model without quantization_config (for less memory: "
+            "dtype=torch.bfloat16)"
+        )
+
+
 def check_module_against_record(
     module: nn.Module,
     name: str,
@@ -513,6 +528,7 @@ def check_module_against_record(
             f"module '{name}' is already wrapped ({type(module).__name__}); use one PLATE route per model "
             f"(apply_bundle or the PEFT method; several PEFT adapters: add_adapter), or {how} first"
         )
+    refuse_quantized(module, name)
     refuse_offloaded(module, name)
     layout = layout_of(module)
     shape = list(oriented_shape(module))
