@@ -744,6 +744,7 @@ class PlateModel(BaseTuner):
         if adapter_name not in getattr(self, "_combined", ()):  # add_weighted_adapter built its geometry already
             self._prepare_plate(model, adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
+        _zero_empty_a(model, adapter_name)  # low_cpu_mem_usage; peft's inject_adapter_in_model calls nothing after
 
     def add_weighted_adapter(
         self, adapters: list[str], weights: list[float], adapter_name: str, combination_type: str = "linear"

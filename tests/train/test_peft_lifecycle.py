@@ -113,3 +113,26 @@ def test_sequence_classification_head_trains_without_a_warning_for_peft_defaults
     trained = sorted({n.split(".")[2] for n, p in model.named_parameters() if p.requires_grad and "plate_A" not in n})
     assert trained == ["score"]
     assert sum(p.numel() for n, p in model.named_parameters() if "plate_A" in n) == 14 * 4 * 16
+
+
+def test_inject_adapter_in_model_with_low_cpu_mem_usage_gives_a_zero_a(qwen):
+    """peft's ``inject_adapter_in_model(config, model, low_cpu_mem_usage=True)`` (no PeftModel, so none of its
+    follow-up calls) left A on the meta device: logits 0.4 off the base model's with A "zero", and a state dict
+    loaded by copy (``set_peft_model_state_dict`` without low_cpu_mem_usage) was a no-op into the meta A."""
+    from peft import get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+
+    config = PlateConfig(bundle=str(qwen / "bundle"))
+    model = inject_adapter_in_model(config, _base(qwen), low_cpu_mem_usage=True)
+    layers = [m for m in model.modules() if isinstance(m, PlateLayer)]
+    assert layers and all(not m.plate_A["default"].is_meta and not m.plate_A["default"].any() for m in layers)
+    assert all(m.plate_A["default"].requires_grad for m in layers)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=_ids()).logits, _base(qwen)(input_ids=_ids()).logits, rtol=0, atol=0)
+    source = inject_adapter_in_model(PlateConfig(bundle=str(qwen / "bundle")), _base(qwen))
+    with torch.no_grad():
+        for n, p in source.named_parameters():
+            if "plate_A" in n:
+                p.normal_(generator=torch.Generator().manual_seed(len(n)))
+    set_peft_model_state_dict(model, get_peft_model_state_dict(source))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=_ids()).logits, source(input_ids=_ids()).logits, rtol=0, atol=0)
