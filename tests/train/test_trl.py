@@ -5,6 +5,8 @@ Slow: about a minute on a busy 2-core machine (run with -m slow).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from peft import PeftModel
@@ -86,3 +88,47 @@ def test_sft_trainer_trains_only_a_and_the_adapter_round_trips(tmp_path):
             if "plate_A" in n:
                 assert torch.equal(a_loaded[n], p), n
         torch.testing.assert_close(loaded(input_ids=ids).logits, out, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_dpo_trainer_with_a_plate_config_moves_the_policy_off_the_base_reference(tmp_path):
+    """DPOTrainer(peft_config=PlateConfig(...)): the reference is the base model (adapter disabled), so the first
+    loss is log 2 exactly (A = 0), then it falls and the chosen-rejected reward margin grows; only A changes."""
+    from datasets import Dataset
+    from helpers_train import save_tiny_qwen2
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    save_tiny_qwen2(tmp_path / "model", vocab=VOCAB, intermediate=64)
+    bundle = scan(tmp_path / "model", tmp_path / "bundle", r=8, tau=0.9, max_rank=32)
+    tok = _tokenizer()
+    tok.backend_tokenizer.pre_tokenizer = Whitespace()  # "t1 t2" -> two tokens
+    prompts = [" ".join(f"t{(3 * i + j) % 40}" for j in range(6)) for i in range(16)]
+    data = Dataset.from_dict({"prompt": prompts, "chosen": [" t1 t2"] * 16, "rejected": [" t9 t8"] * 16})
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = DPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=5e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        bf16=False,
+        seed=0,
+    )
+    config = PlateConfig(bundle=str(bundle.path), task_type="CAUSAL_LM")
+    trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok, peft_config=config)
+    assert trainer.ref_model is None and sum(isinstance(m, PlateLayer) for m in trainer.model.modules()) == 14
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert abs(logs[0]["loss"] - math.log(2)) < 1e-4  # A = 0: policy = reference
+    assert logs[-1]["loss"] < logs[0]["loss"] - 0.03 and logs[-1]["rewards/margins"] > 0.05, logs
+    for n, p in trainer.model.named_parameters():
+        if "plate_A" not in n:
+            key = n.removeprefix("base_model.model.").replace(".base_layer", "")
+            assert torch.equal(p, before[key]), n
