@@ -538,9 +538,12 @@ def _zero_empty_a(model: nn.Module, adapter_name: str) -> None:
         if not isinstance(layer, PlateLayer) or adapter_name not in layer.plate_A:
             continue
         a = layer.plate_A[adapter_name]
-        weight = layer_weight(layer.get_base_layer())
-        if is_meta_tensor(a) and not is_meta_tensor(weight) and f"plate_A.{adapter_name}" not in layer._awaiting:
-            zero = torch.zeros(a.shape, dtype=a.dtype, device=weight.device)
+        base = layer.get_base_layer()
+        weight = layer_weight(base)
+        # an accelerate-offloaded weight is loaded too (meta between calls): A goes where B/Q went, the hook's device
+        device = layer.plate_Q[adapter_name].device if offload_hook(base) is not None else weight.device
+        if is_meta_tensor(a) and device.type != "meta" and f"plate_A.{adapter_name}" not in layer._awaiting:
+            zero = torch.zeros(a.shape, dtype=a.dtype, device=device)
             layer.plate_A[adapter_name] = nn.Parameter(zero, requires_grad=a.requires_grad)
 
 

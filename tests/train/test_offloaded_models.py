@@ -144,3 +144,14 @@ def test_from_pretrained_refuses_offloaded_layers_and_leaves_the_checkpoint(qwen
     with pytest.raises(BundleError, match=WHAT):
         PeftModel.from_pretrained(_offloaded(qwen, tmp_path, path="model"), tmp_path / "adapter")
     assert _digest(qwen / "model" / "model.safetensors") == before
+
+
+def test_low_cpu_mem_usage_gives_offloaded_layers_a_zero_a(qwen, tmp_path):
+    """get_peft_model(..., low_cpu_mem_usage=True) on an offloaded model: the zero start of A was given only beside a
+    weight in memory, so the offloaded layers kept a meta A (NaN logits)."""
+    model = get_peft_model(_offloaded(qwen, tmp_path), PlateConfig(bundle=str(qwen / "bundle")), low_cpu_mem_usage=True)
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    a = layer.plate_A["default"]
+    assert a.device.type == "cpu" and a.requires_grad and not a.any()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=_ids()).logits, _loaded(qwen)(input_ids=_ids()).logits)
