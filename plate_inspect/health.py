@@ -25,6 +25,9 @@ Conventions, matched to weightwatcher 0.7.7 (read from its source; tested agains
   singular values when Q = 1) over sigma on a brute-force grid polished by Nelder-Mead; bulk edge
   lambda_+ = (sigma (1 + 1/sqrt(Q)))^2; spikes = rescaled eigenvalues above lambda_+ + sqrt(TW),
   TW = Q^-1/2 lambda_+^(2/3) M^(-2/3); mp_softrank = lambda_+ / lambda_max.
+  mp_softrank is Martin & Mahoney's R_mp, ~1 for a random matrix and not bounded by 1: where the whole spectrum
+  is bulk (pure noise, tiny modules) the fitted edge lies past lambda_max and the ratio is above 1 (1.01-1.19 on
+  Gaussian noise, weightwatcher's number too: not clamped, so the two stay comparable; num_spikes is then 0).
 """
 
 from __future__ import annotations
