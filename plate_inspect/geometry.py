@@ -311,7 +311,9 @@ def redundancy_scores(
 
 
 def select_redundant_rows(scores: torch.Tensor, r: int) -> torch.Tensor:
-    """B as indices: the r highest scores (ties -> lower index), returned ascending, int64."""
+    """B as indices: the r highest scores (equal scores -> lower index), returned ascending, int64. Exact duplicate
+    rows can score a last bit apart (BLAS computes identical rows at different positions of a product in different
+    kernel paths), so which copies go to B is rounding's choice: deterministic, but not by index."""
     order = torch.sort(scores, descending=True, stable=True).indices[: int(r)]
     return torch.sort(order).values.to(torch.int64)
 
