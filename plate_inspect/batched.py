@@ -132,9 +132,9 @@ def batched_plate_geometry(
             captured = float((gram[e] @ q * q).sum()) / total if total > 0 else 0.0
         else:
             q, captured = _bottom_k_wide(kept[e], evals[e], evecs[e], k, seeds[e])
-        spec32 = spectrum.to(torch.float32)
-        basis = FrozenBasis(spec32, k, q.to(weights.dtype).contiguous(), captured)
-        k_by_tau = {t: k_for_tau(spec32, t, d_in, max_rank) for t in grid}
+        stored = spectrum.to(weights.dtype)  # the scan's precision, as plate_geometry keeps it
+        basis = FrozenBasis(stored, k, q.to(weights.dtype).contiguous(), captured)
+        k_by_tau = {t: k_for_tau(stored, t, d_in, max_rank) for t in grid}
         out.append(ModuleGeometry(scores[e].cpu(), b_idx[e], basis, k_by_tau))
     return out
 

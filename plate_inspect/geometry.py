@@ -311,7 +311,9 @@ def redundancy_scores(
 
 
 def select_redundant_rows(scores: torch.Tensor, r: int) -> torch.Tensor:
-    """B as indices: the r highest scores (ties -> lower index), returned ascending, int64."""
+    """B as indices: the r highest scores (equal scores -> lower index), returned ascending, int64. Exact duplicate
+    rows can score a last bit apart (BLAS computes identical rows at different positions of a product in different
+    kernel paths), so which copies go to B is rounding's choice: deterministic, but not by index."""
     order = torch.sort(scores, descending=True, stable=True).indices[: int(r)]
     return torch.sort(order).values.to(torch.int64)
 
@@ -354,7 +356,9 @@ RITZ_TOLERANCE = 0.05
 class FrozenBasis:
     """The frozen rows' energy spectrum, k(tau), and an orthonormal basis Q of the bottom-k eigenspace."""
 
-    spectrum: torch.Tensor  # eigenvalues of W_frozen^T W_frozen, descending, length min(n_frozen, d_in)
+    # eigenvalues of W_frozen^T W_frozen, descending, length min(n_frozen, d_in), in the weight's precision: float64
+    # keeps those of tiny weights (2^-100: ~1e-60), which float32 would flush to zero
+    spectrum: torch.Tensor
     k: int
     q: torch.Tensor  # [d_in, k], orthonormal columns, ascending energy
     captured_energy: float  # tr(Q^T G Q) / tr(G)
@@ -469,7 +473,7 @@ def bottom_eigenspace_from_input_gram(
         q, energies = rayleigh_ritz(candidates, k, probe)
         if not probe or energies[1] - energies[0] <= RITZ_TOLERANCE * exactness_allowance(energies[0], total):
             break
-    return FrozenBasis(spectrum.to(torch.float32), k, q, energies[0] / total if total > 0 else 0.0)
+    return FrozenBasis(spectrum.to(rows.weight.dtype), k, q, energies[0] / total if total > 0 else 0.0)
 
 
 #: LU null vectors are kept when their energy ||C Z||_F^2 uses at most this fraction of the exactness allowance
@@ -607,7 +611,7 @@ def null_space_basis(
             break
     q = torch.zeros(d_in, k, dtype=rows.weight.dtype, device=rows.weight.device)
     q[cols] = z.to(q.dtype)
-    return FrozenBasis(spectrum.values.to(torch.float32), k, q, energy / total if total > 0 else 0.0)
+    return FrozenBasis(spectrum.values.to(rows.weight.dtype), k, q, energy / total if total > 0 else 0.0)
 
 
 def fits_null_space(n_frozen: int, d_in: int, max_rank: int) -> bool:

@@ -34,6 +34,7 @@ def join() -> Iterator[Coordinator]:
     scan, scans.failed = scans.joined, None
     scans.joined += 1
     track = JobTrack(info, scan)
+    track.announce()
     track.passed()
     created = False
     if info.world_size > 1 and not torch.distributed.is_initialized():

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plate_inspect.distributed import identity, timing
@@ -14,7 +16,7 @@ from plate_inspect.distributed.messages import RESUME
 from plate_inspect.distributed.ranks import RankInfo, rank_from_env
 from plate_inspect.distributed.signals import sigterm_ignored_while_saying
 from plate_inspect.distributed.store import BoundedStore, agent_store
-from plate_inspect.distributed.tracking import FAULT_ATTRIBUTE, Fault, job_key, scan_now
+from plate_inspect.distributed.tracking import FAULT_ATTRIBUTE, Fault, job_key, mark_exit, process_place, scan_now
 from plate_inspect.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -80,6 +82,7 @@ def _say_in_job(line: str, say: Callable[[str], None], error: BaseException | No
         return
     try:
         if isinstance(error, KeyboardInterrupt):
+            mark_exit(info, fault.scan)  # interrupted, not killed (rank 0 names a rank gone without it)
             _say_interrupted(line, say, info, store, fault.scan)
         elif fault.kind == "verdict" or fault.kind == "relay" or fault.after_agreement:
             _say_as_fault(line, say, info, store, fault)
@@ -276,10 +279,63 @@ def _say_interrupted(line: str, say: Callable[[str], None], info: RankInfo, stor
         return
     if not _claim(job_key("speak", scan, "interrupted"), store):
         return
+    if info.is_root:
+        silent = _silent_ranks(store, scan, info.world_size)
+        if silent:  # torchrun stopped the job because these ranks died: say so, the report above is long
+            who = _where(silent, info)
+            line += f" ({who} had stopped without a word: killed, e.g. by the out-of-memory killer?)"
     say(line if info.is_root else f"rank {info.rank}: {line}")
     if info.is_root:
         with contextlib.suppress(RuntimeError):
             store.set(job_key("said", scan, 0), line)
+
+
+def _silent_ranks(store: BoundedStore, scan: int, world_size: int) -> list[int]:
+    """On an interrupted rank 0: the other ranks of this node whose process is gone without an exit mark (a SIGKILL,
+    the out-of-memory killer), waited for at most ``timing.EXIT_MARK_WAIT_SECONDS``.
+
+    torchrun SIGTERMs every rank when one dies, so rank 0 ends as after a Ctrl-C. An interrupted rank posts its exit
+    mark before its line and then waits for rank 0's (:func:`say_once`): it is alive or marked, and a rank that is
+    gone without a mark died. Each rank posted its process (place and pid, :meth:`JobTrack.announce`); ranks on other
+    nodes, or still running without a mark at the bound (inside a long C++ operation), are not named."""
+    deadline = time.monotonic() + timing.EXIT_MARK_WAIT_SECONDS
+    here = process_place()
+    pending = set(range(1, world_size))
+    silent: list[int] = []
+    with contextlib.suppress(RuntimeError, ValueError):
+        while pending:
+            try:
+                for rank in sorted(pending):
+                    process = job_key("process", scan, rank)
+                    if store.check([job_key("left", scan, rank)]) or not store.check([process]):
+                        pending.discard(rank)  # interrupted (marked), or never announced: nothing to say
+                        continue
+                    where, _, pid = store.get(process).decode(errors="replace").rpartition(":")
+                    if where != here:  # another node's (or container's) process id: not checkable here
+                        pending.discard(rank)
+                    elif not _process_alive(int(pid)):
+                        silent.append(rank)
+                        pending.discard(rank)
+                if not pending or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+            except KeyboardInterrupt:  # a second signal: the wait is bounded anyway
+                continue
+    return sorted(silent)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped by torchrun, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] not in "ZX"
+    return True
 
 
 def _spoken(store: BoundedStore, scan: int) -> bool:

@@ -32,3 +32,6 @@ QUIET_EXIT_SECONDS = 1.0
 #: Least time between two posts of a rank's finished modules to the job's store, and between two reads of them on
 #: rank 0 (:class:`JobProgress`): a bar needs no more.
 PROGRESS_SECONDS = 0.5
+#: How long an interrupted rank 0 waits for the other ranks of its node to post their exit marks, to name one that
+#: died without a word (killed) in its interrupted line; a rank found gone ends the wait at once.
+EXIT_MARK_WAIT_SECONDS = 1.0

@@ -4,6 +4,7 @@ is to the job's one line (:class:`Fault`)."""
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,12 @@ class JobTrack:
         if self.info.world_size > 1:
             self._store = agent_store(timing.STORE_TIMEOUT_SECONDS)
 
+    def announce(self) -> None:
+        """Post this rank's process (host, PID namespace and pid) for this scan: an interrupted rank 0 tells from it a
+        rank that died without a word (SIGKILL, the OOM killer) from an interrupted one (:func:`say_once`)."""
+        key, text = self.key("process", self.info.rank), f"{process_place()}:{os.getpid()}"
+        self._post(lambda store: store.set(key, text))
+
     def key(self, what: str, *parts: object) -> str:
         """This scan's key ``what/parts`` in the agent store (:func:`job_key`)."""
         return job_key(what, self.scan, *parts)
@@ -114,3 +121,29 @@ class JobTrack:
     def _post(self, fn: Callable[[Any], Any]) -> None:
         if self._store is not None:
             self._store.post(fn)
+
+
+def process_place() -> str:
+    """Where this process's id means something: its host and PID namespace (two containers of one host may share a
+    host name, never a PID namespace)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux: the host alone
+        namespace = ""
+    return f"{socket.gethostname()}/{namespace}"
+
+
+def mark_exit(info: RankInfo, scan: int) -> None:
+    """Post rank ``info.rank``'s exit mark for ``scan`` in the agent store (read by an interrupted rank 0, which names
+    the ranks of its node that are gone without one: killed), waiting at most ``timing.EXIT_MARK_WAIT_SECONDS``."""
+    if info.world_size == 1:
+        return
+    store = agent_store(timing.EXIT_MARK_WAIT_SECONDS)
+    if store is None:
+        return
+    try:
+        store.set(job_key("left", scan, info.rank), "interrupted")
+    except RuntimeError:  # (StoreTimeout is one): a mark that cannot be posted names nobody wrongly, only no one
+        pass
+    finally:
+        store.close()
