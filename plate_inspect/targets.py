@@ -55,6 +55,7 @@ __all__ = [
     "check_target_patterns",
     "text_config",
     "mtp_layers",
+    "model_family",
     "select_targets",
     "unmatched_target_patterns",
     "check_weight_ranks",
@@ -149,19 +150,70 @@ _BART = (
 )
 _BART_TYPES = ("bart", "mbart")
 
+#: Llama's attention and GLU under their names; families with only up/down (Nemotron, Apertus, Arcee) match a subset.
+_LLAMA_LIKE_TYPES = (
+    *("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma", "gemma2", "gemma3", "gemma3_text", "olmo", "olmo2"),
+    *("olmo3", "smollm3", "cohere", "cohere2", "seed_oss", "exaone4", "granite", "apertus", "arcee", "nemotron"),
+    *("ernie4_5", "hunyuan_v1_dense", "gemma3n", "gemma3n_text"),
+    # vision-language models whose language model is Llama-like (their config.json flat, or with text_config)
+    *("qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text", "qwen3_vl", "qwen3_vl_text"),
+)
+#: GLM-4: Llama's attention, a fused gate_up_proj [2 x intermediate, hidden].
+_GLM = (*_ATTENTION, "mlp.gate_up_proj", "mlp.down_proj")
+_GLM_TYPES = ("glm", "glm4", "glm4v", "glm4v_text")
+#: DeepSeek-style mixture of experts under Llama's attention: dense first layers (first_k_dense_replace), routed
+#: experts one tensor per expert, shared experts (GLM-4.5, dots.llm1, ERNIE-4.5-MoE).
+_SHARED_EXPERTS_MOE = (
+    *_LLAMA_LIKE,
+    *(f"mlp.experts.{p}" for p in _GLU),
+    *(f"mlp.shared_experts.{p}" for p in _GLU),
+    "mlp.experts.gate_up_proj",
+)
+_SHARED_EXPERTS_MOE_TYPES = ("glm4_moe", "glm4v_moe", "glm4v_moe_text", "dots1", "ernie4_5_moe")
+#: Mixtral's routed experts (block_sparse_moe.experts.<e>.w1/w2/w3, or transformers 5's fused stacks).
+_MIXTRAL_EXPERTS = (
+    *(f"block_sparse_moe.experts.{w}" for w in ("w1", "w2", "w3")),
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+)
+#: Granite MoE: all experts of a layer in two 3-D tensors, block_sparse_moe.input_linear [E, 2 x inter, hidden]
+#: and output_linear [E, hidden, inter]; shared experts shared_mlp.input_linear / output_linear; Granite-4.0-H's
+#: Mamba-2 layers mamba.in_proj / out_proj.
+_GRANITE_MOE = (
+    *_ATTENTION,
+    "block_sparse_moe.input_linear",
+    "block_sparse_moe.output_linear",
+    "shared_mlp.input_linear",
+    "shared_mlp.output_linear",
+    "mamba.in_proj",
+    "mamba.out_proj",
+)
+_GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoehybrid")
+
 #: Default target module types (the module name after its layer index, expert index removed) by model_type.
 FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
-    **{
-        t: _LLAMA_LIKE
-        for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gemma3_text", "olmo", "olmo2")
-    },
-    "phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
-    "mixtral": (
-        *_ATTENTION,
-        *(f"block_sparse_moe.experts.{w}" for w in ("w1", "w2", "w3")),
-        "mlp.experts.gate_up_proj",
-        "mlp.experts.down_proj",
+    **{t: _LLAMA_LIKE for t in _LLAMA_LIKE_TYPES},
+    **{t: _GLM for t in _GLM_TYPES},
+    **{t: _SHARED_EXPERTS_MOE for t in _SHARED_EXPERTS_MOE_TYPES},
+    **{t: _GRANITE_MOE for t in _GRANITE_MOE_TYPES},
+    # Qwen3-Next: gated attention every full_attention_interval-th layer, Gated DeltaNet (linear_attn) in the others
+    "qwen3_next": (
+        *_QWEN3_MOE,
+        *(f"mlp.shared_expert.{p}" for p in _GLU),
+        *(f"linear_attn.{p}" for p in ("in_proj_qkvz", "in_proj_ba", "out_proj")),
     ),
+    "olmoe": _QWEN3_MOE,
+    "hunyuan_v1_moe": (*_QWEN3_MOE, *(f"mlp.shared_mlp.{p}" for p in _GLU)),
+    "phimoe": (*_ATTENTION, *_MIXTRAL_EXPERTS),
+    "minimax_m2": (*_ATTENTION, *_MIXTRAL_EXPERTS),
+    # MiniMax-Text-01: lightning (linear) attention layers qkv_proj / out_proj / output_gate between softmax ones
+    "minimax": (*_ATTENTION, *(f"self_attn.{p}" for p in ("qkv_proj", "out_proj", "output_gate")), *_MIXTRAL_EXPERTS),
+    "phi": (*_ATTENTION[:3], "self_attn.dense", "mlp.fc1", "mlp.fc2"),
+    "starcoder2": (*_ATTENTION, "mlp.c_fc", "mlp.c_proj"),
+    "gpt_neox": ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+    "falcon": ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+    "phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+    "mixtral": (*_ATTENTION, *_MIXTRAL_EXPERTS),
     "qwen2_moe": (*_QWEN3_MOE, *(f"mlp.shared_expert.{p}" for p in _GLU)),
     "qwen3_moe": _QWEN3_MOE,
     "qwen3_vl_moe": _QWEN3_MOE,  # experts as 3-D stacks mlp.experts.gate_up_proj / down_proj
@@ -203,9 +255,14 @@ EXPERTS_IN_MAJOR_FAMILIES = frozenset({"llama4", "llama4_text", "gpt_oss", "qwen
 #: is not), one orientation for the whole checkpoint.
 LAYOUT_BY_SHAPE_FAMILIES = frozenset({"qwen3_vl_moe", "qwen3_vl_moe_text"})
 #: Router / gate weights: never targets unless named explicitly.
-ROUTER = re.compile(r"(^|\.)(gate|router|shared_expert_gate)$")
+ROUTER = re.compile(r"(^|\.)(gate|router|shared_expert_gate|gate\.wg|router\.layer|modality_router)$")
 _NEVER_BY_DEFAULT = re.compile(r"(embed|lm_head|wte|wpe|norm|ln_|layernorm|pooler|classifier|score|head)", re.I)
 _REGEX_CHARS = re.compile(r"[\\^$*+?()\[\]{}|]")
+#: Weights that hold all experts of a layer as one 3-D tensor: any under an ``experts`` module, and Granite MoE's
+#: block_sparse_moe.input_linear / output_linear.
+_STACKED = re.compile(r"\.experts\.|\.block_sparse_moe\.(input|output)_linear\.weight$")
+#: Where a multimodal wrapper keeps its language model (Gemma-3, LLaVA: language_model; Idefics3: text_model).
+_LANGUAGE_MODEL = ("language_model.", "text_model.")
 #: Tensors that are never weights of their own: quantization companions, biases, router score biases.
 _COMPANION = re.compile(r"(_scale_inv|_scales|\.scales|_bias|\.bias|\.qzeros|\.g_idx|_zeros|\.input_scale)$")
 
@@ -334,7 +391,7 @@ def _matrix_weights(ckpt: Checkpoint) -> list[_Weight]:
                 out.append(_Weight(module, name, tuple(weight.shape), info, scales))
             continue
         plain = len(weight.shape) == 2 and name.endswith(".weight")
-        stacked = len(weight.shape) == 3 and ".experts." in name
+        stacked = len(weight.shape) == 3 and _STACKED.search(name) is not None
         if plain or stacked:
             out.append(_Weight(module, name, tuple(weight.shape), info, scales))
     return out
@@ -355,6 +412,22 @@ def mtp_layers(config: dict[str, Any]) -> set[int]:
     if not isinstance(n_layers, int) or not isinstance(n_mtp, int):
         return set()
     return set(range(n_layers, n_layers + n_mtp))
+
+
+def model_family(config: dict[str, Any]) -> str | None:
+    """The model_type whose defaults and shape checks apply: config.json's own; for a multimodal wrapper the table
+    does not name (LLaVA, Mistral-3, Idefics3, PaliGemma, ...) its ``text_config``'s, when the table names that."""
+    model_type = str(config.get("model_type", "")) or None
+    inner = config.get("text_config")
+    if model_type not in FAMILY_TARGETS and isinstance(inner, dict) and inner.get("model_type") in FAMILY_TARGETS:
+        return str(inner["model_type"])
+    return model_type
+
+
+def _in_other_tower(name: str) -> bool:
+    """Does a module sit in a multimodal model's vision or audio stack (``visual.blocks.3``, ``vision_tower...``)?"""
+    where = stack_of(name)
+    return where is not None and any(tower in where[0].lower() for tower in _OTHER_TOWERS)
 
 
 def _expert_layout(model_type: str | None, weight: _Weight) -> str:
@@ -466,7 +539,8 @@ def select_targets(
     target_modules = name_list(target_modules) if target_modules else None
     check_target_patterns(target_modules)
     refuse_adapter(ckpt)
-    model_type = str(ckpt.config.get("model_type", "")) or None
+    own_type = str(ckpt.config.get("model_type", "")) or None
+    model_type = model_family(ckpt.config)
     weights = _matrix_weights(ckpt)
     candidates = [m for w in weights for m in _modules_of(w, model_type)]
     shapes = expected_shapes(ckpt.config, model_type)
@@ -477,10 +551,17 @@ def select_targets(
         chosen = [t for t in candidates if target_matches(t, target_modules)]
     elif model_type in FAMILY_TARGETS:
         wanted = set(FAMILY_TARGETS[model_type])
-        note = f"defaults for model_type '{model_type}'"
+        note = f"defaults for model_type '{own_type}'" + (
+            f" (its language model's, '{model_type}')" if model_type != own_type else ""
+        )
         chosen = [t for t in candidates if t.module_type in wanted and t.layer is not None]
-        if isinstance(ckpt.config.get("text_config"), dict) and any("language_model." in t.name for t in chosen):
-            chosen = [t for t in chosen if "language_model." in t.name]
+        if any(_in_other_tower(t.name) for t in chosen) or (
+            isinstance(ckpt.config.get("text_config"), dict)
+            and any(p in t.name for t in chosen for p in _LANGUAGE_MODEL)
+        ):
+            chosen = [t for t in chosen if not _in_other_tower(t.name)]
+            language = [t for t in chosen if any(p in t.name for p in _LANGUAGE_MODEL)]
+            chosen = language or chosen
             note += " (language model only)"
     else:
         why = (
@@ -570,7 +651,7 @@ def check_weight_ranks(
         if module == name or layer is None or (indices is not None and layer not in indices):
             continue
         mtype = module_type_of(module)
-        if mtype not in types or len(weight.shape) == 2 or (len(weight.shape) == 3 and ".experts." in name):
+        if mtype not in types or len(weight.shape) == 2 or (len(weight.shape) == 3 and _STACKED.search(name)):
             continue
         raise CheckpointError(
             f"{weight.file.name}: tensor '{name}' has shape {list(weight.shape)}, but a {mtype} weight is a 2-D "
@@ -626,7 +707,104 @@ def _mla(c: dict[str, Any]) -> dict[str, tuple[int, int] | None]:
 
 
 #: The Qwen mixture-of-experts families (one config layout: moe_intermediate_size, mlp_only_layers, ...).
-_QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "qwen3_vl_moe_text")
+_QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_next")
+#: Families whose routed experts are Mixtral's (block_sparse_moe.experts.<e>.w1/w2/w3 of intermediate_size).
+_MIXTRAL_TYPES = ("mixtral", "phimoe", "minimax", "minimax_m2")
+
+
+def _width(c: dict[str, Any], key: str) -> int | None:
+    """A feed-forward width from config.json: an int, or a per-layer list whose entries agree (Gemma-3n); None when
+    they differ (a module type then has no single shape to check)."""
+    value = c[key]
+    if isinstance(value, list):
+        return int(value[0]) if value and len(set(value)) == 1 else None
+    return int(value)
+
+
+def _other_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None] | None:
+    """Shapes of the families whose layers are neither Llama's attention nor a GLU (Phi-2, StarCoder2, GPT-NeoX,
+    Falcon), or that add their own modules to it (Qwen3-Next's gated attention and Gated DeltaNet, MiniMax's
+    lightning attention, Granite's MoE and Mamba-2 layers, GLM's fused gate_up_proj, DeepSeek-style shared
+    experts); None for the others."""
+    h = int(c["hidden_size"])
+    if model_type in ("gpt_neox", "falcon"):
+        heads = int(c["num_attention_heads"])
+        hd = h // heads
+        qkv = 3 * h
+        if model_type == "falcon" and c.get("new_decoder_architecture"):
+            qkv = (heads + 2 * int(c.get("num_kv_heads") or heads)) * hd
+        elif model_type == "falcon" and c.get("multi_query", True):
+            qkv = h + 2 * hd
+        i = int(c.get("ffn_hidden_size") or 4 * h) if model_type == "falcon" else int(c["intermediate_size"])
+        attn = "attention" if model_type == "gpt_neox" else "self_attention"
+        return {
+            f"{attn}.query_key_value": (qkv, h),
+            f"{attn}.dense": (h, h),
+            "mlp.dense_h_to_4h": (i, h),
+            "mlp.dense_4h_to_h": (h, i),
+        }
+    attention: dict[str, tuple[int, int] | None] = {**_attention(c)}
+    if model_type in ("phi", "starcoder2"):
+        i = int(c["intermediate_size"])
+        up, down = ("mlp.fc1", "mlp.fc2") if model_type == "phi" else ("mlp.c_fc", "mlp.c_proj")
+        attention["self_attn.dense"] = attention["self_attn.o_proj"]
+        return {**attention, up: (i, h), down: (h, i)}
+    if model_type in _GLM_TYPES:
+        return {**attention, **_fused("mlp", int(c["intermediate_size"]), h)}
+    if model_type in _SHARED_EXPERTS_MOE_TYPES:
+        moe = int(c["moe_intermediate_size"])
+        n_shared = c.get("moe_num_shared_experts" if model_type == "ernie4_5_moe" else "n_shared_experts") or 0
+        shared = _glu("mlp.shared_experts", moe * int(n_shared), h)
+        return {
+            **attention,
+            **_glu("mlp", int(c["intermediate_size"]), h),
+            **_glu("mlp.experts", moe, h),
+            **_fused("mlp.experts", moe, h),
+            **(shared if n_shared else dict.fromkeys(shared)),
+        }
+    if model_type in _GRANITE_MOE_TYPES:
+        i = int(c["intermediate_size"])
+        shapes = {**attention, "block_sparse_moe.input_linear": (2 * i, h), "block_sparse_moe.output_linear": (h, i)}
+        width = int(c.get("shared_intermediate_size") or 0)
+        if width:
+            shapes.update({"shared_mlp.input_linear": (2 * width, h), "shared_mlp.output_linear": (h, width)})
+        if c.get("mamba_expand") is not None:  # Mamba-2: in_proj gives x and z, B and C per group, dt per head
+            inner = int(c["mamba_expand"] * h)
+            groups = 2 * int(c["mamba_n_groups"]) * int(c["mamba_d_state"])
+            shapes["mamba.in_proj"] = (2 * inner + groups + int(c["mamba_n_heads"]), h)
+            shapes["mamba.out_proj"] = (h, inner)
+        return shapes
+    if model_type in ("olmoe", "hunyuan_v1_moe"):  # experts (and Hunyuan's shared MLP) of intermediate_size
+        i = int(c["intermediate_size"])
+        shared = _glu("mlp.shared_mlp", i, h) if model_type == "hunyuan_v1_moe" else {}
+        return {**attention, **_glu("mlp.experts", i, h), **_fused("mlp.experts", i, h), **shared}
+    return None
+
+
+def _attention_extras(c: dict[str, Any], model_type: str | None, attention: dict[str, tuple[int, int]]) -> None:
+    """Qwen3-Next's gated q_proj (query and gate) and Gated DeltaNet layers; MiniMax's lightning attention."""
+    h = int(c["hidden_size"])
+    if model_type == "qwen3_next":
+        q_out, _ = attention["self_attn.q_proj"]
+        keys = int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"])
+        values = int(c["linear_num_value_heads"]) * int(c["linear_value_head_dim"])
+        attention.update(
+            {
+                "self_attn.q_proj": (2 * q_out, h),
+                "linear_attn.in_proj_qkvz": (2 * keys + 2 * values, h),
+                "linear_attn.in_proj_ba": (2 * int(c["linear_num_value_heads"]), h),
+                "linear_attn.out_proj": (h, values),
+            }
+        )
+    elif model_type == "minimax":
+        inner = attention["self_attn.o_proj"][1]
+        attention.update(
+            {
+                "self_attn.qkv_proj": (3 * inner, h),
+                "self_attn.out_proj": (h, inner),
+                "self_attn.output_gate": (inner, h),
+            }
+        )
 
 
 def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
@@ -680,13 +858,17 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
             **_fused("mlp.experts", moe, h),
             **_glu("mlp.shared_experts", shared, h),
         }
+    other = _other_shapes(c, model_type)
+    if other is not None:
+        return other
     attention = _attention(c)
+    _attention_extras(c, model_type, attention)
     if model_type == "phi3":
         heads, kv = attention["self_attn.q_proj"][0], attention["self_attn.k_proj"][0]
         fused = {"self_attn.qkv_proj": (heads + 2 * kv, h), "self_attn.o_proj": attention["self_attn.o_proj"]}
         return {**fused, **_fused("mlp", int(c["intermediate_size"]), h)}
     shapes: dict[str, tuple[int, int] | None] = {**attention}
-    if model_type == "mixtral":
+    if model_type in _MIXTRAL_TYPES:
         i = int(c["intermediate_size"])
         return {
             **shapes,
@@ -711,7 +893,8 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
         }
     if model_type == "gpt_oss":
         return {**shapes, **_fused("mlp.experts", int(c["intermediate_size"]), h)}
-    return {**shapes, **_glu("mlp", int(c["intermediate_size"]), h)}
+    inter = _width(c, "intermediate_size")
+    return {**shapes, **(_glu("mlp", inter, h) if inter is not None else {})}
 
 
 def expected_shapes(config: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
@@ -738,6 +921,10 @@ EXPERT_COUNT_KEYS = {
     "llama4": "num_local_experts",
     "llama4_text": "num_local_experts",
     "gpt_oss": "num_local_experts",
+    **{t: "num_local_experts" for t in (*_MIXTRAL_TYPES, *_GRANITE_MOE_TYPES)},
+    **{t: "n_routed_experts" for t in ("glm4_moe", "glm4v_moe", "glm4v_moe_text", "dots1")},
+    "ernie4_5_moe": "moe_num_experts",
+    **{t: "num_experts" for t in ("olmoe", "hunyuan_v1_moe", "qwen3_next")},
 }
 
 
@@ -802,13 +989,13 @@ def check_expert_counts(
 #:   qwen2_moe, qwen3_moe: MoE iff i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0
 #:   deepseek_v2/v3: MoE iff n_routed_experts is not null and i >= first_k_dense_replace and i % moe_layer_freq == 0
 #:   llama4: MoE iff i in moe_layers, which defaults to the i with (i + 1) % interleave_moe_layer_step == 0
+#:   glm4_moe, glm4v_moe, dots1: as DeepSeek (their configs have no moe_layer_freq: 1)
+#:   ernie4_5_moe: MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <= moe_layer_end_index
 MOE_LAYER_FIELDS: dict[str, tuple[str, ...]] = {
-    "qwen2_moe": ("mlp_only_layers", "decoder_sparse_step"),
-    "qwen3_moe": ("mlp_only_layers", "decoder_sparse_step"),
-    "qwen3_vl_moe": ("mlp_only_layers", "decoder_sparse_step"),
-    "qwen3_vl_moe_text": ("mlp_only_layers", "decoder_sparse_step"),
-    "deepseek_v2": ("first_k_dense_replace", "moe_layer_freq"),
-    "deepseek_v3": ("first_k_dense_replace", "moe_layer_freq"),
+    **{t: ("mlp_only_layers", "decoder_sparse_step") for t in _QWEN_MOE_TYPES},
+    **{t: ("first_k_dense_replace", "moe_layer_freq") for t in ("deepseek_v2", "deepseek_v3", "dots1")},
+    **{t: ("first_k_dense_replace", "moe_layer_freq") for t in ("glm4_moe", "glm4v_moe", "glm4v_moe_text")},
+    "ernie4_5_moe": ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
     "llama4": ("moe_layers", "interleave_moe_layer_step"),
     "llama4_text": ("moe_layers", "interleave_moe_layer_step"),
 }
@@ -865,7 +1052,17 @@ def moe_layer_rule(config: dict[str, Any], model_type: str | None) -> MoeLayerRu
             return True, f"mlp_only_layers = {dense} does not list it, and decoder_sparse_step = {step}"
 
         return qwen
-    if model_type in ("deepseek_v2", "deepseek_v3"):
+    if model_type == "ernie4_5_moe":
+        start = _config_int(c, "moe_layer_start_index", 0, 0)
+        end = _config_int(c, "moe_layer_end_index", 1 << 30, 0)
+        interval = _config_int(c, "moe_layer_interval", 1, 1)
+        fields = f"moe_layer_start_index = {start}, moe_layer_end_index = {end}, moe_layer_interval = {interval}"
+
+        def ernie(i: int) -> tuple[bool, str]:
+            return (start <= i <= end and (i + 1) % interval == 0), fields
+
+        return ernie
+    if "first_k_dense_replace" in keys:
         first = _config_int(c, "first_k_dense_replace", 0, 0)
         freq = _config_int(c, "moe_layer_freq", 1, 1)
         no_experts = "n_routed_experts" in c and c["n_routed_experts"] is None
@@ -973,5 +1170,5 @@ def check_layer_count(
 def modules_by_name(ckpt: Checkpoint) -> dict[str, TargetModule]:
     """Every module a checkpoint holds (targets or not), by the name a bundle records: how verify and variant
     scans find a recorded module's weight, 3-D expert slices included."""
-    model_type = str(ckpt.config.get("model_type", "")) or None
+    model_type = model_family(ckpt.config)
     return {t.name: t for w in _matrix_weights(ckpt) for t in _modules_of(w, model_type)}
