@@ -580,7 +580,12 @@ def select_targets(
         in_layers = any(t.layer is not None for t in chosen)
         chosen = [t for t in chosen if t.layer is not None] if in_layers else chosen
         where = " in the numbered layers" if in_layers else ""
-        note = f"{why}: every 2-D weight{where} except embeddings, norms, heads and routers"
+        stacks = sorted({t.logical_name.removesuffix(".weight") for t in candidates if t.layout in EXPERT_LAYOUTS})
+        left = f"; {len(stacks)} 3-D expert stacks left out (e.g. {stacks[0]})" if stacks else ""
+        note = (
+            f"{why}: every 2-D weight{where} except embeddings, norms, heads and routers{left} "
+            "(no shape checks against config.json; choose modules with --target-modules)"
+        )
     mtp = mtp_layers(ckpt.config)
     if mtp and not include_mtp:
         chosen = [t for t in chosen if t.layer not in mtp]

@@ -314,3 +314,21 @@ def test_bundle_keeps_3d_granite_experts_apart(saved, tmp_path):
     stack = model.model.layers[1].block_sparse_moe.experts.gate_up_proj.detach()
     t = next(t for t in experts if t.name == "model.layers.1.block_sparse_moe.input_linear.2")
     assert torch.equal(load_target(Checkpoint.open(path), t)[0], stack[2])
+
+
+def test_unknown_model_type_says_what_to_pass(saved, tmp_path):
+    """A model_type the table does not know: the fallback's note says that no shape check ran, which 3-D expert
+    stacks it left out, and to choose with --target-modules; naming the stacks then scans each expert."""
+    _, path = saved("granitemoe")
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "granite-next"}))
+    ckpt = Checkpoint.open(tmp_path)
+    targets, note = select_targets(ckpt)
+    assert note.startswith("unknown model_type 'granite-next': every 2-D weight in the numbered layers"), note
+    assert "4 3-D expert stacks left out (e.g. model.layers.0.block_sparse_moe.input_linear)" in note
+    assert note.endswith("(no shape checks against config.json; choose modules with --target-modules)")
+    assert not any("input_linear" in t.name for t in targets)
+    chosen, _ = select_targets(ckpt, "input_linear")
+    assert len(chosen) == 2 * 4 and {t.expert for t in chosen} == set(range(4))
