@@ -159,6 +159,7 @@ def _other_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[
             **_glu("mlp.experts", moe, h),
             **_fused("mlp.experts", moe, h),
             **(shared if n_shared else dict.fromkeys(shared)),
+            "eh_proj": (h, 2 * h),
         }
     if model_type in _GRANITE_MOE_TYPES:
         i = int(c["intermediate_size"])

@@ -91,6 +91,7 @@ _SHARED_EXPERTS_MOE = (
     *(f"mlp.experts.{p}" for p in _GLU),
     *(f"mlp.shared_experts.{p}" for p in _GLU),
     "mlp.experts.gate_up_proj",
+    "eh_proj",  # GLM-4.5's multi-token-prediction layer (DeepSeek-V3's layout), scanned with include_mtp
 )
 _SHARED_EXPERTS_MOE_TYPES = ("glm4_moe", "glm4v_moe", "glm4v_moe_text", "dots1", "ernie4_5_moe")
 #: Mixtral's routed experts (block_sparse_moe.experts.<e>.w1/w2/w3, or transformers 5's fused stacks).

@@ -332,3 +332,30 @@ def test_unknown_model_type_says_what_to_pass(saved, tmp_path):
     assert not any("input_linear" in t.name for t in targets)
     chosen, _ = select_targets(ckpt, "input_linear")
     assert len(chosen) == 2 * 4 and {t.expert for t in chosen} == set(range(4))
+
+
+def test_glm45_mtp_layer_only_when_asked(saved, tmp_path):
+    """GLM-4.5 ships a multi-token-prediction layer (index num_hidden_layers, DeepSeek-V3's layout: a decoder layer
+    plus eh_proj [hidden, 2 x hidden]), which transformers does not build: skipped by default, scanned with
+    include_mtp, eh_proj's shape checked. The layer is planted from layer 2's tensors (a MoE layer)."""
+    from safetensors.torch import load_file, save_file
+
+    _, path = saved("glm4_moe")
+    tensors = load_file(str(path / "model.safetensors"))
+    layer2 = {k: v for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in layer2.items()}
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(32, 64, dtype=torch.bfloat16)
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["num_nextn_predict_layers"] == 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    default, note = select_targets(Checkpoint.open(tmp_path))
+    assert {t.layer for t in default} == {0, 1, 2} and "multi-token-prediction layer 3 skipped" in note
+    with_mtp, _ = select_targets(Checkpoint.open(tmp_path), include_mtp=True)
+    added = {t.name for t in with_mtp} - {t.name for t in default}
+    assert "model.layers.3.eh_proj" in added and all(".layers.3." in n for n in added)
+    assert len(added) == len([t for t in default if t.layer == 2]) + 1
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(32, 32, dtype=torch.bfloat16)
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=T(r"model\.layers\.3\.eh_proj\.weight")):
+        select_targets(Checkpoint.open(tmp_path), include_mtp=True)
