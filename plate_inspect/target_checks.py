@@ -17,6 +17,7 @@ from plate_inspect.target_families import (
     _BART,
     _BART_TYPES,
     _BERT_TYPES,
+    _DEEPSEEK_TYPES,
     _FFN_PREFIX,
     _GLM_TYPES,
     _GLU,
@@ -247,7 +248,7 @@ def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple
         ffn = {f"layer.{i}.DenseReluDense.{p}": (ff, d) for i in (1, 2) for p in ("wi", "wi_0", "wi_1")}
         return {**attention, **ffn, "layer.1.DenseReluDense.wo": (d, ff), "layer.2.DenseReluDense.wo": (d, ff)}
     h = int(c["hidden_size"])
-    if model_type in ("deepseek_v2", "deepseek_v3"):
+    if model_type in _DEEPSEEK_TYPES:
         moe = int(c["moe_intermediate_size"])
         shared = moe * int(c.get("n_shared_experts") or 1)
         return {

@@ -42,6 +42,9 @@ _LLAMA4 = (
     "feed_forward.experts.down_proj",
 )
 
+#: DeepSeek's multi-head latent attention and mixture of experts.
+_DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite")
+
 _BERT = (
     "attention.self.query",
     "attention.self.key",
@@ -142,8 +145,9 @@ FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
     "qwen3_moe": _QWEN3_MOE,
     "qwen3_vl_moe": _QWEN3_MOE,  # experts as 3-D stacks mlp.experts.gate_up_proj / down_proj
     "qwen3_vl_moe_text": _QWEN3_MOE,
-    "deepseek_v2": _DEEPSEEK,
-    "deepseek_v3": _DEEPSEEK,
+    # DeepSeek-V2/V3, V3.2 (its lightning indexer's self_attn.indexer.* left out: a scorer, not a projection a
+    # fine-tune adapts), GLM-4.7-Flash (glm4_moe_lite: DeepSeek's MLA and MoE)
+    **{t: _DEEPSEEK for t in _DEEPSEEK_TYPES},
     "llama4": _LLAMA4,
     "llama4_text": _LLAMA4,
     "gpt_oss": (*_ATTENTION, "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
@@ -200,8 +204,7 @@ EXPERT_COUNT_KEYS = {
     "qwen3_moe": "num_experts",
     "qwen3_vl_moe": "num_experts",
     "qwen3_vl_moe_text": "num_experts",
-    "deepseek_v2": "n_routed_experts",
-    "deepseek_v3": "n_routed_experts",
+    **{t: "n_routed_experts" for t in _DEEPSEEK_TYPES},
     "llama4": "num_local_experts",
     "llama4_text": "num_local_experts",
     "gpt_oss": "num_local_experts",
@@ -215,13 +218,14 @@ EXPERT_COUNT_KEYS = {
 #: config.json fields that say which decoder layers are mixture-of-experts layers (the others dense), by family, and
 #: the prefix of the layer's feed-forward modules. transformers (and DeepSeek's own modeling code) build layer i as:
 #:   qwen2_moe, qwen3_moe: MoE iff i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0
-#:   deepseek_v2/v3: MoE iff n_routed_experts is not null and i >= first_k_dense_replace and i % moe_layer_freq == 0
+#:   deepseek_v2/v3/v32, glm4_moe_lite: MoE iff n_routed_experts is not null and i >= first_k_dense_replace and
+#:     i % moe_layer_freq == 0
 #:   llama4: MoE iff i in moe_layers, which defaults to the i with (i + 1) % interleave_moe_layer_step == 0
 #:   glm4_moe, glm4v_moe, dots1: as DeepSeek (their configs have no moe_layer_freq: 1)
 #:   ernie4_5_moe: MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <= moe_layer_end_index
 MOE_LAYER_FIELDS: dict[str, tuple[str, ...]] = {
     **{t: ("mlp_only_layers", "decoder_sparse_step") for t in _QWEN_MOE_TYPES},
-    **{t: ("first_k_dense_replace", "moe_layer_freq") for t in ("deepseek_v2", "deepseek_v3", "dots1")},
+    **{t: ("first_k_dense_replace", "moe_layer_freq") for t in (*_DEEPSEEK_TYPES, "dots1")},
     **{t: ("first_k_dense_replace", "moe_layer_freq") for t in ("glm4_moe", "glm4v_moe", "glm4v_moe_text")},
     "ernie4_5_moe": ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
     "llama4": ("moe_layers", "interleave_moe_layer_step"),

@@ -73,6 +73,11 @@ CAUSAL = {
     "ministral": BASE,
     "nemotron": BASE,
     "arcee": BASE,
+    "deepseek_v32": {**BASE, **MOE, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                     "v_head_dim": 8, "index_head_dim": 8, "index_n_heads": 2, "num_hidden_layers": 3},
+    "glm4_moe_lite": {**BASE, **MOE, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                      "num_hidden_layers": 3},
     "gemma3n_text": {**BASE, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0, "laurel_rank": 4,
                      "activation_sparsity_pattern": [0.0, 0.0], "altup_num_inputs": 2, "vocab_size_per_layer_input": 64,
                      "layer_types": ["sliding_attention", "full_attention"]},
@@ -90,8 +95,9 @@ WRAPPERS = {
 }
 FAMILIES = (*CAUSAL, *WRAPPERS)
 #: Linear modules of the layers a family leaves out on purpose (not projections a fine-tune adapts): Gemma-3n's
-#: AltUp predictions/corrections, LAuReL's low-rank residual and per-layer-input projections; MoE routers.
-LEFT_OUT = {"gemma3n_text": re.compile(r"\.(altup|laurel)\.|per_layer_")}
+#: AltUp predictions/corrections, LAuReL's low-rank residual and per-layer-input projections; DeepSeek-V3.2's
+#: lightning indexer (a scorer of which tokens attention reads); MoE routers.
+LEFT_OUT = {"gemma3n_text": re.compile(r"\.(altup|laurel)\.|per_layer_"), "deepseek_v32": re.compile(r"\.indexer\.")}
 ROUTER = re.compile(r"(^|\.)(gate|router|shared_expert_gate|wg|modality_router)$|router\.layer$")
 _VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2,
                embed_dim=16, image_size=16, patch_size=8, out_hidden_size=32, head_dim=8)  # fmt: skip
@@ -273,7 +279,11 @@ def test_config_dims_checked_against_the_weights(saved, tmp_path, family, overri
 
 @pytest.mark.parametrize(
     ("family", "override", "layer"),
-    [("glm4_moe", {"first_k_dense_replace": 2}, 1), ("ernie4_5_moe", {"moe_layer_start_index": 0}, 0)],
+    [
+        ("glm4_moe", {"first_k_dense_replace": 2}, 1),
+        ("glm4_moe_lite", {"first_k_dense_replace": 2}, 1),
+        ("ernie4_5_moe", {"moe_layer_start_index": 0}, 0),
+    ],
 )
 def test_dense_first_layers_checked_against_the_config(saved, tmp_path, family, override, layer):
     """GLM-4.5 / ERNIE-4.5-MoE: which layers are dense is config.json's; weights that say otherwise are refused."""
