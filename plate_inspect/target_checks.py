@@ -174,7 +174,27 @@ def _other_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[
             shapes["mamba.in_proj"] = (2 * inner + groups + int(c["mamba_n_heads"]), h)
             shapes["mamba.out_proj"] = (h, inner)
         return shapes
-    if model_type in ("olmoe", "hunyuan_v1_moe"):  # experts (and Hunyuan's shared MLP) of intermediate_size
+    if (
+        model_type == "lfm2"
+    ):  # transformers' feed-forward width: 2/3 of block_ff_dim (intermediate_size), scaled, rounded up
+        i = int(c["intermediate_size"])
+        if c.get("block_auto_adjust_ff_dim"):
+            i = int(2 * i / 3)
+            if c.get("block_ffn_dim_multiplier") is not None:
+                multiple = int(c["block_multiple_of"])
+                i = multiple * ((int(c["block_ffn_dim_multiplier"] * i) + multiple - 1) // multiple)
+        return {
+            **{k: v for k, v in attention.items() if k != "self_attn.o_proj"},
+            "self_attn.out_proj": attention["self_attn.o_proj"],
+            "conv.in_proj": (3 * h, h),
+            "conv.out_proj": (h, h),
+            **_glu("feed_forward", i, h, ("w1", "w3", "w2")),
+        }
+    if model_type in (
+        "olmoe",
+        "flex_olmo",
+        "hunyuan_v1_moe",
+    ):  # experts (and Hunyuan's shared MLP) of intermediate_size
         i = int(c["intermediate_size"])
         shared = _glu("mlp.shared_mlp", i, h) if model_type == "hunyuan_v1_moe" else {}
         return {**attention, **_glu("mlp.experts", i, h), **_fused("mlp.experts", i, h), **shared}

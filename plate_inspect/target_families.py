@@ -130,6 +130,15 @@ FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
         *(f"linear_attn.{p}" for p in ("in_proj_qkvz", "in_proj_ba", "out_proj")),
     ),
     "olmoe": _QWEN3_MOE,
+    "flex_olmo": _QWEN3_MOE,
+    # LFM2: attention (out_proj) every few layers, short gated convolutions (conv.in_proj / out_proj) in the others
+    "lfm2": (
+        *_ATTENTION[:3],
+        "self_attn.out_proj",
+        "conv.in_proj",
+        "conv.out_proj",
+        *(f"feed_forward.{w}" for w in ("w1", "w2", "w3")),
+    ),
     "hunyuan_v1_moe": (*_QWEN3_MOE, *(f"mlp.shared_mlp.{p}" for p in _GLU)),
     "phimoe": (*_ATTENTION, *_MIXTRAL_EXPERTS),
     "minimax_m2": (*_ATTENTION, *_MIXTRAL_EXPERTS),
@@ -211,7 +220,7 @@ EXPERT_COUNT_KEYS = {
     **{t: "num_local_experts" for t in (*_MIXTRAL_TYPES, *_GRANITE_MOE_TYPES)},
     **{t: "n_routed_experts" for t in ("glm4_moe", "glm4v_moe", "glm4v_moe_text", "dots1")},
     "ernie4_5_moe": "moe_num_experts",
-    **{t: "num_experts" for t in ("olmoe", "hunyuan_v1_moe", "qwen3_next")},
+    **{t: "num_experts" for t in ("olmoe", "flex_olmo", "hunyuan_v1_moe", "qwen3_next")},
 }
 
 

@@ -78,6 +78,9 @@ CAUSAL = {
                      "v_head_dim": 8, "index_head_dim": 8, "index_n_heads": 2, "num_hidden_layers": 3},
     "glm4_moe_lite": {**BASE, **MOE, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
                       "num_hidden_layers": 3},
+    "lfm2": {**BASE, "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
+             "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5, "block_auto_adjust_ff_dim": True},
+    "flex_olmo": {**BASE, "num_experts": 4, "num_experts_per_tok": 2},
     "gemma3n_text": {**BASE, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0, "laurel_rank": 4,
                      "activation_sparsity_pattern": [0.0, 0.0], "altup_num_inputs": 2, "vocab_size_per_layer_input": 64,
                      "layer_types": ["sliding_attention", "full_attention"]},
@@ -217,6 +220,7 @@ SAMPLE = {
     "falcon": "transformer.h.0.self_attention.query_key_value",
     "minimax": "model.layers.1.self_attn.qkv_proj",
     "glm4v": "model.language_model.layers.1.mlp.gate_up_proj",
+    "lfm2": "model.layers.0.conv.in_proj",
 }
 
 
@@ -263,6 +267,7 @@ def T(tensor: str) -> str:
         ("hunyuan_v1_moe", {"intermediate_size": 40}, T(r"mlp\.experts\.0\.(gate|up|down)_proj\.weight")),
         ("glm4", {"intermediate_size": 40}, T(r"mlp\.(gate_up|down)_proj\.weight")),
         ("starcoder2", {"intermediate_size": 40}, T(r"mlp\.c_(fc|proj)\.weight")),
+        ("lfm2", {"block_multiple_of": 32}, T(r"feed_forward\.w[123]\.weight")),
     ],
 )
 def test_config_dims_checked_against_the_weights(saved, tmp_path, family, override, tensor):
