@@ -374,3 +374,25 @@ def test_glm45_mtp_layer_only_when_asked(saved, tmp_path):
     save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=T(r"model\.layers\.3\.eh_proj\.weight")):
         select_targets(Checkpoint.open(tmp_path), include_mtp=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_release_config_without_text_config(saved, tmp_path, family):
+    """Qwen2-VL / Qwen2.5-VL as released: config.json flat (the language model's dims at the top, no text_config)
+    and the weights under model.layers / visual.blocks (transformers 5 writes that layout too). The same modules as
+    with text_config (the vision tower's blocks and merger left out), its dims checked."""
+    model, path = saved(family)
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    flat = {**{k: v for k, v in config.items() if k != "text_config"}, **config["text_config"]}
+    flat["model_type"] = family
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    ckpt = Checkpoint.open(tmp_path)
+    assert any(n.startswith("visual.blocks.") for n in ckpt.tensors)
+    targets, note = select_targets(ckpt)
+    assert note.startswith(f"defaults for model_type '{family}'"), note
+    check_against_the_model(model, family, targets, ckpt)
+    (tmp_path / "config.json").write_text(json.dumps({**flat, "intermediate_size": 40}))
+    with pytest.raises(CheckpointError, match=T(r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight")):
+        select_targets(Checkpoint.open(tmp_path))
