@@ -174,9 +174,30 @@ def _other_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[
             shapes["mamba.in_proj"] = (2 * inner + groups + int(c["mamba_n_heads"]), h)
             shapes["mamba.out_proj"] = (h, inner)
         return shapes
-    if (
-        model_type == "lfm2"
-    ):  # transformers' feed-forward width: 2/3 of block_ff_dim (intermediate_size), scaled, rounded up
+    if model_type == "jamba":
+        i, inner = int(c["intermediate_size"]), int(c["mamba_expand"]) * h
+        rank = c.get("mamba_dt_rank")
+        rank = -(-h // 16) if rank in (None, "auto") else int(rank)
+        return {
+            **attention,
+            **_glu("feed_forward", i, h),
+            **_glu("feed_forward.experts", i, h),
+            **_fused("feed_forward.experts", i, h),
+            "mamba.in_proj": (2 * inner, h),
+            "mamba.x_proj": (rank + 2 * int(c["mamba_d_state"]), inner),
+            "mamba.dt_proj": (inner, rank),
+            "mamba.out_proj": (h, inner),
+        }
+    if model_type == "falcon_h1":  # Mamba-2's in_proj: x and z, B and C per group, dt per head
+        inner = int(c.get("mamba_d_ssm") or int(c["mamba_expand"] * h))
+        groups = 2 * int(c["mamba_n_groups"]) * int(c["mamba_d_state"])
+        return {
+            **attention,
+            **_glu("feed_forward", int(c["intermediate_size"]), h),
+            "mamba.in_proj": (2 * inner + groups + int(c["mamba_n_heads"]), h),
+            "mamba.out_proj": (h, inner),
+        }
+    if model_type == "lfm2":  # the width transformers builds: 2/3 of intermediate_size, scaled, rounded up
         i = int(c["intermediate_size"])
         if c.get("block_auto_adjust_ff_dim"):
             i = int(2 * i / 3)
@@ -436,6 +457,16 @@ def moe_layer_rule(config: dict[str, Any], model_type: str | None) -> MoeLayerRu
             return True, f"mlp_only_layers = {dense} does not list it, and decoder_sparse_step = {step}"
 
         return qwen
+    if model_type == "jamba":
+        period = _config_int(c, "expert_layer_period", 2, 1)
+        offset = _config_int(c, "expert_layer_offset", 1, 0)
+        single = c.get("num_experts") == 1
+        rule = f"expert_layer_period = {period}, expert_layer_offset = {offset}"
+
+        def jamba(i: int) -> tuple[bool, str]:
+            return (not single and i % period == offset), ("num_experts = 1" if single else rule)
+
+        return jamba
     if model_type == "ernie4_5_moe":
         start = _config_int(c, "moe_layer_start_index", 0, 0)
         end = _config_int(c, "moe_layer_end_index", 1 << 30, 0)

@@ -130,6 +130,17 @@ FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
         *(f"linear_attn.{p}" for p in ("in_proj_qkvz", "in_proj_ba", "out_proj")),
     ),
     "olmoe": _QWEN3_MOE,
+    # Jamba: Mamba layers (in_proj, x_proj, dt_proj, out_proj) with attention every attn_layer_period-th layer;
+    # every expert_layer_period-th feed-forward is a mixture of experts
+    "jamba": (
+        *_ATTENTION,
+        *(f"feed_forward.{p}" for p in _GLU),
+        *(f"feed_forward.experts.{p}" for p in _GLU),
+        "feed_forward.experts.gate_up_proj",
+        *(f"mamba.{p}" for p in ("in_proj", "x_proj", "dt_proj", "out_proj")),
+    ),
+    # Falcon-H1: attention and Mamba-2 side by side in every layer
+    "falcon_h1": (*_ATTENTION, *(f"feed_forward.{p}" for p in _GLU), "mamba.in_proj", "mamba.out_proj"),
     "flex_olmo": _QWEN3_MOE,
     # LFM2: attention (out_proj) every few layers, short gated convolutions (conv.in_proj / out_proj) in the others
     "lfm2": (
@@ -220,7 +231,7 @@ EXPERT_COUNT_KEYS = {
     **{t: "num_local_experts" for t in (*_MIXTRAL_TYPES, *_GRANITE_MOE_TYPES)},
     **{t: "n_routed_experts" for t in ("glm4_moe", "glm4v_moe", "glm4v_moe_text", "dots1")},
     "ernie4_5_moe": "moe_num_experts",
-    **{t: "num_experts" for t in ("olmoe", "flex_olmo", "hunyuan_v1_moe", "qwen3_next")},
+    **{t: "num_experts" for t in ("olmoe", "flex_olmo", "hunyuan_v1_moe", "qwen3_next", "jamba")},
 }
 
 
@@ -231,6 +242,7 @@ EXPERT_COUNT_KEYS = {
 #:     i % moe_layer_freq == 0
 #:   llama4: MoE iff i in moe_layers, which defaults to the i with (i + 1) % interleave_moe_layer_step == 0
 #:   glm4_moe, glm4v_moe, dots1: as DeepSeek (their configs have no moe_layer_freq: 1)
+#:   jamba: MoE iff num_experts > 1 and i % expert_layer_period == expert_layer_offset
 #:   ernie4_5_moe: MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <= moe_layer_end_index
 MOE_LAYER_FIELDS: dict[str, tuple[str, ...]] = {
     **{t: ("mlp_only_layers", "decoder_sparse_step") for t in _QWEN_MOE_TYPES},
@@ -239,8 +251,13 @@ MOE_LAYER_FIELDS: dict[str, tuple[str, ...]] = {
     "ernie4_5_moe": ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
     "llama4": ("moe_layers", "interleave_moe_layer_step"),
     "llama4_text": ("moe_layers", "interleave_moe_layer_step"),
+    "jamba": ("expert_layer_period", "expert_layer_offset"),
 }
-_FFN_PREFIX = {"llama4": "feed_forward.", "llama4_text": "feed_forward."}  # the other families': "mlp."
+_FFN_PREFIX = {
+    "llama4": "feed_forward.",
+    "llama4_text": "feed_forward.",
+    "jamba": "feed_forward.",
+}  # the other families': "mlp."
 
 
 #: words naming a multimodal model's non-text layer stacks (``model.vision_tower.encoder.layers``, ``visual.blocks``),

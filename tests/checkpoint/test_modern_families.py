@@ -80,6 +80,11 @@ CAUSAL = {
                       "num_hidden_layers": 3},
     "lfm2": {**BASE, "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
              "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5, "block_auto_adjust_ff_dim": True},
+    "jamba": {**BASE, "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+              "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
+              "mamba_d_state": 8, "mamba_expand": 2, "mamba_dt_rank": 4, "use_mamba_kernels": False},
+    "falcon_h1": {**BASE, "mamba_d_ssm": 48, "mamba_n_heads": 4, "mamba_d_head": 12, "mamba_d_state": 8,
+                  "mamba_n_groups": 1, "mamba_chunk_size": 16},
     "flex_olmo": {**BASE, "num_experts": 4, "num_experts_per_tok": 2},
     "gemma3n_text": {**BASE, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0, "laurel_rank": 4,
                      "activation_sparsity_pattern": [0.0, 0.0], "altup_num_inputs": 2, "vocab_size_per_layer_input": 64,
@@ -221,6 +226,7 @@ SAMPLE = {
     "minimax": "model.layers.1.self_attn.qkv_proj",
     "glm4v": "model.language_model.layers.1.mlp.gate_up_proj",
     "lfm2": "model.layers.0.conv.in_proj",
+    "jamba": "model.layers.1.feed_forward.experts.2.up_proj",
 }
 
 
@@ -268,6 +274,8 @@ def T(tensor: str) -> str:
         ("glm4", {"intermediate_size": 40}, T(r"mlp\.(gate_up|down)_proj\.weight")),
         ("starcoder2", {"intermediate_size": 40}, T(r"mlp\.c_(fc|proj)\.weight")),
         ("lfm2", {"block_multiple_of": 32}, T(r"feed_forward\.w[123]\.weight")),
+        ("jamba", {"mamba_dt_rank": 8}, T(r"mamba\.(x|dt)_proj\.weight")),
+        ("falcon_h1", {"mamba_n_groups": 2}, T(r"mamba\.in_proj\.weight")),
     ],
 )
 def test_config_dims_checked_against_the_weights(saved, tmp_path, family, override, tensor):
@@ -288,6 +296,7 @@ def test_config_dims_checked_against_the_weights(saved, tmp_path, family, overri
         ("glm4_moe", {"first_k_dense_replace": 2}, 1),
         ("glm4_moe_lite", {"first_k_dense_replace": 2}, 1),
         ("ernie4_5_moe", {"moe_layer_start_index": 0}, 0),
+        ("jamba", {"expert_layer_offset": 0}, 0),
     ],
 )
 def test_dense_first_layers_checked_against_the_config(saved, tmp_path, family, override, layer):
