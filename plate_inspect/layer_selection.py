@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 _PER_EXPERT = re.compile(r"((?:^|\.)experts)\.(\d+)(?=\.)")  # mlp.experts.7.gate_proj
-_STACK_SLICE = re.compile(r"^(.*(?:^|\.)experts\.[^.]+)\.(\d+)$")  # mlp.experts.gate_up_proj.7
+#: mlp.experts.gate_up_proj.7; Granite MoE's block_sparse_moe.input_linear.7
+_STACK_SLICE = re.compile(r"^(.*(?:(?:^|\.)experts\.[^.]+|block_sparse_moe\.(?:input|output)_linear))\.(\d+)$")
 
 
 def span(indices: Iterable[int]) -> str:
@@ -230,7 +231,7 @@ def layers_there(names: Iterable[str], model_names: Iterable[str] | None = None)
 
 def split_expert(module_type: str) -> tuple[str, int | None]:
     """('mlp.experts.7.gate_proj' | 'mlp.experts.gate_up_proj.7') -> ('mlp.experts.gate_proj' | ..., 7)."""
-    if "experts" not in module_type:
+    if "experts" not in module_type and "block_sparse_moe" not in module_type:
         return module_type, None
     m = _PER_EXPERT.search(module_type)
     if m is not None:

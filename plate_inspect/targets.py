@@ -6,21 +6,21 @@ one target per expert, named ``<tensor>.<e>`` (e.g. ``model.layers.3.feed_forwar
 checkpoints with one tensor per expert (Mixtral, Qwen-MoE, DeepSeek) keep their own names. Routers and gates
 are never default targets; name them with ``target_modules`` to scan them.
 
-Layer selections and the layer, stack and expert parts of module names live in :mod:`plate_inspect.layer_selection`
-(re-exported here).
+The module selects; the family tables live in :mod:`plate_inspect.target_families`, the checks against config.json
+in :mod:`plate_inspect.target_checks`, layer selections and the layer, stack and expert parts of module names in
+:mod:`plate_inspect.layer_selection`: all re-exported here (import them from here).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from plate_inspect.checkpoint import Checkpoint, TensorInfo, refuse_adapter
-from plate_inspect.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from plate_inspect.errors import ConfigError
 from plate_inspect.layer_selection import (
     LayerEntry,
     expert_of,
@@ -34,12 +34,39 @@ from plate_inspect.layer_selection import (
     module_type_of,
     parse_layers,
     select_layers,
-    span,
     split_expert,
     stack_of,
 )
+from plate_inspect.target_checks import (
+    MoeLayerRule,
+    check_expert_counts,
+    check_layer_count,
+    check_moe_layers,
+    check_shape_against_config,
+    check_weight_ranks,
+    expected_experts,
+    expected_shapes,
+    moe_layer_rule,
+)
+from plate_inspect.target_families import (
+    _LANGUAGE_MODEL,
+    _OTHER_TOWERS,
+    _STACKED,
+    CONV1D_FAMILIES,
+    EXPERT_COUNT_KEYS,
+    EXPERT_LAYOUTS,
+    EXPERTS_IN_MAJOR_FAMILIES,
+    FAMILY_TARGETS,
+    LAYOUT_BY_SHAPE_FAMILIES,
+    LAYOUTS,
+    MOE_LAYER_FIELDS,
+    ROUTER,
+    model_family,
+    mtp_layers,
+    text_config,
+)
 
-#: The module's own names, and the layer-selection names it re-exports (:mod:`plate_inspect.layer_selection`).
+#: The module's own names, and those it re-exports (family tables, config checks, layer selections).
 __all__ = [
     "LAYOUTS",
     "EXPERT_LAYOUTS",
@@ -55,6 +82,7 @@ __all__ = [
     "check_target_patterns",
     "text_config",
     "mtp_layers",
+    "model_family",
     "select_targets",
     "unmatched_target_patterns",
     "check_weight_ranks",
@@ -85,125 +113,6 @@ __all__ = [
     "layer_rows",
 ]
 
-#: Orientations of a stored weight: linear [d_out, d_in]; conv1d [d_in, d_out] (GPT-2); 3-D expert stacks
-#: [experts, d_out, d_in] (experts_out_major) or [experts, d_in, d_out] (experts_in_major).
-LAYOUTS = ("linear", "conv1d", "experts_out_major", "experts_in_major")
-EXPERT_LAYOUTS = frozenset({"experts_out_major", "experts_in_major"})
-
-_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-_GLU = ("gate_proj", "up_proj", "down_proj")
-_LLAMA_LIKE = (*_ATTENTION, *(f"mlp.{p}" for p in _GLU))
-_MLA = (
-    "self_attn.q_a_proj",
-    "self_attn.q_b_proj",
-    "self_attn.q_proj",
-    "self_attn.kv_a_proj_with_mqa",
-    "self_attn.kv_b_proj",
-    "self_attn.o_proj",
-)
-_QWEN3_MOE = (*_LLAMA_LIKE, *(f"mlp.experts.{p}" for p in _GLU), "mlp.experts.gate_up_proj")
-_DEEPSEEK = (
-    *_MLA,
-    *(f"mlp.{p}" for p in _GLU),
-    *(f"mlp.experts.{p}" for p in _GLU),
-    *(f"mlp.shared_experts.{p}" for p in _GLU),
-    "mlp.experts.gate_up_proj",
-    "eh_proj",  # only in the multi-token-prediction layer
-)
-_LLAMA4 = (
-    *_ATTENTION,
-    *(f"feed_forward.{p}" for p in _GLU),
-    *(f"feed_forward.shared_expert.{p}" for p in _GLU),
-    "feed_forward.experts.gate_up_proj",
-    "feed_forward.experts.down_proj",
-)
-
-_BERT = (
-    "attention.self.query",
-    "attention.self.key",
-    "attention.self.value",
-    "attention.output.dense",
-    "intermediate.dense",
-    "output.dense",
-)
-#: BERT's layer layout (encoder.layer.<i>.attention.self.query, ...), under the same module names.
-_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra")
-#: T5 / mT5 blocks (encoder.block.<i>, decoder.block.<i>: both count as layer i): self-attention in layer.0; the
-#: decoder's cross-attention in layer.1; the feed-forward in layer.1 (encoder) or layer.2 (decoder), ``wi`` (ReLU)
-#: or gated ``wi_0`` / ``wi_1`` (T5 v1.1, mT5). Never the relative_attention_bias (an embedding table).
-_T5 = (
-    *(f"layer.0.SelfAttention.{p}" for p in "qkvo"),
-    *(f"layer.1.EncDecAttention.{p}" for p in "qkvo"),
-    *(f"layer.{i}.DenseReluDense.{p}" for i in (1, 2) for p in ("wi", "wi_0", "wi_1", "wo")),
-)
-
-#: T5-style encoder-decoders (T5 v1.0/v1.1, mT5, umT5: umT5 has a relative_attention_bias in every block).
-_T5_TYPES = ("t5", "mt5", "umt5")
-#: BART-style encoder-decoders (encoder.layers.<i>, decoder.layers.<i>: both count as layer i); encoder_attn is the
-#: decoder's cross-attention.
-_BART = (
-    *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")),
-    *(f"encoder_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")),
-    "fc1",
-    "fc2",
-)
-_BART_TYPES = ("bart", "mbart")
-
-#: Default target module types (the module name after its layer index, expert index removed) by model_type.
-FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
-    **{
-        t: _LLAMA_LIKE
-        for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gemma3_text", "olmo", "olmo2")
-    },
-    "phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
-    "mixtral": (
-        *_ATTENTION,
-        *(f"block_sparse_moe.experts.{w}" for w in ("w1", "w2", "w3")),
-        "mlp.experts.gate_up_proj",
-        "mlp.experts.down_proj",
-    ),
-    "qwen2_moe": (*_QWEN3_MOE, *(f"mlp.shared_expert.{p}" for p in _GLU)),
-    "qwen3_moe": _QWEN3_MOE,
-    "qwen3_vl_moe": _QWEN3_MOE,  # experts as 3-D stacks mlp.experts.gate_up_proj / down_proj
-    "qwen3_vl_moe_text": _QWEN3_MOE,
-    "deepseek_v2": _DEEPSEEK,
-    "deepseek_v3": _DEEPSEEK,
-    "llama4": _LLAMA4,
-    "llama4_text": _LLAMA4,
-    "gpt_oss": (*_ATTENTION, "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
-    **{t: _BERT for t in _BERT_TYPES},
-    "distilbert": (
-        "attention.q_lin",
-        "attention.k_lin",
-        "attention.v_lin",
-        "attention.out_lin",
-        "ffn.lin1",
-        "ffn.lin2",
-    ),
-    # DeBERTa-v2/v3: pos_key_proj / pos_query_proj exist (per layer) only with relative attention and share_att_key
-    # false; the relative-position embeddings (encoder.rel_embeddings) are not a layer's module
-    "deberta-v2": (
-        *(f"attention.self.{p}" for p in ("query_proj", "key_proj", "value_proj", "pos_key_proj", "pos_query_proj")),
-        *_BERT[3:],
-    ),
-    "modernbert": ("attn.Wqkv", "attn.Wo", "mlp.Wi", "mlp.Wo"),
-    **{t: _T5 for t in _T5_TYPES},
-    **{t: _BART for t in _BART_TYPES},
-}
-#: Families whose 2-D weights are stored as [d_in, d_out] (GPT-2's Conv1D).
-CONV1D_FAMILIES = frozenset({"gpt2"})
-#: Families whose plain 3-D expert tensors are [experts, d_in, d_out] (they multiply x @ W[e]); the others'
-#: (transformers' fused gate_up_proj/down_proj parameters) are [experts, d_out, d_in]. MXFP4 ``*_blocks`` are
-#: always [experts, d_out, d_in / 32, 16]: output rows first.
-EXPERTS_IN_MAJOR_FAMILIES = frozenset({"llama4", "llama4_text", "gpt_oss", "qwen3_vl_moe", "qwen3_vl_moe_text"})
-#: Families whose 3-D expert stacks come in either orientation: Qwen3-VL-MoE's released checkpoints store
-#: [experts, d_in, d_out], transformers 5 re-saves them as its parameters, [experts, d_out, d_in]. The shapes against
-#: config.json decide (gate_up_proj is square only when 2 x moe_intermediate_size = hidden_size, and then down_proj
-#: is not), one orientation for the whole checkpoint.
-LAYOUT_BY_SHAPE_FAMILIES = frozenset({"qwen3_vl_moe", "qwen3_vl_moe_text"})
-#: Router / gate weights: never targets unless named explicitly.
-ROUTER = re.compile(r"(^|\.)(gate|router|shared_expert_gate)$")
 _NEVER_BY_DEFAULT = re.compile(r"(embed|lm_head|wte|wpe|norm|ln_|layernorm|pooler|classifier|score|head)", re.I)
 _REGEX_CHARS = re.compile(r"[\\^$*+?()\[\]{}|]")
 #: Tensors that are never weights of their own: quantization companions, biases, router score biases.
@@ -334,27 +243,17 @@ def _matrix_weights(ckpt: Checkpoint) -> list[_Weight]:
                 out.append(_Weight(module, name, tuple(weight.shape), info, scales))
             continue
         plain = len(weight.shape) == 2 and name.endswith(".weight")
-        stacked = len(weight.shape) == 3 and ".experts." in name
+        stacked = len(weight.shape) == 3 and _STACKED.search(name) is not None
         if plain or stacked:
             out.append(_Weight(module, name, tuple(weight.shape), info, scales))
     return out
 
 
 # --------------------------------------------------------------------------- selection
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config: ``text_config`` of a multimodal wrapper (Gemma-3, Llama-4), else config."""
-    inner = config.get("text_config")
-    return inner if isinstance(inner, dict) else config
-
-
-def mtp_layers(config: dict[str, Any]) -> set[int]:
-    """Layer indices of DeepSeek's multi-token-prediction layers (num_hidden_layers, ...), empty otherwise."""
-    c = text_config(config)
-    n_mtp = c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 0)) or 0
-    n_layers = c.get("num_hidden_layers")
-    if not isinstance(n_layers, int) or not isinstance(n_mtp, int):
-        return set()
-    return set(range(n_layers, n_layers + n_mtp))
+def _in_other_tower(name: str) -> bool:
+    """Does a module sit in a multimodal model's vision or audio stack (``visual.blocks.3``, ``vision_tower...``)?"""
+    where = stack_of(name)
+    return where is not None and any(tower in where[0].lower() for tower in _OTHER_TOWERS)
 
 
 def _expert_layout(model_type: str | None, weight: _Weight) -> str:
@@ -466,7 +365,8 @@ def select_targets(
     target_modules = name_list(target_modules) if target_modules else None
     check_target_patterns(target_modules)
     refuse_adapter(ckpt)
-    model_type = str(ckpt.config.get("model_type", "")) or None
+    own_type = str(ckpt.config.get("model_type", "")) or None
+    model_type = model_family(ckpt.config)
     weights = _matrix_weights(ckpt)
     candidates = [m for w in weights for m in _modules_of(w, model_type)]
     shapes = expected_shapes(ckpt.config, model_type)
@@ -477,10 +377,17 @@ def select_targets(
         chosen = [t for t in candidates if target_matches(t, target_modules)]
     elif model_type in FAMILY_TARGETS:
         wanted = set(FAMILY_TARGETS[model_type])
-        note = f"defaults for model_type '{model_type}'"
+        note = f"defaults for model_type '{own_type}'" + (
+            f" (its language model's, '{model_type}')" if model_type != own_type else ""
+        )
         chosen = [t for t in candidates if t.module_type in wanted and t.layer is not None]
-        if isinstance(ckpt.config.get("text_config"), dict) and any("language_model." in t.name for t in chosen):
-            chosen = [t for t in chosen if "language_model." in t.name]
+        if any(_in_other_tower(t.name) for t in chosen) or (
+            isinstance(ckpt.config.get("text_config"), dict)
+            and any(p in t.name for t in chosen for p in _LANGUAGE_MODEL)
+        ):
+            chosen = [t for t in chosen if not _in_other_tower(t.name)]
+            language = [t for t in chosen if any(p in t.name for p in _LANGUAGE_MODEL)]
+            chosen = language or chosen
             note += " (language model only)"
     else:
         why = (
@@ -499,7 +406,12 @@ def select_targets(
         in_layers = any(t.layer is not None for t in chosen)
         chosen = [t for t in chosen if t.layer is not None] if in_layers else chosen
         where = " in the numbered layers" if in_layers else ""
-        note = f"{why}: every 2-D weight{where} except embeddings, norms, heads and routers"
+        stacks = sorted({t.logical_name.removesuffix(".weight") for t in candidates if t.layout in EXPERT_LAYOUTS})
+        left = f"; {len(stacks)} 3-D expert stacks left out (e.g. {stacks[0]})" if stacks else ""
+        note = (
+            f"{why}: every 2-D weight{where} except embeddings, norms, heads and routers{left} "
+            "(no shape checks against config.json; choose modules with --target-modules)"
+        )
     mtp = mtp_layers(ckpt.config)
     if mtp and not include_mtp:
         chosen = [t for t in chosen if t.layer not in mtp]
@@ -553,425 +465,8 @@ def unmatched_target_patterns(
     )
 
 
-# --------------------------------------------------------------------------- shape checks
-def check_weight_ranks(
-    ckpt: Checkpoint, chosen: Sequence[TargetModule], default_types: Iterable[str], layers: Iterable[object] | None
-) -> None:
-    """A layer weight of a chosen module type (or of a family default type) that is not 2-D (nor a 3-D expert stack)
-    is refused, naming it: selection takes 2-D ``*.weight`` tensors only, so a q_proj stored flattened or folded (a
-    damaged or mis-converted file) would silently drop out. Checked in the selected layers ('decoder:3' checks every
-    stack's layer 3: a refusal check may be wide)."""
-    types = {t.module_type for t in chosen} | set(default_types)
-    indices = {i for _, i in map(layer_entry, layers)} if layers is not None else None
-    indices = None if indices is not None and None in indices else indices  # a whole stack: every layer
-    for name, weight in ckpt.logical_weights().items():
-        module = name.removesuffix(".weight")
-        layer = layer_of(module)
-        if module == name or layer is None or (indices is not None and layer not in indices):
-            continue
-        mtype = module_type_of(module)
-        if mtype not in types or len(weight.shape) == 2 or (len(weight.shape) == 3 and ".experts." in name):
-            continue
-        raise CheckpointError(
-            f"{weight.file.name}: tensor '{name}' has shape {list(weight.shape)}, but a {mtype} weight is a 2-D "
-            "d_out x d_in matrix; the file is damaged or was converted with another layout: re-download or "
-            "re-convert the checkpoint"
-        )
-
-
-def _ints(c: dict[str, Any], *keys: str) -> list[int]:
-    return [int(c[k]) for k in keys]
-
-
-def _glu(prefix: str, inter: int, hidden: int, names: tuple[str, str, str] = _GLU) -> dict[str, tuple[int, int]]:
-    gate, up, down = names
-    return {f"{prefix}.{gate}": (inter, hidden), f"{prefix}.{up}": (inter, hidden), f"{prefix}.{down}": (hidden, inter)}
-
-
-def _fused(prefix: str, inter: int, hidden: int) -> dict[str, tuple[int, int]]:
-    return {f"{prefix}.gate_up_proj": (2 * inter, hidden), f"{prefix}.down_proj": (hidden, inter)}
-
-
-def _attention(c: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    h, heads = _ints(c, "hidden_size", "num_attention_heads")
-    kv = int(c.get("num_key_value_heads") or heads)
-    hd = int(c.get("head_dim") or h // heads)
-    return {
-        "self_attn.q_proj": (heads * hd, h),
-        "self_attn.k_proj": (kv * hd, h),
-        "self_attn.v_proj": (kv * hd, h),
-        "self_attn.o_proj": (h, heads * hd),
-    }
-
-
-def _mla(c: dict[str, Any]) -> dict[str, tuple[int, int] | None]:
-    """DeepSeek's multi-head latent attention (q_lora_rank None: a plain q_proj)."""
-    h, heads, kv_rank, nope, rope, v = _ints(
-        c, "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"
-    )
-    qk = nope + rope
-    shapes: dict[str, tuple[int, int] | None] = {
-        "self_attn.kv_a_proj_with_mqa": (kv_rank + rope, h),
-        "self_attn.kv_b_proj": (heads * (nope + v), kv_rank),
-        "self_attn.o_proj": (h, heads * v),
-        "eh_proj": (h, 2 * h),
-    }
-    if c.get("q_lora_rank") is None:
-        shapes.update({"self_attn.q_proj": (heads * qk, h), "self_attn.q_a_proj": None, "self_attn.q_b_proj": None})
-    else:
-        q_rank = int(c["q_lora_rank"])
-        shapes.update({"self_attn.q_a_proj": (q_rank, h), "self_attn.q_b_proj": (heads * qk, q_rank)})
-        shapes["self_attn.q_proj"] = None
-    return shapes
-
-
-#: The Qwen mixture-of-experts families (one config layout: moe_intermediate_size, mlp_only_layers, ...).
-_QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "qwen3_vl_moe_text")
-
-
-def _family_shapes(c: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
-    if model_type == "gpt2":
-        e = int(c["n_embd"])
-        inner = int(c.get("n_inner") or 4 * e)
-        return {"attn.c_attn": (3 * e, e), "attn.c_proj": (e, e), "mlp.c_fc": (inner, e), "mlp.c_proj": (e, inner)}
-    if model_type in _BERT_TYPES or model_type == "deberta-v2":
-        h, i, heads = _ints(c, "hidden_size", "intermediate_size", "num_attention_heads")
-        inner = heads * int(c.get("attention_head_size") or h // heads) if model_type == "deberta-v2" else h
-        to_heads = FAMILY_TARGETS[model_type][:-3]  # the projections of h to the heads, then the output's three
-        return {
-            **{a: (inner, h) for a in to_heads},
-            "attention.output.dense": (h, inner),
-            "intermediate.dense": (i, h),
-            "output.dense": (h, i),
-        }
-    if model_type == "distilbert":
-        h, i = _ints(c, "dim", "hidden_dim")
-        return {
-            **{f"attention.{p}": (h, h) for p in ("q_lin", "k_lin", "v_lin", "out_lin")},
-            "ffn.lin1": (i, h),
-            "ffn.lin2": (h, i),
-        }
-    if model_type == "modernbert":
-        h, i = _ints(c, "hidden_size", "intermediate_size")
-        return {"attn.Wqkv": (3 * h, h), "attn.Wo": (h, h), "mlp.Wi": (2 * i, h), "mlp.Wo": (h, i)}
-    if model_type in _BART_TYPES:
-        d = int(c["d_model"])
-        bart: dict[str, tuple[int, int] | None] = {m: (d, d) for m in _BART[:-2]}
-        ffn_dims = {int(c[k]) for k in ("encoder_ffn_dim", "decoder_ffn_dim")}
-        if len(ffn_dims) == 1:  # fc1/fc2 of encoder and decoder layers share a module type: checked when dims agree
-            (f,) = ffn_dims
-            bart.update({"fc1": (f, d), "fc2": (d, f)})
-        return bart
-    if model_type in _T5_TYPES:
-        d, inner, ff = int(c["d_model"]), int(c["num_heads"]) * int(c["d_kv"]), int(c["d_ff"])
-        attention = {f"layer.{i}.{a}.{p}": (inner, d) for i, a in ((0, "SelfAttention"), (1, "EncDecAttention"))
-                     for p in "qkv"}  # fmt: skip
-        attention.update({"layer.0.SelfAttention.o": (d, inner), "layer.1.EncDecAttention.o": (d, inner)})
-        ffn = {f"layer.{i}.DenseReluDense.{p}": (ff, d) for i in (1, 2) for p in ("wi", "wi_0", "wi_1")}
-        return {**attention, **ffn, "layer.1.DenseReluDense.wo": (d, ff), "layer.2.DenseReluDense.wo": (d, ff)}
-    h = int(c["hidden_size"])
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        moe = int(c["moe_intermediate_size"])
-        shared = moe * int(c.get("n_shared_experts") or 1)
-        return {
-            **_mla(c),
-            **_glu("mlp", int(c["intermediate_size"]), h),
-            **_glu("mlp.experts", moe, h),
-            **_fused("mlp.experts", moe, h),
-            **_glu("mlp.shared_experts", shared, h),
-        }
-    attention = _attention(c)
-    if model_type == "phi3":
-        heads, kv = attention["self_attn.q_proj"][0], attention["self_attn.k_proj"][0]
-        fused = {"self_attn.qkv_proj": (heads + 2 * kv, h), "self_attn.o_proj": attention["self_attn.o_proj"]}
-        return {**fused, **_fused("mlp", int(c["intermediate_size"]), h)}
-    shapes: dict[str, tuple[int, int] | None] = {**attention}
-    if model_type == "mixtral":
-        i = int(c["intermediate_size"])
-        return {
-            **shapes,
-            **_glu("block_sparse_moe.experts", i, h, ("w1", "w3", "w2")),
-            **_fused("mlp.experts", i, h),
-        }
-    if model_type in _QWEN_MOE_TYPES:
-        moe = int(c["moe_intermediate_size"])
-        shapes.update({**_glu("mlp", int(c["intermediate_size"]), h), **_glu("mlp.experts", moe, h)})
-        shapes.update(_fused("mlp.experts", moe, h))
-        if c.get("shared_expert_intermediate_size"):
-            shapes.update(_glu("mlp.shared_expert", int(c["shared_expert_intermediate_size"]), h))
-        return shapes
-    if model_type in ("llama4", "llama4_text"):
-        i = int(c["intermediate_size"])
-        dense = int(c.get("intermediate_size_mlp") or i)
-        return {
-            **shapes,
-            **_glu("feed_forward", dense, h),
-            **_glu("feed_forward.shared_expert", i, h),
-            **_fused("feed_forward.experts", i, h),
-        }
-    if model_type == "gpt_oss":
-        return {**shapes, **_fused("mlp.experts", int(c["intermediate_size"]), h)}
-    return {**shapes, **_glu("mlp", int(c["intermediate_size"]), h)}
-
-
-def expected_shapes(config: dict[str, Any], model_type: str | None) -> dict[str, tuple[int, int] | None]:
-    """[d_out, d_in] implied by config.json (``text_config`` for multimodal wrappers) for each default module
-    type of a known family (None: config.json says the module does not exist, e.g. q_a_proj without
-    q_lora_rank); empty when the family is unknown or config.json lacks a dimension."""
-    if model_type not in FAMILY_TARGETS:
-        return {}
-    try:
-        return _family_shapes(text_config(config), model_type)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return {}
-
-
-#: config.json key holding the number of routed experts, by family.
-EXPERT_COUNT_KEYS = {
-    "mixtral": "num_local_experts",
-    "qwen2_moe": "num_experts",
-    "qwen3_moe": "num_experts",
-    "qwen3_vl_moe": "num_experts",
-    "qwen3_vl_moe_text": "num_experts",
-    "deepseek_v2": "n_routed_experts",
-    "deepseek_v3": "n_routed_experts",
-    "llama4": "num_local_experts",
-    "llama4_text": "num_local_experts",
-    "gpt_oss": "num_local_experts",
-}
-
-
-def expected_experts(config: dict[str, Any], model_type: str | None) -> int | None:
-    """Number of routed experts per MoE layer from config.json, or None."""
-    key = EXPERT_COUNT_KEYS.get(model_type or "")
-    value = text_config(config).get(key) if key else None
-    return int(value) if isinstance(value, int) else None
-
-
-def check_shape_against_config(
-    t: TargetModule, shapes: dict[str, tuple[int, int] | None], n_experts: int | None = None
-) -> None:
-    """Refuse a weight whose shape (or expert count) contradicts config.json (a wrong or mixed-up checkpoint)."""
-    where = f"{t.tensor.file.name}: tensor '{t.tensor.name}'"
-    ndim = 3 if t.layout in EXPERT_LAYOUTS else 2
-    if len(t.logical_shape) != ndim:
-        raise CheckpointError(f"{where} is not {ndim}-D: shape {list(t.logical_shape)}")
-    if ndim == 3 and n_experts is not None and t.logical_shape[0] != n_experts:
-        raise CheckpointError(
-            f"{where} stacks {t.logical_shape[0]} experts but config.json says {n_experts}; "
-            "the weights and config.json do not match"
-        )
-    if t.module_type in shapes and shapes[t.module_type] is None:
-        raise CheckpointError(
-            f"{where} is a {t.module_type} weight, which config.json says this model does not have "
-            "(e.g. q_a_proj without q_lora_rank); the weights and config.json do not match"
-        )
-    want = shapes.get(t.module_type)
-    if want is None or tuple(t.shape) == want:
-        return
-    hint = " (stored transposed?)" if tuple(reversed(t.shape)) == want else ""
-    raise CheckpointError(
-        f"{where} has [d_out, d_in] = {list(t.shape)} for module type {t.module_type} but config.json implies "
-        f"{list(want)}{hint}; the weights and config.json do not match"
-    )
-
-
-def check_expert_counts(
-    candidates: Sequence[TargetModule], chosen: Sequence[TargetModule], n_experts: int | None, key: str | None
-) -> None:
-    """Per-expert tensors (Mixtral, Qwen-MoE, DeepSeek): each chosen (layer, expert module type) must hold experts
-    0..n-1, n from config.json, as a 3-D stack must; a missing expert means a partial download or conversion."""
-    if n_experts is None:
-        return
-    wanted = {(t.layer, t.module_type) for t in chosen if t.expert is not None and t.layout not in EXPERT_LAYOUTS}
-    found: dict[tuple[int | None, str], set[int]] = {}
-    for t in candidates:
-        if (t.layer, t.module_type) in wanted and t.expert is not None:
-            found.setdefault((t.layer, t.module_type), set()).add(t.expert)
-    for (layer, mtype), experts in sorted(found.items(), key=lambda item: (item[0][0] or 0, item[0][1])):
-        if experts != set(range(n_experts)):
-            raise CheckpointError(
-                f"layer {layer}: {mtype} has experts {span(experts)} but config.json says {key} = {n_experts} "
-                f"(experts 0-{n_experts - 1}); the checkpoint is incomplete (a shard or index entry missing?) or "
-                "the weights and config.json do not match"
-            )
-
-
-#: config.json fields that say which decoder layers are mixture-of-experts layers (the others dense), by family, and
-#: the prefix of the layer's feed-forward modules. transformers (and DeepSeek's own modeling code) build layer i as:
-#:   qwen2_moe, qwen3_moe: MoE iff i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0
-#:   deepseek_v2/v3: MoE iff n_routed_experts is not null and i >= first_k_dense_replace and i % moe_layer_freq == 0
-#:   llama4: MoE iff i in moe_layers, which defaults to the i with (i + 1) % interleave_moe_layer_step == 0
-MOE_LAYER_FIELDS: dict[str, tuple[str, ...]] = {
-    "qwen2_moe": ("mlp_only_layers", "decoder_sparse_step"),
-    "qwen3_moe": ("mlp_only_layers", "decoder_sparse_step"),
-    "qwen3_vl_moe": ("mlp_only_layers", "decoder_sparse_step"),
-    "qwen3_vl_moe_text": ("mlp_only_layers", "decoder_sparse_step"),
-    "deepseek_v2": ("first_k_dense_replace", "moe_layer_freq"),
-    "deepseek_v3": ("first_k_dense_replace", "moe_layer_freq"),
-    "llama4": ("moe_layers", "interleave_moe_layer_step"),
-    "llama4_text": ("moe_layers", "interleave_moe_layer_step"),
-}
-_FFN_PREFIX = {"llama4": "feed_forward.", "llama4_text": "feed_forward."}  # the other families': "mlp."
-
-#: Whether config.json makes a layer index a mixture-of-experts layer, and why (naming the config field).
-MoeLayerRule = Callable[[int], tuple[bool, str]]
-
-
-def _config_int(c: dict[str, Any], key: str, default: int, least: int) -> int:
-    value = c.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise CorruptCheckpointError(
-            f"config.json: {key} must be an integer >= {least}, got {value!r:.80}; restore the config.json that "
-            "came with these weights"
-        )
-    return value
-
-
-def _config_layers(c: dict[str, Any], key: str) -> list[int] | None:
-    value = c.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise CorruptCheckpointError(
-            f"config.json: {key} must be a list of layer indices, got {value!r:.80}; restore the config.json that "
-            "came with these weights"
-        )
-    return sorted(set(value))
-
-
-def moe_layer_rule(config: dict[str, Any], model_type: str | None) -> MoeLayerRule | None:
-    """Which layers config.json makes mixture-of-experts layers (:data:`MOE_LAYER_FIELDS`), as transformers builds
-    the model; None when config.json gives none of the family's fields (nothing to check against). A field of the
-    wrong type is a CorruptCheckpointError."""
-    keys = MOE_LAYER_FIELDS.get(model_type or "")
-    c = text_config(config)
-    if not keys or not any(k in c for k in keys):
-        return None
-    if model_type in _QWEN_MOE_TYPES:
-        dense = _config_layers(c, "mlp_only_layers") or []
-        step = _config_int(c, "decoder_sparse_step", 1, 1)
-        no_experts = c.get("num_experts") == 0
-
-        def qwen(i: int) -> tuple[bool, str]:
-            if i in dense:
-                return False, f"mlp_only_layers = {dense} lists it"
-            if no_experts:
-                return False, "num_experts = 0"
-            if (i + 1) % step:
-                return False, f"decoder_sparse_step = {step}: MoE layers are those with (index + 1) % {step} == 0"
-            return True, f"mlp_only_layers = {dense} does not list it, and decoder_sparse_step = {step}"
-
-        return qwen
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        first = _config_int(c, "first_k_dense_replace", 0, 0)
-        freq = _config_int(c, "moe_layer_freq", 1, 1)
-        no_experts = "n_routed_experts" in c and c["n_routed_experts"] is None
-
-        def deepseek(i: int) -> tuple[bool, str]:
-            if no_experts:
-                return False, "n_routed_experts = null"
-            if i < first:
-                return False, f"first_k_dense_replace = {first}: layers 0-{first - 1} are dense"
-            if i % freq:
-                return False, f"moe_layer_freq = {freq}: MoE layers are those with index % {freq} == 0"
-            return True, f"first_k_dense_replace = {first}, moe_layer_freq = {freq}"
-
-        return deepseek
-    listed = _config_layers(c, "moe_layers")
-    step = _config_int(c, "interleave_moe_layer_step", 1, 1)
-
-    def llama4(i: int) -> tuple[bool, str]:
-        if listed is not None:
-            return (i in listed), f"moe_layers = {listed} {'lists' if i in listed else 'does not list'} it"
-        if (i + 1) % step:
-            return False, f"interleave_moe_layer_step = {step}: MoE layers are those with (index + 1) % {step} == 0"
-        return True, f"interleave_moe_layer_step = {step}"
-
-    return llama4
-
-
-def check_moe_layers(
-    config: dict[str, Any], model_type: str | None, candidates: Sequence[TargetModule], chosen: Sequence[TargetModule]
-) -> None:
-    """Each layer whose feed-forward modules are chosen must be what config.json says (:func:`moe_layer_rule`): a
-    dense layer holds no routed experts, a mixture-of-experts layer holds some (how many: check_expert_counts).
-
-    A contradiction means the weights and config.json do not match (another model's config, a wrong conversion):
-    transformers would build the layer otherwise, and a bundle made from them would not fit the model."""
-    rule = moe_layer_rule(config, model_type)
-    if rule is None:
-        return
-    prefix = _FFN_PREFIX.get(model_type or "", "mlp.")
-    layers = sorted({t.layer for t in chosen if t.layer is not None and t.module_type.startswith(prefix)})
-    members: dict[int, list[TargetModule]] = {}
-    for t in candidates:
-        if t.layer in layers:
-            members.setdefault(t.layer, []).append(t)
-    do = "the weights and config.json do not match: use the config.json that came with these weights, or correct it"
-    for layer in layers:
-        experts = [t for t in members[layer] if t.expert is not None and t.module_type.startswith(f"{prefix}experts")]
-        dense = [t for t in members[layer] if t.module_type in {f"{prefix}{p}" for p in _GLU}]
-        moe, why = rule(layer)
-        if experts and not moe:
-            t = experts[0]
-            raise CorruptCheckpointError(
-                f"layer {layer}: {t.tensor.file.name} holds routed experts there ('{t.tensor.name}'), but config.json "
-                f"makes layer {layer} a dense layer ({why}); {do}"
-            )
-        if moe and not experts:
-            found = f"a dense feed-forward ('{dense[0].tensor.name}')" if dense else "no routed experts"
-            raise CorruptCheckpointError(
-                f"layer {layer}: config.json makes it a mixture-of-experts layer ({why}), but the checkpoint holds "
-                f"{found} there; {do}"
-            )
-
-
-#: words naming a multimodal model's non-text layer stacks (``model.vision_tower.encoder.layers``, ``visual.blocks``),
-#: whose layer count is their own sub-config's (``vision_config``), not ``num_hidden_layers`` of the text model
-_OTHER_TOWERS = ("vision", "visual", "image", "audio", "speech", "whisper")
-
-
-def check_layer_count(
-    config: dict[str, Any], candidates: Sequence[TargetModule], chosen: Sequence[TargetModule]
-) -> None:
-    """The layers of the stack the chosen modules sit in must be config.json's ``num_hidden_layers`` (``text_config``
-    for multimodal wrappers), 0 to N-1, DeepSeek's multi-token-prediction layers besides: a layer missing (a shard
-    left out of a directory without index, a truncated conversion) or one beyond N (another model's config.json;
-    transformers would not load it) made a complete-looking bundle of another model than the one transformers builds.
-    Checked only where the chosen modules sit in one stack and the model is no encoder-decoder (BART's
-    num_hidden_layers is its encoder's count; a distilled decoder has fewer)."""
-    c = text_config(config)
-    n_layers = c.get("num_hidden_layers")
-    stacks = {where[0] for where in map(stack_of, (t.name for t in chosen)) if where is not None}
-    two_stacks = c.get("is_encoder_decoder") or any(k in c for k in ("encoder_layers", "decoder_layers"))
-    if type(n_layers) is not int or n_layers < 0 or len(stacks) != 1 or two_stacks:
-        return
-    (stack,) = stacks
-    if any(tower in stack.lower() for tower in _OTHER_TOWERS):  # a vision/audio tower: its count is in its own config
-        return
-    held = {
-        where[1] for where in map(stack_of, (t.name for t in candidates)) if where is not None and where[0] == stack
-    }
-    missing = sorted(set(range(n_layers)) - held)
-    extra = sorted(held - set(range(n_layers)) - mtp_layers(config))
-    if not missing and not extra:
-        return
-    what = (
-        f"layer{'s' if len(missing) > 1 else ''} {span(missing)} missing (a shard left out, or a partial conversion?)"
-        if missing
-        else f"layer{'s' if len(extra) > 1 else ''} {span(extra)} beyond them, which transformers would not load"
-    )
-    raise CorruptCheckpointError(
-        f"config.json says num_hidden_layers {n_layers} (layers 0-{n_layers - 1}), but the checkpoint holds {stack} "
-        f"layers {span(held)}: {what}; use the complete checkpoint with the config.json that came with it"
-    )
-
-
 def modules_by_name(ckpt: Checkpoint) -> dict[str, TargetModule]:
     """Every module a checkpoint holds (targets or not), by the name a bundle records: how verify and variant
     scans find a recorded module's weight, 3-D expert slices included."""
-    model_type = str(ckpt.config.get("model_type", "")) or None
+    model_type = model_family(ckpt.config)
     return {t.name: t for w in _matrix_weights(ckpt) for t in _modules_of(w, model_type)}
