@@ -37,7 +37,9 @@ __all__ = [
     "single_file_is_read",
 ]
 
+#: Suffixes of pickle checkpoints, never opened (unpickling can run arbitrary code).
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+#: How to turn a pickle checkpoint into safetensors (the end of their refusal).
 CONVERT_HINT = (
     "convert it once with transformers: AutoModel.from_pretrained(DIR).save_pretrained(OUT, safe_serialization=True)"
 )
@@ -45,7 +47,9 @@ CONVERT_HINT = (
 _LORA_MARKERS = (".lora_A.", ".lora_B.", ".lora_down.", ".lora_up.", ".lora_embedding_A", ".lora_embedding_B")
 #: The one-file checkpoint name transformers loads first, before a sharded index (``from_pretrained``'s order).
 SINGLE_FILE = "model.safetensors"
+#: A sharded checkpoint's index: its ``weight_map`` names the shard of every tensor.
 INDEX_FILE = "model.safetensors.index.json"
+#: Numbered shard names (``model-00002-of-00004.safetensors``): stem, number, count.
 _SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>[0-9]+)-of-(?P<n>[0-9]+)\.safetensors")
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "require_float_dtype",
 ]
 
+#: What to do with weights in a storage plate-inspect does not read (the end of every such refusal).
 DEQUANTIZE_HINT = (
     "scan the unquantized base model it was made from, or dequantize it to bf16 first "
     "(transformers: AutoModelForCausalLM.from_pretrained(DIR, torch_dtype=torch.bfloat16).dequantize()"
