@@ -11,38 +11,102 @@ which modules are still valid. The manifest says ``complete: true`` only after t
 
 A bundle's identity (:func:`content_identity`) is its settings, its variant (for ablation bundles) and, per
 module, the sha256 fingerprint of the weight's stored bytes with its dtype, shape and layout.
+
+This module holds the format: its constants, :class:`ScanSettings`, :class:`ModuleRecord`, :class:`Manifest` and
+the digests and identities computed from them. Built on it, each with one job: :mod:`plate_inspect.bundle_parts`
+(part files: encoding, the records their headers vouch for, reading their tensors), :mod:`plate_inspect.bundle_reader`
+(:class:`Bundle`: a bundle on disk, read and checked) and :mod:`plate_inspect.bundle_writer` (:class:`BundleWriter`).
+Their public names are importable from here too (the path callers have used), looked up on first use: those
+modules import this one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-import errno
 import hashlib
+import importlib
 import json
 import numbers
-import os
 import re
-import shlex
-import tempfile
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as safetensors_bytes
 
 from plate_inspect import __version__
 from plate_inspect.arguments import finite_numbers
-from plate_inspect.atomic import atomic_write, path_argument, stale_temps
 from plate_inspect.dtypes import PRECISIONS
 from plate_inspect.dtypes import Q_DTYPES as Q_DTYPES  # re-exported: the bundle's Q dtypes
-from plate_inspect.errors import BundleError, ConfigError, PlateInspectError, os_error_text
+from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.formatting import counted
 from plate_inspect.geometry import DEFAULT_TAU_GRID, validate_settings
 from plate_inspect.targets import LayerEntry, layer_entries, name_list
+
+if TYPE_CHECKING:  # at run time these come through __getattr__ below (their modules import this one)
+    from plate_inspect.bundle_parts import (
+        encode_part,
+        finished_modules,
+        foreign_safetensors,
+        intact_records,
+        part_records,
+        read_part_tensors,
+        refuse_foreign_safetensors,
+    )
+    from plate_inspect.bundle_reader import Bundle, ModulePlate, not_a_bundle, read_problem, stored_b_problem
+    from plate_inspect.bundle_writer import (
+        API_REPLACE_HINT,
+        REPLACE_HINT,
+        BundleWriter,
+        describe_variant,
+        rescan_baseline,
+        write_file,
+    )
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MANIFEST_MEND",
+    "PART_FILE_NAME",
+    "PART_METADATA_KEY",
+    "Q_DTYPES",
+    "READ_FORMAT_VERSIONS",
+    "SELECTION_SETTINGS",
+    "STACKS_FORMAT_VERSION",
+    "STATS",
+    "TENSOR_KINDS",
+    "Manifest",
+    "ModuleRecord",
+    "ScanSettings",
+    "changed_since_baseline",
+    "content_identity",
+    "damaged",
+    "geometry_digest",
+    "scores_digest",
+    "unfinished_note",
+    "unfinished_state",
+    "weight_key",
+    "weight_key_json",
+    "encode_part",
+    "finished_modules",
+    "foreign_safetensors",
+    "intact_records",
+    "part_records",
+    "read_part_tensors",
+    "refuse_foreign_safetensors",
+    "Bundle",
+    "ModulePlate",
+    "not_a_bundle",
+    "read_problem",
+    "stored_b_problem",
+    "API_REPLACE_HINT",
+    "REPLACE_HINT",
+    "BundleWriter",
+    "describe_variant",
+    "rescan_baseline",
+    "write_file",
+]
 
 FORMAT_NAME = "plate-init-bundle"
 FORMAT_VERSION = 1
@@ -75,50 +139,11 @@ _LATER_SETTINGS: dict[str, object] = {"include_mtp": False}
 SELECTION_SETTINGS = frozenset({"target_modules", "layers", "include_mtp"})
 
 
-#: What to do about an output directory that holds another bundle, for Python and CLI users alike.
 #: What to do about a manifest that cannot be read or makes no sense.
-_MANIFEST_MEND = (
+MANIFEST_MEND = (
     "the bundle's record is damaged: rescan the model into it with overwrite=True (CLI: --overwrite), or into "
     "another directory"
 )
-REPLACE_HINT = "replace it with overwrite=True (CLI: --overwrite), or write elsewhere (CLI: --out)"
-#: The same for writers with no CLI command (``make_variant``): the Python keywords only.
-API_REPLACE_HINT = "replace it with overwrite=True, or write elsewhere (another out)"
-
-
-def not_a_bundle(path: Path) -> str:
-    """Why ``path`` (no manifest there) is not a bundle, and a command that makes one there or from it that would
-    itself work: a model checkpoint's directory or file cannot be a scan's --out, so it is named as the MODEL."""
-    command = f"plate-inspect scan MODEL --out {shlex.quote(str(path))}"
-    if path.is_dir():
-        model_files = [f.name for f in foreign_safetensors(path)]
-        model_files += ["config.json"] if (path / "config.json").is_file() else []
-        if not model_files:
-            return f"{path}: not a bundle (no {MANIFEST}); create a bundle with: {command}"
-        shown = ", ".join(model_files[:3]) + (", ..." if len(model_files) > 3 else "")
-        return (
-            f"{path}: not a bundle (no {MANIFEST}) but, by its files ({shown}), a model checkpoint; create a bundle of "
-            f"it with: plate-inspect scan {shlex.quote(str(path))} --out <another directory>"
-        )
-    if not path.exists():
-        return f"{path}: does not exist; create a bundle with: {command}"
-    if (path.parent / MANIFEST).is_file():
-        return f"{path}: is a part file of the bundle {path.parent}; give the bundle directory: {path.parent}"
-    if path.suffix == ".safetensors":
-        from plate_inspect.checkpoint import parse_safetensors_header
-
-        try:
-            parse_safetensors_header(path)
-        except PlateInspectError as e:  # not a model either: say what it is, not to scan it
-            why = str(e).removeprefix(f"{path}: ")
-            return f"{path}: is a file, not a bundle directory, and no readable safetensors file: {why}"
-        return (
-            f"{path}: is a file, not a bundle directory; to make a bundle of a model checkpoint in it: "
-            f"plate-inspect scan {shlex.quote(str(path))} --out <a directory>"
-        )
-    return (
-        f"{path}: is a file, not a bundle directory; create a bundle with: plate-inspect scan MODEL --out <a directory>"
-    )
 
 
 @dataclass(frozen=True)
@@ -349,7 +374,7 @@ class Manifest:
     def from_json(cls, d: dict[str, Any], where: Path) -> Manifest:
         """The manifest in ``d`` (manifest.json's content, read from ``where``); BundleError when it is not one."""
         if not isinstance(d, dict):
-            raise BundleError(f"{where}: corrupt manifest (not a JSON object); {_MANIFEST_MEND}")
+            raise BundleError(f"{where}: corrupt manifest (not a JSON object); {MANIFEST_MEND}")
         if d.get("format") != FORMAT_NAME:
             raise BundleError(f"{where}: not a PLATE init bundle (format {d.get('format')!r})")
         if d.get("format_version") not in READ_FORMAT_VERSIONS:
@@ -374,7 +399,7 @@ class Manifest:
                 tool_version=d.get("tool_version", ""),
             )
         except (KeyError, TypeError, AttributeError, ConfigError) as e:  # missing keys, wrong types, bad settings
-            raise BundleError(f"{where}: corrupt manifest ({type(e).__name__}: {e}); {_MANIFEST_MEND}") from None
+            raise BundleError(f"{where}: corrupt manifest ({type(e).__name__}: {e}); {MANIFEST_MEND}") from None
 
     def content_identity(self) -> str:
         """The identity of this bundle's content: settings, variant, and every module's weight fingerprint."""
@@ -456,584 +481,41 @@ def changed_since_baseline(manifest: Manifest) -> set[str] | None:
     return {n for n, rec in manifest.modules.items() if n in base and base[n] != weight_key_json(rec)}
 
 
-def rescan_baseline(path: Path, old: Manifest) -> tuple[dict[str, list], list[str]]:
-    """What a rescan counts changes against, for a finished bundle ``old`` in ``path``: each module's weight key
-    from its part file's header (what the scan checks the weights against to keep a module), from its manifest
-    record where no part vouches for it; and the modules whose manifest record disagrees with their part header
-    (an edited manifest: the rescan rewrites it from the part files)."""
-    headers = finished_modules(path, old)
-    baseline, disagree = {}, []
-    for name, rec in old.modules.items():
-        header = headers.get(name)
-        if header is not None and weight_key(header) != weight_key(rec):
-            disagree.append(name)
-        baseline[name] = weight_key_json(header or rec)
-    return baseline, disagree
-
-
 def content_identity(settings: ScanSettings, variant: dict[str, Any] | None, records: Iterable[ModuleRecord]) -> str:
     """sha256 over the settings, the variant and (name, fingerprint, dtype, shape, layout) of every module."""
     modules = sorted([rec.name, *weight_key(rec)] for rec in records)
     return _digest({"settings": settings.canonical(), "variant": variant, "modules": modules})
 
 
-@dataclass
-class ModulePlate:
-    """B and Q of one module, ready for a trainer."""
-
-    record: ModuleRecord
-    b_idx: torch.Tensor  # int64 [r]
-    q: torch.Tensor  # [d_in, k]
-
-
-def read_problem(error: Exception, what: str) -> str:
-    """What reading ``what`` from a part file met: the file is missing, or safetensors could not read it."""
-    if isinstance(error, FileNotFoundError):
-        return "part file missing"
-    return f"cannot read '{what}' (the part file is damaged: {error})"
-
-
-def stored_b_problem(rec: ModuleRecord, b_idx: torch.Tensor) -> str:
-    """'' when stored B indices are what a scan writes (r of them, in [0, d_out), strictly ascending), else what is
-    wrong: a damaged part file, whose indices would otherwise be used (or crash an index)."""
-    if b_idx.ndim != 1 or b_idx.numel() != rec.r:
-        return f"B holds {b_idx.numel()} indices, the manifest says r={rec.r}"
-    if b_idx.numel() and (int(b_idx.min()) < 0 or int(b_idx.max()) >= rec.d_out):
-        return f"B indices out of range [0, {rec.d_out})"
-    if b_idx.numel() > 1 and not bool((b_idx[1:] > b_idx[:-1]).all()):
-        return "B indices not strictly ascending"
-    return ""
-
-
-def _modules_phrase(records: list[ModuleRecord], named: bool = True) -> str:
-    """ "layer 1's 7 modules (model.layers.1.mlp.down_proj, ...)": how many, of which layers, the first one named."""
-    layers = sorted({rec.layer for rec in records if rec.layer is not None})
-    of = f"layer {', '.join(map(str, layers))}'s " if layers else ""
-    first = f" ({records[0].name}{', ...' if len(records) > 1 else ''})" if named else ""
-    return f"{of}{counted(len(records), 'module')}{first}"
-
-
-class Bundle:
-    """A PLATE init bundle on disk: the manifest in memory, tensors read on demand."""
-
-    def __init__(self, path: Path, manifest: Manifest) -> None:
-        self.path = path
-        self.manifest = manifest
-        self._mixed_up: dict[str, str] = {}  # part file -> what it holds instead of its modules (read failures only)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, require_complete: bool = True) -> Bundle:
-        """Open the bundle in directory ``path``: its manifest is read and checked; tensors are read on demand.
-
-        Args:
-            path: a directory written by :func:`plate_inspect.scan`.
-            require_complete: refuse an unfinished scan's bundle (False: open it with the modules finished so far).
-
-        Raises a :class:`BundleError` saying what to do when ``path`` is no bundle, or an unfinished or damaged one.
-        """
-        path = path_argument(path, "path")
-        mpath = path / MANIFEST
-        if not mpath.exists():
-            raise BundleError(not_a_bundle(path))
-        try:
-            data = json.loads(mpath.read_text())
-        except PermissionError as e:  # not damaged: this user may not read it, and a rescan would not help
-            raise BundleError(os_error_text(e) or str(e)) from None
-        except (OSError, ValueError, RecursionError) as e:  # ValueError: invalid JSON or UTF-8
-            raise BundleError(f"{mpath}: unreadable manifest ({e}); {_MANIFEST_MEND}") from None
-        manifest = Manifest.from_json(data, mpath)
-        if not manifest.complete:  # the finished modules of an unfinished scan are recorded in the part headers
-            manifest.modules = finished_modules(path, manifest)
-        if require_complete and not manifest.complete:
-            raise BundleError(f"{path}: {unfinished_note(manifest)}")
-        return cls(path, manifest)
-
-    # ----------------------------------------------------------------- access
-    @property
-    def settings(self) -> ScanSettings:
-        """The settings the bundle was scanned with."""
-        return self.manifest.settings
-
-    @property
-    def modules(self) -> list[str]:
-        """The names of the modules the bundle holds geometry for, in scan order."""
-        return list(self.manifest.modules)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.manifest.modules
-
-    def __len__(self) -> int:
-        return len(self.manifest.modules)
-
-    def __iter__(self) -> Iterator[ModuleRecord]:
-        return iter(self.manifest.modules.values())
-
-    def __repr__(self) -> str:
-        m, s = self.manifest, self.manifest.settings
-        state = "complete" if m.complete else f"unfinished, {len(m.modules)} of {len(m.planned)} modules"
-        return (
-            f"Bundle({str(self.path)!r}, model={m.source.get('id')!r}, modules={len(m.modules)}, r={s.r}, "
-            f"tau={s.tau}, max_rank={s.max_rank}, {state})"
-        )
-
-    def record(self, name: str) -> ModuleRecord:
-        """The manifest record of module ``name`` (shape, r, k, fingerprint, ...); BundleError if there is none."""
-        if not isinstance(name, str):
-            raise ConfigError(f"name must be a module name (str), got {name!r:.80}")
-        try:
-            return self.manifest.modules[name]
-        except KeyError:
-            raise BundleError(f"{self.path}: no module '{name}' in this bundle{self._closest(name)}") from None
-
-    def _closest(self, name: str) -> str:
-        """'; did you mean ...' for a weight name (``.weight``) or a near miss of a module name, else ''."""
-        stem = name.removesuffix(".weight")
-        if stem != name and stem in self.manifest.modules:
-            return f" (module names have no '.weight'); did you mean '{stem}'?"
-        # a near miss in spelling at the same layer/expert numbers, never another layer's module
-        numbers = re.findall(r"\d+", name)
-        close = [
-            c
-            for c in difflib.get_close_matches(name, self.manifest.modules, n=5, cutoff=0.8)
-            if re.findall(r"\d+", c) == numbers
-        ]
-        return f"; did you mean '{close[0]}'?" if close else f" (it has {len(self.manifest.modules)}: see .modules)"
-
-    def tensor(self, name: str, kind: str) -> torch.Tensor:
-        """One stored tensor of module ``name``: ``kind`` is one of :data:`TENSOR_KINDS`."""
-        if kind not in TENSOR_KINDS:
-            raise ConfigError(f"kind must be one of {', '.join(TENSOR_KINDS)}, got {kind!r:.80}")
-        rec = self.record(name)
-        part = self.path / rec.file
-        key = f"{name}.{kind}"
-        try:
-            with safe_open(str(part), framework="pt") as f:
-                return f.get_tensor(key)
-        except Exception as e:  # safetensors raises its own error types for corrupt files / missing keys
-            mixed = "" if isinstance(e, FileNotFoundError) else self._part_mixed_up(rec.file)
-            raise self.damaged(name, f"the part file {mixed}" if mixed else read_problem(e, key)) from None
-
-    def _part_mixed_up(self, file: str) -> str:
-        """:meth:`mixed_up` of a part file whose tensor could not be read ('' if its header cannot be read either);
-        once per file (verify reads every module of a swapped part)."""
-        from plate_inspect.checkpoint import parse_safetensors_header
-
-        if file not in self._mixed_up:
-            try:
-                entries, _ = parse_safetensors_header(self.path / file)
-                self._mixed_up[file] = self.mixed_up(file, entries)
-            except PlateInspectError:
-                self._mixed_up[file] = ""
-        return self._mixed_up[file]
-
-    def mixed_up(self, file: str, keys: Iterable[str]) -> str:
-        """'' when part file ``file`` (tensor names ``keys``) holds every tensor of the modules the manifest puts in
-        it; else what it holds instead: another part's modules (part files renamed or swapped by hand), or too few.
-
-        Said once with the modules named, where a read would say only that one tensor is not in the file."""
-        keys = set(keys)
-        mine = [rec for rec in self if rec.file == file]
-        lacking = [rec for rec in mine if any(f"{rec.name}.{kind}" not in keys for kind in TENSOR_KINDS)]
-        if not lacking:
-            return ""
-        held = {key.rsplit(".", 1)[0] for key in keys}
-        others = [rec for rec in self if rec.name in held and rec.file != file]
-        if not others:
-            return f"lacks the tensors of {_modules_phrase(lacking)} that the manifest puts in it"
-        own = _modules_phrase(mine, named=False)
-        own = own if own.startswith("layer") else f"the {own}"
-        return (
-            f"holds {_modules_phrase(others)}, not {own} the manifest puts in it "
-            f"(part files renamed or swapped by hand; the manifest puts those in {others[0].file})"
-        )
-
-    def damaged(self, name: str, problem: str) -> BundleError:
-        """The one-line error for a module whose part file is missing, unreadable or holds damaged tensors: the file,
-        the module, what is wrong, and the mend (the scan that made the bundle, rerun into it, recomputes it)."""
-        return BundleError(
-            f"{self.path / self.record(name).file}: module '{name}': {problem}; rerun the scan that made this bundle "
-            f"(same model and settings) into {self.path}: missing or damaged part files are recomputed, the others "
-            f"kept (plate-inspect verify {shlex.quote(str(self.path))} lists the damage)"
-        )
-
-    def damaged_parts(self) -> dict[str, str]:
-        """{part file: what is wrong} for the part files the manifest names that are missing, unreadable or truncated.
-
-        Reads each file's header only (its size checked against the tensors it describes), not the tensors: a cheap
-        check for commands that show the manifest alone (info, health); ``verify`` checks every tensor.
-        """
-        from plate_inspect.checkpoint import parse_safetensors_header
-
-        problems = {}
-        for file in sorted({rec.file for rec in self.manifest.modules.values()}):
-            path = self.path / file
-            if not path.is_file():
-                problems[file] = "missing"
-                continue
-            try:
-                entries, _ = parse_safetensors_header(path)
-            except PlateInspectError as e:
-                problems[file] = str(e).removeprefix(f"{path}: ").split("; ")[0]  # the reader's mend is for models
-                continue
-            mixed = self.mixed_up(file, entries)
-            if mixed:
-                problems[file] = mixed
-        return problems
-
-    def check_parts(self) -> None:
-        """BundleError naming the missing or damaged part files (:meth:`damaged_parts`) and the mend; else nothing."""
-        problems = self.damaged_parts()
-        if not problems:
-            return
-        named = ", ".join(f"{file} ({problem})" for file, problem in list(problems.items())[:3])
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        n_parts = len({rec.file for rec in self.manifest.modules.values()})
-        raise BundleError(
-            f"{self.path}: {len(problems)} of {n_parts} part files missing or damaged: {named}{more}; rerun the scan "
-            f"that made this bundle (same model and settings) into {self.path}: missing or damaged part files are "
-            f"recomputed, the others kept (plate-inspect verify {shlex.quote(str(self.path))} lists the modules)"
-        )
-
-    def checked_b_idx(self, name: str, with_digest: bool = False) -> torch.Tensor:
-        """A module's stored B indices, refused (``damaged``) when they are not what a scan writes, or (``with_digest``:
-        Q is read too) not the B and Q the scan recorded."""
-        rec = self.record(name)
-        b_idx = self.b_idx(name)
-        problem = stored_b_problem(rec, b_idx)
-        recorded = with_digest and not problem and rec.geometry_digest
-        if recorded and geometry_digest(b_idx, self.q(name, dtype=None)) != rec.geometry_digest:
-            problem = "its B or Q do not match the digest the scan recorded"
-        if problem:
-            raise self.damaged(name, problem)
-        return b_idx
-
-    def b_idx(self, name: str) -> torch.Tensor:
-        """B: the output rows [r] of module ``name`` that PLATE updates (int64, ascending; the r most redundant)."""
-        return self.tensor(name, "plate_B_idx")
-
-    def q(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """Q: module ``name``'s orthonormal low-energy input basis [d_in, k] (the bottom-k eigenvectors of W_f^T W_f,
-        ascending energy), in ``dtype`` (None: as stored, ``settings.q_dtype``)."""
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ConfigError(f"dtype must be a torch floating dtype (e.g. torch.float32) or None, got {dtype!r:.80}")
-        q = self.tensor(name, "plate_Q")
-        return q.to(dtype) if dtype is not None else q
-
-    def redundancy(self, name: str) -> torch.Tensor:
-        """The redundancy score of each of module ``name``'s d_out rows (B holds the r highest)."""
-        return self.tensor(name, "redundancy")
-
-    def spectrum(self, name: str) -> torch.Tensor:
-        """The eigenvalues of W_f^T W_f of module ``name`` (W without B's rows), descending: [min(d_out - r, d_in)]."""
-        return self.tensor(name, "spectrum")
-
-    def plate(self, name: str, dtype: torch.dtype | None = torch.float32) -> ModulePlate:
-        """Module ``name``'s record, B and Q (in ``dtype``, as :meth:`q`) together, as a trainer takes them."""
-        return ModulePlate(self.record(name), self.b_idx(name), self.q(name, dtype))
-
-    def stats(self) -> dict[str, Any]:
-        """Run statistics of the scan that produced the bundle (wall time, bytes read, peak RSS), if recorded."""
-        p = self.path / STATS
-        try:
-            return json.loads(p.read_text()) if p.exists() else {}
-        except (OSError, json.JSONDecodeError):
-            return {}
-
-
-# --------------------------------------------------------------------------- part files
-def encode_part(
-    records: list[ModuleRecord],
-    tensors: dict[str, torch.Tensor],
-    settings: ScanSettings,
-    variant: dict[str, Any] | None,
-) -> bytes:
-    """A part file's bytes: the tensors, and in the header the records and the settings/variant that made them."""
-    meta = {
-        "format": FORMAT_NAME,
-        "settings": settings.digest(),
-        "variant": variant,
-        "records": [asdict(rec) for rec in records],
-    }
-    header = {PART_METADATA_KEY: json.dumps(meta, sort_keys=True)}
-    return safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata=header)
-
-
-def part_records(path: Path, settings: ScanSettings, variant: dict[str, Any] | None) -> dict[str, ModuleRecord]:
-    """The records a part file's header vouches for, if it was made with these settings and variant (else none).
-
-    Reads the header only. A missing, foreign, corrupt or older-format part vouches for nothing.
-    """
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get(PART_METADATA_KEY)
-            keys = set(f.keys())
-        meta = json.loads(raw) if raw else None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-            return {}
-        if meta.get("settings") != settings.digest() or meta.get("variant") != variant:
-            return {}
-        records = [ModuleRecord(**r) for r in meta["records"]]
-    except Exception:  # a part that cannot be read is a part to rewrite, never an error
-        return {}
-    kinds = ("plate_B_idx", "plate_Q", "redundancy", "spectrum")
-    return {r.name: r for r in records if r.file == path.name and all(f"{r.name}.{kind}" in keys for kind in kinds)}
-
-
-def intact_records(path: Path, records: dict[str, ModuleRecord]) -> dict[str, ModuleRecord]:
-    """The records whose tensors in part file ``path`` match their digests (a part that cannot be read: none)."""
-    kinds = ("plate_B_idx", "plate_Q", "redundancy", "spectrum")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {
-                name: rec
-                for name, rec in records.items()
-                if not damaged(rec, {kind: f.get_tensor(f"{name}.{kind}") for kind in kinds})
-            }
-    except Exception:  # safetensors' own error types: an unreadable part vouches for nothing
-        return {}
-
-
-def foreign_safetensors(path: Path) -> list[Path]:
-    """Safetensors files in ``path`` that are not bundle part files by name (e.g. a model's weights)."""
-    return [f for f in sorted(path.glob("*.safetensors")) if not PART_FILE_NAME.fullmatch(f.name)]
-
-
-def refuse_foreign_safetensors(path: Path, even: str = "", elsewhere: str = "choose another --out") -> None:
-    """BundleError for a directory holding a model's safetensors files (``--out`` given as the checkpoint's own
-    directory): a bundle needs a directory of its own, and nothing of a model's is ever deleted."""
-    foreign = foreign_safetensors(path)
-    if foreign:
-        names = ", ".join(f.name for f in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise BundleError(
-            f"{path}: holds safetensors files that are not parts of a PLATE bundle ({names}): a model checkpoint? A "
-            f"bundle needs a directory of its own, and nothing here is deleted{even}; {elsewhere}"
-        )
-
-
-def finished_modules(path: Path, manifest: Manifest) -> dict[str, ModuleRecord]:
-    """Planned modules whose part files (made with the manifest's settings and variant) are already written."""
-    found: dict[str, ModuleRecord] = {}
-    for part in sorted(path.glob("*.safetensors")):
-        found.update(part_records(part, manifest.settings, manifest.variant))
-    return {n: found[n] for n in manifest.planned if n in found}
-
-
-def read_part_tensors(path: Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Every stored tensor of the given modules from one part file (to carry them into a rewritten part)."""
-    wanted = tuple(f"{n}." for n in names)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys() if k.startswith(wanted)}  # noqa: SIM118
-    except Exception as e:  # safetensors raises its own error types
-        raise BundleError(f"{path}: cannot read part file ({e}); rerun with --overwrite") from None
-
-
-# --------------------------------------------------------------------------- writing
-def describe_variant(variant: dict[str, Any] | None) -> str:
-    """'a scanned bundle' or 'the random_q ablation (seed 1) of bundle sha256:0123abcd...'."""
-    if not variant:
-        return "a scanned bundle"
-    base = str(variant.get("base_identity", ""))
-    return f"the {variant.get('kind')} ablation (seed {variant.get('seed')}) of bundle {base[:15]}..."
-
-
-def _io_error(path: Path, e: OSError) -> PlateInspectError:
-    if e.errno == errno.ENOSPC:
-        return BundleError(f"{path}: disk full while writing the bundle; free space and rerun to resume")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return BundleError(f"{path}: output directory is not writable ({e.strerror}); choose another --out")
-    return BundleError(f"{path}: cannot write ({e.strerror or e})")
-
-
-def write_file(path: Path, data: bytes | str) -> None:
-    """Atomic write of one bundle file, with the bundle's wording for I/O errors."""
-    try:
-        atomic_write(path, data)
-    except OSError as e:
-        raise _io_error(path, e) from None
-
-
-class BundleWriter:
-    """Writes a bundle part by part into a directory that is new, resumable, or replaced with ``overwrite``.
-
-    :meth:`open` refuses a directory holding a bundle of other settings, other modules or another variant; it
-    marks the manifest incomplete until :meth:`finalize`. Part files are written atomically and carry their own
-    records, so whether an existing part can be kept is decided per module by :meth:`reusable`.
-    """
-
-    def __init__(
-        self, path: str | os.PathLike, manifest: Manifest, overwrite: bool = False, cli_hints: bool = True
-    ) -> None:
-        self.path = Path(path)
-        self.manifest = manifest
-        self.overwrite = overwrite
-        # refusals' hints name the keywords and, for writers the CLI runs (scan, merge --rescan), the flags too
-        self._replace_hint = REPLACE_HINT if cli_hints else API_REPLACE_HINT
-        self._overwrite_hint = "overwrite=True (CLI: --overwrite)" if cli_hints else "overwrite=True"
-        self._elsewhere_hint = "write elsewhere (CLI: --out)" if cli_hints else "write elsewhere (another out)"
-        self.damaged: list[str] = []  # modules whose stored tensors no longer matched their digests (recomputed)
-        self.resumed = False  # the directory held an unfinished bundle of the same settings: this run finishes it
-        self.manifest_disagrees: list[str] = []  # modules whose old manifest record disagreed with their part header
-        self._lock: int | None = None
-
-    def open(self) -> Manifest:
-        """Check and prepare the directory (locked against a second writer until :meth:`close` or :meth:`finalize`);
-        returns the (incomplete) manifest the scan fills in."""
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-probe-"):
-                pass
-        except OSError as e:
-            raise _io_error(self.path, e) from None
-        self._acquire_lock()
-        try:
-            return self._prepare()
-        except BaseException:
-            self.close()
-            raise
-
-    def _acquire_lock(self) -> None:
-        """An exclusive advisory lock on the directory itself (flock: no lock file to go stale, released by the
-        kernel when the process dies, even by SIGKILL). Two scans into one --out would mix their part files."""
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX: no locking
-            return
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise BundleError(
-                f"{self.path}: another scan is writing this bundle right now (the directory is locked); wait for it "
-                f"to finish, or {self._elsewhere_hint}"
-            ) from None
-        except OSError:  # a filesystem without flock on directories (some network mounts): go on unlocked
-            os.close(fd)
-            return
-        self._lock = fd
-
-    def close(self) -> None:
-        """Release the directory lock (also done by :meth:`finalize`, and by the kernel at process exit)."""
-        if self._lock is not None:
-            os.close(self._lock)  # closing the descriptor drops its flock
-            self._lock = None
-
-    def _prepare(self) -> Manifest:
-        """Refuse another bundle (or clear it with ``overwrite``), then write this scan's incomplete manifest.
-
-        A directory holding safetensors files that are not bundle parts (a model's weights: --out given as the
-        checkpoint's own directory) is refused, with or without ``overwrite``: nothing of it is deleted.
-        """
-        existing = self.path / MANIFEST
-        refuse_foreign_safetensors(self.path, f", even with {self._overwrite_hint}", self._elsewhere_hint)
-        if existing.exists() and not self.overwrite:
-            try:
-                old = Manifest.from_json(json.loads(existing.read_text()), existing)
-            except (ValueError, RecursionError, OSError, BundleError):  # ValueError: invalid JSON or UTF-8
-                raise BundleError(
-                    f"{self.path}: holds something that is not a matching bundle; {self._replace_hint}"
-                ) from None
-            self._refuse_other(old)
-            self.resumed = not old.complete
-            # a rescan remembers the finished bundle it updates, through any number of interruptions
-            if old.complete:
-                self.manifest.baseline, self.manifest_disagrees = rescan_baseline(self.path, old)
-            else:
-                self.manifest.baseline = old.baseline
-        elif self.overwrite:  # only the bundle's own files (foreign ones were refused above)
-            for p in list(self.path.glob("*.safetensors")) + [existing, self.path / STATS]:
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-        # a writer killed mid-write (SIGKILL) left its temp file; this one holds the directory's lock, so no other
-        # writer of these names is running (a report written into the directory keeps its own temp file)
-        for name_glob in ("*.safetensors", MANIFEST, STATS):
-            for temp in stale_temps(self.path, name_glob):
-                with contextlib.suppress(FileNotFoundError):
-                    temp.unlink()
-        self.manifest.modules, self.manifest.complete, self.manifest.identity = {}, False, ""
-        self._write_manifest()
-        return self.manifest
-
-    def _refuse_other(self, old: Manifest) -> None:
-        """Refuse a directory whose bundle differs in anything but weights (weights changes are rescanned).
-
-        Settings are compared as resolved: the selection settings (:data:`SELECTION_SETTINGS`) by the modules they
-        plan, so an equivalent spelling is accepted; the scan then goes on with the bundle's own spelling of them
-        (its part files, settings digest and identity stay valid: nothing is recomputed for the spelling).
-        """
-
-        def state() -> str:  # for a refusal only: an unfinished manifest records no modules, its part files do
-            if old.complete:
-                return "a finished"
-            old.modules = finished_modules(self.path, old)
-            return f"an unfinished ({unfinished_state(old)})"
-
-        if old.variant != self.manifest.variant:
-            raise BundleError(
-                f"{self.path}: holds {state()} bundle that is {describe_variant(old.variant)}, not "
-                f"{describe_variant(self.manifest.variant)}; {self._replace_hint}"
-            )
-        same_plan = old.planned == self.manifest.planned
-        differ = [
-            f.name
-            for f in fields(ScanSettings)
-            if getattr(old.settings, f.name) != getattr(self.manifest.settings, f.name)
-            and (f.name not in SELECTION_SETTINGS or not same_plan)
-        ]
-        if differ:
-            changed = [
-                f"{n} {getattr(old.settings, n)!r} there, {getattr(self.manifest.settings, n)!r} here" for n in differ
-            ]
-            if not same_plan:
-                changed.append(f"{len(old.planned)} modules there, {len(self.manifest.planned)} here")
-            raise BundleError(
-                f"{self.path}: holds {state()} bundle made with other settings ({'; '.join(changed)}); "
-                f"{self._replace_hint}"
-            )
-        if not same_plan:
-            raise BundleError(
-                f"{self.path}: holds {state()} bundle of other target modules ({len(old.planned)} there, "
-                f"{len(self.manifest.planned)} here); {self._replace_hint}"
-            )
-        if old.settings != self.manifest.settings:  # an equivalent spelling of the selection: keep the bundle's
-            self.manifest.settings = old.settings
-            self.manifest.selection_note = old.selection_note
-
-    def reusable(self, part: str) -> dict[str, ModuleRecord]:
-        """Records of an existing part file that were made with this bundle's settings and variant, and whose
-        stored tensors still match their digests (a damaged module is recomputed, not kept)."""
-        records = part_records(self.path / part, self.manifest.settings, self.manifest.variant)
-        intact = intact_records(self.path / part, records) if records else records
-        self.damaged.extend(name for name in records if name not in intact)
-        return intact
-
-    def write_part(self, part: str, records: list[ModuleRecord], tensors: dict[str, torch.Tensor]) -> None:
-        """Atomically write one part file (tensors + its records in the header) and keep its records."""
-        data = encode_part(records, tensors, self.manifest.settings, self.manifest.variant)
-        write_file(self.path / part, data)
-        self.add_records(records)
-
-    def add_records(self, records: Iterable[ModuleRecord]) -> None:
-        """Records of modules whose part is written (by this process or, in a distributed scan, by another rank)."""
-        for rec in records:
-            self.manifest.modules[rec.name] = rec
-
-    def finalize(self, stats: dict[str, Any] | None = None) -> None:
-        """Mark the bundle complete once every planned module has a record; write the run statistics."""
-        missing = [n for n in self.manifest.planned if n not in self.manifest.modules]
-        if missing:
-            raise BundleError(f"{self.path}: {len(missing)} planned modules were not written (first: {missing[0]})")
-        self.manifest.modules = {n: self.manifest.modules[n] for n in self.manifest.planned}
-        self.manifest.identity = self.manifest.content_identity()
-        self.manifest.complete = True
-        self.manifest.baseline = None  # a finished bundle is its own baseline
-        try:
-            self._write_manifest()
-            if stats is not None:
-                write_file(self.path / STATS, json.dumps(stats, indent=2) + "\n")
-        finally:
-            self.close()
-
-    def _write_manifest(self) -> None:
-        write_file(self.path / MANIFEST, json.dumps(self.manifest.to_json(), indent=2) + "\n")
+#: The public names of the modules built on this one, by name: importable from here, looked up on first use.
+_MOVED = {
+    "encode_part": "plate_inspect.bundle_parts",
+    "finished_modules": "plate_inspect.bundle_parts",
+    "foreign_safetensors": "plate_inspect.bundle_parts",
+    "intact_records": "plate_inspect.bundle_parts",
+    "part_records": "plate_inspect.bundle_parts",
+    "read_part_tensors": "plate_inspect.bundle_parts",
+    "refuse_foreign_safetensors": "plate_inspect.bundle_parts",
+    "Bundle": "plate_inspect.bundle_reader",
+    "ModulePlate": "plate_inspect.bundle_reader",
+    "not_a_bundle": "plate_inspect.bundle_reader",
+    "read_problem": "plate_inspect.bundle_reader",
+    "stored_b_problem": "plate_inspect.bundle_reader",
+    "API_REPLACE_HINT": "plate_inspect.bundle_writer",
+    "REPLACE_HINT": "plate_inspect.bundle_writer",
+    "BundleWriter": "plate_inspect.bundle_writer",
+    "describe_variant": "plate_inspect.bundle_writer",
+    "rescan_baseline": "plate_inspect.bundle_writer",
+    "write_file": "plate_inspect.bundle_writer",
+}
+
+
+def __getattr__(name: str) -> object:
+    """A name of bundle_parts, bundle_reader or bundle_writer at its public place (``plate_inspect.bundle.Bundle``):
+    imported on first use, as those modules import this one."""
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # found directly from now on
+    return value

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from plate_inspect.atomic import path_argument
-from plate_inspect.bundle import Bundle, ModuleRecord, damaged, part_records
-from plate_inspect.checkpoint import Checkpoint, refuse_adapter
+from plate_inspect.bundle import Bundle, ModuleRecord, damaged, part_records, stored_b_problem
+from plate_inspect.checkpoint import INDEX_FILE, Checkpoint, refuse_adapter
 from plate_inspect.errors import BundleError, ConfigError
 from plate_inspect.geometry import exactness_allowance
 from plate_inspect.progress import ProgressCallback, ProgressCounter, as_callback
@@ -161,7 +161,7 @@ def verify(
 def _diagnosis(report: VerifyReport, source: str) -> list[str]:
     """One line on what the weight problems mean together: another model, or changed weights of this one."""
     n = report.modules_checked
-    shard = Path(source).is_file() and (Path(source).parent / "model.safetensors.index.json").is_file()
+    shard = Path(source).is_file() and (Path(source).parent / INDEX_FILE).is_file()
     if report.absent and shard:
         return [
             f"{source} is one shard of a sharded model ({len(report.absent)} of the bundle's {n} modules have no "
@@ -212,11 +212,9 @@ def _check_module(
     b_idx, stored_q, spectrum = b.b_idx(rec.name), b.q(rec.name, dtype=None), b.spectrum(rec.name)
     q = stored_q.to(torch.float64)
     tol = orthonormality_tolerance(stored_q.dtype) if orthonormality_tol is None else orthonormality_tol
-    b_in_range = b_idx.numel() == rec.r and not (b_idx.numel() and (b_idx.min() < 0 or b_idx.max() >= rec.d_out))
-    if not b_in_range:
-        report.problems.append(f"{where}: B indices out of range or not r={rec.r} of them")
-    elif b_idx.numel() > 1 and not bool((b_idx[1:] > b_idx[:-1]).all()):
-        report.problems.append(f"{where}: B indices not strictly ascending")
+    b_problem = stored_b_problem(rec, b_idx)  # the reader's check of stored B: count, range, order
+    if b_problem:
+        report.problems.append(f"{where}: {b_problem}")
     if tuple(q.shape) != (rec.d_in, rec.k):
         report.problems.append(f"{where}: Q has shape {list(q.shape)}, manifest says [{rec.d_in}, {rec.k}]")
     else:
@@ -247,7 +245,7 @@ def _check_module(
                 "without its model_type) or from another model; rescan"
             )
             return
-        check_q = exact and rec.variant is None and b_in_range and rec.k > 0 and tuple(q.shape) == (rec.d_in, rec.k)
+        check_q = exact and rec.variant is None and not b_problem and rec.k > 0 and tuple(q.shape) == (rec.d_in, rec.k)
         if check_q:
             weight, fingerprint = load_target(ckpt, target)
         else:
