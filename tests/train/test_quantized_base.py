@@ -4,8 +4,8 @@ Such a layer holds quantized codes (4-bit: uint8, packed to another shape; 8-bit
 full-precision weight against the bundle and merges into it. Before, the 4-bit layer was refused as "another model"
 (its packed shape), the 8-bit one as "other weights: rescan", and with ``check_fingerprints=False`` an 8-bit model
 took merges into its int8 codes: a wrong merged model, silently (0.2 off in the logits). Now both routes refuse in
-one line naming the module, the layer class and the dtype. The bitsandbytes tests use the real layers (bitsandbytes is in
-the dev extra; its wheel runs on CPU); the stand-in test checks the same rule (a weight of integer codes) without it.
+one line naming the module, the layer class and the dtype. The bitsandbytes tests use the real layers (bitsandbytes
+is in the dev extra; its wheel runs on CPU); the stand-in test checks the same rule (a weight of integer codes).
 """
 
 from __future__ import annotations
