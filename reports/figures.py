@@ -35,6 +35,13 @@ def color(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
+def plot_text(text: str) -> str:
+    """``text`` (a bundle label, a module name) as plotly shows it: plotly reads titles, legend names, annotations
+    and hover text as pseudo-HTML, so a label such as ``<base>`` vanished as an unknown tag and ``a<b`` cut the rest
+    off; its entities ``&lt;`` ``&gt;`` ``&amp;`` show the characters."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _base_layout(title: str, height: int = 380) -> dict[str, Any]:
     return {
         # the title hangs from the top of the figure, below plotly's mode bar; its lines flow downwards
@@ -411,7 +418,7 @@ def spectrum_figure(views: list[SpectrumView], labels: list[str]) -> Figure:
         if note:
             notes.append((f"{label}: " if multi else "") + note)
     sub = "<br>".join(notes)
-    title = f"Energy spectrum: {views[0].name}"
+    title = f"Energy spectrum: {plot_text(views[0].name)}"
     if sub:
         title += f"<br><span style='font-size:11px;color:#666'>{sub}</span>"
     layout = {
@@ -468,7 +475,7 @@ def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
         text += f" ({label})" if multi else ""
         annotations.append(_line_label(h.cutoff, 1.0 - 0.08 * b, text, {"size": 10, "color": col}))
     layout = {
-        "title": {"text": f"Redundancy scores: {hists[0].name}"},
+        "title": {"text": f"Redundancy scores: {plot_text(hists[0].name)}"},
         "shapes": shapes,
         "annotations": annotations,
     }
