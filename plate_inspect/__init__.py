@@ -106,8 +106,8 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    """The public API: what tab completion and ``dir(plate_inspect)`` show."""
-    return __all__
+    """The public API and the submodules: what tab completion and ``dir(plate_inspect)`` show (``pi.emb<Tab>``)."""
+    return [*__all__, *sorted(_SUBMODULES)]
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects

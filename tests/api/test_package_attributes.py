@@ -44,3 +44,12 @@ def test_unknown_attribute_is_still_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'embeded'"):
         plate_inspect.embeded  # noqa: B018
     assert not hasattr(plate_inspect, "__wrapped__")
+
+
+def test_dir_lists_the_api_and_the_submodules_tab_completion_offers():
+    import plate_inspect
+
+    shown = dir(plate_inspect)
+    assert set(plate_inspect.__all__) <= set(shown) and {"embedded", "geometry", "reports", "checkpoint"} <= set(shown)
+    for name in shown:  # every name offered resolves
+        assert getattr(plate_inspect, name) is not None, name
