@@ -79,7 +79,6 @@ _SUBMODULES = frozenset(
         "experiments",
         "geometry",
         "health",
-        "peft",
         "plan",
         "progress",
         "reports",
