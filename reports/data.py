@@ -789,7 +789,7 @@ class ReportData:
         groups = f", expert_groups={len(self.expert_groups)} ({experts:,} experts)" if self.expert_groups else ""
         return (
             f"ReportData(labels={self.labels!r:.200}, modules={len(self.modules):,}, "
-            f"spectra={len(self.spectra):,}{groups}, taus={len(self.taus)})"
+            f"spectra={len(self.spectra):,}{groups})"
         )
 
 

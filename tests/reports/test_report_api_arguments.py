@@ -38,10 +38,10 @@ def test_report_data_repr_is_one_line(bundle, tmp_path):
     rd = report_data([bundle, bundle], labels=["a", "b"])
     text = repr(rd)
     assert "\n" not in text and len(text) < 300, len(text)  # the dataclass repr held every plot's data
-    assert text == f"ReportData(labels=['a', 'b'], modules={len(bundle)}, spectra={len(bundle)}, taus={len(rd.taus)})"
+    assert text == f"ReportData(labels=['a', 'b'], modules={len(bundle)}, spectra={len(bundle)})"
     moe = Bundle.load(write_fake_bundle(tmp_path / "moe", 2, MOE_DENSE, experts=MOE_EXPERTS, n_experts=4, max_rank=16))
     experts = sum(1 for rec in moe if ".experts." in rec.name)
     rd = report_data([moe])
     groups = 2 * len(MOE_EXPERTS)  # one per (layer, expert type)
-    tail = f"spectra={len(moe) - experts}, expert_groups={groups} ({experts} experts), taus={len(rd.taus)})"
+    tail = f"spectra={len(moe) - experts}, expert_groups={groups} ({experts} experts))"
     assert repr(rd).endswith(tail)
