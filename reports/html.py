@@ -51,7 +51,7 @@ def pack_logs(values: list[float | None]) -> str:
 def page_model(rd: ReportData) -> dict[str, Any]:
     """The JSON the page script draws: figure specs per plot div, module list, table."""
     multi = len(rd.labels) > 1
-    labels = [F.plot_text(label) for label in rd.labels]  # every plotly string names bundles by these
+    labels = F.plot_labels(rd.labels)  # every plotly string names bundles by these: escaped, long ones cut
     ref = labels[0]
     heatmaps = []
     for metric in HEATMAP_METRICS:
@@ -76,9 +76,9 @@ def page_model(rd: ReportData) -> dict[str, Any]:
         for b in range(1, len(rd.labels)):
             overlaps = {row["name"]: row["per_bundle"][b]["b_overlap"] for row in rd.table}
             base = rd.heatmaps[0]["k"]
-            hm = overlap_heatmap(base, overlaps, f"B overlap |B ∩ B'| / max(r, r'): {labels[b]} vs {ref}")
+            hm = overlap_heatmap(base, overlaps, f"B overlap: {labels[b]} vs {ref}")
             r0, rb = rd.summaries[0].config.get("r"), rd.summaries[b].config.get("r")
-            note = "1 = the same redundant rows chosen"
+            note = "|B ∩ B'| / max(r, r'); 1 = the same rows chosen"
             if r0 != rb and r0 and rb:  # nested choices then show min/max, not 1
                 note += f"; r differs ({rb} vs {r0}): B nested in B' shows {min(r0, rb) / max(r0, rb):.2g}"
             fig = F.heatmap_figure(hm, subtitle=note)  # coloured on [0, 1], the overlap's scale
