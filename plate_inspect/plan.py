@@ -625,10 +625,10 @@ class Plan:
         """One line, whatever the module count (the dataclass repr printed every module's dict: megabytes for a
         15k-module bundle in a notebook cell); the modules are in ``modules``, the whole plan in ``to_json()``."""
         method = (self.optimality or {}).get("method", "unknown")
+        energy = f"max_captured_energy={self.max_captured_energy:.3e}, " if self.modules else ""  # max() of nothing
         return (
             f"Plan({self.bundle_path!r}, objective={self.objective!r}, budget={self.budget.spec!r} "
-            f"({self.budget.params:,} parameters), spent={self.spent:,}, modules={len(self.modules)}, "
-            f"max_captured_energy={self.max_captured_energy:.3e}, {method})"
+            f"({self.budget.params:,} parameters), spent={self.spent:,}, modules={len(self.modules)}, {energy}{method})"
         )
 
     @property

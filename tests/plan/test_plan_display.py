@@ -33,3 +33,11 @@ def test_a_whole_float_budget_still_counts_parameters(three_r_bundle):
 def test_bundle_that_is_no_path_is_refused_by_its_name():
     with pytest.raises(ConfigError, match=r"^bundle must be a path \(str or os.PathLike\), got None"):
         plan_budget(None, "1%")  # type: ignore[arg-type]
+
+
+def test_plan_of_no_modules_still_prints():
+    """A repr must not raise: max() over no modules did."""
+    from plate_inspect.plan import Budget, Plan
+
+    plan = Plan("id", "/b", "minimax", Budget("10", "absolute", 10.0, 10), {}, {"method": "exact"})
+    assert repr(plan) == "Plan('/b', objective='minimax', budget='10' (10 parameters), spent=0, modules=0, exact)"
