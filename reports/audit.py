@@ -172,8 +172,8 @@ def audit_section(records: list[AuditRecord], title: str = "Audit", layers: Iter
     # the plots' promises are kept for the page's readiness signal (render_audit_page), which reports.browser waits on
     script = (
         f"<script>(function(){{const figs={data};"
-        "window.__auditPlots = (window.__auditPlots || []).concat(Object.entries(figs).map(([k, f]) => "
-        "Plotly.newPlot('audit-' + k, f.data, f.layout, {responsive: true, displaylogo: false})));})();</script>"
+        "for (const [k, f] of Object.entries(figs)) {window.__auditPlots = (window.__auditPlots || []).concat("
+        "[Plotly.newPlot('audit-' + k, f.data, f.layout, {responsive: true, displaylogo: false})]);}})();</script>"
     )
     model = (
         f"Energy-weighted protected input share <b>{s.protected_input_share:.4f}</b>, frozen-row share "
