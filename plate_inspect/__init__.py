@@ -21,7 +21,8 @@ The public API (``__all__``), by job:
 
 Each name is imported on first use, so ``import plate_inspect`` does not load torch. The building blocks live in
 the modules: ``checkpoint`` (lazy safetensors reading), ``geometry`` (the math, pure functions), ``scanner``,
-``bundle``, ``targets``, ``auditing``, ``verification``, ``health``, ``train``, ``analysis``.
+``bundle``, ``targets``, ``auditing``, ``verification``, ``health``, ``train``, ``analysis``, ``embedded`` (the
+bundled all-MiniLM-L6-v2), ``reports``; each is an attribute too, imported on first use (``pi.geometry``).
 """
 
 __version__ = "0.1.0"
@@ -64,20 +65,48 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """A public name, imported from its module on first use (PEP 562)."""
-    if name in _LAZY:
-        import importlib
+# Subpackages and modules a user reaches as attributes (``plate_inspect.embedded.default_model_path()``,
+# ``pi.geometry.plate_geometry``), imported on first use too: without an import of their own they were an
+# AttributeError after ``import plate_inspect``.
+_SUBMODULES = frozenset(
+    {
+        "analysis",
+        "auditing",
+        "bundle",
+        "checkpoint",
+        "embedded",
+        "errors",
+        "experiments",
+        "geometry",
+        "health",
+        "plan",
+        "progress",
+        "reports",
+        "scanner",
+        "targets",
+        "testing",
+        "train",
+        "verification",
+    }
+)
 
+
+def __getattr__(name: str) -> object:
+    """A public name, imported from its module on first use (PEP 562); a submodule, imported on first use."""
+    import importlib
+
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"plate_inspect.{name}")  # the import sets it as an attribute too
     raise AttributeError(f"module 'plate_inspect' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    """The public API: what tab completion and ``dir(plate_inspect)`` show."""
-    return __all__
+    """The public API and the submodules: what tab completion and ``dir(plate_inspect)`` show (``pi.emb<Tab>``)."""
+    return [*__all__, *sorted(_SUBMODULES)]
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects

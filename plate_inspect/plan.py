@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import numbers
 import os
 import re
 import sys
@@ -620,6 +621,16 @@ class Plan:
     modules: dict[str, dict[str, Any]]
     optimality: dict[str, Any] | None = None  # Allocation.to_json(): exact, or greedy with its bound
 
+    def __repr__(self) -> str:
+        """One line, whatever the module count (the dataclass repr printed every module's dict: megabytes for a
+        15k-module bundle in a notebook cell); the modules are in ``modules``, the whole plan in ``to_json()``."""
+        method = (self.optimality or {}).get("method", "unknown")
+        energy = f"max_captured_energy={self.max_captured_energy:.3e}, " if self.modules else ""  # max() of nothing
+        return (
+            f"Plan({self.bundle_path!r}, objective={self.objective!r}, budget={self.budget.spec!r} "
+            f"({self.budget.params:,} parameters), spent={self.spent:,}, modules={len(self.modules)}, {energy}{method})"
+        )
+
     @property
     def spent(self) -> int:
         """Trainable parameters the plan spends: the sum of its modules' ``params``."""
@@ -660,7 +671,13 @@ class Plan:
 
 def plan_budget(bundle: Bundle | str | os.PathLike, budget: str | int, objective: str = "minimax") -> Plan:
     """Choose k per module for ``budget`` (a spec string or a parameter count) from the bundle's spectra."""
-    b = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
+    from plate_inspect.atomic import path_argument
+
+    if isinstance(budget, bool) or not isinstance(budget, (str, numbers.Real)):  # None was read as the spec 'None'
+        raise ConfigError(
+            f"budget must be a string such as '1%', 'lora:16' or '2e6', or a whole parameter count, got {budget!r:.80}"
+        )
+    b = bundle if isinstance(bundle, Bundle) else Bundle.load(path_argument(bundle, "bundle"))
     refuse_ablation_bundle(b)
     records = list(b)
     parsed = parse_budget(str(budget), records)

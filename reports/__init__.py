@@ -30,6 +30,7 @@ from plate_inspect.reports.data import (
     ScoreHistogram,
     SpectrumView,
     bundle_summary,
+    bundles_argument,
     check_bundles,
     heatmap,
     k_tau_curves,
@@ -61,7 +62,7 @@ def render_report(
         raise ConfigError(f"--max-points (max_points) must be at least 16, got {max_points}")
     if not 2 <= bins <= MAX_BINS:
         raise ConfigError(f"--bins (bins) must be between 2 and {MAX_BINS}, got {bins}")
-    rd = report_data(list(bundles), labels=labels, max_points=max_points, bins=bins, progress=progress)
+    rd = report_data(bundles_argument(bundles), labels=labels, max_points=max_points, bins=bins, progress=progress)
     return render_page(rd, plotly_js())
 
 
@@ -79,6 +80,7 @@ def write_report(
     Incomplete bundles and bundles of different architectures raise :class:`plate_inspect.errors.BundleError`.
     """
     progress = as_callback(progress, "write_report")  # before render_report, so a deprecation names this function
+    bundles = bundles_argument(bundles)
     refuse_bundle_file(Path(path), bundles)  # first: its message names the bundle and a path that works there
     path = check_report_path(path)
     text = render_report(bundles, labels=labels, max_points=max_points, bins=bins, progress=progress)

@@ -167,12 +167,13 @@ def audit_section(records: list[AuditRecord], title: str = "Audit", layers: Iter
     :func:`audit_figures`) and the ranked table."""
     s = summarize(records)
     figs = audit_figures(records, layers)
-    divs = "".join(f"<div id='audit-{key}' class='audit-plot'></div>" for key in figs)
+    divs = "".join(f"<div id='audit-{key}' class='plot audit-plot'></div>" for key in figs)
     data = json.dumps(figs).replace("</", "<\\/")
+    # the plots' promises are kept for the page's readiness signal (render_audit_page), which reports.browser waits on
     script = (
         f"<script>(function(){{const figs={data};"
-        "for (const [k, f] of Object.entries(figs)) {"
-        "Plotly.newPlot('audit-' + k, f.data, f.layout, {responsive: true, displaylogo: false});}})();</script>"
+        "for (const [k, f] of Object.entries(figs)) {window.__auditPlots = (window.__auditPlots || []).concat("
+        "[Plotly.newPlot('audit-' + k, f.data, f.layout, {responsive: true, displaylogo: false})]);}})();</script>"
     )
     model = (
         f"Energy-weighted protected input share <b>{s.protected_input_share:.4f}</b>, frozen-row share "
@@ -209,8 +210,17 @@ def render_audit_page(
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{style}</style>"
-        f"<script>{plotly_js()}</script></head><body>{audit_section(records, title, layers)}</body></html>"
+        f"<script>{plotly_js()}</script></head>"
+        f"<body>{audit_section(records, title, layers)}{READY_SCRIPT}</body></html>"
     )
+
+
+#: Sets the flags :func:`plate_inspect.reports.browser.open_report` waits on (as the redundancy report's script
+#: does), once every plot is drawn: without them the audit page could not be checked in a browser.
+READY_SCRIPT = (
+    "<script>Promise.all(window.__auditPlots || []).then(function () { window.__reportReady = true; },"
+    " function (err) { window.__reportError = String(err); });</script>"
+)
 
 
 def write_audit_report(

@@ -35,6 +35,38 @@ def color(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
+def plot_text(text: str) -> str:
+    """``text`` (a bundle label, a module name) as plotly shows it: plotly reads titles, legend names, annotations
+    and hover text as pseudo-HTML, so a label such as ``<base>`` vanished as an unknown tag and ``a<b`` cut the rest
+    off; its entities ``&lt;`` ``&gt;`` ``&amp;`` show the characters."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+#: The most characters of a bundle label in plot text: a heatmap is ~470 px wide, and its subtitle names two bundles
+#: ("ft minus base"). Longer labels keep their start and end around "…" (the page header and table show them whole).
+PLOT_LABEL_CHARS = 16
+
+
+def _middle_cut(label: str, width: int) -> str:
+    """``label`` cut to ``width`` characters around an ellipsis, keeping more of the end (a run's suffix, -v2)."""
+    if len(label) <= width:
+        return label
+    head = (width - 1) * 2 // 5
+    return label[:head] + "…" + label[len(label) - (width - 1 - head) :]
+
+
+def plot_labels(labels: list[str]) -> list[str]:
+    """The bundle labels as plot text: at most :data:`PLOT_LABEL_CHARS` characters where the cut ones stay distinct
+    (a long hub id or path ran off the plot: titles and legends are clipped at the figure's edge), then escaped
+    (:func:`plot_text`)."""
+    longest = max((len(label) for label in labels), default=0)
+    for width in range(PLOT_LABEL_CHARS, longest + 1):
+        short = [_middle_cut(label, width) for label in labels]
+        if len(set(short)) == len(short):
+            return [plot_text(label) for label in short]
+    return [plot_text(label) for label in labels]
+
+
 def _base_layout(title: str, height: int = 380) -> dict[str, Any]:
     return {
         # the title hangs from the top of the figure, below plotly's mode bar; its lines flow downwards
@@ -411,7 +443,7 @@ def spectrum_figure(views: list[SpectrumView], labels: list[str]) -> Figure:
         if note:
             notes.append((f"{label}: " if multi else "") + note)
     sub = "<br>".join(notes)
-    title = f"Energy spectrum: {views[0].name}"
+    title = f"Energy spectrum: {plot_text(views[0].name)}"
     if sub:
         title += f"<br><span style='font-size:11px;color:#666'>{sub}</span>"
     layout = {
@@ -468,7 +500,7 @@ def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
         text += f" ({label})" if multi else ""
         annotations.append(_line_label(h.cutoff, 1.0 - 0.08 * b, text, {"size": 10, "color": col}))
     layout = {
-        "title": {"text": f"Redundancy scores: {hists[0].name}"},
+        "title": {"text": f"Redundancy scores: {plot_text(hists[0].name)}"},
         "shapes": shapes,
         "annotations": annotations,
     }

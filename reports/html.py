@@ -51,7 +51,8 @@ def pack_logs(values: list[float | None]) -> str:
 def page_model(rd: ReportData) -> dict[str, Any]:
     """The JSON the page script draws: figure specs per plot div, module list, table."""
     multi = len(rd.labels) > 1
-    ref = rd.labels[0]
+    labels = F.plot_labels(rd.labels)  # every plotly string names bundles by these: escaped, long ones cut
+    ref = labels[0]
     heatmaps = []
     for metric in HEATMAP_METRICS:
         base = rd.heatmaps[0][metric]
@@ -67,7 +68,7 @@ def page_model(rd: ReportData) -> dict[str, Any]:
             heatmaps.append(
                 {
                     "id": f"heatmap-{metric}-{b}",
-                    "figure": F.heatmap_figure(diff, subtitle=f"{rd.labels[b]} minus {ref}", difference=True),
+                    "figure": F.heatmap_figure(diff, subtitle=f"{labels[b]} minus {ref}", difference=True),
                     "names": diff.names,
                 }
             )
@@ -75,36 +76,36 @@ def page_model(rd: ReportData) -> dict[str, Any]:
         for b in range(1, len(rd.labels)):
             overlaps = {row["name"]: row["per_bundle"][b]["b_overlap"] for row in rd.table}
             base = rd.heatmaps[0]["k"]
-            hm = overlap_heatmap(base, overlaps, f"B overlap |B ∩ B'| / max(r, r'): {rd.labels[b]} vs {ref}")
+            hm = overlap_heatmap(base, overlaps, f"B overlap: {labels[b]} vs {ref}")
             r0, rb = rd.summaries[0].config.get("r"), rd.summaries[b].config.get("r")
-            note = "1 = the same redundant rows chosen"
+            note = "|B ∩ B'| / max(r, r'); 1 = the same rows chosen"
             if r0 != rb and r0 and rb:  # nested choices then show min/max, not 1
                 note += f"; r differs ({rb} vs {r0}): B nested in B' shows {min(r0, rb) / max(r0, rb):.2g}"
             fig = F.heatmap_figure(hm, subtitle=note)  # coloured on [0, 1], the overlap's scale
             heatmaps.append({"id": f"heatmap-overlap-{b}", "figure": fig, "names": hm.names})
     return {
         "title": page_title(rd),
-        "labels": rd.labels,
+        "labels": labels,  # the page script uses them in plotly strings only
         "heatmaps": heatmaps,
-        "ktau": {"id": "ktau-plot", "figure": F.ktau_figure(rd.ktau, rd.taus, rd.labels)},
+        "ktau": {"id": "ktau-plot", "figure": F.ktau_figure(rd.ktau, rd.taus, labels)},
         "params": {
             "id": "params-plot",
-            "figure": F.params_tau_figure(rd.params_tau, rd.taus, [s.lora_params for s in rd.summaries], rd.labels),
+            "figure": F.params_tau_figure(rd.params_tau, rd.taus, [s.lora_params for s in rd.summaries], labels),
         },
         "modules": [n for n in rd.modules if n in rd.spectra],  # the explorer's (experts have their own drill-down)
         "spectrumBase": F.SPECTRUM_BASE,
         "histogramBase": F.HISTOGRAM_BASE,
-        "spectra": {n: F.spectrum_figure(v, rd.labels) for n, v in rd.spectra.items()},
-        "histograms": {n: F.histogram_figure(h, rd.labels) for n, h in rd.histograms.items()},
+        "spectra": {n: F.spectrum_figure(v, labels) for n, v in rd.spectra.items()},
+        "histograms": {n: F.histogram_figure(h, labels) for n, h in rd.histograms.items()},
         "table": table_model(rd),
-        **expert_model(rd),
+        **expert_model(rd, labels),
     }
 
 
-def expert_model(rd: ReportData) -> dict[str, Any]:
-    """The page's expert views, for every bundle: per-layer distributions, and per group and bundle the per-expert
-    values and compact spectra the drill-down draws. Member names are the group label with '*' replaced by the
-    expert (the same experts in every bundle: check_bundles saw to that)."""
+def expert_model(rd: ReportData, labels: list[str]) -> dict[str, Any]:
+    """The page's expert views, for every bundle (``labels``: theirs, as plotly text): per-layer distributions, and
+    per group and bundle the per-expert values and compact spectra the drill-down draws. Member names are the group
+    label with '*' replaced by the expert (the same experts in every bundle: check_bundles saw to that)."""
     if not rd.expert_groups:
         return {"expertGroups": [], "expertBoxes": []}
     groups = [
@@ -132,9 +133,7 @@ def expert_model(rd: ReportData) -> dict[str, Any]:
         for group in rd.expert_groups
     ]
     per_bundle = [list(gs) for gs in zip(*rd.expert_groups, strict=True)]
-    boxes = [
-        {"id": f"experts-box-{m}", "figure": F.expert_box_figure(per_bundle, m, rd.labels)} for m in F.EXPERT_METRICS
-    ]
+    boxes = [{"id": f"experts-box-{m}", "figure": F.expert_box_figure(per_bundle, m, labels)} for m in F.EXPERT_METRICS]
     return {
         "expertGroups": groups,
         "expertBoxes": boxes,
