@@ -348,7 +348,7 @@ def info_command(bundle: Path, show_modules: bool, show_groups: bool) -> None:
     are named after the summary, and the exit status is then non-zero.
 
     \b
-    Example:
+    Examples:
       plate-inspect info bundles/qwen7b --modules
       plate-inspect info bundles/deepseek-v3 --expert-groups
     """

@@ -343,6 +343,14 @@ class Manifest:
     format: str = FORMAT_NAME
     tool_version: str = __version__
 
+    def __repr__(self) -> str:
+        """One line: a MoE bundle's manifest holds ~15k records (the dataclass repr printed them all, ~10 MB)."""
+        state = "complete" if self.complete else f"unfinished, {len(self.modules)} of {len(self.planned)} modules"
+        return (
+            f"Manifest(source={self.source.get('id')!r}, model_type={self.model_type!r}, modules={len(self.modules)}, "
+            f"r={self.settings.r}, tau={self.settings.tau}, max_rank={self.settings.max_rank}, {state})"
+        )
+
     @property
     def format_version(self) -> int:
         """:data:`STACKS_FORMAT_VERSION` where the layer selection holds stack entries, else :data:`FORMAT_VERSION`
