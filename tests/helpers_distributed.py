@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -109,3 +110,29 @@ def scan_job(script: str, model: Path, tmp_path: Path) -> Iterator[tuple[subproc
 def said(text: str) -> list[str]:
     """The lines a user reads as the job's own (errors and interruptions), not torchrun's report."""
     return [line for line in text.splitlines() if line.startswith(("error:", "interrupted", "rank "))]
+
+
+#: A CLI scan under torchrun whose rank 1 SIGKILLs itself at the first module of its second part file (as the OOM
+#: killer would); rank 0 is still scanning or waiting then.
+CLI_RANK_1_KILLED = textwrap.dedent(
+    """
+    import os, signal, sys
+    from plate_inspect import scanner
+
+    if os.environ["RANK"] == "1":
+        _compute, calls = scanner._compute, [0]
+
+        def die_in_second_part(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 8:  # the first module of its second part: rank 0 is still scanning or waiting
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _compute(*args, **kwargs)
+
+        scanner._compute = die_in_second_part
+
+    from plate_inspect.cli.main import main
+
+    sys.argv = ["plate-inspect", "scan", *sys.argv[1:]]
+    main()
+    """
+)

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from helpers_distributed import EXE, JOB_VARS, ONE_THREAD, run, torchrun
+from helpers_distributed import CLI_RANK_1_KILLED, EXE, JOB_VARS, ONE_THREAD, run, torchrun
 from oracles import assert_same_bundle
 
 from plate_inspect import distributed
@@ -316,35 +316,11 @@ def test_a_rank_waiting_for_ranks_that_never_join_says_so(four_layers, tmp_path)
     ), line
 
 
-_CLI_RANK_1_KILLED = textwrap.dedent(
-    """
-    import os, signal, sys
-    from plate_inspect import scanner
-
-    if os.environ["RANK"] == "1":
-        _compute, calls = scanner._compute, [0]
-
-        def die_in_second_part(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 8:  # the first module of its second part: rank 0 is still scanning or waiting
-                os.kill(os.getpid(), signal.SIGKILL)
-            return _compute(*args, **kwargs)
-
-        scanner._compute = die_in_second_part
-
-    from plate_inspect.cli.main import main
-
-    sys.argv = ["plate-inspect", "scan", *sys.argv[1:]]
-    main()
-    """
-)
-
-
 def test_rank_0_stopped_by_torchrun_says_how_to_resume(four_layers, tmp_path):
     """torchrun SIGTERMs rank 0 when rank 1 is killed: rank 0 used to die silently, leaving torchrun's report (which
     names rank 1) and no word on the finished parts; now it ends like a Ctrl-C, with the CLI's one resume line."""
     script = tmp_path / "cli_rank_1_killed.py"
-    script.write_text(_CLI_RANK_1_KILLED)
+    script.write_text(CLI_RANK_1_KILLED)
     died = run(torchrun("--", str(script), str(four_layers.path), "--out", str(tmp_path / "b"), "--r", "8", "--quiet"),
                check=False)  # fmt: skip
     assert died.returncode != 0

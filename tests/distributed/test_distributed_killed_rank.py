@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
-from helpers_distributed import agent_store_for_rank_1, run, torchrun
+from helpers_distributed import CLI_RANK_1_KILLED, agent_store_for_rank_1, run, torchrun
 
 from plate_inspect import distributed
 from plate_inspect.distributed import RankInfo, say_once
@@ -76,33 +75,9 @@ def test_rank_0_names_nobody_still_running_and_waits_for_it_at_most_the_bound(ra
     assert said == [INTERRUPTED] and 0.5 <= took < 5.0
 
 
-_CLI_RANK_1_KILLED = textwrap.dedent(
-    """
-    import os, signal, sys
-    from plate_inspect import scanner
-
-    if os.environ["RANK"] == "1":
-        _compute, calls = scanner._compute, [0]
-
-        def die_in_second_part(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 8:  # the first module of its second part: rank 0 is still scanning or waiting
-                os.kill(os.getpid(), signal.SIGKILL)
-            return _compute(*args, **kwargs)
-
-        scanner._compute = die_in_second_part
-
-    from plate_inspect.cli.main import main
-
-    sys.argv = ["plate-inspect", "scan", *sys.argv[1:]]
-    main()
-    """
-)
-
-
 def test_torchrun_job_whose_rank_1_is_killed_names_it(four_layers, tmp_path):
     script = tmp_path / "cli_rank_1_killed.py"
-    script.write_text(_CLI_RANK_1_KILLED)
+    script.write_text(CLI_RANK_1_KILLED)
     died = run(torchrun("--", str(script), str(four_layers.path), "--out", str(tmp_path / "b"), "--r", "8", "--quiet"),
                check=False)  # fmt: skip
     assert died.returncode != 0 and "exitcode  : -9" in died.stderr
