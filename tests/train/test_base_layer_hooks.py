@@ -27,47 +27,17 @@ def _plate_linear() -> PlateLinear:
     return layer
 
 
-def _check(layer, base, b_idx, a, q, rho, x):
+def _check(hook, layer, base, b_idx, a, q, rho, x):
+    """The hook's tensor is the base output; the layer's is base + branch. ``hook``: "layer" registers it on the base
+    layer; "global" for every module (register_module_forward_hook: activation tracers, profilers), which saw base +
+    branch while the in-place rule looked at the layer's own hooks only."""
     kept = []
-    base.register_forward_hook(lambda module, args, out: kept.append(out))
-    y = layer(x)
-    w, bias = base.weight.detach(), base.bias.detach().double()
-    torch.testing.assert_close(kept[0].double(), x.double() @ w.double().T + bias, rtol=0, atol=1e-5)
-    want = x.double() @ dense_plate_weight(w, b_idx, a.detach(), q, rho).T + bias
-    torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5)
-    assert (kept[0] - y).abs().max() > 1e-2  # the branch is there, in the layer's output only
-
-
-def test_plate_linear_base_hook_sees_the_base_output():
-    layer = _plate_linear()
-    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
-    _check(layer, layer.base, layer.plate_B_idx, layer.plate_A, layer.plate_Q, layer.rho, x)
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    _, ckpt, bundle = digits_setup(tmp_path_factory.mktemp("base_hooks"), r=8, tau=0.8)
-    return ckpt, bundle
-
-
-def test_peft_base_layer_hook_sees_the_base_output(digits):
-    ckpt, bundle = digits
-    model = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path), rho=0.7))
-    layer = next(m for m in model.modules() if isinstance(m, PlateLayer))
-    with torch.no_grad():
-        layer.plate_A["default"].normal_(generator=torch.Generator().manual_seed(2))
-    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3))
-    b_idx, q = layer.plate_B_idx["default"], layer.plate_Q["default"]
-    _check(layer, layer.get_base_layer(), b_idx, layer.plate_A["default"], q, 0.7, x)
-
-
-def _check_global(layer, base, b_idx, a, q, rho, x):
-    """As _check, with the hook registered for every module (register_module_forward_hook): activation tracers,
-    profilers. It saw base + branch in the base layer's output (the in-place rule looked at the layer's own hooks)."""
-    kept = []
-    handle = torch.nn.modules.module.register_module_forward_hook(
-        lambda module, args, out: kept.append(out) if module is base else None
-    )
+    if hook == "layer":
+        handle = base.register_forward_hook(lambda module, args, out: kept.append(out))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: kept.append(out) if module is base else None
+        )
     try:
         y = layer(x)
     finally:
@@ -76,15 +46,27 @@ def _check_global(layer, base, b_idx, a, q, rho, x):
     torch.testing.assert_close(kept[0].double(), x.double() @ w.double().T + bias, rtol=0, atol=1e-5)
     want = x.double() @ dense_plate_weight(w, b_idx, a.detach(), q, rho).T + bias
     torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5)
+    assert (kept[0] - y).abs().max() > 1e-2  # the branch is there, in the layer's output only
 
 
-def test_plate_linear_global_hook_sees_the_base_output():
+HOOKS = ["layer", "global"]
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_plate_linear_hook_sees_the_base_output(hook):
     layer = _plate_linear()
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
-    _check_global(layer, layer.base, layer.plate_B_idx, layer.plate_A, layer.plate_Q, layer.rho, x)
+    _check(hook, layer, layer.base, layer.plate_B_idx, layer.plate_A, layer.plate_Q, layer.rho, x)
 
 
-def test_peft_global_hook_sees_the_base_output(digits):
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    _, ckpt, bundle = digits_setup(tmp_path_factory.mktemp("base_hooks"), r=8, tau=0.8)
+    return ckpt, bundle
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_peft_hook_sees_the_base_output(digits, hook):
     ckpt, bundle = digits
     model = get_peft_model(load_digits(ckpt), PlateConfig(bundle=str(bundle.path), rho=0.7))
     layer = next(m for m in model.modules() if isinstance(m, PlateLayer))
@@ -92,4 +74,4 @@ def test_peft_global_hook_sees_the_base_output(digits):
         layer.plate_A["default"].normal_(generator=torch.Generator().manual_seed(2))
     x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3))
     b_idx, q = layer.plate_B_idx["default"], layer.plate_Q["default"]
-    _check_global(layer, layer.get_base_layer(), b_idx, layer.plate_A["default"], q, 0.7, x)
+    _check(hook, layer, layer.get_base_layer(), b_idx, layer.plate_A["default"], q, 0.7, x)
