@@ -19,6 +19,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.plate-inspect-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
+  # The environment takes ~2.1 GB (torch alone 0.75 GB) and the test run writes ~1 GB more: say so up front rather
+  # than let pip stop half-way with "No space left on device".
+  free_kb=$(df -Pk .venv | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt 3000000 ]; then
+    echo "bootstrap: only $((free_kb / 1024)) MB free on the disk of $(pwd)/.venv; installing needs ~2.1 GB and the" \
+      "tests ~1 GB more: free some space (e.g. old clones, pip's cache: python3 -m pip cache purge) and run again" >&2
+    exit 1
+  fi
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   # torch first and pinned, so no other requirement pulls a multi-GB CUDA build; numpy with it, so that the
   # check below imports a torch that finds NumPy (else torch warns "Failed to initialize NumPy").

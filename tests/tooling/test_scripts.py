@@ -68,3 +68,19 @@ def test_bootstrap_succeeds_and_stamps_when_pip_succeeds(tmp_path):
     assert len(editable) == 1
     # The editable install runs with setuptools' banner silenced, through the quiet_pip wrapper.
     assert editable[0].endswith("PYTHONWARNINGS=ignore:Editable installation")
+
+
+def test_bootstrap_refuses_up_front_when_the_disk_is_nearly_full(tmp_path):
+    # A stand-in df reporting 500 MB free: the bootstrap must stop before pip with a line saying how much it needs,
+    # not let pip fail half-way ("No space left on device", as a CI run once did).
+    root = _project_copy(tmp_path)
+    fake_bin = root / "fake-bin"
+    fake_bin.mkdir()
+    df = fake_bin / "df"
+    df.write_text("#!/usr/bin/env bash\necho 'Filesystem 1k-blocks Used Available'\necho 'x 9 9 512000'\n")
+    df.chmod(df.stat().st_mode | stat.S_IXUSR)
+    result = _bootstrap(root)
+    assert result.returncode == 1
+    assert "only 500 MB free" in result.stderr and "needs ~2.1 GB" in result.stderr
+    assert not (root / ".venv" / "bin" / "calls.log").exists()  # pip never ran
+    assert not (root / ".venv" / ".plate-inspect-installed").exists()
