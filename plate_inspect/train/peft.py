@@ -51,6 +51,7 @@ from plate_inspect.train.core import (
     unmerge_rows,
     validate_geometry,
 )
+from plate_inspect.train.experts import resolve_expert_slots
 from plate_inspect.train.layer import (
     CHECKPOINTING_ENABLE,
     AwaitingWeights,
@@ -634,18 +635,25 @@ class _Record:
     fingerprint: str
 
 
-def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: list[str], model: nn.Module) -> list[str]:
+def _select_targets(
+    config: PlateConfig,
+    mapping: dict[str, str],
+    unresolved: list[str],
+    model: nn.Module,
+    experts: frozenset[str] = frozenset(),
+) -> list[str]:
     """Model names of the bundle modules ``config.target_modules`` selects; it is then set to exactly those names.
 
     peft's rules: a list entry matches a whole name or a ``.``-separated suffix, a string is a regular expression
     that must match a whole name; here an entry may name the model's module or the bundle's (checkpoint) one.
-    ``unresolved``: bundle modules the model has no layer for; selecting one is refused.
+    ``unresolved``: bundle modules the model has no layer for; selecting one is refused (``experts``: those that
+    are experts of fused 3-D parameters, which only apply_bundle adapts: the refusal says so).
     """
     tm = config.target_modules
     if tm is None or tm == "all-linear":  # the bundle holds only linear layers
         chosen = list(mapping.values())
         if unresolved:
-            raise unresolved_modules(model, unresolved, len(mapping))
+            raise unresolved_modules(model, unresolved, len(mapping), experts)
     else:
         if isinstance(tm, str):
             pattern = re.compile(tm)
@@ -660,7 +668,7 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
         chosen = [m for n, m in mapping.items() if match(m) or match(n)]
         wanted = [n for n in unresolved if match(n)]
         if wanted:
-            raise unresolved_modules(model, wanted, len(mapping))
+            raise unresolved_modules(model, wanted, len(mapping), experts)
         names = [*mapping, *mapping.values(), *unresolved]
         unused = [] if isinstance(tm, str) else [t for t in tm if not any(k == t or k.endswith("." + t) for k in names)]
         if chosen and unused:
@@ -867,7 +875,9 @@ class PlateModel(BaseTuner):
             return
         bundle = _load_recorded_bundle(config) if recorded else Bundle.load(config.bundle)
         mapping = resolve_module_names(model, bundle.modules, strict=False)  # bundle name -> model name
-        chosen = _select_targets(config, mapping, [n for n in bundle.modules if n not in mapping], model)
+        unresolved = [n for n in bundle.modules if n not in mapping]
+        experts = frozenset(resolve_expert_slots(model, unresolved, bundle)) if unresolved else frozenset()
+        chosen = _select_targets(config, mapping, unresolved, model, experts)
         _check_modules_to_save(config.modules_to_save, model, chosen)
         inverse = {v: k for k, v in mapping.items()}
         ks = load_plan(config.plan, bundle)

@@ -196,7 +196,19 @@ def check_weight(
     The returned sketch is the one to record in an adapter: of the model's weight when it matched exactly, else the
     reference it was compared with. ``adapter``: a saved adapter is being loaded (the refusal says what to do then).
     """
-    w = full_weight(module)
+    return check_weight_tensor(full_weight(module), name, record, layout, reference, bundle, adapter)
+
+
+def check_weight_tensor(
+    w: torch.Tensor,
+    name: str,
+    record: WeightRecord,
+    layout: str,
+    reference: WeightSketch | None = None,
+    bundle: Bundle | None = None,
+    adapter: bool = False,
+) -> WeightSketch:
+    """``check_weight`` on a weight tensor in its stored layout (one expert's block of a fused 3-D parameter)."""
     if weight_fingerprint(w, record.dtype) == record.fingerprint:
         return reference or sketch_weight(oriented(w, layout))
     # quantized storage (FP8 codes x scales, MXFP4): the scan read it dequantized to float32, correctly rounded, so

@@ -1,0 +1,254 @@
+"""PLATE on MoE experts that transformers 5 holds fused as 3-D parameters (apply_bundle).
+
+Each family's tiny model is saved with save_pretrained (per-expert tensors on disk for Qwen2/3-MoE, OLMoE and
+Mixtral; 3-D tensors for Granite-MoE and gpt-oss) and scanned. The oracle places every bundle module's dense
+update rho B A Q^T by hand (the family's fused layout written out below, not the code under test's mapping) into
+a float64 copy of the fused parameters and runs the model's own forward on them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import transformers  # noqa: E402
+
+import plate_inspect  # noqa: E402
+from plate_inspect.bundle import Bundle  # noqa: E402
+from plate_inspect.errors import BundleError  # noqa: E402
+from plate_inspect.train.experts import PlateExperts, expert_branches  # noqa: E402
+from plate_inspect.train.layer import (  # noqa: E402
+    apply_bundle,
+    load_adapter,
+    merge_all,
+    save_adapter,
+    unload,
+    unmerge_all,
+)
+
+H, I, E = 32, 24, 4  # hidden, expert intermediate, experts
+SMALL = dict(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+def config(family: str) -> transformers.PretrainedConfig:
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **SMALL, intermediate_size=48, moe_intermediate_size=I, head_dim=16, num_experts=E, num_experts_per_tok=2
+        )
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **SMALL, intermediate_size=48, moe_intermediate_size=I, shared_expert_intermediate_size=40,
+            num_experts=E, num_experts_per_tok=2,
+        )  # fmt: skip
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**SMALL, intermediate_size=I, num_experts=E, num_experts_per_tok=2)
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            **SMALL, intermediate_size=I, head_dim=16, num_local_experts=E, num_experts_per_tok=2
+        )
+    if family == "granitemoe":
+        return transformers.GraniteMoeConfig(**SMALL, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
+    assert family == "gpt_oss"
+    return transformers.GptOssConfig(
+        **SMALL, intermediate_size=I, head_dim=16, num_local_experts=E, num_experts_per_tok=2,
+        layer_types=["full_attention"],
+    )  # fmt: skip
+
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "gpt_oss"]
+
+
+def hand_placement(family: str, name: str) -> tuple[str, int, slice, bool] | None:
+    """Where transformers 5 keeps bundle module ``name``: (fused parameter, expert, rows, in-major), written out
+    per family from the modeling code (gate_up = [gate; up] along the output rows; gpt-oss holds [E, d_in, d_out])."""
+    m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj", name)
+    if m and family in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        stem, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        rows = {"gate": slice(0, I), "up": slice(I, 2 * I), "down": slice(0, H)}[proj]
+        return f"{stem}.mlp.experts.{'down' if proj == 'down' else 'gate_up'}_proj", e, rows, False
+    m = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)", name)
+    if m and family == "mixtral":
+        stem, e, w = m.group(1), int(m.group(2)), m.group(3)
+        rows = {"w1": slice(0, I), "w3": slice(I, 2 * I), "w2": slice(0, H)}[w]
+        return f"{stem}.mlp.experts.{'down' if w == 'w2' else 'gate_up'}_proj", e, rows, False
+    m = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.(input|output)_linear\.(\d+)", name)
+    if m and family == "granitemoe":
+        proj = "gate_up_proj" if m.group(2) == "input" else "down_proj"
+        return f"{m.group(1)}.block_sparse_moe.experts.{proj}", int(m.group(3)), slice(None), False
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts\.(?:gate_up|down)_proj)\.(\d+)", name)
+    if m and family == "gpt_oss":
+        return m.group(1), int(m.group(2)), slice(None), True
+    return None
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """{family: (checkpoint dir, bundle)}, built once per family on first use."""
+    cache: dict[str, tuple] = {}
+
+    def get(family: str, seed: int = 0):
+        if (family, seed) not in cache:
+            torch.manual_seed(seed)
+            model = transformers.AutoModelForCausalLM.from_config(config(family))
+            root = tmp_path_factory.mktemp(f"{family}{seed}")
+            model.save_pretrained(root / "ckpt")
+            bundle = plate_inspect.scan(str(root / "ckpt"), out=str(root / "bundle"), r=4, tau=0.9)
+            cache[family, seed] = (root / "ckpt", bundle)
+        return cache[family, seed]
+
+    return get
+
+
+def load(ckpt, **kwargs) -> torch.nn.Module:
+    """The saved model in float32 (``experts_implementation="eager"``: the per-expert loop, which runs float64;
+    the default grouped_mm does not)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, **kwargs).eval()
+
+
+def ids() -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 64, (3, 16), generator=g)
+
+
+def oracle_logits(family: str, ckpt, bundle: Bundle, a_by_name: dict[str, torch.Tensor], rho: float, x):
+    """float64 logits of the plain model whose fused parameters carry rho B A Q^T per expert, placed by hand."""
+    model = load(ckpt, experts_implementation="eager").double()
+    fused = dict(model.named_parameters())
+    deltas: dict[str, torch.Tensor] = {}
+    for name, a in a_by_name.items():
+        place = hand_placement(family, name)
+        if place is None:  # a dense module (attention, shared expert): not in this oracle's scope
+            continue
+        pname, e, rows, in_major = place
+        b_idx, q = bundle.b_idx(name), bundle.q(name, dtype=torch.float64)
+        d = torch.zeros(bundle.record(name).shape, dtype=torch.float64)
+        d[b_idx] = rho * a.double() @ q.t()  # B A Q^T by definition: rows B of a d_out x d_in zero matrix
+        if pname not in deltas:
+            deltas[pname] = torch.zeros_like(fused[pname])
+        if in_major:
+            deltas[pname][e, :, rows] = deltas[pname][e, :, rows] + d.t()
+        else:
+            deltas[pname][e, rows, :] = deltas[pname][e, rows, :] + d
+    swapped = {n: fused[n].detach() + dl for n, dl in deltas.items()}
+    return torch.func.functional_call(model, swapped, (x,)).logits, set(deltas)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_adapted_forward_and_grads_match_float64_oracle(made, family):
+    ckpt, bundle = made(family)
+    model = load(ckpt, experts_implementation="eager")
+    params = apply_bundle(model, bundle, rho=0.5, modules=[n for n in bundle.modules if hand_placement(family, n)])
+    branches = expert_branches(model)
+    assert set(branches) == {n for n in bundle.modules if hand_placement(family, n)}
+    assert len(branches) == 3 * E if family in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral") else 2 * E
+    assert {id(p) for p in params} == {id(b.plate_A) for b in branches.values()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == {id(p) for p in params}  # everything else frozen
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = ids()
+    model.double()  # A, Q and the fused parameters in float64: the comparison is of the math alone
+    out = model(x).logits
+    a_leaves = {n: b.plate_A.detach().clone().requires_grad_(True) for n, b in branches.items()}
+    want, touched = oracle_logits(family, ckpt, bundle, a_leaves, 0.5, x)
+    assert len(touched) == 2  # gate_up and down of the one layer
+    assert (out - want).abs().max().item() <= 1e-10 * max(1.0, want.abs().max().item())
+    default = load(ckpt)  # transformers' default experts implementation (grouped_mm), float32
+    apply_bundle(default, bundle, rho=0.5, modules=list(branches))
+    for n, b in expert_branches(default).items():
+        b.plate_A.data.copy_(branches[n].plate_A.detach())
+    with torch.no_grad():
+        assert (default(x).logits.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (out * weights).sum().backward()
+    (want * weights).sum().backward()
+    for n, b in branches.items():
+        assert b.plate_A.grad is not None
+        assert torch.allclose(b.plate_A.grad, a_leaves[n].grad, rtol=1e-9, atol=1e-12), n
+    hit = sum(int(b.plate_A.grad.abs().sum() > 0) for b in branches.values())
+    assert hit >= len(branches) - 2  # routing reaches (nearly) every expert: the A's train
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_merge_unmerge_exact_and_save_reload(made, family, tmp_path):
+    ckpt, bundle = made(family)
+    model = load(ckpt)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = apply_bundle(model, bundle, rho=0.25)  # attention layers and experts together
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = ids()
+    with torch.no_grad():
+        wrapped = model(x).logits
+        merge_all(model)
+        merged = model(x).logits
+        unmerge_all(model)
+        again = model(x).logits
+    assert (merged - wrapped).abs().max().item() < 1e-5
+    assert torch.equal(again, wrapped)
+    experts = next(iter(m for m in model.modules() if isinstance(m, PlateExperts)))
+    for pname, p in experts.base.named_parameters():  # bit for bit after unmerge
+        full = next(n for n in original if n.endswith(f"experts.{pname}"))
+        assert torch.equal(p, original[full]), pname
+    save_adapter(model, tmp_path / "adapter.safetensors")
+    fresh = load(ckpt)
+    load_adapter(fresh, tmp_path / "adapter.safetensors")
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, wrapped)
+    plain = unload(model)
+    assert not any(isinstance(m, PlateExperts) for m in plain.modules())
+    with torch.no_grad():
+        assert (plain(x).logits - wrapped).abs().max().item() < 1e-5
+
+
+def test_bundle_of_other_weights_is_refused_and_model_left_alone(made):
+    ckpt, _ = made("qwen3_moe")
+    _, other = made("qwen3_moe", seed=1)
+    model = load(ckpt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    experts_only = [n for n in other.modules if ".experts." in n]
+    with pytest.raises(BundleError, match=r"experts\.0\.down_proj' \(expert 0 of .*fingerprint differs"):
+        apply_bundle(model, other, modules=experts_only)
+    assert not any(isinstance(m, PlateExperts) for m in model.modules())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_bf16_model_merge_unmerge_bit_exact(made):
+    ckpt, bundle = made("mixtral")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = apply_bundle(model, bundle, modules=[n for n in bundle.modules if ".experts." in n])
+    with torch.no_grad():
+        for p in params:
+            p.normal_()
+        merge_all(model)
+        changed = sum(
+            int(not torch.equal(p, original[n.replace(".base.", ".")]))
+            for n, p in model.named_parameters()
+            if p.ndim == 3
+        )
+        unmerge_all(model)
+    assert changed == 2
+    for n, p in model.named_parameters():
+        if p.ndim == 3:
+            assert torch.equal(p, original[n.replace(".base.", ".")]), n
+
+
+def test_peft_method_refuses_fused_experts_naming_apply_bundle(made):
+    pytest.importorskip("peft")
+    from peft import get_peft_model
+
+    from plate_inspect.train.peft import PlateConfig
+
+    ckpt, bundle = made("qwen3_moe")
+    with pytest.raises(BundleError, match=r"experts\.0\.down_proj' \(and 11 more\): an expert .* via apply_bundle"):
+        get_peft_model(load(ckpt), PlateConfig(bundle=str(bundle.path)))
+    peft_model = get_peft_model(load(ckpt), PlateConfig(bundle=str(bundle.path), target_modules=["q_proj", "o_proj"]))
+    assert sum(p.requires_grad for p in peft_model.parameters()) == 2  # the others still adapt with PEFT
