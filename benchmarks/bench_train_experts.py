@@ -78,8 +78,8 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
     )  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
     plate_inspect.scan(
-        str(ckpt), out=str(bundle), r=args.r, tau=0.9, max_rank=args.max_rank, target_modules=["mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"],
-        overwrite=True,
+        str(ckpt), out=str(bundle), r=args.r, tau=0.9, max_rank=args.max_rank, overwrite=True,
+        target_modules=["mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"],
     )  # fmt: skip
     stamp.write_text(json.dumps(settings))
     return ckpt, bundle

@@ -85,10 +85,11 @@ def _fused_parameters(model: nn.Module) -> dict[str, tuple[str, str, torch.Tenso
     for mod_name, mod in model.named_modules():
         owner = mod_name
         parent, _, leaf = mod_name.rpartition(".")
-        if leaf == "base" and isinstance(model.get_submodule(parent) if parent else model, PlateExperts):
+        wrapper = model.get_submodule(parent) if parent else model
+        if (leaf == "base" and isinstance(wrapper, PlateExperts)) or (
+            leaf == "base_layer" and getattr(wrapper, "plate_experts", False)  # the PEFT method's experts layer
+        ):
             owner = parent
-        elif isinstance(mod, PlateExperts):
-            continue
         for attr, p in mod.named_parameters(recurse=False):
             if p.ndim == 3:
                 out[f"{owner}.{attr}" if owner else attr] = (owner, attr, p)
@@ -303,11 +304,18 @@ class ExpertBranch(nn.Module):
 
 def adapted_parameter(p: torch.Tensor, branches: list[ExpertBranch]) -> torch.Tensor:
     """W + every branch's rho B A Q^T, out of place (one copy of the 3-D parameter; gradients reach the A's)."""
+    return adapted_parameter_rows(p, [(b.slot, b.plate_B_idx, b.plate_Q, b.plate_A, b.rho) for b in branches])
+
+
+def adapted_parameter_rows(
+    p: torch.Tensor, branches: list[tuple[ExpertSlot, torch.Tensor, torch.Tensor, torch.Tensor, float]]
+) -> torch.Tensor:
+    """W + rho B A Q^T for each (slot, B, Q, A, rho), computed in float32 or wider and added in W's dtype."""
     dt = torch.promote_types(p.dtype, torch.float32)
-    values = torch.cat([b.delta_rows(dt) for b in branches]).to(p.dtype)
-    experts = torch.cat([torch.full_like(b.plate_B_idx, b.slot.expert) for b in branches]).to(p.device)
-    rows = torch.cat([b.plate_B_idx + b.slot.offset for b in branches]).to(p.device)
-    if not branches[0].slot.in_major:
+    values = torch.cat([rho * (a.to(dt) @ q.to(dt).t()) for _, _, q, a, rho in branches]).to(p.dtype)
+    experts = torch.cat([torch.full_like(b, slot.expert) for slot, b, _, _, _ in branches]).to(p.device)
+    rows = torch.cat([b + slot.offset for slot, b, _, _, _ in branches]).to(p.device)
+    if not branches[0][0].in_major:
         return p.index_put((experts, rows), values, accumulate=True)
     cols = torch.arange(p.shape[1], device=p.device)
     return p.index_put((experts[:, None], cols[None, :], rows[:, None]), values, accumulate=True)

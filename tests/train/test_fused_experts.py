@@ -241,14 +241,108 @@ def test_bf16_model_merge_unmerge_bit_exact(made):
             assert torch.equal(p, original[n.replace(".base.", ".")]), n
 
 
-def test_peft_method_refuses_fused_experts_naming_apply_bundle(made):
+def peft_experts_a(peft_model) -> dict[str, torch.Tensor]:
+    """The PEFT method's expert A's by bundle module name."""
+    from plate_inspect.train.peft import PlateExpertsLayer
+
+    out = {}
+    for layer in peft_model.modules():
+        if isinstance(layer, PlateExpertsLayer):
+            for key, a in layer.plate_A["default"].items():
+                out[layer.plate_slots["default"][key].bundle_name] = a
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_peft_method_adapts_fused_experts(made, family, tmp_path):
+    pytest.importorskip("peft")
+    from peft import PeftModel, get_peft_model
+
+    from plate_inspect.train.peft import PlateConfig, PlateExpertsLayer
+
+    ckpt, bundle = made(family)
+    experts = [n for n in bundle.modules if hand_placement(family, n)]
+    pm = get_peft_model(load(ckpt, experts_implementation="eager"), PlateConfig(bundle=str(bundle.path), rho=0.5))
+    a_by_name = peft_experts_a(pm)
+    assert set(a_by_name) == set(experts)  # every expert, beside the attention layers
+    assert sum(isinstance(m, PlateExpertsLayer) for m in pm.modules()) == 1
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for a in a_by_name.values():
+            a.copy_(torch.randn(a.shape, generator=g))
+    x = ids()
+    pm.double()
+    out = pm(input_ids=x).logits
+    leaves = {n: a.detach().clone().requires_grad_(True) for n, a in a_by_name.items()}
+    want, _ = oracle_logits(family, ckpt, bundle, leaves, 0.5, x)  # attention A's are zero: base attention
+    assert (out - want).abs().max().item() <= 1e-10 * max(1.0, want.abs().max().item())
+    out.sum().backward()
+    want.sum().backward()
+    for n, a in a_by_name.items():
+        assert torch.allclose(a.grad, leaves[n].grad, rtol=1e-9, atol=1e-12), n
+    with pm.disable_adapter(), torch.no_grad():
+        base = pm(input_ids=x).logits
+    with torch.no_grad():
+        assert torch.equal(base, load(ckpt, experts_implementation="eager").double()(x).logits)
+    pm.float()
+    with torch.no_grad():
+        adapted = pm(input_ids=x).logits
+    pm.save_pretrained(tmp_path / "adapter")
+    again = PeftModel.from_pretrained(load(ckpt, experts_implementation="eager"), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=x).logits, adapted)
+        pm.merge_adapter()
+        assert (pm(input_ids=x).logits - adapted).abs().max().item() < 1e-5
+        pm.unmerge_adapter()
+    plain = again.merge_and_unload()
+    assert not any(isinstance(m, PlateExpertsLayer) for m in plain.modules())
+    with torch.no_grad():
+        assert (plain(x).logits - adapted).abs().max().item() < 1e-5
+    fused = dict(load(ckpt).named_parameters())
+    for name, p in plain.named_parameters():
+        if p.ndim == 3:  # the merged experts: W + rho B A Q^T by hand, float32 rounding
+            delta = torch.zeros_like(p, dtype=torch.float64)
+            for n, a in a_by_name.items():
+                pname, e, rows, in_major = hand_placement(family, n)
+                if pname == name:
+                    d = torch.zeros(bundle.record(n).shape, dtype=torch.float64)
+                    d[bundle.b_idx(n)] = 0.5 * a.detach().double() @ bundle.q(n, dtype=torch.float64).t()
+                    if in_major:
+                        delta[e, :, rows] += d.t()
+                    else:
+                        delta[e, rows, :] += d
+            assert (p.double() - (fused[name].double() + delta)).abs().max().item() < 1e-5, name
+
+
+def test_peft_experts_selected_like_lora_target_parameters(made):
     pytest.importorskip("peft")
     from peft import get_peft_model
 
     from plate_inspect.train.peft import PlateConfig
 
     ckpt, bundle = made("qwen3_moe")
-    with pytest.raises(BundleError, match=r"experts\.0\.down_proj' \(and 11 more\): an expert .* via apply_bundle"):
-        get_peft_model(load(ckpt), PlateConfig(bundle=str(bundle.path)))
-    peft_model = get_peft_model(load(ckpt), PlateConfig(bundle=str(bundle.path), target_modules=["q_proj", "o_proj"]))
-    assert sum(p.requires_grad for p in peft_model.parameters()) == 2  # the others still adapt with PEFT
+    config = PlateConfig(bundle=str(bundle.path), target_modules=["mlp.experts.gate_up_proj", "q_proj"])
+    pm = get_peft_model(load(ckpt), config)
+    chosen = set(peft_experts_a(pm))
+    assert chosen == {n for n in bundle.modules if re.search(r"experts\.\d+\.(gate|up)_proj$", n)}
+    names = [n for n, p in pm.named_parameters() if p.requires_grad]
+    assert len(names) == 2 * E + 1 and sum("q_proj" in n for n in names) == 1
+
+
+def test_peft_experts_refusals(made):
+    pytest.importorskip("peft")
+    from peft import get_peft_model
+
+    from plate_inspect.errors import ConfigError
+    from plate_inspect.train.peft import PlateConfig
+
+    ckpt, bundle = made("qwen3_moe")
+    _, other = made("qwen3_moe", seed=1)
+    with pytest.raises(BundleError, match=r"experts\.0\.down_proj' \(expert 0 of .*fingerprint differs"):
+        get_peft_model(load(ckpt), PlateConfig(bundle=str(other.path), target_modules=["mlp.experts.down_proj"]))
+    with pytest.raises(ConfigError, match="carry_geometry=True.*lean only"):
+        get_peft_model(load(ckpt), PlateConfig(bundle=str(bundle.path), carry_geometry=True))
+    pm = get_peft_model(load(ckpt), PlateConfig(bundle=str(bundle.path)))
+    pm.add_adapter("two", PlateConfig(bundle=str(bundle.path)))
+    with pytest.raises(ConfigError, match="fused 3-D parameters, which add_weighted_adapter does not combine"):
+        pm.add_weighted_adapter(["default", "two"], [0.5, 0.5], "mix")
