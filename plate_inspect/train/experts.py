@@ -223,11 +223,14 @@ def check_expert_against_record(
     Shapes allowed ``slot.orientations``; the fingerprint decides among them (a square block can fit both ways).
     A weight that is none of them (another model, a fine-tune) is refused as for a Linear layer.
     """
-    where = f"module '{slot.bundle_name}' (expert {slot.expert} of {slot.owner}.{slot.param})"
+    where = f"{slot.bundle_name} (expert {slot.expert} of {slot.owner}.{slot.param})"  # named as module '...'
+
     if not p.is_floating_point():
-        raise BundleError(f"{where}: the fused parameter holds {p.dtype} codes (quantized); load the model unquantized")
+        raise BundleError(
+            f"module '{where}': the fused parameter holds {p.dtype} codes (quantized); load the model unquantized"
+        )
     if p.is_meta:
-        raise BundleError(f"{where}: the fused parameter is on the meta device; load the weights first")
+        raise BundleError(f"module '{where}': the fused parameter is on the meta device; load the weights first")
     if not check_fingerprint:
         return slot, None
     first_error: BundleError | None = None

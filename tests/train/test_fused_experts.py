@@ -214,7 +214,9 @@ def test_bundle_of_other_weights_is_refused_and_model_left_alone(made):
     model = load(ckpt)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     experts_only = [n for n in other.modules if ".experts." in n]
-    with pytest.raises(BundleError, match=r"experts\.0\.down_proj' \(expert 0 of .*fingerprint differs"):
+    with pytest.raises(
+        BundleError, match=r"module 'model\.layers\.0\.mlp\.experts\.0\.down_proj \(expert 0 of .*fingerprint differs"
+    ):
         apply_bundle(model, other, modules=experts_only)
     assert not any(isinstance(m, PlateExperts) for m in model.modules())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -338,7 +340,9 @@ def test_peft_experts_refusals(made):
 
     ckpt, bundle = made("qwen3_moe")
     _, other = made("qwen3_moe", seed=1)
-    with pytest.raises(BundleError, match=r"experts\.0\.down_proj' \(expert 0 of .*fingerprint differs"):
+    with pytest.raises(
+        BundleError, match=r"module 'model\.layers\.0\.mlp\.experts\.0\.down_proj \(expert 0 of .*fingerprint differs"
+    ):
         get_peft_model(load(ckpt), PlateConfig(bundle=str(other.path), target_modules=["mlp.experts.down_proj"]))
     with pytest.raises(ConfigError, match="carry_geometry=True.*lean only"):
         get_peft_model(load(ckpt), PlateConfig(bundle=str(bundle.path), carry_geometry=True))
@@ -346,3 +350,19 @@ def test_peft_experts_refusals(made):
     pm.add_adapter("two", PlateConfig(bundle=str(bundle.path)))
     with pytest.raises(ConfigError, match="fused 3-D parameters, which add_weighted_adapter does not combine"):
         pm.add_weighted_adapter(["default", "two"], [0.5, 0.5], "mix")
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "gpt_oss"])
+def test_3d_experts_in_a_cast_model_checked_against_the_source_slice(made, family):
+    """A bf16 copy of float32 3-D experts passes the rounded-copy check (reference: that expert's slice of the
+    source checkpoint's 3-D tensor); a 3% change of one expert is refused."""
+    ckpt, bundle = made(family)
+    experts = [n for n in bundle.modules if hand_placement(family, n)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16)
+    assert len(apply_bundle(model, bundle, modules=experts)) == len(experts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16)
+    pname, e, rows, _ = hand_placement(family, experts[-1])
+    with torch.no_grad():
+        model.get_parameter(pname)[e] *= 1.03
+    with pytest.raises(BundleError, match=rf"{re.escape(experts[-1])} \(expert {e} of .*fingerprint differs"):
+        apply_bundle(model, bundle, modules=experts)
