@@ -318,10 +318,16 @@ def adapted_parameter_rows(
     values = torch.cat([rho * (a.to(dt) @ q.to(dt).t()) for _, _, q, a, rho in branches]).to(p.dtype)
     experts = torch.cat([torch.full_like(b, slot.expert) for slot, b, _, _, _ in branches]).to(p.device)
     rows = torch.cat([b + slot.offset for slot, b, _, _, _ in branches]).to(p.device)
-    if not branches[0][0].in_major:
-        return p.index_put((experts, rows), values, accumulate=True)
-    cols = torch.arange(p.shape[1], device=p.device)
-    return p.index_put((experts[:, None], cols[None, :], rows[:, None]), values, accumulate=True)
+    # one flat index_add over the parameter's elements: index_put(accumulate=True) cost ~60x more on CPU (16 ms
+    # against 0.26 ms for an [8, 1024, 256] parameter, forward and backward); index_add also sums the deltas of
+    # several active adapters on the same rows
+    d_mid, d_last = p.shape[1], p.shape[2]
+    cols = torch.arange(values.shape[1], device=p.device)
+    if branches[0][0].in_major:  # p[e, :, row] += value: element (e, i, row)
+        flat = (experts[:, None] * d_mid + cols[None, :]) * d_last + rows[:, None]
+    else:  # p[e, row, :] += value: element (e, row, i)
+        flat = (experts[:, None] * d_mid + rows[:, None]) * d_last + cols[None, :]
+    return p.reshape(-1).index_add(0, flat.reshape(-1), values.reshape(-1)).view(p.shape)
 
 
 class PlateExperts(nn.Module):
