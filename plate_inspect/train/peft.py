@@ -888,7 +888,7 @@ class PlateModel(BaseTuner):
     """The PEFT tuner that replaces a bundle's modules by PlateLayers."""
 
     prefix: str = "plate_"
-    tuner_layer_cls = PlateLayer
+    tuner_layer_cls = (PlateLayer, PlateExpertsLayer)  # type: ignore[assignment]  # peft only isinstance()s it
     target_module_mapping: dict[str, list[str]] = {}
 
     def __getattr__(self, name: str) -> Any:

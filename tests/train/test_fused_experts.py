@@ -366,3 +366,42 @@ def test_3d_experts_in_a_cast_model_checked_against_the_source_slice(made, famil
         model.get_parameter(pname)[e] *= 1.03
     with pytest.raises(BundleError, match=rf"{re.escape(experts[-1])} \(expert {e} of .*fingerprint differs"):
         apply_bundle(model, bundle, modules=experts)
+
+
+def test_peft_two_expert_adapters_switch_and_delete(made):
+    """set_adapter / delete_adapter reach the experts layer: adapter "two" alone gives apply_bundle's model with
+    its A's and rho (oracle-checked above), and deleting it leaves "default" as it was."""
+    pytest.importorskip("peft")
+    from peft import get_peft_model
+
+    from plate_inspect.train.peft import PlateConfig, PlateExpertsLayer
+
+    ckpt, bundle = made("qwen3_moe")
+    chosen = ["mlp.experts.down_proj"]
+    pm = get_peft_model(load(ckpt), PlateConfig(bundle=str(bundle.path), target_modules=chosen))
+    pm.add_adapter("two", PlateConfig(bundle=str(bundle.path), target_modules=chosen, rho=0.25))
+    layer = next(m for m in pm.modules() if isinstance(m, PlateExpertsLayer))
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for name in ("default", "two"):
+            for a in layer.plate_A[name].values():
+                a.copy_(torch.randn(a.shape, generator=g))
+    x = ids()
+    with torch.no_grad():
+        first = pm(input_ids=x).logits
+        pm.set_adapter("two")
+        second = pm(input_ids=x).logits
+    assert all(a.requires_grad for a in layer.plate_A["two"].values())
+    assert not any(a.requires_grad for a in layer.plate_A["default"].values())
+    ref = load(ckpt)
+    apply_bundle(ref, bundle, rho=0.25, modules=[n for n in bundle.modules if n.endswith("down_proj")])
+    by_slot = {layer.plate_slots["two"][k].bundle_name: a for k, a in layer.plate_A["two"].items()}
+    with torch.no_grad():
+        for n, b in expert_branches(ref).items():
+            b.plate_A.copy_(by_slot[n])
+        assert torch.equal(ref(x).logits, second)
+    pm.set_adapter("default")
+    pm.delete_adapter("two")
+    assert list(layer.plate_A) == ["default"] and list(layer.plate_slots) == ["default"]
+    with torch.no_grad():
+        assert torch.equal(pm(input_ids=x).logits, first)
