@@ -42,6 +42,14 @@ from plate_inspect.train.core import (
     unmerge_rows,
     validate_geometry,
 )
+from plate_inspect.train.experts import (
+    ExpertBranch,
+    PlateExperts,
+    check_expert_against_record,
+    expert_branches,
+    plate_experts,
+    resolve_expert_slots,
+)
 from plate_inspect.train.weightcheck import WeightSketch, check_weight
 
 if TYPE_CHECKING:
@@ -421,8 +429,21 @@ def resolve_module_names(model: nn.Module, names: list[str], strict: bool = True
     return out
 
 
-def unresolved_modules(model: nn.Module, missing: list[str], resolved: int) -> BundleError:
-    """The refusal for bundle modules the model has no layer for: another model, or layers transformers fuses."""
+def unresolved_modules(
+    model: nn.Module, missing: list[str], resolved: int, experts: frozenset[str] = frozenset()
+) -> BundleError:
+    """The refusal for bundle modules the model has no layer for: another model, or layers transformers fuses.
+
+    ``experts``: the missing ones that are experts of fused 3-D parameters (which apply_bundle adapts and the PEFT
+    method does not yet)."""
+    fused = [n for n in missing if n in experts]
+    if fused:
+        first = f"bundle module '{fused[0]}'" + (f" (and {len(fused) - 1} more)" if len(fused) > 1 else "")
+        return BundleError(
+            f"{first}: an expert the model ({type(model).__name__}) holds inside a fused 3-D parameter; PLATE adapts "
+            "fused experts via apply_bundle(model, bundle), the PEFT method does not yet: use apply_bundle, or adapt "
+            "the other modules with PEFT (target_modules=['q_proj', ...])"
+        )
     first = f"bundle module '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
     if not resolved:
         return BundleError(
@@ -431,9 +452,9 @@ def unresolved_modules(model: nn.Module, missing: list[str], resolved: int) -> B
         )
     return BundleError(
         f"{first}: the model ({type(model).__name__}) has no Linear/Conv1D layer of that name, though it has "
-        f"{resolved} of the bundle's other modules; transformers may hold these fused (MoE experts as one 3-D "
-        "parameter), which PLATE layers cannot wrap: adapt the others (target_modules / modules=['q_proj', ...]) "
-        "or rescan with --target-modules that leave them out"
+        f"{resolved} of the bundle's other modules, and no fused expert parameter that transformers' conversion "
+        "mapping builds from it: adapt the others (target_modules / modules=['q_proj', ...]) or rescan with "
+        "--target-modules that leave them out"
     )
 
 
@@ -702,14 +723,34 @@ def apply_bundle(
     b = _as_bundle(bundle)
     names = _module_names(modules, b)
     ks = load_plan(plan, b)
-    mapping = resolve_module_names(model, names)
+    mapping = resolve_module_names(model, names, strict=False)
+    missing = [n for n in names if n not in mapping]
+    slots = resolve_expert_slots(model, missing, b) if missing else {}
+    if len(slots) < len(missing):  # neither a layer nor an expert of a fused parameter
+        raise unresolved_modules(model, [n for n in missing if n not in slots], len(mapping) + len(slots))
     if not check_fingerprints:
         warnings.warn(
             "apply_bundle: fingerprint check skipped; a bundle made for other weights would go unnoticed",
             stacklevel=2,
         )
+    fused, expert_sketches = {}, {}
+    for name, slot in slots.items():  # checked (and oriented) before anything is wrapped, as the layers below
+        ref = (references or {}).get(name)
+        owner = model.get_submodule(slot.owner)
+        base = owner.base if isinstance(owner, PlateExperts) else owner
+        if offload_hook(base) is not None:
+            raise BundleError(
+                f"module '{slot.owner}': accelerate offloads its experts (device_map with cpu/disk offload), and "
+                "PLATE on fused experts needs them in memory: load the model with a device_map that keeps them on a "
+                "device"
+            )
+        fused[name] = getattr(base, slot.param)
+        slots[name], sketch = check_expert_against_record(
+            slot, fused[name], b.record(name), check_fingerprints, ref, b, adapter=references is not None
+        )
+        expert_sketches[name] = sketch or ref
     targets, sketches, waiting = {}, {}, set()
-    for name in names:
+    for name in mapping:
         mod = model.get_submodule(mapping[name])
         if isinstance(mod, PlateLinear):
             raise BundleError(f"module '{mapping[name]}' is already a PLATE layer; merge or unload it first")
@@ -723,6 +764,7 @@ def apply_bundle(
             waiting.add(name)
         targets[name] = mod
     keep = {id(layer.plate_A) for layer in plate_layers(model).values() if layer.plate_A.requires_grad}
+    keep |= {id(br.plate_A) for br in expert_branches(model).values() if br.plate_A.requires_grad}
     for p in model.parameters():
         if id(p) not in keep:  # the A's of an earlier apply_bundle call stay trainable
             p.requires_grad_(False)
@@ -747,6 +789,20 @@ def apply_bundle(
         layer.weight_sketch = sketches[name]
         _set_submodule(model, mapping[name], layer)
         trainable.append(layer.plate_A)
+    for name, slot in slots.items():
+        owner = model.get_submodule(slot.owner)
+        if not isinstance(owner, PlateExperts):
+            owner = PlateExperts(owner)
+            _set_submodule(model, slot.owner, owner)
+        b_idx, q = module_geometry(b, name, ks.get(name), q_dtype=None)
+        branch = ExpertBranch(slot, b_idx, q if q_dtype is None else q.to(q_dtype), rho, fused[name].device)
+        branch.geometry_digest = geometry_digest(b_idx, q)  # of B/Q as stored, as for the layers
+        branch.q_dtype = None if q_dtype is None else _dtype_name(q_dtype)
+        branch.bundle_record_fingerprint = b.record(name).fingerprint
+        branch.bundle_identity = identity
+        branch.weight_sketch = expert_sketches[name]
+        owner.add(branch)
+        trainable.append(branch.plate_A)
     keep_input_grads_under_checkpointing(model)
     return trainable
 
@@ -815,15 +871,19 @@ def own_plate_layers(model: nn.Module, function: str) -> dict[str, PlateLinear]:
 
 
 def merge_all(model: nn.Module) -> None:
-    """merge() every PLATE layer."""
+    """merge() every PLATE layer and every adapted fused experts module."""
     for layer in own_plate_layers(model, "merge_all").values():
         layer.merge()
+    for experts in plate_experts(model).values():
+        experts.merge()
 
 
 def unmerge_all(model: nn.Module) -> None:
-    """unmerge() every PLATE layer."""
+    """unmerge() every PLATE layer and every adapted fused experts module."""
     for layer in own_plate_layers(model, "unmerge_all").values():
         layer.unmerge()
+    for experts in plate_experts(model).values():
+        experts.unmerge()
 
 
 def unload(model: nn.Module, merge: bool = True) -> nn.Module:
@@ -837,6 +897,12 @@ def unload(model: nn.Module, merge: bool = True) -> nn.Module:
             layer.unmerge()
         layer._saved_rows = None
         _set_submodule(model, name, layer.base)
+    for name, experts in plate_experts(model).items():
+        if merge:
+            experts.merge()
+        else:
+            experts.unmerge()
+        _set_submodule(model, name, experts.base)
     for switch in CHECKPOINTING_ENABLE:  # apply_bundle's wrapped switch: a plain model again
         if isinstance(model.__dict__.get(switch), CheckpointingWithInputGrads):
             del model.__dict__[switch]
@@ -870,7 +936,8 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     refuse_to_replace(
         path, _is_adapter_file, "a PLATE adapter", "the adapter", "path", str(path.with_name("adapter.safetensors"))
     )
-    layers = own_plate_layers(model, "save_adapter")
+    layers: dict[str, PlateLinear | ExpertBranch] = {**own_plate_layers(model, "save_adapter")}
+    layers.update(expert_branches(model))
     if not layers:
         raise ConfigError("the model has no PLATE layers to save; call apply_bundle first")
     tensors, digests, fingerprints, ks, sketches, rhos, q_dtypes = {}, {}, {}, {}, {}, {}, {}
@@ -1028,7 +1095,7 @@ def load_adapter(
     model_argument(model, "load_adapter")
     tensors, meta = read_adapter(path)
     path = Path(path)
-    layers = plate_layers(model)
+    layers = adapter_layers(model)
     grads = {id(p): p.requires_grad for p in model.parameters()}
     created = not layers
     try:
@@ -1054,19 +1121,27 @@ def load_adapter(
                     plan=adapter_plan(meta, b),
                     references=meta["weight_sketches"],
                 )
-            layers = plate_layers(model)
+            layers = adapter_layers(model)
         return _load_a(layers, tensors, meta, path)
     except BaseException:
         if created:  # put the plain layers back and restore requires_grad: the model is as it was
             for name, layer in plate_layers(model).items():
                 _set_submodule(model, name, layer.base)
+            for name, experts in plate_experts(model).items():
+                _set_submodule(model, name, experts.base)
             for p in model.parameters():
                 p.requires_grad_(grads.get(id(p), p.requires_grad))
         raise
 
 
+def adapter_layers(model: nn.Module) -> dict[str, PlateLinear | ExpertBranch]:
+    """What an adapter file holds A's for: the PLATE layers (by module name) and the expert branches (by bundle
+    module name)."""
+    return {**plate_layers(model), **expert_branches(model)}
+
+
 def _load_a(
-    layers: dict[str, PlateLinear], tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
+    layers: dict[str, PlateLinear | ExpertBranch], tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
 ) -> list[nn.Parameter]:
     by_name = {getattr(layer, "bundle_name", n): layer for n, layer in layers.items()}
     if set(by_name) != set(tensors):

@@ -51,6 +51,13 @@ from plate_inspect.train.core import (
     unmerge_rows,
     validate_geometry,
 )
+from plate_inspect.train.experts import (
+    ExpertSlot,
+    PlateExperts,
+    adapted_parameter_rows,
+    check_expert_against_record,
+    resolve_expert_slots,
+)
 from plate_inspect.train.layer import (
     CHECKPOINTING_ENABLE,
     AwaitingWeights,
@@ -485,6 +492,142 @@ class PlateLayer(nn.Module, BaseTunerLayer):
         return "plate." + super().__repr__()
 
 
+@dataclass(frozen=True)
+class ExpertGeometry:
+    """One adapter's branch on one expert of a fused parameter, as PlateModel prepares it."""
+
+    slot: ExpertSlot
+    b_idx: torch.Tensor
+    q: torch.Tensor
+    digest: str
+
+
+class _ExpertBuffers(nn.Module):
+    """B and Q of one expert branch (non-persistent: a PEFT adapter of fused experts is lean, B/Q come from the
+    bundle)."""
+
+    plate_B_idx: torch.Tensor
+    plate_Q: torch.Tensor
+
+    def __init__(self, b_idx: torch.Tensor, q: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("plate_B_idx", b_idx, persistent=False)
+        self.register_buffer("plate_Q", q.contiguous(), persistent=False)
+
+
+class PlateExpertsLayer(nn.Module, BaseTunerLayer):
+    """A model's experts module whose fused 3-D parameters carry PLATE branches, per adapter and expert.
+
+    ``plate_A[adapter][key]`` is expert ``key``'s A (key: ``<param>__<expert>__<block>``); the forward runs the
+    base experts on each adapted parameter materialized as W + the active adapters' rho B A Q^T (as apply_bundle's
+    ``PlateExperts``); merge writes the rows in place and unmerge restores them bit for bit.
+    """
+
+    adapter_layer_names = ("plate_A",)
+    other_param_names = ("plate_geometry", "plate_slots", "plate_rho")
+    plate_experts = True  # experts._fused_parameters: this layer's base_layer holds the fused parameters
+
+    def __init__(
+        self, base_layer: nn.Module, adapter_name: str, geometry: dict[str, ExpertGeometry], rho: float
+    ) -> None:
+        super().__init__()
+        BaseTunerLayer.__init__(self)
+        self.base_layer = base_layer
+        self.plate_A = nn.ModuleDict({})
+        self.plate_geometry = nn.ModuleDict({})
+        self.plate_slots: dict[str, dict[str, ExpertSlot]] = {}
+        self.plate_rho: dict[str, float] = {}
+        self._saved_rows: dict[str, dict[str, torch.Tensor]] = {}
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, geometry, rho)
+
+    def update_layer(self, adapter_name: str, geometry: dict[str, ExpertGeometry], rho: float) -> None:
+        """Add (or replace) one adapter's branches: a zero A [r, k] per expert, B and Q beside the parameter."""
+        params, buffers, slots = nn.ParameterDict({}), nn.ModuleDict({}), {}
+        for g in geometry.values():
+            p = getattr(self.get_base_layer(), g.slot.param)
+            key = PlateExperts.key(g.slot)
+            b_idx, q = validate_geometry(g.b_idx, g.q, g.slot.d_out, g.slot.d_in, where=g.slot.bundle_name)
+            buffers[key] = _ExpertBuffers(b_idx.to(p.device), q.to(p.device, torch.float32))
+            params[key] = nn.Parameter(torch.zeros(b_idx.numel(), q.shape[1], device=p.device))
+            slots[key] = g.slot
+        self.plate_A[adapter_name] = params
+        self.plate_geometry[adapter_name] = buffers
+        self.plate_slots[adapter_name] = slots
+        self.plate_rho[adapter_name] = check_rho(rho)
+        self.set_adapter(self.active_adapters)
+
+    def _branches(self, name: str) -> list[tuple[ExpertSlot, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(slot, B, Q, A) of every expert branch of adapter ``name``."""
+        out = []
+        for key, slot in self.plate_slots[name].items():
+            per_adapter = self.plate_geometry[name]
+            assert isinstance(per_adapter, nn.ModuleDict)
+            buffers = per_adapter[key]
+            assert isinstance(buffers, _ExpertBuffers)
+            a = self.plate_A[name]
+            assert isinstance(a, nn.ParameterDict)
+            out.append((slot, buffers.plate_B_idx, buffers.plate_Q, a[key]))
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The base experts on W + the active adapters' deltas (merged: in the parameters; disabled: none)."""
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(*args, **kwargs)
+        active = [a for a in self.active_adapters if a in self.plate_A]
+        if self.merged or not active:
+            return self.base_layer(*args, **kwargs)
+        groups: dict[str, list[tuple[ExpertSlot, torch.Tensor, torch.Tensor, torch.Tensor, float]]] = {}
+        for name in active:
+            for slot, b_idx, q, a in self._branches(name):
+                groups.setdefault(slot.param, []).append((slot, b_idx, q, a, self.plate_rho[name]))
+        base = self.get_base_layer()
+        swapped = {param: adapted_parameter_rows(getattr(base, param), rows) for param, rows in groups.items()}
+        return torch.func.functional_call(base, swapped, args, kwargs, tie_weights=False, strict=False)
+
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """W[B] += rho A Q^T per expert for each adapter; the replaced rows are kept so unmerge() is exact."""
+        base = self.get_base_layer()
+        for name in check_adapters_to_merge(self, adapter_names):
+            if name not in self.plate_A:
+                continue
+            saved = {}
+            for slot, b_idx, q, a in self._branches(name):
+                view = slot.view(getattr(base, slot.param).data)
+                saved[PlateExperts.key(slot)] = merge_rows(view, slot.layout, b_idx, a, q, self.plate_rho[name])
+                if safe_merge and not torch.isfinite(view).all():
+                    raise ValueError(f"NaNs detected in the merged weights; the adapter {name} seems to be broken")
+            self._saved_rows[name] = saved
+            self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo merge() exactly (last merged first)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+            return
+        base = self.get_base_layer()
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            saved = self._saved_rows.pop(name)
+            for slot, b_idx, _, _ in reversed(self._branches(name)):
+                unmerge_rows(
+                    slot.view(getattr(base, slot.param).data), slot.layout, b_idx, saved[PlateExperts.key(slot)]
+                )
+
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        """False: peft's conversion of an adapter to LoRA is not offered for PLATE layers."""
+        return False
+
+    def __repr__(self) -> str:
+        return "plate." + super().__repr__()
+
+
 def _check_carried_geometry(layer: PlateLayer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Before a state dict is loaded: a carried B/Q in it must be valid and the one the adapter was made with.
 
@@ -634,18 +777,31 @@ class _Record:
     fingerprint: str
 
 
-def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: list[str], model: nn.Module) -> list[str]:
+def _select_targets(
+    config: PlateConfig,
+    mapping: dict[str, str],
+    unresolved: list[str],
+    model: nn.Module,
+    experts: dict[str, ExpertSlot] | None = None,
+) -> tuple[list[str], list[str]]:
     """Model names of the bundle modules ``config.target_modules`` selects; it is then set to exactly those names.
 
     peft's rules: a list entry matches a whole name or a ``.``-separated suffix, a string is a regular expression
     that must match a whole name; here an entry may name the model's module or the bundle's (checkpoint) one.
-    ``unresolved``: bundle modules the model has no layer for; selecting one is refused.
+    ``unresolved``: bundle modules the model has no layer for; selecting one is refused, unless it is in
+    ``experts`` (an expert of a fused 3-D parameter: an entry selects it by its bundle name, or all experts of a
+    fused parameter by that parameter's name, as LoRA's ``target_parameters``: ``"mlp.experts.gate_up_proj"``).
+    Returns (model names of the chosen layers, bundle names of the chosen experts); ``config.target_modules``
+    becomes those, plus the experts modules that hold the chosen experts (where peft's injection places them).
     """
+    experts = experts or {}
     tm = config.target_modules
+    chosen_experts: list[str] = []
     if tm is None or tm == "all-linear":  # the bundle holds only linear layers
         chosen = list(mapping.values())
-        if unresolved:
-            raise unresolved_modules(model, unresolved, len(mapping))
+        chosen_experts = list(experts)
+        if len(experts) < len(unresolved):
+            raise unresolved_modules(model, [n for n in unresolved if n not in experts], len(mapping) + len(experts))
     else:
         if isinstance(tm, str):
             pattern = re.compile(tm)
@@ -658,10 +814,12 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
                 return any(key == t or key.endswith("." + t) for t in tm)
 
         chosen = [m for n, m in mapping.items() if match(m) or match(n)]
-        wanted = [n for n in unresolved if match(n)]
+        chosen_experts = [n for n, slot in experts.items() if match(n) or match(f"{slot.owner}.{slot.param}")]
+        wanted = [n for n in unresolved if match(n) and n not in experts]
         if wanted:
-            raise unresolved_modules(model, wanted, len(mapping))
-        names = [*mapping, *mapping.values(), *unresolved]
+            raise unresolved_modules(model, wanted, len(mapping) + len(experts))
+        fused_names = {f"{slot.owner}.{slot.param}" for slot in experts.values()} | {s.owner for s in experts.values()}
+        names = [*mapping, *mapping.values(), *unresolved, *fused_names]
         unused = [] if isinstance(tm, str) else [t for t in tm if not any(k == t or k.endswith("." + t) for k in names)]
         if chosen and unused:
             warnings.warn(
@@ -669,7 +827,7 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
                 "the bundle's modules; other trainable modules go in modules_to_save)",
                 stacklevel=4,
             )
-    if not chosen:
+    if not chosen and not chosen_experts:
         shown = ", ".join(list(mapping.values())[:3])
         hint = ""
         if isinstance(tm, str) and any(m.endswith("." + tm) for m in mapping.values()):
@@ -681,8 +839,8 @@ def _select_targets(config: PlateConfig, mapping: dict[str, str], unresolved: li
             "a string, which as in peft is a regular expression matching whole names ('.*\\.q_proj'); "
             "None or 'all-linear' for every module of the bundle"
         )
-    config.target_modules = set(chosen)
-    return chosen
+    config.target_modules = set(chosen) | set(chosen_experts) | {experts[n].owner for n in chosen_experts}
+    return chosen, chosen_experts
 
 
 #: the head names peft adds to modules_to_save for a task (SEQ_CLS / TOKEN_CLS: both; a model has one of them)
@@ -730,7 +888,7 @@ class PlateModel(BaseTuner):
     """The PEFT tuner that replaces a bundle's modules by PlateLayers."""
 
     prefix: str = "plate_"
-    tuner_layer_cls = PlateLayer
+    tuner_layer_cls = (PlateLayer, PlateExpertsLayer)  # type: ignore[assignment]  # peft only isinstance()s it
     target_module_mapping: dict[str, list[str]] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -760,6 +918,11 @@ class PlateModel(BaseTuner):
         adapter is inactive and frozen until ``set_adapter``; it saves and loads like the first adapter.
         """
         where = "add_weighted_adapter"
+        if any(isinstance(m, PlateExpertsLayer) for m in self.model.modules()):
+            raise ConfigError(
+                f"{where}: the adapters adapt experts of fused 3-D parameters, which add_weighted_adapter does not "
+                "combine yet; combine them by hand (A = sum_i w_i rho_i A_i / rho per expert) or leave the experts out"
+            )
         if combination_type != "linear":
             raise ConfigError(
                 f"{where}: combination_type {combination_type!r}: PLATE adapters combine linearly only "
@@ -867,8 +1030,16 @@ class PlateModel(BaseTuner):
             return
         bundle = _load_recorded_bundle(config) if recorded else Bundle.load(config.bundle)
         mapping = resolve_module_names(model, bundle.modules, strict=False)  # bundle name -> model name
-        chosen = _select_targets(config, mapping, [n for n in bundle.modules if n not in mapping], model)
+        unresolved = [n for n in bundle.modules if n not in mapping]
+        slots = resolve_expert_slots(model, unresolved, bundle) if unresolved else {}
+        chosen, chosen_experts = _select_targets(config, mapping, unresolved, model, slots)
         _check_modules_to_save(config.modules_to_save, model, chosen)
+        if chosen_experts and config.carry_geometry:
+            raise ConfigError(
+                f"PlateConfig(carry_geometry=True): the adapter selects experts of fused 3-D parameters (e.g. "
+                f"'{chosen_experts[0]}'), whose adapters are lean only so far; use carry_geometry=False (B/Q are read "
+                "from the bundle at load) or leave the experts out (target_modules)"
+            )
         inverse = {v: k for k, v in mapping.items()}
         ks = load_plan(config.plan, bundle)
         geometry, records = {}, {}
@@ -907,6 +1078,36 @@ class PlateModel(BaseTuner):
                 records[m]["carried_digests"] = carried
             if awaiting is not None:
                 awaiting.record_entry = records[m]  # its weight sketch is filled in once the weight is checked
+        expert_geometry: dict[str, dict[str, ExpertGeometry]] = {}  # experts module name -> {bundle module: ...}
+        for name in chosen_experts:
+            rec = bundle.record(name)
+            ref = recorded.get(name, {}).get("sketch")
+            ref = WeightSketch.from_json(ref) if ref else None
+            slot = slots[name]
+            owner = model.get_submodule(slot.owner)
+            base = owner.get_base_layer() if isinstance(owner, BaseTunerLayer) else owner
+            if isinstance(owner, PlateExpertsLayer) and owner.merged:
+                raise BundleError(f"module '{slot.owner}': adapters are merged into it; unmerge_adapter() first")
+            slot, sketch = check_expert_against_record(
+                slot, getattr(base, slot.param), rec, config.check_fingerprints, ref, bundle, adapter=bool(recorded)
+            )
+            b_idx, q = module_geometry(bundle, name, ks.get(name), q_dtype=None)
+            digest = geometry_digest(b_idx, q)
+            expert_geometry.setdefault(slot.owner, {})[name] = ExpertGeometry(slot, b_idx, q, digest)
+            records[name] = {
+                "bundle_module": name,
+                "expert_of": f"{slot.owner}.{slot.param}",
+                "shape": list(rec.shape),
+                "dtype": rec.dtype,
+                "fingerprint": rec.fingerprint,
+                "digest": digest,
+                "r": int(b_idx.numel()),
+                "k": int(q.shape[1]),
+                "sketch": sketch.to_json() if sketch is not None else recorded.get(name, {}).get("sketch"),
+            }
+        if not hasattr(self, "_plate_experts"):
+            self._plate_experts: dict[str, dict[str, dict[str, ExpertGeometry]]] = {}
+        self._plate_experts[adapter_name] = expert_geometry
         digest = _bundle_digest(records)
         sig = bundle.manifest.source_signature
         if config.bundle_digest is not None and config.bundle_digest != digest:
@@ -971,6 +1172,17 @@ class PlateModel(BaseTuner):
         parameter_name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        experts = getattr(self, "_plate_experts", {}).get(adapter_name, {})
+        if current_key in experts:
+            rho = _plate_config(peft_config).rho
+            if isinstance(target, PlateExpertsLayer):
+                target.update_layer(adapter_name, experts[current_key], rho)
+            else:
+                new_experts = PlateExpertsLayer(target, adapter_name, experts[current_key], rho)
+                if adapter_name not in self.active_adapters:
+                    new_experts.requires_grad_(False)
+                self._replace_module(parent, target_name, new_experts, target)
+            return
         geometry = self._plate[adapter_name]
         if current_key not in geometry:
             raise BundleError(f"module '{current_key}' matches target_modules but the bundle has no geometry for it")
@@ -989,6 +1201,9 @@ class PlateModel(BaseTuner):
     def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
         """peft's, except that B/Q made beside a meta-device weight keep their real values (peft moves every adapter
         submodule without parameters to the weight's device: meta, where the values would be lost)."""
+        if isinstance(child, PlateExpertsLayer) and new_module is child.get_base_layer():  # unloaded experts: peft's
+            setattr(parent, child_name, new_module)  # would copy a '.weight' that an experts module does not have
+            return
         real = {n: b for n, b in new_module.named_buffers() if n.startswith(self.prefix) and not b.is_meta}
         super()._replace_module(parent, child_name, new_module, child)
         for name, buffer in real.items():

@@ -174,12 +174,22 @@ def source_reference(bundle: Bundle, name: str) -> WeightSketch | None:
             ckpt = Checkpoint.open(src["id"], revision=src.get("commit") or src.get("revision"), offline=True)
         else:
             return None
-        w, fp = ckpt.read_weight(f"{name}.weight")
+        w, fp = _read_reference(ckpt, name, record.layout)
     except (PlateInspectError, OSError, KeyError):
         return None
     if fp != record.fingerprint:
         return None
-    return sketch_weight(oriented(w, record.layout))
+    return sketch_weight(w.t() if record.layout in ("conv1d", "experts_in_major") else w)
+
+
+def _read_reference(ckpt: Any, name: str, layout: str) -> tuple[torch.Tensor, str]:
+    """Module ``name``'s stored weight and fingerprint: ``<name>.weight``, or for an expert of a 3-D stack
+    (module ``<tensor>.<e>``) that expert's slice of ``<tensor>.weight`` / ``<tensor>``."""
+    if layout not in ("experts_out_major", "experts_in_major"):
+        return ckpt.read_weight(f"{name}.weight")
+    stem, _, e = name.rpartition(".")
+    tensor = f"{stem}.weight" if f"{stem}.weight" in ckpt.tensors else stem
+    return ckpt.read_weight(tensor, expert=int(e))
 
 
 def check_weight(
@@ -196,7 +206,19 @@ def check_weight(
     The returned sketch is the one to record in an adapter: of the model's weight when it matched exactly, else the
     reference it was compared with. ``adapter``: a saved adapter is being loaded (the refusal says what to do then).
     """
-    w = full_weight(module)
+    return check_weight_tensor(full_weight(module), name, record, layout, reference, bundle, adapter)
+
+
+def check_weight_tensor(
+    w: torch.Tensor,
+    name: str,
+    record: WeightRecord,
+    layout: str,
+    reference: WeightSketch | None = None,
+    bundle: Bundle | None = None,
+    adapter: bool = False,
+) -> WeightSketch:
+    """``check_weight`` on a weight tensor in its stored layout (one expert's block of a fused 3-D parameter)."""
     if weight_fingerprint(w, record.dtype) == record.fingerprint:
         return reference or sketch_weight(oriented(w, layout))
     # quantized storage (FP8 codes x scales, MXFP4): the scan read it dequantized to float32, correctly rounded, so

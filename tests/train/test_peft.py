@@ -517,8 +517,8 @@ def test_moe_checkpoint_experts_wrapped_or_refused_as_the_model_holds_them(tmp_p
     """Mixtral's checkpoint stores per-expert w1/w2/w3. transformers 4.x holds them as those nn.Linears (same names,
     same [d_out, d_in]): every bundle module is wrapped and the MoE block's output and A gradients equal a dense
     float64 oracle (router top-2 of softmax, renormalised; sum over the chosen experts of
-    w2'(silu(w1' x) * w3' x), each W' = W + rho E_B A Q^T). transformers 5 fuses them into 3-D parameters: no Linear
-    to wrap, and every module is refused in one line saying why. Attention-only targets work in both (dense oracle)."""
+    w2'(silu(w1' x) * w3' x), each W' = W + rho E_B A Q^T). transformers 5 fuses them into 3-D parameters: every
+    expert is adapted inside them (PlateExpertsLayer). Attention-only targets work in both (dense oracle)."""
     from transformers import AutoModelForCausalLM
 
     from plate_inspect.testing.synthetic import write_family
@@ -531,12 +531,15 @@ def test_moe_checkpoint_experts_wrapped_or_refused_as_the_model_holds_them(tmp_p
     if all(isinstance(held.get(m), nn.Linear) for m in bundle.modules):  # transformers 4.x
         _check_moe_block_against_dense_oracle(model, bundle, "model.layers.1.block_sparse_moe")
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
-    else:  # transformers 5: the experts are fused parameters, not modules
+    else:  # transformers 5: the experts are fused parameters, not modules; each is adapted inside them
+        from plate_inspect.train.peft import PlateExpertsLayer  # (tests/train/test_fused_experts.py: the oracle)
+
         assert not any(".experts.0.w1" in n for n in held)
-        with pytest.raises(
-            BundleError, match=r"experts\.0\.w1' \(and \d+ more\): the model \(MixtralForCausalLM\) has no"
-        ):
-            get_peft_model(model, PlateConfig(bundle=str(bundle.path)))
+        whole = get_peft_model(model, PlateConfig(bundle=str(bundle.path)))
+        fused = [m for m in whole.modules() if isinstance(m, PlateExpertsLayer)]
+        adapted = {s.bundle_name for m in fused for s in m.plate_slots["default"].values()}
+        assert adapted == {m for m in bundle.modules if ".experts." in m} and len(fused) == 2
+        model = whole.unload()
     pm = get_peft_model(model, PlateConfig(bundle=str(bundle.path), target_modules=["q_proj"], rho=0.5))
     name = "model.layers.1.self_attn.q_proj"
     assert pm.peft_config["default"].target_modules == {"model.layers.0.self_attn.q_proj", name}
