@@ -1,0 +1,85 @@
+"""Which network interface gloo listens on, on a node whose host name resolves to a loopback address.
+
+gloo (without ``GLOO_SOCKET_IFNAME``) listens on the first address this host's name resolves to. Many Linux hosts
+map their own name to 127.0.0.1 or 127.0.1.1 in /etc/hosts (Debian's and Ubuntu's default, most containers), so
+every rank would advertise a loopback address to the others and a job across machines fails to connect
+(``Gloo connectFullMesh failed ... Connection refused, remote=[127.0.0.1]``); so does a host whose name resolves
+to an address it cannot bind (gloo then falls back to 127.0.0.1). On such a host the interface that
+reaches the job's store (``MASTER_ADDR``, which every node reaches) is the one the other nodes can reach too."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+
+#: Linux's ioctl that reads an interface's IPv4 address.
+_SIOCGIFADDR = 0x8915
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP address) is a loopback one; a name or garbage is not."""
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def gloo_default_is_loopback(host: str) -> bool:
+    """Whether gloo's default device would listen on loopback: of the addresses ``host`` (this machine's name)
+    resolves to, gloo takes the first it can bind, and falls back to 127.0.0.1 when it can bind none (a name that
+    does not resolve, or resolves to another machine's or another network namespace's address)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return True
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind((address[0], 0, *address[2:]))
+        except OSError:
+            continue
+        return is_loopback(str(address[0]))
+    return True
+
+
+def route_source(address: str, port: int) -> str | None:
+    """This host's IPv4 address on the route to ``address`` (no packet is sent), or None (no route, not IPv4)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, port))
+            return str(s.getsockname()[0])
+    except (OSError, UnicodeError, OverflowError):
+        return None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface holding the IPv4 ``address`` (Linux), or None."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            with contextlib.suppress(OSError):
+                reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
+                if socket.inet_ntoa(reply[20:24]) == address:
+                    return name
+    return None
+
+
+def gloo_interface(environ: dict[str, str] | os._Environ[str], host: str) -> str | None:
+    """The interface gloo must listen on for a job whose store is at ``MASTER_ADDR``, when its default would not
+    do: None when ``GLOO_SOCKET_IFNAME`` is set (the user's choice), the store is on this host's loopback (one
+    machine), or this host's name (``host``) resolves to an address other nodes can reach."""
+    master = environ.get("MASTER_ADDR", "")
+    if "GLOO_SOCKET_IFNAME" in environ or not master or is_loopback(master) or not gloo_default_is_loopback(host):
+        return None
+    try:
+        port = int(environ.get("MASTER_PORT", "29500"))
+    except ValueError:
+        port = 29500
+    source = route_source(master, port)
+    if source is None or is_loopback(source):
+        return None
+    return interface_of(source)
