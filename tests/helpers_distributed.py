@@ -162,6 +162,14 @@ class TwoHosts:
         the other host hears nothing (no connection is closed), as when a node is cut off or powered off."""
         subprocess.run(["ip", "-n", self.namespaces[node], "link", "set", self.links[node], state], check=True)
 
+    def end_processes(self) -> None:
+        """SIGKILL every process still running on either host (all started by the test that made them)."""
+        for ns in self.namespaces:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+
     def net_inode(self, node: int) -> int:
         """The namespace's identity, as /proc/PID/ns/net shows it for a process running on host ``node``."""
         return os.stat(f"/run/netns/{self.namespaces[node]}").st_ino
@@ -206,16 +214,15 @@ def two_hosts() -> Iterator[TwoHosts]:
             subprocess.run(cmd, check=True, capture_output=True)
         yield hosts
     finally:
+        if len(made) == 2:
+            hosts.end_processes()
         for ns in made:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-#: A rank's script on a host of its own (argv: marks directory, seconds per module, then scan's arguments): each
-#: part file it writes is noted in ``marks/wrote-<node>`` with the network namespace it ran in; SCAN_RECORDING_EXIT.
+#: A rank's script on a host of its own (argv: marks directory, seconds per module on node 0 and on node 1 as
+#: ``0.0,3.0``, then scan's arguments): ``marks/computing-<node>`` once it starts its first module, and each part file
+#: it writes noted in ``marks/wrote-<node>`` with the network namespace it ran in; SCAN_RECORDING_EXIT.
 SCAN_NOTING_PARTS = (
     textwrap.dedent(
         """
@@ -223,9 +230,9 @@ SCAN_NOTING_PARTS = (
         from pathlib import Path
         from plate_inspect import bundle_writer, scanner
 
-        marks, rank, delay = Path(sys.argv[1]), os.environ["RANK"], float(sys.argv[2])
+        marks, rank, node = Path(sys.argv[1]), os.environ["RANK"], os.environ["GROUP_RANK"]
+        delay, net = float(sys.argv[2].split(",")[int(node)]), os.stat("/proc/self/ns/net").st_ino
         sys.argv[1:3] = []
-        node, net = os.environ["GROUP_RANK"], os.stat("/proc/self/ns/net").st_ino
         _write, _compute = bundle_writer.BundleWriter.write_part, scanner._compute
 
         def write_part(self, part, *args, **kwargs):
@@ -234,6 +241,7 @@ SCAN_NOTING_PARTS = (
                 f.write(f"{part} {net}\\n")
 
         def compute(*args, **kwargs):
+            (marks / f"computing-{node}").touch()
             time.sleep(delay)
             return _compute(*args, **kwargs)
 
@@ -261,18 +269,18 @@ class Agent:
         return next((t for t, line in self.lines if line.startswith(start)), None)
 
 
-def start_agents(hosts: TwoHosts, script: Path, marks: Path, delay: float, scan_args: list[str], run_id: str,
-                 nodes: tuple[int, ...] = (0, 1)) -> list[Agent]:  # fmt: skip
+def start_agents(hosts: TwoHosts, script: Path, marks: Path, delays: tuple[float, float], scan_args: list[str],
+                 run_id: str) -> list[Agent]:  # fmt: skip
     """One torchrun agent per host (``--nnodes 2``, one rank each, c10d rendezvous on host 0's address, which
     hosts the store: ``is_host``, since both hosts share this machine's name), running ``script`` with ``marks``,
-    ``delay`` and ``scan_args``; output read line by line as it comes."""
+    ``delays`` (seconds per module on each node) and ``scan_args``; output read line by line as it comes."""
     agents = []
     env = {**{k: v for k, v in os.environ.items() if k not in JOB_VARS}, **ONE_THREAD}
-    for node in nodes:
+    for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addresses[0]}:29500", "--rdzv-id", run_id,
                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", hosts.addresses[node],
-               "--", str(script), str(marks), str(delay), *scan_args]  # fmt: skip
+               "--", str(script), str(marks), ",".join(map(str, delays)), *scan_args]  # fmt: skip
         popen = subprocess.Popen(hosts.exec(node, cmd), env=env, text=True, start_new_session=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
         lines: list[tuple[float, str]] = []

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from oracles import assert_same_bundle
 from safetensors.torch import load_file
 
 from plate_inspect.bundle import Bundle
+from plate_inspect.errors import BundleError
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_a_job_on_two_hosts_writes_the_single_process_bundle(four_layers, refere
     script.write_text(SCAN_NOTING_PARTS)
     marks.mkdir()
     with two_hosts() as hosts:
-        agents = start_agents(hosts, script, marks, 0.0, _scan_args(four_layers.path, out), "hosts-ok")
+        agents = start_agents(hosts, script, marks, (0.0, 0.0), _scan_args(four_layers.path, out), "hosts-ok")
         codes = wait_agents(agents, timeout=240)
         output = "\n".join(agent.output()[-3000:] for agent in agents)
         assert codes == [0, 0], output
@@ -106,3 +108,102 @@ def test_gloo_listens_on_the_interface_that_reaches_the_store_when_the_host_name
         cmd = hosts.exec(0, [sys.executable, "-c", _GLOO_INTERFACE, json.dumps(cases)])
         chosen = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
         assert chosen == [hosts.links[0], hosts.links[0], None, None, None]
+
+
+SILENT = (
+    "error: rank 1 has given no sign of life for 30 s (killed, stopped, or its node is down): stop the job; the part "
+    "files finished so far are kept: rerun the same command to resume (with any number of ranks)"
+)
+LOST = "error: rank 1: lost contact with the job's store at {}:"
+LOST_END = (
+    ": it has not answered for 30 s; the first node (torchrun's agent or rank 0 there) is down, stopped or "
+    "unreachable: stop the job; the part files finished so far are kept: rerun the same command to resume (with any "
+    "number of ranks)"
+)
+
+
+def _lost_contact(agent, store_host: str) -> bool:
+    """The agent's rank said one error line: that it lost the job's store on ``store_host`` (any port)."""
+    errors = [line for _, line in agent.lines if line.startswith("error:")]
+    return len(errors) == 1 and errors[0].startswith(LOST.format(store_host)) and errors[0].endswith(LOST_END)
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.05)
+
+
+def _rerun_gives_the_reference(hosts, script, marks, model, out, reference) -> None:
+    """Every process of the cut job gone and the link back: the same command on both hosts resumes the bundle to
+    the single-process one."""
+    hosts.end_processes()
+    hosts.link(0, "up")
+    hosts.link(1, "up")
+    agents = start_agents(hosts, script, marks, (0.0, 0.0), _scan_args(model, out), "hosts-rerun")
+    codes = wait_agents(agents, timeout=240)
+    assert codes == [0, 0], "\n".join(agent.output()[-3000:] for agent in agents)
+    assert_same_bundle(reference, out)
+
+
+@pytest.mark.slow
+def test_a_host_cut_off_mid_scan_ends_the_job_within_the_silence_limit_and_the_rerun_resumes(
+    four_layers, reference, tmp_path
+):
+    """Host 1's link goes down while its rank scans (3 s per module: its share would take 42 s): no connection
+    closes, the store on host 0 hears nothing. Rank 0, done with its share, names rank 1 after the silence limit
+    (30 s) and its node's job ends; rank 1, whose store calls go unanswered, stops mid-share with the lost-contact
+    line after the store bound (30 s), each with exit code 2. torchrun's agent on host 1 keeps waiting on the
+    store (torch's own calls, not ours: README). Rerunning the same command resumes to the single-process bundle."""
+    script, marks, out = tmp_path / "rank.py", tmp_path / "marks", tmp_path / "b"
+    script.write_text(SCAN_NOTING_PARTS)
+    marks.mkdir()
+    with two_hosts() as hosts:
+        agents = start_agents(hosts, script, marks, (0.0, 3.0), _scan_args(four_layers.path, out), "hosts-cut-1")
+        _wait_for(marks / "computing-1", timeout=180)
+        hosts.link(1, "down")
+        down = time.monotonic()
+        _wait_for(marks / "exit-1", timeout=90)
+        codes = wait_agents(agents[:1], timeout=60)
+        output = "\n".join(agent.output()[-3000:] for agent in agents)
+        said_0, said_1 = agents[0].when(SILENT), agents[1].when(LOST.format(hosts.addresses[0]))
+        assert said_0 is not None and said_1 is not None, output
+        assert 30 <= said_0 - down < 45 and 30 <= said_1 - down < 45, (said_0 - down, said_1 - down)
+        assert codes[0] not in (None, 0) and time.monotonic() - down < 60, output
+        assert [(marks / f"exit-{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
+        assert _lost_contact(agents[1], hosts.addresses[0]), output
+        assert len(_parts_written(marks, 1)) < 2  # it stopped mid-share
+        with pytest.raises(BundleError, match="incomplete"):
+            Bundle.load(out)
+        _rerun_gives_the_reference(hosts, script, marks, four_layers.path, out, reference)
+
+
+@pytest.mark.slow
+def test_the_store_host_cut_off_mid_scan_stops_the_other_hosts_rank_and_the_rerun_resumes(
+    four_layers, reference, tmp_path
+):
+    """Host 0 (torchrun's agent with the job's store, and rank 0) loses its link while rank 1 on host 1 scans (3 s
+    per module): a vanished first node, as README's "A vanished first node" tells it with SIGSTOP. Rank 1's store
+    calls go unanswered; it stops mid-share with the lost-contact line after the store bound (30 s), exit code 2.
+    (Host 0 still runs here: its rank 0 names rank 1 as silent.) Rerunning resumes to the single-process bundle."""
+    script, marks, out = tmp_path / "rank.py", tmp_path / "marks", tmp_path / "b"
+    script.write_text(SCAN_NOTING_PARTS)
+    marks.mkdir()
+    with two_hosts() as hosts:
+        agents = start_agents(hosts, script, marks, (0.0, 3.0), _scan_args(four_layers.path, out), "hosts-cut-0")
+        _wait_for(marks / "computing-1", timeout=180)
+        hosts.link(0, "down")
+        down = time.monotonic()
+        _wait_for(marks / "exit-1", timeout=90)
+        stopped = time.monotonic() - down
+        time.sleep(1)  # its line comes before its exit mark; let the reader take it
+        output = agents[1].output()[-3000:]
+        said = agents[1].when(LOST.format(hosts.addresses[0]))
+        assert said is not None and 30 <= said - down < 45 and stopped < 45, (output, stopped)
+        assert (marks / "exit-1").read_text() == "2"
+        assert _lost_contact(agents[1], hosts.addresses[0]), output
+        assert len(_parts_written(marks, 1)) < 2  # it stopped mid-share
+        with pytest.raises(BundleError, match="incomplete"):
+            Bundle.load(out)
+        _rerun_gives_the_reference(hosts, script, marks, four_layers.path, out, reference)
