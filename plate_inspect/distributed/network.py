@@ -83,3 +83,19 @@ def gloo_interface(environ: dict[str, str] | os._Environ[str], host: str) -> str
     if source is None or is_loopback(source):
         return None
     return interface_of(source)
+
+
+def unreachable(host: str, port: int, timeout: float) -> str | None:
+    """Why ``host:port`` (the job's store) cannot be reached from here: its name does not resolve, no route, or no
+    answer within ``timeout`` seconds; None when it answers, or refuses (a host that is up, its store not yet)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return None
+    except socket.gaierror as e:
+        return f"the name does not resolve here: {e.strerror}"
+    except TimeoutError:
+        return f"no answer from it in {timeout:.0f} s"
+    except (OSError, UnicodeError, OverflowError) as e:
+        return str(getattr(e, "strerror", None) or e)
+    return None

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import pytest
 import torch
 from helpers_distributed import (
     EXE,
+    JOB_VARS,
+    ONE_THREAD,
     SCAN_NOTING_PARTS,
     run,
     start_agents,
@@ -207,3 +210,66 @@ def test_the_store_host_cut_off_mid_scan_stops_the_other_hosts_rank_and_the_reru
         with pytest.raises(BundleError, match="incomplete"):
             Bundle.load(out)
         _rerun_gives_the_reference(hosts, script, marks, four_layers.path, out, reference)
+
+
+_JOINING_RANK_1 = """
+import sys
+from plate_inspect import distributed, scanner
+
+distributed.timing.JOIN_NOTE_SECONDS = 2.0
+scanner.scan(sys.argv[1], sys.argv[2], r=8)
+"""
+
+
+def _first_note(cmd: list[str], env: dict[str, str], timeout: float) -> str:
+    """The first `plate-inspect:` line on stderr of ``cmd`` (which is then killed), or what it printed instead."""
+    with subprocess.Popen(cmd, env=env, text=True, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL) as popen:
+        seen: list[str] = []
+        reader = threading.Thread(target=lambda: seen.extend(popen.stderr), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and popen.poll() is None:
+            notes = [line.strip() for line in list(seen) if line.startswith("plate-inspect:")]
+            if notes:
+                popen.kill()
+                return notes[0]
+            time.sleep(0.1)
+        popen.kill()
+        return "".join(seen)[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_reach_master_addr_says_so_while_it_waits(four_layers, tmp_path):
+    """Ranks started by hand whose MASTER_ADDR cannot be reached from their host: an address with no route, and a
+    name (host 0's /etc/hosts) that resolves to an address on the link where no host is. torch retries for 24 h
+    (COLLECTIVE_TIMEOUT); the rank's note used to blame the other ranks ("a rank that failed before joining ... or
+    was never started"); it now says that the address cannot be reached and why."""
+    script = tmp_path / "joining.py"
+    script.write_text(_JOINING_RANK_1)
+    with two_hosts() as hosts:
+        absent = hosts.addresses[0].rsplit(".", 1)[0] + ".99"
+        etc = Path("/etc/netns") / hosts.namespaces[0]  # `ip netns exec` shows this as the host's /etc/hosts
+        etc.mkdir(parents=True)
+        try:
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{absent} first-node\n")
+            notes = {}
+            for master in ("192.0.2.50", "first-node"):
+                env = {**{k: v for k, v in os.environ.items() if k not in JOB_VARS}, **ONE_THREAD}
+                env.update(WORLD_SIZE="2", RANK="1", MASTER_ADDR=master, MASTER_PORT="29500")
+                cmd = hosts.exec(0, [sys.executable, str(script), str(four_layers.path), str(tmp_path / master)])
+                notes[master] = _first_note(cmd, env, timeout=120)
+        finally:
+            (etc / "hosts").unlink(missing_ok=True)
+            etc.rmdir()
+    tail = (
+        "MASTER_ADDR must be an address of the first node (rank 0's) that every node reaches; if it is wrong, stop "
+        "the job"
+    )
+    assert notes["192.0.2.50"] == (
+        "plate-inspect: rank 1 has waited 2 s to join the job at 192.0.2.50:29500 but cannot reach that address "
+        f"(Network is unreachable): {tail}"
+    ), notes
+    assert notes["first-node"] == (
+        "plate-inspect: rank 1 has waited 2 s to join the job at first-node:29500 but cannot reach that address "
+        f"(No route to host): {tail}"
+    ), notes
