@@ -95,6 +95,7 @@ print(json.dumps([gloo_interface(env, host) for env, host in json.loads(sys.argv
 """
 
 
+@pytest.mark.slow
 def test_gloo_listens_on_the_interface_that_reaches_the_store_when_the_host_name_is_loopback():
     """On host 0, whose name (here `localhost`, or one that resolves nowhere) gives gloo a loopback address: the
     interface for the job's store on host 1 is host 0's end of the link; nothing is chosen for a store on loopback,
