@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -249,19 +250,13 @@ def test_a_rank_that_cannot_reach_master_addr_says_so_while_it_waits(four_layers
     script.write_text(_JOINING_RANK_1)
     with two_hosts() as hosts:
         absent = hosts.addresses[0].rsplit(".", 1)[0] + ".99"
-        etc = Path("/etc/netns") / hosts.namespaces[0]  # `ip netns exec` shows this as the host's /etc/hosts
-        etc.mkdir(parents=True)
-        try:
-            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{absent} first-node\n")
+        with hosts.etc_hosts(0, f"127.0.0.1 localhost\n{absent} first-node\n"):
             notes = {}
             for master in ("192.0.2.50", "first-node"):
                 env = {**{k: v for k, v in os.environ.items() if k not in JOB_VARS}, **ONE_THREAD}
                 env.update(WORLD_SIZE="2", RANK="1", MASTER_ADDR=master, MASTER_PORT="29500")
                 cmd = hosts.exec(0, [sys.executable, str(script), str(four_layers.path), str(tmp_path / master)])
                 notes[master] = _first_note(cmd, env, timeout=120)
-        finally:
-            (etc / "hosts").unlink(missing_ok=True)
-            etc.rmdir()
     tail = (
         "MASTER_ADDR must be an address of the first node (rank 0's) that every node reaches; if it is wrong, stop "
         "the job"
@@ -274,3 +269,26 @@ def test_a_rank_that_cannot_reach_master_addr_says_so_while_it_waits(four_layers
         "plate-inspect: rank 1 has waited 2 s to join the job at first-node:29500 but cannot reach that address "
         f"(No route to host): {tail}"
     ), notes
+
+
+@pytest.mark.slow
+def test_a_job_whose_store_host_maps_its_own_name_to_loopback_writes_the_bundle(four_layers, reference, tmp_path):
+    """Debian's and Ubuntu's /etc/hosts map the host's own name to 127.0.1.1: host 0 (`head`, the store's host)
+    resolves `head` to loopback and host 1 `node1`, each the other's name to its address; the ranks get
+    MASTER_ADDR=head, which is loopback on host 0. The job writes the single-process bundle (it did before the
+    gloo interface choice too: on host 0 no interface is chosen, the store's address being loopback there)."""
+    script, marks, out = tmp_path / "rank.py", tmp_path / "marks", tmp_path / "b"
+    script.write_text(SCAN_NOTING_PARTS)
+    marks.mkdir()
+    with two_hosts() as hosts:
+        own, head, node1 = f"127.0.0.1 localhost {socket.gethostname()}\n", hosts.addresses[0], hosts.addresses[1]
+        with (
+            hosts.etc_hosts(0, own + f"127.0.1.1 head\n{node1} node1\n"),
+            hosts.etc_hosts(1, own + f"127.0.1.1 node1\n{head} head\n"),
+        ):
+            args = _scan_args(four_layers.path, out)
+            agents = start_agents(hosts, script, marks, (0.0, 0.0), args, "hosts-head", names=("head", "node1"))
+            codes = wait_agents(agents, timeout=240)
+        assert codes == [0, 0], "\n".join(agent.output()[-3000:] for agent in agents)
+    assert_same_bundle(reference, out)
+    assert sorted(_parts_written(marks, 0)) and sorted(_parts_written(marks, 1))
