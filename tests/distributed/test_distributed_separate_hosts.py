@@ -275,8 +275,10 @@ def test_a_rank_that_cannot_reach_master_addr_says_so_while_it_waits(four_layers
 def test_a_job_whose_store_host_maps_its_own_name_to_loopback_writes_the_bundle(four_layers, reference, tmp_path):
     """Debian's and Ubuntu's /etc/hosts map the host's own name to 127.0.1.1: host 0 (`head`, the store's host)
     resolves `head` to loopback and host 1 `node1`, each the other's name to its address; the ranks get
-    MASTER_ADDR=head, which is loopback on host 0. The job writes the single-process bundle (it did before the
-    gloo interface choice too: on host 0 no interface is chosen, the store's address being loopback there)."""
+    MASTER_ADDR=head, which is loopback on host 0. The job writes the single-process bundle. Before session 23 it
+    failed at joining as the others did (gloo on host 1 listened on loopback). On host 0 no interface is chosen
+    (the store's address is loopback there) and none is needed: in gloo's mesh a lower rank connects to a higher
+    one, and the first node holds the lowest ranks, so nobody connects to them (checked with the old group.py)."""
     script, marks, out = tmp_path / "rank.py", tmp_path / "marks", tmp_path / "b"
     script.write_text(SCAN_NOTING_PARTS)
     marks.mkdir()
