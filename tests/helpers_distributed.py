@@ -197,17 +197,18 @@ def separate_hosts_unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def two_hosts() -> Iterator[TwoHosts]:
+def two_hosts(subnet: str | None = None) -> Iterator[TwoHosts]:
     """Two fresh network namespaces with unique names (process id and a random tag), each with its end of a veth
     pair up; every process still running in them is SIGKILLed (all were started by this test) and both are
-    deleted afterwards, on failure too. A machine that refuses them (a container without CAP_SYS_ADMIN) skips."""
+    deleted afterwards, on failure too. A machine that refuses them (a container without CAP_SYS_ADMIN) skips.
+    Their addresses: ``subnet`` (three octets) .1 and .2, by default a random 10.a.b."""
     import pytest
 
     reason = separate_hosts_unavailable()
     if reason:
         pytest.skip(reason)
     tag = f"pi{os.getpid() % 100000}{secrets.token_hex(2)}"  # interface names: at most 15 characters
-    subnet = f"10.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}"
+    subnet = subnet or f"10.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}"
     hosts = TwoHosts((f"{tag}n0", f"{tag}n1"), (f"{tag}v0", f"{tag}v1"), (f"{subnet}.1", f"{subnet}.2"))
     made: list[str] = []
     try:

@@ -43,7 +43,7 @@ def join() -> Iterator[Coordinator]:
     if info.world_size > 1 and not torch.distributed.is_initialized():
         try:
             with waiting_note(info), stop_signals_end_joining(), end_joining_once_a_rank_spoke(track):
-                _create_group()
+                _create_group(info.nodes)
         except STORE_ERRORS as e:  # the store's node ended while this rank waited (its ranks failed, or it died)
             scans.failed = scan
             track.close()
@@ -70,11 +70,11 @@ def join() -> Iterator[Coordinator]:
             torch.distributed.destroy_process_group()
 
 
-def _create_group() -> None:
+def _create_group(nodes: int) -> None:
     """The job's gloo process group, from torchrun's env:// variables. On a host whose name resolves to loopback
     gloo would listen there, unreachable from other nodes: GLOO_SOCKET_IFNAME names the interface that reaches the
     job's store while the group is created (:func:`network.gloo_interface`)."""
-    interface = gloo_interface(os.environ, socket.gethostname())
+    interface = gloo_interface(os.environ, socket.gethostname(), nodes)
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:

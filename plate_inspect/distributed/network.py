@@ -56,33 +56,45 @@ def route_source(address: str, port: int) -> str | None:
         return None
 
 
-def interface_of(address: str) -> str | None:
-    """The name of the interface holding the IPv4 ``address`` (Linux), or None."""
+def interfaces() -> dict[str, str]:
+    """This host's network interfaces that hold an IPv4 address: name -> address (Linux; empty elsewhere)."""
+    found: dict[str, str] = {}
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             request = struct.pack("256s", name.encode()[:15])
             with contextlib.suppress(OSError):
-                reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
-                if socket.inet_ntoa(reply[20:24]) == address:
-                    return name
-    return None
+                found[name] = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)[20:24])
+    return found
 
 
-def gloo_interface(environ: dict[str, str] | os._Environ[str], host: str) -> str | None:
-    """The interface gloo must listen on for a job whose store is at ``MASTER_ADDR``, when its default would not
-    do: None when ``GLOO_SOCKET_IFNAME`` is set (the user's choice), the store is on this host's loopback (one
-    machine), or this host's name (``host``) resolves to an address other nodes can reach."""
+#: An address that is nowhere (TEST-NET-2, RFC 5737): the route to it is this host's default route.
+_ELSEWHERE = "198.51.100.1"
+
+
+def gloo_interface(environ: dict[str, str] | os._Environ[str], host: str, nodes: int = 1) -> str | None:
+    """The interface gloo must listen on for a job of ``nodes`` nodes whose store is at ``MASTER_ADDR``, when its
+    default would not do: the interface on the route to the store; on the store's own node, where MASTER_ADDR
+    may resolve to loopback too (its name mapped to 127.0.1.1 like the host's), in a job of several nodes, this
+    host's only interface that is not loopback, or among several the default route's. None when
+    ``GLOO_SOCKET_IFNAME`` is set (the user's choice), this host's name (``host``) resolves to an address other
+    nodes can reach, the store is on loopback in a job of one node, or nothing fits."""
     master = environ.get("MASTER_ADDR", "")
-    if "GLOO_SOCKET_IFNAME" in environ or not master or is_loopback(master) or not gloo_default_is_loopback(host):
+    if "GLOO_SOCKET_IFNAME" in environ or not master or not gloo_default_is_loopback(host):
         return None
     try:
         port = int(environ.get("MASTER_PORT", "29500"))
     except ValueError:
         port = 29500
-    source = route_source(master, port)
-    if source is None or is_loopback(source):
+    source = None if is_loopback(master) else route_source(master, port)
+    outward = {name: address for name, address in interfaces().items() if not is_loopback(address)}
+    if source is not None and not is_loopback(source):
+        return next((name for name, address in outward.items() if address == source), None)
+    if nodes <= 1 or not outward:
         return None
-    return interface_of(source)
+    if len(outward) == 1:
+        return next(iter(outward))
+    default = route_source(_ELSEWHERE, port)
+    return next((name for name, address in outward.items() if address == default), None)
 
 
 def unreachable(host: str, port: int, timeout: float) -> str | None:

@@ -92,27 +92,33 @@ def test_a_job_on_two_hosts_writes_the_single_process_bundle(four_layers, refere
 _GLOO_INTERFACE = """
 import json, sys
 from plate_inspect.distributed.network import gloo_interface
-print(json.dumps([gloo_interface(env, host) for env, host in json.loads(sys.argv[1])]))
+print(json.dumps([gloo_interface(env, host, nodes) for env, host, nodes in json.loads(sys.argv[1])]))
 """
 
 
 @pytest.mark.slow
 def test_gloo_listens_on_the_interface_that_reaches_the_store_when_the_host_name_is_loopback():
     """On host 0, whose name (here `localhost`, or one that resolves nowhere) gives gloo a loopback address: the
-    interface for the job's store on host 1 is host 0's end of the link; nothing is chosen for a store on loopback,
-    a host name gloo can use (host 0's own address), or when the user named one (GLOO_SOCKET_IFNAME)."""
+    interface for the job's store on host 1 is host 0's end of the link, and so it is on the store's own node
+    (MASTER_ADDR loopback there) in a job of two nodes: its only interface that is not loopback. Nothing is chosen
+    for a job of one node with its store on loopback, a host name gloo can use (host 0's own address), or when the
+    user named one (GLOO_SOCKET_IFNAME)."""
     with two_hosts() as hosts:
         store = {"MASTER_ADDR": hosts.addresses[1], "MASTER_PORT": "29500"}
+        on_store_node = {**store, "MASTER_ADDR": "127.0.0.1"}
         cases = [
-            (store, "localhost"),
-            (store, "no-such-host.invalid"),
-            ({**store, "MASTER_ADDR": "127.0.0.1"}, "localhost"),
-            (store, hosts.addresses[0]),
-            ({**store, "GLOO_SOCKET_IFNAME": "lo"}, "localhost"),
+            (store, "localhost", 2),
+            (store, "no-such-host.invalid", 2),
+            (store, "localhost", 1),  # (the store elsewhere: a job of one node all the same)
+            (on_store_node, "localhost", 2),  # MASTER_ADDR is this host's name, mapped to 127.0.1.1
+            (on_store_node, "localhost", 1),  # one machine
+            (store, hosts.addresses[0], 2),
+            ({**store, "GLOO_SOCKET_IFNAME": "lo"}, "localhost", 2),
         ]
         cmd = hosts.exec(0, [sys.executable, "-c", _GLOO_INTERFACE, json.dumps(cases)])
         chosen = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-        assert chosen == [hosts.links[0], hosts.links[0], None, None, None]
+        link = hosts.links[0]
+        assert chosen == [link, link, link, link, None, None, None]
 
 
 SILENT = (
@@ -275,14 +281,15 @@ def test_a_rank_that_cannot_reach_master_addr_says_so_while_it_waits(four_layers
 def test_a_job_whose_store_host_maps_its_own_name_to_loopback_writes_the_bundle(four_layers, reference, tmp_path):
     """Debian's and Ubuntu's /etc/hosts map the host's own name to 127.0.1.1: host 0 (`head`, the store's host)
     resolves `head` to loopback and host 1 `node1`, each the other's name to its address; the ranks get
-    MASTER_ADDR=head, which is loopback on host 0. The job writes the single-process bundle. Before session 23 it
-    failed at joining as the others did (gloo on host 1 listened on loopback). On host 0 no interface is chosen
-    (the store's address is loopback there) and none is needed: in gloo's mesh a lower rank connects to a higher
-    one, and the first node holds the lowest ranks, so nobody connects to them (checked with the old group.py)."""
+    MASTER_ADDR=head, which is loopback on host 0; the hosts' addresses are 192.168.77.1 and .2. The job writes the
+    single-process bundle. Before, gloo on host 0 listened on loopback: the store's address gave no interface
+    there, and of two gloo peers the one with the larger address connects to the other (192.168.77.2 to
+    127.0.0.1: `Gloo connectFullMesh failed`; with 10.a.b addresses host 0 connected out and the job went through).
+    Now host 0, in a job of two nodes, listens on its only interface that is not loopback."""
     script, marks, out = tmp_path / "rank.py", tmp_path / "marks", tmp_path / "b"
     script.write_text(SCAN_NOTING_PARTS)
     marks.mkdir()
-    with two_hosts() as hosts:
+    with two_hosts("192.168.77") as hosts:
         own, head, node1 = f"127.0.0.1 localhost {socket.gethostname()}\n", hosts.addresses[0], hosts.addresses[1]
         with (
             hosts.etc_hosts(0, own + f"127.0.1.1 head\n{node1} node1\n"),
