@@ -285,13 +285,15 @@ class Agent:
 
 
 def start_agents(hosts: TwoHosts, script: Path, marks: Path, delays: tuple[float, float], scan_args: list[str],
-                 run_id: str, names: tuple[str, str] | None = None) -> list[Agent]:  # fmt: skip
+                 run_id: str, names: tuple[str, str] | None = None,
+                 envs: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> list[Agent]:  # fmt: skip
     """One torchrun agent per host (``--nnodes 2``, one rank each, c10d rendezvous on host 0's address, which
     hosts the store: ``is_host``, since both hosts share this machine's name), running ``script`` with ``marks``,
     ``delays`` (seconds per module on each node) and ``scan_args``; output read line by line as it comes. The hosts
     are named by their addresses, or by ``names`` (in their /etc/hosts) in the endpoint and ``--local-addr``. The
     node whose name sorts first becomes GROUP_RANK 0 (torch's c10d rendezvous sorts them), holds the job's store
-    (torchrun's agent store, a port of its own) and gives its name to every rank as MASTER_ADDR: host 0 here."""
+    (torchrun's agent store, a port of its own) and gives its name to every rank as MASTER_ADDR: host 0 here.
+    ``envs``: more environment variables for each host's agent and ranks."""
     agents = []
     env = {**{k: v for k, v in os.environ.items() if k not in JOB_VARS}, **ONE_THREAD}
     names = names or hosts.addresses
@@ -301,7 +303,7 @@ def start_agents(hosts: TwoHosts, script: Path, marks: Path, delays: tuple[float
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{names[0]}:29500", "--rdzv-id", run_id,
                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", names[node],
                "--", str(script), str(marks), ",".join(map(str, delays)), *scan_args]  # fmt: skip
-        popen = subprocess.Popen(hosts.exec(node, cmd), env=env, text=True, start_new_session=True,
+        popen = subprocess.Popen(hosts.exec(node, cmd), env={**env, **envs[node]}, text=True, start_new_session=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
         lines: list[tuple[float, str]] = []
 

@@ -12,7 +12,7 @@ import torch
 
 from plate_inspect.distributed import timing, tracking
 from plate_inspect.distributed.coordinator import Coordinator
-from plate_inspect.distributed.network import gloo_interface
+from plate_inspect.distributed.network import gloo_interface, gloo_line
 from plate_inspect.distributed.ranks import rank_from_env
 from plate_inspect.distributed.reporting import record_fault
 from plate_inspect.distributed.signals import (
@@ -50,6 +50,14 @@ def join() -> Iterator[Coordinator]:
             lost = BundleError(lost_store_line(e))
             setattr(lost, FAULT_ATTRIBUTE, Fault("node", info.rank, stage=track.stage, scan=track.scan))
             raise lost from None
+        except RuntimeError as e:  # gloo's mesh: a rank could not connect to another (C++ traceback, peers waited)
+            if not str(e).startswith("Gloo"):
+                raise
+            scans.failed = scan
+            track.close()
+            cut = BundleError(gloo_line(e))  # (said for its node, and the ranks still joining end: the store is up)
+            setattr(cut, FAULT_ATTRIBUTE, Fault("own", info.rank, stage=track.stage, scan=track.scan))
+            raise cut from None
         created = True
     store = _job_store() if info.world_size > 1 else None
     group = Coordinator(info, store, f"plate-inspect/scan-{scan}/", stop_main=True, track=track)

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import ipaddress
 import os
+import re
 import socket
 import struct
 
@@ -111,3 +112,16 @@ def unreachable(host: str, port: int, timeout: float) -> str | None:
     except (OSError, UnicodeError, OverflowError) as e:
         return str(getattr(e, "strerror", None) or e)
     return None
+
+
+def gloo_line(error: BaseException) -> str:
+    """The one line for a rank whose gloo mesh could not connect to another rank: gloo's reason (with the address
+    the other rank listens on), without its source path, and what the nodes must allow."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    reason = re.sub(r"\$\d+$", "", re.sub(r"^.*?\[[^\]]*\.cc:\d+\]\s*", "", text)).strip()
+    return (
+        f"cannot connect to the job's other ranks over gloo ({reason}): every node must reach the others on any TCP "
+        "port at the address gloo listens on there (a host name that resolves to loopback there, or "
+        "GLOO_SOCKET_IFNAME=lo, makes it unreachable); set GLOO_SOCKET_IFNAME on every node to the network interface "
+        "the nodes share"
+    )

@@ -301,3 +301,35 @@ def test_a_job_whose_store_host_maps_its_own_name_to_loopback_writes_the_bundle(
         assert codes == [0, 0], "\n".join(agent.output()[-3000:] for agent in agents)
     assert_same_bundle(reference, out)
     assert sorted(_parts_written(marks, 0)) and sorted(_parts_written(marks, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong", [1, 0])
+def test_a_rank_that_cannot_connect_over_gloo_says_one_line_and_the_job_ends(four_layers, tmp_path, wrong):
+    """One host's ranks run with GLOO_SOCKET_IFNAME=lo (a wrong setting): gloo there listens on loopback, and the
+    other host's rank, whose address (192.168.77.x) is the larger, connects to it and cannot. Before: that rank a
+    C++ traceback (`Gloo connectFullMesh failed`) and no line; when it was rank 1, rank 0 kept waiting for its
+    connection inside gloo (24 h; seen: notes at 60, 120, 180 s blaming a rank that failed). Now the failing rank
+    says one line naming the address it could not reach and GLOO_SOCKET_IFNAME, and the job ends."""
+    script, marks, out = tmp_path / "rank.py", tmp_path / "marks", tmp_path / "b"
+    script.write_text(SCAN_NOTING_PARTS)
+    marks.mkdir()
+    failing = 1 - wrong
+    with two_hosts("192.168.77") as hosts:
+        args = _scan_args(four_layers.path, out)
+        envs: list[dict[str, str]] = [{}, {}]
+        envs[wrong] = {"GLOO_SOCKET_IFNAME": "lo"}
+        started = time.monotonic()
+        agents = start_agents(hosts, script, marks, (0.0, 0.0), args, "hosts-gloo", envs=(envs[0], envs[1]))
+        codes = wait_agents(agents, timeout=150)
+        took = time.monotonic() - started
+        output = "\n".join(agent.output() for agent in agents)
+    assert None not in codes and took < 120, output[-6000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: rank {failing} on node {failing} ({socket.gethostname()}): cannot connect to the job's other ranks "
+        "over gloo (timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:"
+    ), output
+    assert errors[0].endswith("set GLOO_SOCKET_IFNAME on every node to the network interface the nodes share"), output
+    assert "/plate_inspect/" not in output and "/cli/" not in output, output  # no traceback through plate-inspect
+    assert (marks / f"exit-{failing}").read_text() == "2"
