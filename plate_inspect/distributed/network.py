@@ -5,7 +5,9 @@ map their own name to 127.0.0.1 or 127.0.1.1 in /etc/hosts (Debian's and Ubuntu'
 every rank would advertise a loopback address to the others and a job across machines fails to connect
 (``Gloo connectFullMesh failed ... Connection refused, remote=[127.0.0.1]``); so does a host whose name resolves
 to an address it cannot bind (gloo then falls back to 127.0.0.1). On such a host the interface that
-reaches the job's store (``MASTER_ADDR``, which every node reaches) is the one the other nodes can reach too."""
+reaches the job's store (``MASTER_ADDR``, which every node reaches) is the one the other nodes can reach too
+(:func:`gloo_interface`). Also the one line for a gloo mesh that could not connect (:func:`gloo_line`), and why
+the job's store cannot be reached at all (:func:`unreachable`, for the note of a rank waiting to join)."""
 
 from __future__ import annotations
 
