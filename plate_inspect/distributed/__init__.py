@@ -18,6 +18,7 @@ One module per job:
 - :mod:`.tracking`: where each rank is in a scan, and what an error is to the job's one line;
 - :mod:`.reporting`: a user error said once per job or node (:func:`say_once`), not once per rank;
 - :mod:`.signals`: SIGTERM, Ctrl-C and the other ranks' news while joining and scanning;
+- :mod:`.network`: the interface gloo listens on across hosts, and whether the job's store can be reached;
 - :mod:`.devices`: one spawned worker per device on one machine (``--devices``);
 - :mod:`.timing`: every waiting bound, read at each use.
 """

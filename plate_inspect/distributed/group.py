@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +12,7 @@ import torch
 
 from plate_inspect.distributed import timing, tracking
 from plate_inspect.distributed.coordinator import Coordinator
+from plate_inspect.distributed.network import gloo_interface, gloo_line
 from plate_inspect.distributed.ranks import rank_from_env
 from plate_inspect.distributed.reporting import record_fault
 from plate_inspect.distributed.signals import (
@@ -40,13 +43,21 @@ def join() -> Iterator[Coordinator]:
     if info.world_size > 1 and not torch.distributed.is_initialized():
         try:
             with waiting_note(info), stop_signals_end_joining(), end_joining_once_a_rank_spoke(track):
-                torch.distributed.init_process_group("gloo", init_method="env://", timeout=timing.COLLECTIVE_TIMEOUT)
+                _create_group(info.nodes)
         except STORE_ERRORS as e:  # the store's node ended while this rank waited (its ranks failed, or it died)
             scans.failed = scan
             track.close()
             lost = BundleError(lost_store_line(e))
             setattr(lost, FAULT_ATTRIBUTE, Fault("node", info.rank, stage=track.stage, scan=track.scan))
             raise lost from None
+        except RuntimeError as e:  # gloo's mesh: a rank could not connect to another (C++ traceback, peers waited)
+            if not str(e).startswith("Gloo"):
+                raise
+            scans.failed = scan
+            track.close()
+            cut = BundleError(gloo_line(e))  # (said for its node, and the ranks still joining end: the store is up)
+            setattr(cut, FAULT_ATTRIBUTE, Fault("own", info.rank, stage=track.stage, scan=track.scan))
+            raise cut from None
         created = True
     store = _job_store() if info.world_size > 1 else None
     group = Coordinator(info, store, f"plate-inspect/scan-{scan}/", stop_main=True, track=track)
@@ -65,6 +76,20 @@ def join() -> Iterator[Coordinator]:
         track.close()
         if created and group.store_lost is None:  # (with the store's host gone, tearing down may wait for it)
             torch.distributed.destroy_process_group()
+
+
+def _create_group(nodes: int) -> None:
+    """The job's gloo process group, from torchrun's env:// variables. On a host whose name resolves to loopback
+    gloo would listen there, unreachable from other nodes: GLOO_SOCKET_IFNAME names the interface that reaches the
+    job's store while the group is created (:func:`network.gloo_interface`)."""
+    interface = gloo_interface(os.environ, socket.gethostname(), nodes)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        torch.distributed.init_process_group("gloo", init_method="env://", timeout=timing.COLLECTIVE_TIMEOUT)
+    finally:
+        if interface is not None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def _job_store() -> Any:

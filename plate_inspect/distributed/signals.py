@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from plate_inspect.distributed import timing
+from plate_inspect.distributed import network, timing
 from plate_inspect.distributed.ranks import RankInfo
 from plate_inspect.distributed.store import agent_store
 from plate_inspect.distributed.tracking import JobTrack
@@ -139,13 +139,25 @@ def end_joining_once_a_rank_spoke(track: JobTrack) -> Iterator[None]:
         store.close()
 
 
+def _store_unreachable() -> str | None:
+    """Why this rank cannot reach MASTER_ADDR:MASTER_PORT (:func:`network.unreachable`), or None."""
+    host = os.environ.get("MASTER_ADDR", "")
+    try:
+        port = int(os.environ.get("MASTER_PORT", ""))
+    except ValueError:
+        return None
+    return network.unreachable(host, port, timing.REACH_SECONDS) if host else None
+
+
 @contextlib.contextmanager
 def waiting_note(info: RankInfo) -> Iterator[None]:
     """Say on stderr, every ``timing.JOIN_NOTE_SECONDS``, that this rank is still waiting for the others to join.
 
     Joining waits as long as ``timing.COLLECTIVE_TIMEOUT`` (a rank may still be planning, or fetching the model into
     its node's cache), silently: a rank that failed before it joined (its model path missing on its node) or was
-    never started (WORLD_SIZE left in a shell's environment) would leave the others waiting without a word."""
+    never started (WORLD_SIZE left in a shell's environment) would leave the others waiting without a word. A rank
+    that cannot reach MASTER_ADDR at all (no route, a name that resolves nowhere or to a host that is not there)
+    says that instead: torch retries for as long, and blaming the other ranks sent users looking in the wrong place."""
     done = threading.Event()
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
@@ -153,6 +165,18 @@ def waiting_note(info: RankInfo) -> Iterator[None]:
         waited = 0.0
         while not done.wait(timing.JOIN_NOTE_SECONDS):
             waited += timing.JOIN_NOTE_SECONDS
+            cause = _store_unreachable()
+            if done.is_set():
+                return
+            if cause is not None:
+                print(
+                    f"plate-inspect: rank {info.rank} has waited {waited:.0f} s to join the job at {where} but cannot "
+                    f"reach that address ({cause}): MASTER_ADDR must be an address of the first node (rank 0's) "
+                    "that every node reaches; if it is wrong, stop the job",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
             print(
                 f"plate-inspect: rank {info.rank} has waited {waited:.0f} s for the other ranks of WORLD_SIZE="
                 f"{info.world_size} to join at {where}; a rank that failed before joining (see its output) or was "

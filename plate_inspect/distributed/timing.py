@@ -16,6 +16,8 @@ HEARTBEAT_SECONDS = 2.0
 SILENCE_LIMIT_SECONDS = 30.0
 #: A rank still waiting for the others to join the process group after this long says so on stderr (and again).
 JOIN_NOTE_SECONDS = 60.0
+#: How long a rank still waiting to join tries to reach MASTER_ADDR:MASTER_PORT, to say when it cannot (its note).
+REACH_SECONDS = 5.0
 #: How often a waiting rank looks at the store (arrivals, failures, heartbeats).
 POLL_SECONDS = 0.25
 
