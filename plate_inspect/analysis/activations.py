@@ -81,8 +81,9 @@ def _config_dict(model: nn.Module) -> dict[str, Any]:
     config = getattr(model, "config", None)
     if isinstance(config, dict):
         return config
-    if callable(getattr(config, "to_dict", None)):
-        return dict(config.to_dict())
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
     model_type = getattr(config, "model_type", None)
     return {"model_type": model_type} if isinstance(model_type, str) else {}
 
