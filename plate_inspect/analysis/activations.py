@@ -16,7 +16,19 @@ from plate_inspect.analysis.alignment_math import ActivationMoments, AlignmentRe
 from plate_inspect.arguments import iterable_argument, positive_int, positive_ints, seed_argument
 from plate_inspect.errors import AlignmentError, ConfigError
 from plate_inspect.progress import ProgressCallback, ProgressCounter
-from plate_inspect.targets import _NEVER_BY_DEFAULT, FAMILY_TARGETS, _matches, name_list
+from plate_inspect.targets import (
+    _LANGUAGE_MODEL,
+    _NEVER_BY_DEFAULT,
+    FAMILY_TARGETS,
+    ROUTER,
+    _in_other_tower,
+    _matches,
+    layer_of,
+    model_family,
+    module_type_of,
+    mtp_layers,
+    name_list,
+)
 from plate_inspect.train.layer import model_argument
 
 
@@ -38,7 +50,8 @@ def _selected_weight(name: str, module: nn.Module) -> torch.Tensor:
 
 
 def select_linear_modules(model: nn.Module, target_modules: str | Sequence[str] | None = None) -> dict[str, nn.Module]:
-    """Target linear layers by name (suffixes or regexes, as in ``scan``); default: the family's or every linear.
+    """Target linear layers by name (suffixes or regexes, as in ``scan``); default: those ``scan`` chooses
+    (:func:`default_module_names`).
 
     One string is one pattern (not a sequence of one-character patterns: ``"10"`` would select layers 1 and 0)."""
     model_argument(model, "select_linear_modules")
@@ -53,13 +66,7 @@ def select_linear_modules(model: nn.Module, target_modules: str | Sequence[str] 
     if target_modules:
         chosen = {n: m for n, m in linears.items() if any(_matches(n, p) for p in target_modules)}
     else:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        patterns = FAMILY_TARGETS.get(str(model_type)) if model_type else None
-        chosen = {
-            n: m
-            for n, m in linears.items()
-            if not _NEVER_BY_DEFAULT.search(n) and (patterns is None or any(_matches(n, p) for p in patterns))
-        }
+        chosen = {n: linears[n] for n in default_module_names(list(linears), _config_dict(model))}
     if not chosen:
         raise AlignmentError(
             "no target linear layers matched"
@@ -67,6 +74,43 @@ def select_linear_modules(model: nn.Module, target_modules: str | Sequence[str] 
             + f"; linear layers in this model: {', '.join(list(linears)[:20]) or 'none'}"
         )
     return chosen
+
+
+def _config_dict(model: nn.Module) -> dict[str, Any]:
+    """The model's config as config.json holds it (a transformers config's ``to_dict()``; {} without one)."""
+    config = getattr(model, "config", None)
+    if isinstance(config, dict):
+        return config
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
+    model_type = getattr(config, "model_type", None)
+    return {"model_type": model_type} if isinstance(model_type, str) else {}
+
+
+def default_module_names(names: Sequence[str], config: dict[str, Any]) -> list[str]:
+    """The linear layers (by module name) a scan of this model chooses by default, as ``scan`` does on its
+    checkpoint: the family's module types (:func:`model_family`: a multimodal wrapper's language model) in the
+    numbered layers, a vision or audio tower's layers left out, multi-token-prediction layers skipped; a family
+    the table does not know: every layer in the numbered layers but embeddings, norms, heads and routers.
+
+    Llama-style names also match a CLIP vision tower's (``vision_tower...layers.0.self_attn.q_proj``): without the
+    family rule an analysis of LLaVA or Qwen2-VL measured the vision tower too, modules its bundle does not hold."""
+    family = model_family(config)
+    if family in FAMILY_TARGETS:
+        wanted = set(FAMILY_TARGETS[family])
+        chosen = [n for n in names if module_type_of(n) in wanted and layer_of(n) is not None]
+        if any(_in_other_tower(n) for n in chosen) or (
+            isinstance(config.get("text_config"), dict) and any(p in n for n in chosen for p in _LANGUAGE_MODEL)
+        ):
+            chosen = [n for n in chosen if not _in_other_tower(n)]
+            chosen = [n for n in chosen if any(p in n for p in _LANGUAGE_MODEL)] or chosen
+    else:
+        chosen = [n for n in names if not _NEVER_BY_DEFAULT.search(n) and not ROUTER.search(n)]
+        if any(layer_of(n) is not None for n in chosen):  # heads and projectors sit outside the numbered layers
+            chosen = [n for n in chosen if layer_of(n) is not None]
+    mtp = mtp_layers(config)
+    return [n for n in chosen if layer_of(n) not in mtp] if mtp else chosen
 
 
 def _call(model: nn.Module, item: Any) -> Any:

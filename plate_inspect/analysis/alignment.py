@@ -24,6 +24,7 @@ from __future__ import annotations
 from plate_inspect.analysis.activations import (
     check_ks,
     collect_input_moments,
+    default_module_names,
     linear_weight,
     records_from_moments,
     select_linear_modules,
@@ -62,6 +63,7 @@ __all__ = [
     "capped_seq_len",
     "check_ks",
     "collect_input_moments",
+    "default_module_names",
     "hf_text_alignment",
     "hf_text_inputs",
     "linear_weight",

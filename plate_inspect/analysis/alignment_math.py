@@ -6,7 +6,8 @@ the definitions can be checked against a dense oracle and reused on moments gath
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -62,6 +63,23 @@ class ActivationMoments:
 
 
 # --------------------------------------------------------------------------- pure math
+#: Sigma and W^T W of at most this many input dims are eigendecomposed on one BLAS thread. LAPACK's eigh of such a
+#: matrix is mostly level-2 BLAS, each call a handful of microseconds: OpenBLAS's threads gain little there when
+#: the machine is quiet, and when it is busy they wait for each other at every call. Measured on 2 cores beside
+#: other jobs (load ~15): MiniLM layer 0's six modules 29-35 s wall, 11 s CPU with two threads, 3.5-4.2 s and 1.2 s
+#: with one; `plate-inspect align` on MiniLM spent 388 of its 468 s in 72 such eighs. Larger (7B-size d_in 3584,
+#: 18944) keep every thread: there the level-3 part pays for them.
+ONE_THREAD_EIGH_MAX_DIM = 2048
+
+
+@contextmanager
+def _one_blas_thread() -> Iterator[None]:
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 def top_right_singular_vectors(weight: torch.Tensor, k: int) -> torch.Tensor:
     """V_k: the top-k eigenvectors of W^T W (top-k right singular vectors of W, padded by null directions)."""
     w = weight.detach().to("cpu", torch.float64)
@@ -104,10 +122,11 @@ def alignment_from_moments(
             "and the model's earlier layers)"
         )
     sigma = 0.5 * (sigma + sigma.T)
-    evals, evecs = symmetric_eigh(sigma)
+    with _one_blas_thread() if d_in <= ONE_THREAD_EIGH_MAX_DIM else nullcontext():
+        evals, evecs = symmetric_eigh(sigma)
+        w_basis = top_right_singular_vectors(weight, max(ks))
     evals, evecs = evals.flip(0), evecs.flip(1)
     total = float(torch.diagonal(sigma).sum())
-    w_basis = top_right_singular_vectors(weight, max(ks))
     out = []
     rank_bound = min(weight.shape)
     for k in ks:
