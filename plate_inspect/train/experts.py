@@ -96,7 +96,7 @@ def _fused_parameters(model: nn.Module) -> dict[str, tuple[str, str, torch.Tenso
     return out
 
 
-def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
+def transformers_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
     """transformers' (renamings, converters) for this model (its checkpoint conversion mapping), or empty lists for
     a model that is no transformers model (transformers is then not imported here)."""
     tf = sys.modules.get("transformers")
@@ -152,7 +152,7 @@ def resolve_expert_slots(model: nn.Module, names: list[str], bundle: Bundle) -> 
     params = _fused_parameters(model)
     if not params:
         return {}
-    renamings, converters = _conversions(model)
+    renamings, converters = transformers_conversions(model)
     transforms = bool(renamings or converters)
     if transforms:
         from transformers.core_model_loading import rename_source_key

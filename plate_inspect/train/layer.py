@@ -49,6 +49,7 @@ from plate_inspect.train.experts import (
     expert_branches,
     plate_experts,
     resolve_expert_slots,
+    transformers_conversions,
 )
 from plate_inspect.train.weightcheck import WeightSketch, check_weight
 
@@ -404,16 +405,22 @@ def finish_meta_init(model: nn.Module) -> int:
 def resolve_module_names(model: nn.Module, names: list[str], strict: bool = True) -> dict[str, str]:
     """Bundle (checkpoint) module names -> the model's module names.
 
-    Exact match first; otherwise a unique module whose name ends with ``.<name>`` (model wraps the checkpoint's
-    base model, e.g. ``transformer.h.0.attn.c_attn`` for ``h.0.attn.c_attn``) or the unique one that ``<name>``
-    ends with (checkpoint carries a prefix the model lacks, e.g. ``model.layers.0...`` into a bare ``Qwen2Model``).
+    Exact match first; then the name transformers' own checkpoint renamings give it (a VL wrapper saved as
+    ``language_model.model.layers.0...`` loads as ``model.language_model.layers.0...``); otherwise a unique module
+    whose name ends with ``.<name>`` (model wraps the checkpoint's base model, e.g. ``transformer.h.0.attn.c_attn``
+    for ``h.0.attn.c_attn``) or the unique one that ``<name>`` ends with (checkpoint carries a prefix the model
+    lacks, e.g. ``model.layers.0...`` into a bare ``Qwen2Model``).
     ``strict=False``: names with no unique match are left out (the caller decides whether it needs them).
     """
     modules = dict(model.named_modules())
+    renamed = _renamed_by_transformers(model, [n for n in names if n not in modules])
     out: dict[str, str] = {}
     for name in names:
         if name in modules:
             out[name] = name
+            continue
+        if renamed.get(name) in modules:
+            out[name] = renamed[name]
             continue
         cands = [m for m in modules if m.endswith("." + name)] or [m for m in modules if m and name.endswith("." + m)]
         if len(cands) == 1:
@@ -426,6 +433,22 @@ def resolve_module_names(model: nn.Module, names: list[str], strict: bool = True
     missing = [n for n in names if n not in out]
     if strict and missing:
         raise unresolved_modules(model, missing, len(out))
+    return out
+
+
+def _renamed_by_transformers(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """{checkpoint module name: the model's name for it} by transformers' checkpoint renamings for this model (those
+    it applies when loading the checkpoint; empty for a model that is no transformers model)."""
+    renamings, _ = transformers_conversions(model)
+    if not renamings or not names:
+        return {}
+    from transformers.core_model_loading import rename_source_key
+
+    out = {}
+    for name in names:
+        key, _ = rename_source_key(f"{name}.weight", renamings, [])
+        if key != f"{name}.weight" and key.endswith(".weight"):
+            out[name] = key.removesuffix(".weight")
     return out
 
 
