@@ -260,9 +260,9 @@ def os_error_reason(path: str | os.PathLike, e: OSError) -> str:
         for p in (Path(path), *Path(path).parents):
             if p.exists() and not p.is_dir():
                 return f"{p} is a file, not a directory"
-    if e.errno == errno.ENOSPC:
-        return "disk full"
-    return str(e.strerror or e)
+    from plate_inspect.errors import os_fault
+
+    return os_fault(e).reason or str(e.strerror or e)
 
 
 def path_argument(value: object, argument: str) -> Path:

@@ -5,7 +5,6 @@ part file by part file, and marks the manifest complete last.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import tempfile
@@ -35,7 +34,7 @@ from plate_inspect.bundle_parts import (
     part_records,
     refuse_foreign_safetensors,
 )
-from plate_inspect.errors import BundleError, PlateInspectError
+from plate_inspect.errors import BundleError, PlateInspectError, os_fault
 
 __all__ = ["API_REPLACE_HINT", "REPLACE_HINT", "BundleWriter", "describe_variant", "rescan_baseline", "write_file"]
 
@@ -69,9 +68,12 @@ def describe_variant(variant: dict[str, Any] | None) -> str:
 
 
 def _io_error(path: Path, e: OSError) -> PlateInspectError:
-    if e.errno == errno.ENOSPC:
-        return BundleError(f"{path}: disk full while writing the bundle; free space and rerun to resume")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    """An OSError of a bundle write in the bundle's words: out of space resumes, a place not writable is changed."""
+    fault = os_fault(e)
+    if fault.space:
+        why = fault.reason or e.strerror
+        return BundleError(f"{path}: {why} while writing the bundle; free space and rerun to resume")
+    if fault.denied:
         return BundleError(f"{path}: output directory is not writable ({e.strerror}); choose another --out")
     return BundleError(f"{path}: cannot write ({e.strerror or e})")
 
