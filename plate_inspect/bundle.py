@@ -460,6 +460,10 @@ def unfinished_note(manifest: Manifest) -> str:
 
 
 def _digest(obj: Any) -> str:
+    """sha256 of ``obj``'s canonical JSON (keys sorted), in full: a value stored in manifests (settings and content
+    identity), so it stays this digest. ``distributed.identity.digest`` is not the same on purpose: a short digest
+    that the ranks of one run compare (and key their store entries by), same code and key order on every rank,
+    never written into a bundle."""
     return "sha256:" + hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
