@@ -78,6 +78,11 @@ class ModulePlate:
     b_idx: torch.Tensor  # int64 [r]
     q: torch.Tensor  # [d_in, k]
 
+    def __repr__(self) -> str:
+        """One line: the module, B's count and Q's dtype and shape (the dataclass repr printed both tensors)."""
+        q_dtype = str(self.q.dtype).removeprefix("torch.")
+        return f"ModulePlate({self.record.name!r}, b_idx={self.b_idx.numel()} rows, q={q_dtype} {list(self.q.shape)})"
+
 
 def read_problem(error: Exception, what: str) -> str:
     """What reading ``what`` from a part file met: the file is missing, or safetensors could not read it."""

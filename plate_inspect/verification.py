@@ -91,6 +91,22 @@ class VerifyReport:
         """No problem found (notes do not count)."""
         return not self.problems
 
+    def __repr__(self) -> str:
+        """A line of counts, then the first :data:`_REPR_PROBLEMS` problems (each cut to :data:`_REPR_WIDTH`
+        characters): a damaged or changed 15k-module bundle has a problem per module, which the dataclass repr
+        printed all of."""
+        counts = ", ".join(
+            f"{what}={len(getattr(self, what))}" for what in ("problems", "notes", "changed", "absent", "exactness")
+        )
+        lines = [
+            f"VerifyReport({self.bundle!r}, source={self.source!r}, ok={self.ok}, "
+            f"modules_checked={self.modules_checked}, {counts})"
+        ]
+        lines += [f"  problem: {_cut(p)}" for p in self.problems[:_REPR_PROBLEMS]]
+        if len(self.problems) > _REPR_PROBLEMS:
+            lines.append(f"  ... {len(self.problems) - _REPR_PROBLEMS} more in .problems")
+        return "\n".join(lines)
+
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready data (``plate-inspect verify --json``): every field, ``ok``, and per module of
         an exactness check its energies, ``used`` (share of the allowance) and ``ok``."""
@@ -98,6 +114,15 @@ class VerifyReport:
             name: {**asdict(check), "used": check.used, "ok": check.ok} for name, check in self.exactness.items()
         }
         return {**asdict(self), "exactness": exactness, "ok": self.ok}
+
+
+#: How many problems, and how many characters of each, a VerifyReport's repr shows.
+_REPR_PROBLEMS, _REPR_WIDTH = 3, 200
+
+
+def _cut(text: str) -> str:
+    """``text`` cut to :data:`_REPR_WIDTH` characters, with '…' where it was cut."""
+    return text if len(text) <= _REPR_WIDTH else text[: _REPR_WIDTH - 1] + "…"
 
 
 def verify(
