@@ -28,7 +28,11 @@ def _failing_write(no: int, why: str):
             "Disk quota exceeded",
             "Disk quota exceeded while writing the bundle; free space and rerun to resume",
         ),
-        (errno.EACCES, "Permission denied", "output directory is not writable (Permission denied); choose another --out"),
+        (
+            errno.EACCES,
+            "Permission denied",
+            "output directory is not writable (Permission denied); choose another --out",
+        ),
         (
             errno.EROFS,
             "Read-only file system",
