@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from plate_inspect.atomic import path_argument
+from plate_inspect.arguments import path_argument
 from plate_inspect.bundle import (
     MANIFEST,
     MANIFEST_MEND,

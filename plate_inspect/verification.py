@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from plate_inspect.atomic import path_argument
+from plate_inspect.arguments import path_argument
 from plate_inspect.bundle import Bundle, ModuleRecord, damaged, part_records, stored_b_problem
 from plate_inspect.checkpoint import INDEX_FILE, Checkpoint, refuse_adapter
 from plate_inspect.errors import BundleError, ConfigError
