@@ -171,10 +171,11 @@ def verify(
             )
     counter = ProgressCounter(as_callback(progress, "verify"), len(b.manifest.modules), "modules")
     counter.start()
+    headers: dict[str, dict[str, ModuleRecord]] = {}  # part file -> the records its header vouches for, once read
     for rec in b:
         report.modules_checked += 1
         try:
-            _check_module(b, rec, ckpt, modules, orthonormality_tol, report, exact)
+            _check_module(b, rec, ckpt, modules, orthonormality_tol, report, exact, headers)
         except BundleError as e:  # a missing or truncated part file: reported per module, the rest still checked
             report.problems.append(str(e))
         counter.step(rec.name)
@@ -207,10 +208,13 @@ def _diagnosis(report: VerifyReport, source: str) -> list[str]:
     return []
 
 
-def _header_fingerprint(b: Bundle, rec: ModuleRecord) -> str | None:
+def _header_fingerprint(b: Bundle, rec: ModuleRecord, headers: dict[str, dict[str, ModuleRecord]]) -> str | None:
     """The weight fingerprint a module's part file header records (what a rescan checks weights against), if it
-    vouches for the module with the bundle's settings; read only where the manifest's fingerprint did not match."""
-    header = part_records(b.path / rec.file, b.settings, b.manifest.variant).get(rec.name)
+    vouches for the module with the bundle's settings; read only where the manifest's fingerprint did not match,
+    once per part file (``headers``: those read so far; a fine-tune changes every module, ~750 to a part)."""
+    if rec.file not in headers:
+        headers[rec.file] = part_records(b.path / rec.file, b.settings, b.manifest.variant)
+    header = headers[rec.file].get(rec.name)
     return header.fingerprint if header is not None else None
 
 
@@ -230,9 +234,11 @@ def _check_module(
     modules: dict[str, TargetModule],
     orthonormality_tol: float | None,
     report: VerifyReport,
-    exact: bool = False,
+    exact: bool,
+    headers: dict[str, dict[str, ModuleRecord]],
 ) -> None:
-    """Append this module's problems (structure; with a checkpoint, its weight fingerprint) to the report."""
+    """Append this module's problems (structure; with a checkpoint, its weight fingerprint) to the report;
+    ``headers``: the part headers read so far (:func:`_header_fingerprint`)."""
     where = f"module '{rec.name}'"
     b_idx, stored_q, spectrum = b.b_idx(rec.name), b.q(rec.name, dtype=None), b.spectrum(rec.name)
     q = stored_q.to(torch.float64)
@@ -276,7 +282,7 @@ def _check_module(
         else:
             expert = target.expert if target.layout in EXPERT_LAYOUTS else None
             weight, fingerprint = None, ckpt.weight_fingerprint(target.logical_name, expert=expert)
-        if fingerprint != rec.fingerprint and _header_fingerprint(b, rec) == fingerprint:
+        if fingerprint != rec.fingerprint and _header_fingerprint(b, rec, headers) == fingerprint:
             report.problems.append(
                 f"{where}: manifest.json records another weight fingerprint than its part file {rec.file}, whose "
                 "record matches the checkpoint's weight: the manifest was edited; rescan the model into the bundle "
