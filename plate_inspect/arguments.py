@@ -1,13 +1,15 @@
 """Argument checks at the boundary of the Python API (analyses, experiments): a ConfigError naming the argument (as
 scikit-learn does), not a TypeError from deep inside torch, NumPy or SciPy, and no silent NaN record from a setting
 that means nothing (``n_random=0``, ``n_probes=0``, ``rhos=[nan]``). The CLI checks its flags itself, with the
-flags' names; paths are :func:`plate_inspect.atomic.path_argument`'s."""
+flags' names."""
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, TypeGuard, TypeVar, overload
 
 from plate_inspect.errors import ConfigError
@@ -92,6 +94,16 @@ def non_negative_number(value: object, argument: str) -> float:
     if not (math.isfinite(number) and number >= 0):
         raise ConfigError(f"{argument} must be a finite number >= 0, got {value!r:.80}")
     return number
+
+
+def path_argument(value: object, argument: str) -> Path:
+    """``value`` as a Path, or a ConfigError naming ``argument`` when it is no path (None, a number, '', '  '): the
+    check at the boundary of the public functions that take one (else a TypeError from deep inside ``Path``). A blank
+    path is refused as the CLI refuses a blank argument (an unset variable: '' means the current directory, '  ' a
+    directory named by spaces)."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
+        raise ConfigError(f"{argument} must be a path (str or os.PathLike), got {value!r:.80}")
+    return Path(value)
 
 
 def text_argument(value: object, argument: str, example: str) -> str:

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+# an argument check, at home in arguments; importable from here as before (train, experiments, plan, checkpoint, ...)
+from plate_inspect.arguments import path_argument as path_argument
+
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     """Write ``data`` to ``path`` via a fsynced temp file in the same directory and an atomic rename.
@@ -260,18 +263,6 @@ def os_error_reason(path: str | os.PathLike, e: OSError) -> str:
         for p in (Path(path), *Path(path).parents):
             if p.exists() and not p.is_dir():
                 return f"{p} is a file, not a directory"
-    if e.errno == errno.ENOSPC:
-        return "disk full"
-    return str(e.strerror or e)
+    from plate_inspect.errors import os_fault
 
-
-def path_argument(value: object, argument: str) -> Path:
-    """``value`` as a Path, or a ConfigError naming ``argument`` when it is no path (None, a number, '', '  '): the
-    check at the boundary of the public functions that take one (else a TypeError from deep inside ``Path``). A blank
-    path is refused as the CLI refuses a blank argument (an unset variable: '' means the current directory, '  ' a
-    directory named by spaces)."""
-    from plate_inspect.errors import ConfigError
-
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
-        raise ConfigError(f"{argument} must be a path (str or os.PathLike), got {value!r:.80}")
-    return Path(value)
+    return os_fault(e).reason or str(e.strerror or e)

@@ -292,6 +292,17 @@ class ModuleRecord:
     geometry_digest: str | None = None  # geometry_digest(B, Q as stored), checked by verify; None in older bundles
     scores_digest: str | None = None  # scores_digest(redundancy, spectrum as stored); None in older bundles
 
+    def __repr__(self) -> str:
+        """One line: what a notebook shows of a module (the dataclass repr spelled out every field, the health
+        dict's and k_by_tau's entries included: ~1 kB a record)."""
+        extras = f", variant={self.variant!r}" if self.variant is not None else ""
+        extras += ", health" if self.health else ""
+        return (
+            f"ModuleRecord({self.name!r}, {self.module_type}, layer={self.layer}, shape={list(self.shape)} "
+            f"{self.layout} {self.dtype}, r={self.r}, k={self.k}, captured_energy={self.captured_energy:.3g}, "
+            f"file={self.file!r}{extras})"
+        )
+
     @property
     def d_out(self) -> int:
         """Output features (rows of W)."""
@@ -460,6 +471,10 @@ def unfinished_note(manifest: Manifest) -> str:
 
 
 def _digest(obj: Any) -> str:
+    """sha256 of ``obj``'s canonical JSON (keys sorted), in full: a value stored in manifests (settings and content
+    identity), so it stays this digest. ``distributed.identity.digest`` is not the same on purpose: a short digest
+    that the ranks of one run compare (and key their store entries by), same code and key order on every rank,
+    never written into a bundle."""
     return "sha256:" + hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 

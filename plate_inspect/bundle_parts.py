@@ -30,6 +30,7 @@ __all__ = [
     "intact_records",
     "part_records",
     "read_part_tensors",
+    "records_by_part",
     "refuse_foreign_safetensors",
 ]
 
@@ -103,11 +104,23 @@ def refuse_foreign_safetensors(path: Path, even: str = "", elsewhere: str = "cho
         )
 
 
-def finished_modules(path: Path, manifest: Manifest) -> dict[str, ModuleRecord]:
-    """Planned modules whose part files (made with the manifest's settings and variant) are already written."""
+def records_by_part(path: Path, manifest: Manifest) -> dict[str, dict[str, ModuleRecord]]:
+    """Each part file's :func:`part_records` for the manifest's settings and variant, by file name (one header read
+    per part: a caller that needs them twice keeps this)."""
+    return {
+        part.name: part_records(part, manifest.settings, manifest.variant)
+        for part in sorted(path.glob("*.safetensors"))
+    }
+
+
+def finished_modules(
+    path: Path, manifest: Manifest, parts: dict[str, dict[str, ModuleRecord]] | None = None
+) -> dict[str, ModuleRecord]:
+    """Planned modules whose part files (made with the manifest's settings and variant) are already written;
+    ``parts``: the :func:`records_by_part` of ``path`` when the caller read them already."""
     found: dict[str, ModuleRecord] = {}
-    for part in sorted(path.glob("*.safetensors")):
-        found.update(part_records(part, manifest.settings, manifest.variant))
+    for records in (records_by_part(path, manifest) if parts is None else parts).values():
+        found.update(records)
     return {n: found[n] for n in manifest.planned if n in found}
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from plate_inspect.atomic import path_argument
+from plate_inspect.arguments import path_argument
 from plate_inspect.bundle import (
     MANIFEST,
     MANIFEST_MEND,
@@ -77,6 +77,11 @@ class ModulePlate:
     record: ModuleRecord
     b_idx: torch.Tensor  # int64 [r]
     q: torch.Tensor  # [d_in, k]
+
+    def __repr__(self) -> str:
+        """One line: the module, B's count and Q's dtype and shape (the dataclass repr printed both tensors)."""
+        q_dtype = str(self.q.dtype).removeprefix("torch.")
+        return f"ModulePlate({self.record.name!r}, b_idx={self.b_idx.numel()} rows, q={q_dtype} {list(self.q.shape)})"
 
 
 def read_problem(error: Exception, what: str) -> str:

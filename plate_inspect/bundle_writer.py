@@ -5,7 +5,6 @@ part file by part file, and marks the manifest complete last.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import tempfile
@@ -33,9 +32,10 @@ from plate_inspect.bundle_parts import (
     finished_modules,
     intact_records,
     part_records,
+    records_by_part,
     refuse_foreign_safetensors,
 )
-from plate_inspect.errors import BundleError, PlateInspectError
+from plate_inspect.errors import BundleError, PlateInspectError, os_fault
 
 __all__ = ["API_REPLACE_HINT", "REPLACE_HINT", "BundleWriter", "describe_variant", "rescan_baseline", "write_file"]
 
@@ -45,12 +45,15 @@ REPLACE_HINT = "replace it with overwrite=True (CLI: --overwrite), or write else
 API_REPLACE_HINT = "replace it with overwrite=True, or write elsewhere (another out)"
 
 
-def rescan_baseline(path: Path, old: Manifest) -> tuple[dict[str, list], list[str]]:
+def rescan_baseline(
+    path: Path, old: Manifest, parts: dict[str, dict[str, ModuleRecord]] | None = None
+) -> tuple[dict[str, list], list[str]]:
     """What a rescan counts changes against, for a finished bundle ``old`` in ``path``: each module's weight key
     from its part file's header (what the scan checks the weights against to keep a module), from its manifest
     record where no part vouches for it; and the modules whose manifest record disagrees with their part header
-    (an edited manifest: the rescan rewrites it from the part files)."""
-    headers = finished_modules(path, old)
+    (an edited manifest: the rescan rewrites it from the part files). ``parts``: the headers' records
+    (:func:`records_by_part`) when the caller read them already."""
+    headers = finished_modules(path, old, parts)
     baseline, disagree = {}, []
     for name, rec in old.modules.items():
         header = headers.get(name)
@@ -69,9 +72,12 @@ def describe_variant(variant: dict[str, Any] | None) -> str:
 
 
 def _io_error(path: Path, e: OSError) -> PlateInspectError:
-    if e.errno == errno.ENOSPC:
-        return BundleError(f"{path}: disk full while writing the bundle; free space and rerun to resume")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    """An OSError of a bundle write in the bundle's words: out of space resumes, a place not writable is changed."""
+    fault = os_fault(e)
+    if fault.space:
+        why = fault.reason or e.strerror
+        return BundleError(f"{path}: {why} while writing the bundle; free space and rerun to resume")
+    if fault.denied:
         return BundleError(f"{path}: output directory is not writable ({e.strerror}); choose another --out")
     return BundleError(f"{path}: cannot write ({e.strerror or e})")
 
@@ -106,6 +112,9 @@ class BundleWriter:
         self.resumed = False  # the directory held an unfinished bundle of the same settings: this run finishes it
         self.manifest_disagrees: list[str] = []  # modules whose old manifest record disagreed with their part header
         self._lock: int | None = None
+        # part file -> the records its header vouches for, read by open() for a rescan (same settings and variant as
+        # this writer's: any other bundle is refused); each used once by reusable(), before the part is rewritten
+        self._headers: dict[str, dict[str, ModuleRecord]] = {}
 
     def open(self) -> Manifest:
         """Check and prepare the directory (locked against a second writer until :meth:`close` or :meth:`finalize`);
@@ -168,8 +177,9 @@ class BundleWriter:
             self._refuse_other(old)
             self.resumed = not old.complete
             # a rescan remembers the finished bundle it updates, through any number of interruptions
-            if old.complete:
-                self.manifest.baseline, self.manifest_disagrees = rescan_baseline(self.path, old)
+            if old.complete:  # each part's header is read once: reusable() takes its records from here
+                self._headers = records_by_part(self.path, old)
+                self.manifest.baseline, self.manifest_disagrees = rescan_baseline(self.path, old, self._headers)
             else:
                 self.manifest.baseline = old.baseline
         elif self.overwrite:  # only the bundle's own files (foreign ones were refused above)
@@ -234,7 +244,9 @@ class BundleWriter:
     def reusable(self, part: str) -> dict[str, ModuleRecord]:
         """Records of an existing part file that were made with this bundle's settings and variant, and whose
         stored tensors still match their digests (a damaged module is recomputed, not kept)."""
-        records = part_records(self.path / part, self.manifest.settings, self.manifest.variant)
+        records = self._headers.pop(part, None)
+        if records is None:
+            records = part_records(self.path / part, self.manifest.settings, self.manifest.variant)
         intact = intact_records(self.path / part, records) if records else records
         self.damaged.extend(name for name in records if name not in intact)
         return intact

@@ -29,6 +29,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Messages name a keyword argument with its CLI flag as "overwrite=True (CLI: --overwrite)" (a string value as
@@ -48,19 +49,47 @@ def cli_text(message: str) -> str:
     return _FLAG_NOTE.sub(r"(\1)", _KEYWORD_AND_FLAG.sub(r"\1", message))
 
 
-#: What to do about an OSError on a named file, by errno (:func:`os_error_text`).
-_OS_ERROR_TODO: dict[int, str] = {
-    errno.EACCES: "check the permissions of it and of its directories (ls -ld), or run as a user who may use it",
-    errno.EPERM: "check the permissions of it and of its directories (ls -ld), or run as a user who may use it",
-    errno.EROFS: "it is on a read-only file system: choose a place on a writable one",
-    errno.ENOSPC: "the disk is full: free space and rerun",
-    errno.EDQUOT: "the disk quota is used up: free space and rerun",
-    errno.ENOENT: "check the path",
-    errno.EISDIR: "it is a directory: give a file",
-    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
-    errno.ENAMETOOLONG: "give a shorter path",
-    errno.ELOOP: "a symbolic link in the path points back at itself: check the path",
+@dataclass(frozen=True)
+class OsFault:
+    """How plate-inspect words an OSError of one errno, for each kind of caller (:data:`OS_FAULTS`)."""
+
+    todo: str  # what to do, for any file named in the error (os_error_advice, os_error_text)
+    reason: str | None = None  # a short reason in place of the system's strerror ("disk full"; os_error_reason)
+    mend: str = "mend that"  # what to mend before rerunning a write that resumes (the continual runs)
+    space: bool = False  # out of space: freeing some and rerunning resumes the write (the bundle writer)
+    denied: bool = False  # this place may not be written: choose another (the bundle writer)
+
+
+_DENIED = OsFault(
+    "check the permissions of it and of its directories (ls -ld), or run as a user who may use it",
+    mend="let this user write there (ls -ld shows who may)",
+    denied=True,
+)
+
+#: The one table of errno -> wording: each caller takes the column it needs (a read names ``todo``, a writer that
+#: resumes ``mend``, the bundle writer ``space``/``denied``); an errno not listed gets :data:`_OTHER_FAULT`.
+OS_FAULTS: dict[int, OsFault] = {
+    errno.EACCES: _DENIED,
+    errno.EPERM: _DENIED,
+    errno.EROFS: OsFault(
+        "it is on a read-only file system: choose a place on a writable one",
+        mend="make that file system writable",
+        denied=True,
+    ),
+    errno.ENOSPC: OsFault("the disk is full: free space and rerun", reason="disk full", mend="free space", space=True),
+    errno.EDQUOT: OsFault("the disk quota is used up: free space and rerun", mend="free space", space=True),
+    errno.ENOENT: OsFault("check the path"),
+    errno.EISDIR: OsFault("it is a directory: give a file"),
+    errno.ENOTDIR: OsFault("a part of the path is a file, not a directory: check the path"),
+    errno.ENAMETOOLONG: OsFault("give a shorter path"),
+    errno.ELOOP: OsFault("a symbolic link in the path points back at itself: check the path"),
 }
+_OTHER_FAULT = OsFault("check the path and rerun")
+
+
+def os_fault(e: OSError) -> OsFault:
+    """The wording of ``e``'s errno (:data:`OS_FAULTS`)."""
+    return OS_FAULTS.get(e.errno or 0, _OTHER_FAULT)
 
 
 def os_error_text(e: OSError) -> str | None:
@@ -112,7 +141,7 @@ def os_error_advice(e: OSError) -> str:
                 f"this user may not enter the directory {closed} (ls -ld {closed}): change its permissions, or run as "
                 "a user who may"
             )
-    return _OS_ERROR_TODO.get(e.errno or 0, "check the path and rerun")
+    return os_fault(e).todo
 
 
 def _closed_directory(path: str | bytes) -> str | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plate_inspect.atomic import path_argument
+from plate_inspect.arguments import path_argument
 from plate_inspect.dtypes import DTYPES
 from plate_inspect.errors import CheckpointError, CorruptCheckpointError, os_error_advice
 

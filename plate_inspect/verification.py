@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from plate_inspect.atomic import path_argument
+from plate_inspect.arguments import path_argument
 from plate_inspect.bundle import Bundle, ModuleRecord, damaged, part_records, stored_b_problem
 from plate_inspect.checkpoint import INDEX_FILE, Checkpoint, refuse_adapter
 from plate_inspect.errors import BundleError, ConfigError
@@ -91,6 +91,22 @@ class VerifyReport:
         """No problem found (notes do not count)."""
         return not self.problems
 
+    def __repr__(self) -> str:
+        """A line of counts, then the first :data:`_REPR_PROBLEMS` problems (each cut to :data:`_REPR_WIDTH`
+        characters): a damaged or changed 15k-module bundle has a problem per module, which the dataclass repr
+        printed all of."""
+        counts = ", ".join(
+            f"{what}={len(getattr(self, what))}" for what in ("problems", "notes", "changed", "absent", "exactness")
+        )
+        lines = [
+            f"VerifyReport({self.bundle!r}, source={self.source!r}, ok={self.ok}, "
+            f"modules_checked={self.modules_checked}, {counts})"
+        ]
+        lines += [f"  problem: {_cut(p)}" for p in self.problems[:_REPR_PROBLEMS]]
+        if len(self.problems) > _REPR_PROBLEMS:
+            lines.append(f"  ... {len(self.problems) - _REPR_PROBLEMS} more in .problems")
+        return "\n".join(lines)
+
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready data (``plate-inspect verify --json``): every field, ``ok``, and per module of
         an exactness check its energies, ``used`` (share of the allowance) and ``ok``."""
@@ -98,6 +114,15 @@ class VerifyReport:
             name: {**asdict(check), "used": check.used, "ok": check.ok} for name, check in self.exactness.items()
         }
         return {**asdict(self), "exactness": exactness, "ok": self.ok}
+
+
+#: How many problems, and how many characters of each, a VerifyReport's repr shows.
+_REPR_PROBLEMS, _REPR_WIDTH = 3, 200
+
+
+def _cut(text: str) -> str:
+    """``text`` cut to :data:`_REPR_WIDTH` characters, with '…' where it was cut."""
+    return text if len(text) <= _REPR_WIDTH else text[: _REPR_WIDTH - 1] + "…"
 
 
 def verify(
@@ -146,10 +171,11 @@ def verify(
             )
     counter = ProgressCounter(as_callback(progress, "verify"), len(b.manifest.modules), "modules")
     counter.start()
+    headers: dict[str, dict[str, ModuleRecord]] = {}  # part file -> the records its header vouches for, once read
     for rec in b:
         report.modules_checked += 1
         try:
-            _check_module(b, rec, ckpt, modules, orthonormality_tol, report, exact)
+            _check_module(b, rec, ckpt, modules, orthonormality_tol, report, exact, headers)
         except BundleError as e:  # a missing or truncated part file: reported per module, the rest still checked
             report.problems.append(str(e))
         counter.step(rec.name)
@@ -182,10 +208,13 @@ def _diagnosis(report: VerifyReport, source: str) -> list[str]:
     return []
 
 
-def _header_fingerprint(b: Bundle, rec: ModuleRecord) -> str | None:
+def _header_fingerprint(b: Bundle, rec: ModuleRecord, headers: dict[str, dict[str, ModuleRecord]]) -> str | None:
     """The weight fingerprint a module's part file header records (what a rescan checks weights against), if it
-    vouches for the module with the bundle's settings; read only where the manifest's fingerprint did not match."""
-    header = part_records(b.path / rec.file, b.settings, b.manifest.variant).get(rec.name)
+    vouches for the module with the bundle's settings; read only where the manifest's fingerprint did not match,
+    once per part file (``headers``: those read so far; a fine-tune changes every module, ~750 to a part)."""
+    if rec.file not in headers:
+        headers[rec.file] = part_records(b.path / rec.file, b.settings, b.manifest.variant)
+    header = headers[rec.file].get(rec.name)
     return header.fingerprint if header is not None else None
 
 
@@ -205,9 +234,11 @@ def _check_module(
     modules: dict[str, TargetModule],
     orthonormality_tol: float | None,
     report: VerifyReport,
-    exact: bool = False,
+    exact: bool,
+    headers: dict[str, dict[str, ModuleRecord]],
 ) -> None:
-    """Append this module's problems (structure; with a checkpoint, its weight fingerprint) to the report."""
+    """Append this module's problems (structure; with a checkpoint, its weight fingerprint) to the report;
+    ``headers``: the part headers read so far (:func:`_header_fingerprint`)."""
     where = f"module '{rec.name}'"
     b_idx, stored_q, spectrum = b.b_idx(rec.name), b.q(rec.name, dtype=None), b.spectrum(rec.name)
     q = stored_q.to(torch.float64)
@@ -251,7 +282,7 @@ def _check_module(
         else:
             expert = target.expert if target.layout in EXPERT_LAYOUTS else None
             weight, fingerprint = None, ckpt.weight_fingerprint(target.logical_name, expert=expert)
-        if fingerprint != rec.fingerprint and _header_fingerprint(b, rec) == fingerprint:
+        if fingerprint != rec.fingerprint and _header_fingerprint(b, rec, headers) == fingerprint:
             report.problems.append(
                 f"{where}: manifest.json records another weight fingerprint than its part file {rec.file}, whose "
                 "record matches the checkpoint's weight: the manifest was edited; rescan the model into the bundle "

@@ -90,8 +90,18 @@ def _base_layout(title: str, height: int = 380) -> dict[str, Any]:
     }
 
 
-def _line_label(x: float, y: float, text: str, font: dict[str, Any], yanchor: str = "top") -> dict[str, Any]:
-    """A label at data x, paper y (the top or bottom of a marked line or band), right-aligned on a white backing."""
+def _line_label(
+    x: float,
+    y: float,
+    text: str,
+    font: dict[str, Any],
+    yanchor: str = "top",
+    span: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """A label at data x, paper y (the top or bottom of a marked line or band) on a white backing, ending at x; with
+    the x axis' ``span``, on the side of x with more room (starting at x in the left half of the axis: a label
+    ending at a line near the left edge ran out of the plot, as one starting at a line near the right edge)."""
+    lo, hi = span if span is not None else (x, x)
     return {
         "x": x,
         "y": y,
@@ -99,7 +109,7 @@ def _line_label(x: float, y: float, text: str, font: dict[str, Any], yanchor: st
         "yref": "paper",
         "text": text,
         "showarrow": False,
-        "xanchor": "right",
+        "xanchor": "left" if x < (lo + hi) / 2 else "right",
         "yanchor": yanchor,
         "bgcolor": "rgba(255,255,255,0.8)",
         "font": font,
@@ -214,6 +224,8 @@ def ktau_figure(curves: list[list[KTauCurve]], taus: list[float], labels: list[s
     data: list[dict[str, Any]] = []
     shapes: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
+    xs = [t for per_bundle in curves for c in per_bundle for t in c.taus] + list(taus)
+    span = (min(xs), max(xs))  # the x axis (autoranged over the curves and the marked taus)
     for b, (per_bundle, tau, label) in enumerate(zip(curves, taus, labels, strict=True)):
         for c in per_bundle:
             col = color(types.index(c.module_type))
@@ -251,7 +263,7 @@ def ktau_figure(curves: list[list[KTauCurve]], taus: list[float], labels: list[s
                 )
         shapes.append(_vline(tau, "#444", DASHES[(b + 1) % len(DASHES)]))
         text = f"tau = {tau:g}" + (f" ({label})" if multi else " (this bundle)")
-        annotations.append(_line_label(tau, 1.0 - 0.07 * b, text, {"size": 11}))
+        annotations.append(_line_label(tau, 1.0 - 0.07 * b, text, {"size": 11}, span=span))
     layout = _base_layout("k(tau) per module type (mean over its modules)", height=420)
     layout.update(
         xaxis={"title": {"text": "tau (energy fraction of the top directions Q avoids)"}},
@@ -356,6 +368,10 @@ def _spectrum_traces(v: SpectrumView, col: str, label: str, multi: bool) -> list
     ]
 
 
+#: Paper height between two bundles' tau-cut labels (two lines of 10 px text in the spectrum plot's ~260 px).
+TAU_LABEL_STEP = 0.13
+
+
 def _tau_cut(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The tau cut (the top m_tau directions hold >= tau of the energy): a vertical line after direction m_tau,
     a horizontal one at tau on the cumulative axis, and its label."""
@@ -372,10 +388,11 @@ def _tau_cut(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[
             "line": {"color": col, "width": 1, "dash": "dot"},
         },
     ]
-    text = f" tau={v.tau:g} cut: top {v.m_tau} directions hold {v.tau:g} of the energy " + suffix
-    label = _line_label(v.m_tau + 0.5, 1.0 - 0.08 * b, text, {"size": 10, "color": col})
-    label["xanchor"] = "left" if v.m_tau < 0.5 * v.d_in else "right"
-    return shapes, label
+    # two lines, each at most ~45 characters (the label cut to 16): a cut near the middle of a 700 px plot leaves
+    # ~290 px either side, which the one-line label (~380 px with a bundle label) ran past
+    text = f"tau={v.tau:g} cut: top {v.m_tau} directions<br>hold {v.tau:g} of the energy{suffix}"
+    span = (0.5, v.d_in + 0.5)
+    return shapes, _line_label(v.m_tau + 0.5, 1.0 - TAU_LABEL_STEP * b, text, {"size": 10, "color": col}, span=span)
 
 
 def _q_band(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -385,12 +402,9 @@ def _q_band(v: SpectrumView, b: int, col: str, suffix: str) -> tuple[list[dict[s
     first, last = (1, v.k) if v.q_directions == "top" else (v.k_start, v.d_in)
     y_label = 0.04 * (b + 1) + 0.06 * b
     if v.q_directions in ("random", "base"):
-        what = (
-            "a random orthonormal k-frame"
-            if v.q_directions == "random"
-            else "PLATE's Q kept, bottom directions of the base bundle's frozen rows, not of these"
-        )
-        text = f"Q: k={v.k} ({what}; ablation {v.variant}), no band drawn" + suffix
+        # ~85 characters with a cut label: it ends at the plot's right edge and must fit in its ~570 px
+        what = "a random orthonormal k-frame" if v.q_directions == "random" else "PLATE's Q of the base bundle's rows"
+        text = f"Q: k={v.k}, no band drawn (ablation {v.variant}: {what})" + suffix
         return [], _line_label(v.d_in + 0.5, y_label, text, {"size": 10, "color": col}, yanchor="bottom")
 
     def rect(y0: float, y1: float, opacity: float) -> dict[str, Any]:
@@ -498,7 +512,8 @@ def histogram_figure(hists: list[ScoreHistogram], labels: list[str]) -> Figure:
             how = f" (ablation {h.variant})" if h.variant else ""
             text = f"B: r={h.r} of {h.d_out} rows, not the r highest scores{how}; B's lowest score {h.b_min:.4g}"
         text += f" ({label})" if multi else ""
-        annotations.append(_line_label(h.cutoff, 1.0 - 0.08 * b, text, {"size": 10, "color": col}))
+        span = (h.edges[0], h.edges[-1])
+        annotations.append(_line_label(h.cutoff, 1.0 - 0.08 * b, text, {"size": 10, "color": col}, span=span))
     layout = {
         "title": {"text": f"Redundancy scores: {plot_text(hists[0].name)}"},
         "shapes": shapes,

@@ -136,10 +136,9 @@ SCRIPT = r"""
     var start = where === "top" ? 1 : dIn - k + 1, stop = where === "top" ? k : dIn;
     var ablation = first.variant ? "; ablation " + first.variant : "";
     var qLabel = "Q" + (many ? " [" + D.labels[0] + "]" : "") + ": ";
-    if (where === "random" || where === "base") {
-      qLabel += "k=" + k + " (" + (where === "random" ? "a random orthonormal k-frame"
-        : "PLATE's Q kept, bottom directions of the base bundle's frozen rows, not of these") + ablation +
-        "), no band drawn";
+    if (where === "random" || where === "base") {  // as figures._q_band words it
+      qLabel += "k=" + k + ", no band drawn (ablation " + first.variant + ": " +
+        (where === "random" ? "a random orthonormal k-frame" : "PLATE's Q of the base bundle's rows") + ")";
     } else {
       qLabel += where + " k=" + k + " directions (" + start + ".." + stop + ablation.replace(";", ",") + ")";
     }

@@ -15,7 +15,6 @@ probabilities, averaged over the task-1 test inputs. Summaries: mean and 95% CI 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import numbers
@@ -40,7 +39,7 @@ from plate_inspect.arguments import (
     real_value,
 )
 from plate_inspect.atomic import atomic_write, make_dirs, os_error_reason, path_argument
-from plate_inspect.errors import ConfigError, os_error_text
+from plate_inspect.errors import ConfigError, os_error_text, os_fault
 from plate_inspect.experiments import digits
 from plate_inspect.experiments.methods import (
     DATA_USING,
@@ -453,21 +452,11 @@ def writing_errors(out: Path, kept: str) -> Iterator[None]:
     except OSError as e:
         where = Path(e.filename) if e.filename else out  # atomic_write names its target, not its temp file
         reason = os_error_reason(where, e)
-        fix = _WRITE_FIX.get(e.errno or 0, "mend that")
+        fix = os_fault(e).mend
         raise ConfigError(
             f"{where}: cannot write ({reason}); {kept}: {fix}, then rerun the same command to resume; or choose "
             "another --out"
         ) from None
-
-
-#: What to mend, by errno, before a rerun resumes a run that could not write (else "mend that").
-_WRITE_FIX = {
-    errno.ENOSPC: "free space",
-    errno.EDQUOT: "free space",
-    errno.EACCES: "let this user write there (ls -ld shows who may)",
-    errno.EPERM: "let this user write there (ls -ld shows who may)",
-    errno.EROFS: "make that file system writable",
-}
 
 
 def settings_diff(old: Any, new: dict[str, Any], flags: dict[str, str] | None = None) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from plate_inspect.model_files import INDEX_FILE
+
 
 @dataclass
 class SyntheticCheckpoint:
@@ -102,7 +104,7 @@ class ShardedWriter:
             "metadata": {"total_size": self.total_bytes},
             "weight_map": {k: renamed[v] for k, v in self.weight_map.items()},
         }
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2))
         return self.total_bytes
 
 

@@ -33,9 +33,11 @@ from plate_inspect.arguments import bool_argument
 from plate_inspect.atomic import Claim, claim_temp_dir, make_temp_dir, new_file_mode, os_error_reason, path_argument
 from plate_inspect.bundle import MANIFEST, Bundle, ModuleRecord, ScanSettings
 from plate_inspect.checkpoint import Checkpoint
-from plate_inspect.dtypes import FLOAT_DTYPES
+from plate_inspect.dequantize import tensor_from_bytes
+from plate_inspect.dtypes import FLOAT_DTYPES, torch_dtype
 from plate_inspect.errors import BundleError, CheckpointError, ConfigError
 from plate_inspect.formatting import counted, human_bytes
+from plate_inspect.model_files import INDEX_FILE
 from plate_inspect.progress import ProgressCallback, ProgressCounter
 from plate_inspect.targets import EXPERT_LAYOUTS
 from plate_inspect.train.core import geometry_digest, merged_copy
@@ -47,7 +49,6 @@ if TYPE_CHECKING:
 #: config, index, tokenizer and chat-template files, and a remote-code model's modeling/configuration code (its
 #: config.json's auto_map names them: without them from_pretrained(out, trust_remote_code=True) fails)
 _COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
-_INDEX = "model.safetensors.index.json"
 #: the weight files save_pretrained writes: the only ones --overwrite may remove besides an index's shards
 _WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
 
@@ -186,7 +187,7 @@ def merge_checkpoint(
                     shard[name] = merged_copy(w, b.record(module).layout, b_idx, a, q, meta["rhos"][module])
                     merged.append(module)
                 else:
-                    shard[name] = _tensor_from_bytes(ckpt.read_bytes(name), info.dtype, info.shape)
+                    shard[name] = tensor_from_bytes(ckpt.read_bytes(name), _stored_dtype(info.dtype), info.shape)
                 counter.step(name, nbytes=info.nbytes)
             with _write_errors(out):
                 save_file(shard, str(tmp / file.name), metadata=_header_metadata(file) or None)
@@ -224,7 +225,7 @@ def _files_to_copy(ckpt: Checkpoint, source: Path) -> list[Path]:
     tokenizer, chat template, remote code). For a single ``.safetensors`` file, its directory's files only when
     that directory is the model's own (no other safetensors file, no index); else config.json alone."""
     own_dir = not source.is_file() or (
-        [p.name for p in ckpt.root.glob("*.safetensors")] == [source.name] and not (ckpt.root / _INDEX).exists()
+        [p.name for p in ckpt.root.glob("*.safetensors")] == [source.name] and not (ckpt.root / INDEX_FILE).exists()
     )
     return sorted(
         f
@@ -594,23 +595,20 @@ def _stale_checkpoint_files(out: Path, new: set[str]) -> list[Path]:
     names, and save_pretrained's weight files (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``).
     Any other safetensors file (an adapter, say) is not the checkpoint's and is kept."""
     names = {f.name for f in out.iterdir() if f.is_file() and _WEIGHT_FILE.fullmatch(f.name)}
-    index = out / _INDEX
+    index = out / INDEX_FILE
     if index.is_file():
-        names.add(_INDEX)
+        names.add(INDEX_FILE)
         with contextlib.suppress(OSError, ValueError, KeyError, AttributeError, TypeError):
             names |= {Path(v).name for v in json.loads(index.read_text())["weight_map"].values()}
     return [out / n for n in sorted(names - new) if (out / n).is_file()]
 
 
-def _tensor_from_bytes(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    from plate_inspect.dtypes import torch_dtype
-
+def _stored_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype a tensor copied unchanged into the merged checkpoint is rebuilt in (its stored one)."""
     dt = torch_dtype(dtype)
     if dt is None:
         raise CheckpointError(f"cannot rewrite a tensor stored as {dtype}")
-    if not raw:
-        return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(raw, dtype=dt).reshape(shape).clone()
+    return dt
 
 
 def _header_metadata(file: Path) -> dict[str, str]:

@@ -3,32 +3,22 @@ code, transformers is imported only when a Hugging Face model is loaded, and the
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from helpers_imports import modules_after_import
 
 LEAVES = ("alignment_math", "activations", "hf_text")
 
 
-def _modules_after_import(module: str) -> set[str]:
-    """The names in sys.modules after importing ``module`` first in a fresh interpreter."""
-    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return set(out.stdout.split())
-
-
 @pytest.mark.parametrize("leaf", [*LEAVES, "alignment"])
 def test_each_module_imports_first_and_never_imports_transformers(leaf):
-    loaded = _modules_after_import(f"plate_inspect.analysis.{leaf}")
+    loaded = modules_after_import(f"plate_inspect.analysis.{leaf}")
     assert f"plate_inspect.analysis.{leaf}" in loaded
     assert "transformers" not in loaded
 
 
 def test_the_math_alone_imports_no_model_code():
     """Records and VE/AL from (W, Sigma) need torch and the geometry, not the layers, targets or checkpoint reader."""
-    loaded = _modules_after_import("plate_inspect.analysis.alignment_math")
+    loaded = modules_after_import("plate_inspect.analysis.alignment_math")
     heavy = {"plate_inspect.train.layer", "plate_inspect.targets", "plate_inspect.checkpoint", "transformers"}
     assert not heavy & loaded, sorted(heavy & loaded)
 

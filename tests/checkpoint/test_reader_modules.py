@@ -8,10 +8,9 @@ Oracle: the home of each name, written out here (where it was moved to), and a f
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 
 import pytest
+from helpers_imports import modules_after_import
 
 CHECKPOINT_HOMES = {
     "plate_inspect.safetensors_header": ("TensorInfo", "parse_safetensors_header"),
@@ -67,17 +66,9 @@ BUNDLE_HOMES = {
 LEAVES = [m for m in CHECKPOINT_HOMES if m not in ("plate_inspect.dtypes", "plate_inspect.checkpoint")]
 
 
-def _modules_after_import(module: str) -> set[str]:
-    """The names in sys.modules after importing ``module`` first in a fresh interpreter."""
-    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return set(out.stdout.split())
-
-
 @pytest.mark.parametrize("leaf", LEAVES)
 def test_each_piece_imports_first_without_the_checkpoint_class(leaf):
-    loaded = _modules_after_import(leaf)
+    loaded = modules_after_import(leaf)
     assert leaf in loaded and "plate_inspect.checkpoint" not in loaded
     assert not {"plate_inspect.bundle", "plate_inspect.hub", "safetensors"} & loaded
 
@@ -86,7 +77,7 @@ def test_each_piece_imports_first_without_the_checkpoint_class(leaf):
     "module", ["plate_inspect.bundle_parts", "plate_inspect.bundle_reader", "plate_inspect.bundle_writer"]
 )
 def test_each_bundle_module_imports_first(module):
-    assert module in _modules_after_import(module)
+    assert module in modules_after_import(module)
 
 
 @pytest.mark.parametrize(
@@ -103,5 +94,5 @@ def test_the_public_path_gives_each_name_from_its_home(public, homes):
 
 
 def test_the_bundle_module_is_the_format_and_loads_no_reader_or_writer():
-    loaded = _modules_after_import("plate_inspect.bundle")
+    loaded = modules_after_import("plate_inspect.bundle")
     assert not {"plate_inspect.bundle_reader", "plate_inspect.bundle_writer", "plate_inspect.bundle_parts"} & loaded

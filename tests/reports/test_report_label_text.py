@@ -92,3 +92,48 @@ def test_long_labels_are_cut_in_the_plots_and_shown_whole_in_the_header(tmp_path
     assert clipped == {}, clipped
     cut = ["meta-l…nt-120000", "meta-l…120000-v2"]  # 16 characters: 6 of the start, '…', 9 of the end
     assert {f"self_attn.q_proj ({c})" for c in cut} <= set(got["legend"]), got["legend"]
+
+
+# Every title, legend entry and annotation past either side of its plot, on the first view and after opening each
+# module in the explorer (the spectrum and scores plots change with the module).
+CLIPPED_PER_MODULE = """
+(async () => {
+  const wait = ms => new Promise(r => setTimeout(r, ms));
+  const out = [];
+  const check = where => [...document.querySelectorAll(".js-plotly-plot")].forEach(div => {
+    const box = div.querySelector("svg.main-svg").getBoundingClientRect();
+    [...div.querySelectorAll(".gtitle, .legendtext, .annotation")].forEach(e => {
+      const r = e.getBoundingClientRect();
+      if (r.width && (r.right > box.right + 1 || r.left < box.left - 1)) { out.push([where, div.id, e.textContent]); }
+    });
+  });
+  check("first view");
+  const select = document.getElementById("module-select");
+  for (const option of [...select.options]) {
+    select.value = option.value;
+    select.dispatchEvent(new Event("change"));
+    await wait(150);
+    check(option.value);
+  }
+  return { clipped: out, modules: select.options.length };
+})()
+"""
+
+
+def test_line_labels_stay_inside_their_plots_wherever_the_line_is(tmp_path):
+    """The spectrum's tau-cut label started at the cut when it lay in the left half and ended there in the right
+    half; one line of ~380 px with a bundle label ran past the right edge (a cut just left of the middle) or the left
+    one (just right of it) of a 704 px plot. It is two lines now, on the side of the line with more room, as are the
+    k(tau) and score histogram labels."""
+    chromium = find_chromium()
+    assert chromium is not None, "chromium is required (scripts/ensure_chromium.sh installs it)"
+    long = "meta-llama/Llama-3.1-405B-Instruct-finetuned-on-support-tickets-lr1e-5-checkpoint-120000"
+    paths = [
+        write_fake_bundle(tmp_path / n, 3, SMALL_TYPES, seed=seed, tau=tau)
+        for n, seed, tau in (("a", 0, 0.9), ("b", 1, 0.99))
+    ]
+    html = write_report([Bundle.load(p) for p in paths], tmp_path / "cuts.html", labels=[long, long + "-v2"])
+    check = open_report(html, script=CLIPPED_PER_MODULE, timeout=180)
+    assert check.ready and check.console_errors == [] and check.exceptions == []
+    got = check.details["script"]
+    assert got["modules"] == len(Bundle.load(paths[0])) and got["clipped"] == [], got["clipped"]
