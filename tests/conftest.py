@@ -6,6 +6,7 @@ import from conftest once subdirectories have their own conftest.py (pytest impo
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,39 @@ def digits_adapter(tmp_path_factory):
     model = helpers_train.load_digits(ckpt)
     apply_bundle(model, bundle)
     return ckpt, bundle, save_adapter(model, root / "adapter.safetensors")
+
+
+# --------------------------------------------------------------------------- disk: module fixtures' directories
+# pytest's retention policy ("failed", pyproject) removes a passing test's tmp_path at once, but the directories that
+# module- and class-scoped fixtures make with tmp_path_factory.mktemp stay until the run ends: they added up to most of
+# the basetemp's peak. They are removed when their fixture is torn down (its module is done), unless a test has failed
+# by then (kept to look at, as pytest keeps a failed test's tmp_path). Directories a session fixture made while a
+# narrower fixture was being set up (qwen_ckpt asked for by a module fixture) stay theirs: the session's.
+_SESSION_DIRS: set[Path] = set()
+
+
+def _basetemp_children(request: pytest.FixtureRequest) -> set[Path]:
+    factory = request.config._tmp_path_factory  # type: ignore[attr-defined]
+    base = factory._basetemp
+    return set(base.iterdir()) if base is not None and base.is_dir() else set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = _basetemp_children(request)
+    yield
+    made = _basetemp_children(request) - before
+    if not made:
+        return
+    if fixturedef.scope == "session":
+        _SESSION_DIRS.update(made)
+    elif fixturedef.scope in ("module", "class", "package"):
+        session = request.session
+
+        def remove(dirs=frozenset(made)) -> None:
+            if session.testsfailed:
+                return
+            for path in dirs - _SESSION_DIRS:
+                shutil.rmtree(path, ignore_errors=True)
+
+        fixturedef.addfinalizer(remove)

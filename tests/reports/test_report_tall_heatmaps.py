@@ -40,7 +40,7 @@ def is_tall_layout(figure: dict) -> bool:
     return top and fixed_bar
 
 
-@pytest.mark.parametrize("layers", [TALL_HEATMAP_ROWS + 20, 120])
+@pytest.mark.parametrize("layers", [TALL_HEATMAP_ROWS + 20, pytest.param(120, marks=pytest.mark.slow)])
 def test_a_deep_bundles_heatmaps_label_the_types_on_top(tmp_path, layers):
     bundle = write_fake_bundle(tmp_path / "deep", layers, SMALL_TYPES)
     figures = page_heatmaps(write_report([Bundle.load(bundle)], tmp_path / "r.html"))

@@ -334,7 +334,7 @@ def test_sigterm_ends_a_scan_like_ctrl_c_and_the_rerun_resumes(tmp_path):
     """SIGTERM (kill, a scheduler's preemption) killed the scan mid-write: exit -15, no message, a stray temp
     file possible and the layer being written lost. Now: the part being written is finished, the interrupt line,
     exit 130; the rerun keeps what was written and ends bit-identical to an uninterrupted scan."""
-    model = write_llama_like(tmp_path / "big", layers=8, hidden=256, intermediate=768, heads=4, kv_heads=2).path
+    model = write_llama_like(tmp_path / "big", layers=4, hidden=256, intermediate=768, heads=4, kv_heads=2).path
     ref, out = tmp_path / "ref", tmp_path / "out"
     args = [sys.executable, "-m", "plate_inspect", "scan", str(model), "--r", "8", "-q", "--out"]
     proc = subprocess.Popen([*args, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -349,7 +349,7 @@ def test_sigterm_ends_a_scan_like_ctrl_c_and_the_rerun_resumes(tmp_path):
     assert "interrupted: finished modules are saved; rerun the same command to resume" in output
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp file left
     kept = len(list(out.glob("layer-*.safetensors")))
-    assert json.loads((out / "manifest.json").read_text())["complete"] is False and kept < 8
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False and kept < 4
     rerun = subprocess.run([*args, str(out)], capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0 and "resumed an interrupted scan" in rerun.stderr + rerun.stdout
     assert subprocess.run([*args, str(ref)], capture_output=True, timeout=300).returncode == 0
