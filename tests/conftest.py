@@ -95,3 +95,22 @@ def pytest_fixture_setup(fixturedef, request):
                 shutil.rmtree(path, ignore_errors=True)
 
         fixturedef.addfinalizer(remove)
+
+
+@pytest.fixture(scope="module")
+def saved_tiny_model(tmp_path_factory):
+    """family -> (transformers' tiny model of that family, the directory its save_pretrained wrote), built on first
+    use (tests/checkpoint/test_modern_families.py: tiny_model and the family tables)."""
+    from checkpoint.test_modern_families import tiny_model
+
+    cache: dict[str, tuple] = {}
+
+    def get(family: str):
+        if family not in cache:
+            path = tmp_path_factory.mktemp(family)
+            model = tiny_model(family)
+            model.save_pretrained(path)
+            cache[family] = (model, path)
+        return cache[family]
+
+    return get

@@ -109,3 +109,9 @@ def mxfp4_oracle(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def stored_bytes(t: torch.Tensor) -> np.ndarray:
     """A tensor's stored bytes (uint8, flat), whatever its dtype: what the decoders read."""
     return t.contiguous().view(torch.uint8).numpy().copy()
+
+
+def matrix_key(w: torch.Tensor) -> tuple:
+    """A weight matrix's identity by value (shape and raw bf16 bits): random bf16 weights make each one unique, so two
+    modules hold the same matrix exactly when their keys are equal, whatever their names."""
+    return (tuple(w.shape), w.detach().contiguous().view(torch.uint16).numpy().tobytes())

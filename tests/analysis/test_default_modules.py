@@ -14,7 +14,8 @@ import copy
 
 import pytest
 import torch
-from checkpoint.test_modern_families import WRAPPERS, tiny_model
+from checkpoint.test_modern_families import WRAPPERS
+from oracles import matrix_key
 
 import plate_inspect
 from plate_inspect.analysis.activations import linear_weight, select_linear_modules
@@ -27,58 +28,38 @@ from plate_inspect.targets import EXPERT_LAYOUTS, load_target, modules_by_name, 
 FAMILIES = (*WRAPPERS, "qwen3_next", "granitemoehybrid", "glm4_moe", "phi", "falcon", "gpt_neox", "jamba", "minimax")
 
 
-def key(w: torch.Tensor) -> tuple:
-    return (tuple(w.shape), w.detach().contiguous().view(torch.uint16).numpy().tobytes())
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """family -> (the tiny model, the directory its save_pretrained wrote), built on first use."""
-    cache: dict[str, tuple] = {}
-
-    def get(family: str):
-        if family not in cache:
-            path = tmp_path_factory.mktemp(family)
-            model = tiny_model(family)
-            model.save_pretrained(path)
-            cache[family] = (model, path)
-        return cache[family]
-
-    return get
-
-
 def scanned_matrices(path, names=None) -> tuple[set[tuple], set[tuple]]:
     """(matrices of the scan's modules, those of them that are experts), read from the checkpoint; ``names``: the
     modules of a bundle (default: those select_targets chooses)."""
     ckpt = Checkpoint.open(path)
     targets = select_targets(ckpt)[0] if names is None else [modules_by_name(ckpt)[n] for n in names]
-    read = {t.name: key(load_target(ckpt, t)[0]) for t in targets}
+    read = {t.name: matrix_key(load_target(ckpt, t)[0]) for t in targets}
     assert len(set(read.values())) == len(read)
     experts = {read[t.name] for t in targets if t.expert is not None or t.layout in EXPERT_LAYOUTS}
     return set(read.values()), experts
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_analysis_defaults_are_the_scans_modules(saved, family):
-    model, path = saved(family)
+def test_analysis_defaults_are_the_scans_modules(saved_tiny_model, family):
+    model, path = saved_tiny_model(family)
     chosen = select_linear_modules(model)
-    mine = [key(linear_weight(m)) for m in chosen.values()]
+    mine = [matrix_key(linear_weight(m)) for m in chosen.values()]
     assert len(set(mine)) == len(mine)
     scanned, experts = scanned_matrices(path)
-    linear = {key(linear_weight(m)) for _, m in model.named_modules() if linear_weight(m) is not None}
+    linear = {matrix_key(linear_weight(m)) for _, m in model.named_modules() if linear_weight(m) is not None}
     assert set(mine) == scanned & linear, "the analysis chose other layers than the scan"
     assert scanned - linear <= experts, "a scanned dense module the analysis lacks"
     assert not any("vision" in n or "visual" in n for n in chosen)
 
 
-def test_alignment_of_a_vlm_on_text_measures_the_bundles_modules(saved, tmp_path):
+def test_alignment_of_a_vlm_on_text_measures_the_bundles_modules(saved_tiny_model, tmp_path):
     """LLaVA fed text only: the alignment analysis measures the bundle's modules (before, it hooked the vision
     tower too, which text never reaches, and refused: 'these layers saw no input')."""
-    model, path = saved("llava")
+    model, path = saved_tiny_model("llava")
     bundle = plate_inspect.scan(path, tmp_path / "b", r=4, tau=0.9, max_rank=16)
     ids = torch.randint(3, 64, (2, 6))
     records = weight_activation_alignment(copy.deepcopy(model).float(), [{"input_ids": ids}], ks=(2,), n_random=2)
-    weights = {n: key(linear_weight(m)) for n, m in model.named_modules() if linear_weight(m) is not None}
+    weights = {n: matrix_key(linear_weight(m)) for n, m in model.named_modules() if linear_weight(m) is not None}
     assert {weights[r.module] for r in records} == scanned_matrices(path, bundle.modules)[0]
 
 

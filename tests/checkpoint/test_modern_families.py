@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from oracles import dense_oracle
+from oracles import dense_oracle, matrix_key
 
 import plate_inspect
 from plate_inspect.checkpoint import Checkpoint
@@ -159,26 +159,6 @@ def model_matrices(model: torch.nn.Module, family: str) -> tuple[dict[str, torch
     return linear, experts
 
 
-def key(w: torch.Tensor) -> tuple:
-    return (tuple(w.shape), w.contiguous().view(torch.uint16).numpy().tobytes())
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """family -> (the model, the directory its save_pretrained wrote), built on first use."""
-    cache: dict[str, tuple] = {}
-
-    def get(family: str):
-        if family not in cache:
-            path = tmp_path_factory.mktemp(family)
-            model = tiny_model(family)
-            model.save_pretrained(path)
-            cache[family] = (model, path)
-        return cache[family]
-
-    return get
-
-
 def check_against_the_model(model, family, targets, ckpt) -> dict[str, torch.Tensor]:
     """Each chosen module is one of the model's matrices (values and shape), each matrix is chosen once; nn.Linear
     modules keep the names they are saved under. Returns the chosen weights by name."""
@@ -191,25 +171,31 @@ def check_against_the_model(model, family, targets, ckpt) -> dict[str, torch.Ten
         read[t.name] = w
     by_value: dict[tuple, list[str]] = {}
     for name, w in read.items():
-        by_value.setdefault(key(w), []).append(name)
+        by_value.setdefault(matrix_key(w), []).append(name)
     assert all(len(names) == 1 for names in by_value.values()), "two modules read the same matrix"
-    found = {key(w) for w in read.values()}
+    found = {matrix_key(w) for w in read.values()}
     for name, w in linear.items():  # under its own name, unless save_pretrained renamed it (Mistral-3's wrapper)
-        assert by_value.get(key(w)) == [name] if f"{name}.weight" in ckpt.tensors else len(by_value[key(w)]) == 1
+        assert (
+            by_value.get(matrix_key(w)) == [name]
+            if f"{name}.weight" in ckpt.tensors
+            else len(by_value[matrix_key(w)]) == 1
+        )
     halves = []
     for gate_up, down in experts:
         inter = down.shape[1]
-        assert key(down) in found
+        assert matrix_key(down) in found
         split = (gate_up[:inter], gate_up[inter:])
-        assert key(gate_up) in found or all(key(h) in found for h in split), "an expert's gate/up not chosen"
-        halves += [key(gate_up), *map(key, split), key(down)]
-    assert found <= {key(w) for w in linear.values()} | set(halves), "a chosen module the model does not adapt"
+        assert matrix_key(gate_up) in found or all(matrix_key(h) in found for h in split), (
+            "an expert's gate/up not chosen"
+        )
+        halves += [matrix_key(gate_up), *map(matrix_key, split), matrix_key(down)]
+    assert found <= {matrix_key(w) for w in linear.values()} | set(halves), "a chosen module the model does not adapt"
     return read
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_defaults_are_the_models_own_projections(saved, family):
-    model, path = saved(family)
+def test_defaults_are_the_models_own_projections(saved_tiny_model, family):
+    model, path = saved_tiny_model(family)
     ckpt = Checkpoint.open(path)
     targets, note = select_targets(ckpt)
     assert note.startswith(f"defaults for model_type '{family}'"), note
@@ -231,10 +217,10 @@ SAMPLE = {
 
 
 @pytest.mark.parametrize("family", sorted(SAMPLE))
-def test_scan_with_defaults_matches_the_dense_oracle(saved, family, tmp_path):
+def test_scan_with_defaults_matches_the_dense_oracle(saved_tiny_model, family, tmp_path):
     """``plate-inspect scan`` with defaults on the saved model: exactly the default modules, and B, k of a sample
     module equal to PLATE by definition on the model's own weight (float64)."""
-    model, path = saved(family)
+    model, path = saved_tiny_model(family)
     result = CliRunner().invoke(cli, ["scan", str(path), "--out", str(tmp_path / "b"), "--r", str(R),
                                       "--max-rank", str(MAX_RANK), "--tau", str(TAU), "-q"])  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -278,10 +264,10 @@ def T(tensor: str) -> str:
         ("falcon_h1", {"mamba_n_groups": 2}, T(r"mamba\.in_proj\.weight")),
     ],
 )
-def test_config_dims_checked_against_the_weights(saved, tmp_path, family, override, tensor):
+def test_config_dims_checked_against_the_weights(saved_tiny_model, tmp_path, family, override, tensor):
     """The same saved weights under a config.json that says other dims (or another expert count): refused, naming a
     tensor that contradicts it."""
-    _, path = saved(family)
+    _, path = saved_tiny_model(family)
     for f in path.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
@@ -299,9 +285,9 @@ def test_config_dims_checked_against_the_weights(saved, tmp_path, family, overri
         ("jamba", {"expert_layer_offset": 0}, 0),
     ],
 )
-def test_dense_first_layers_checked_against_the_config(saved, tmp_path, family, override, layer):
+def test_dense_first_layers_checked_against_the_config(saved_tiny_model, tmp_path, family, override, layer):
     """GLM-4.5 / ERNIE-4.5-MoE: which layers are dense is config.json's; weights that say otherwise are refused."""
-    _, path = saved(family)
+    _, path = saved_tiny_model(family)
     for f in path.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
@@ -310,10 +296,10 @@ def test_dense_first_layers_checked_against_the_config(saved, tmp_path, family, 
         select_targets(Checkpoint.open(tmp_path))
 
 
-def test_unknown_wrapper_uses_its_language_models_defaults(saved, tmp_path):
+def test_unknown_wrapper_uses_its_language_models_defaults(saved_tiny_model, tmp_path):
     """A vision-language wrapper not in the table whose text_config names a known family (LLaVA-style): that
     family's defaults and shape checks, on the language model only (its vision tower's q_proj left out)."""
-    model, path = saved("llava")
+    model, path = saved_tiny_model("llava")
     for f in path.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
@@ -327,9 +313,9 @@ def test_unknown_wrapper_uses_its_language_models_defaults(saved, tmp_path):
         select_targets(Checkpoint.open(tmp_path))
 
 
-def test_bundle_keeps_3d_granite_experts_apart(saved, tmp_path):
+def test_bundle_keeps_3d_granite_experts_apart(saved_tiny_model, tmp_path):
     """Granite MoE's experts (one 3-D tensor per projection) become one module per expert, each its own slice."""
-    model, path = saved("granitemoe")
+    model, path = saved_tiny_model("granitemoe")
     targets, _ = select_targets(Checkpoint.open(path))
     experts = [t for t in targets if "block_sparse_moe" in t.name]
     assert {t.expert for t in experts} == set(range(4))
@@ -340,10 +326,10 @@ def test_bundle_keeps_3d_granite_experts_apart(saved, tmp_path):
     assert torch.equal(load_target(Checkpoint.open(path), t)[0], stack[2])
 
 
-def test_unknown_model_type_says_what_to_pass(saved, tmp_path):
+def test_unknown_model_type_says_what_to_pass(saved_tiny_model, tmp_path):
     """A model_type the table does not know: the fallback's note says that no shape check ran, which 3-D expert
     stacks it left out, and to choose with --target-modules; naming the stacks then scans each expert."""
-    _, path = saved("granitemoe")
+    _, path = saved_tiny_model("granitemoe")
     for f in path.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
@@ -358,13 +344,13 @@ def test_unknown_model_type_says_what_to_pass(saved, tmp_path):
     assert len(chosen) == 2 * 4 and {t.expert for t in chosen} == set(range(4))
 
 
-def test_glm45_mtp_layer_only_when_asked(saved, tmp_path):
+def test_glm45_mtp_layer_only_when_asked(saved_tiny_model, tmp_path):
     """GLM-4.5 ships a multi-token-prediction layer (index num_hidden_layers, DeepSeek-V3's layout: a decoder layer
     plus eh_proj [hidden, 2 x hidden]), which transformers does not build: skipped by default, scanned with
     include_mtp, eh_proj's shape checked. The layer is planted from layer 2's tensors (a MoE layer)."""
     from safetensors.torch import load_file, save_file
 
-    _, path = saved("glm4_moe")
+    _, path = saved_tiny_model("glm4_moe")
     tensors = load_file(str(path / "model.safetensors"))
     layer2 = {k: v for k, v in tensors.items() if k.startswith("model.layers.2.")}
     mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in layer2.items()}
@@ -386,11 +372,11 @@ def test_glm45_mtp_layer_only_when_asked(saved, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
-def test_qwen_vl_release_config_without_text_config(saved, tmp_path, family):
+def test_qwen_vl_release_config_without_text_config(saved_tiny_model, tmp_path, family):
     """Qwen2-VL / Qwen2.5-VL as released: config.json flat (the language model's dims at the top, no text_config)
     and the weights under model.layers / visual.blocks (transformers 5 writes that layout too). The same modules as
     with text_config (the vision tower's blocks and merger left out), its dims checked."""
-    model, path = saved(family)
+    model, path = saved_tiny_model(family)
     for f in path.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())

@@ -13,6 +13,7 @@ import pytest
 import torch
 from checkpoint.test_modern_families import WRAPPERS, tiny_model
 from helpers_train import dense_plate_weight, randomize_adapters
+from oracles import matrix_key
 from safetensors.torch import load_file
 
 import plate_inspect
@@ -23,23 +24,18 @@ FAMILIES = [f for f in WRAPPERS if f != "glm4v_moe"]
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(saved_tiny_model):
     """family -> (directory of the saved model, its bundle), made on first use."""
     cache: dict[str, tuple] = {}
 
     def get(family: str):
         if family not in cache:
-            root = tmp_path_factory.mktemp(family)
-            tiny_model(family).save_pretrained(root / "model")
-            bundle = plate_inspect.scan(root / "model", root / "bundle", r=2, tau=0.9, max_rank=8)
-            cache[family] = (root, bundle)
+            _, path = saved_tiny_model(family)
+            bundle = plate_inspect.scan(path, path.parent / f"{path.name}-bundle", r=2, tau=0.9, max_rank=8)
+            cache[family] = (path, bundle)
         return cache[family]
 
     return get
-
-
-def _key(w: torch.Tensor) -> tuple:
-    return tuple(w.shape), w.detach().contiguous().view(torch.uint16).numpy().tobytes()
 
 
 def _check_layer(layer, bundle, name: str, rho: float) -> None:
@@ -53,18 +49,19 @@ def _check_layer(layer, bundle, name: str, rho: float) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_apply_bundle_maps_a_wrappers_checkpoint_names_onto_the_loaded_model(saved, family):
-    root, bundle = saved(family)
+    path, bundle = saved(family)
     model = tiny_model(family)  # the same seeded weights, under the names transformers loads them with
     params = apply_bundle(model, bundle, rho=0.5)  # the weight check compares every mapped layer's fingerprint
     layers = plate_layers(model)
     assert len(layers) == len(bundle.modules) and len(params) == len(bundle.modules)
     assert not [n for n in layers if "vision" in n or "visual" in n]
     randomize_adapters(params, seed=3)
-    on_disk = load_file(root / "model" / "model.safetensors")
-    by_value = {_key(t): n.removesuffix(".weight") for n, t in on_disk.items() if n.removesuffix(".weight") in bundle}
+    on_disk = load_file(path / "model.safetensors")
+    stems = {n: n.removesuffix(".weight") for n in on_disk}
+    by_value = {matrix_key(t): stems[n] for n, t in on_disk.items() if stems[n] in bundle}
     for layer_name, layer in layers.items():  # each layer wraps the very matrix its bundle module was scanned from
-        assert _key(layer.base.weight) in by_value, layer_name
-    name = by_value[_key(next(iter(layers.values())).base.weight)]
+        assert matrix_key(layer.base.weight) in by_value, layer_name
+    name = by_value[matrix_key(next(iter(layers.values())).base.weight)]
     _check_layer(next(iter(layers.values())), bundle, name, 0.5)
 
 
@@ -74,7 +71,7 @@ def test_the_peft_method_maps_a_wrappers_bundle_too(saved, family):
 
     from plate_inspect.train.peft import PlateConfig
 
-    root, bundle = saved(family)
+    _, bundle = saved(family)
     model = get_peft_model(tiny_model(family), PlateConfig(bundle=str(bundle.path), rho=0.5))
     adapted = {n: m for n, m in model.named_modules() if hasattr(m, "plate_A") and hasattr(m, "base_layer")}
     assert len(adapted) == len(bundle.modules)
