@@ -15,6 +15,7 @@ GPU:  python benchmarks/bench_train.py --device cuda --dtype bfloat16 --reps 20
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -149,7 +151,11 @@ MMAP_THRESHOLD = "131072"
 def memory_child(args: argparse.Namespace, method: str, r: int, bundle: str, root: Path) -> int:
     """Peak training memory of one method in bytes (CPU: RSS growth in a fresh process)."""
     cmd = [sys.executable, __file__, "--child", json.dumps([method, r, bundle, str(root)]), *sys.argv[1:]]
-    cmd = [c for c in cmd if c != "--memory"]
+    return child_peak_bytes([c for c in cmd if c != "--memory"])
+
+
+def child_peak_bytes(cmd: list[str]) -> int:
+    """Run a benchmark's child process (with :data:`MMAP_THRESHOLD`) and read the byte count its last line prints."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)}
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return int(out.stdout.strip().splitlines()[-1])
@@ -162,19 +168,21 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def run_child(args: argparse.Namespace) -> None:
-    """Peak RSS growth over two training steps, after the model is built (VmHWM reset via /proc/self/clear_refs)."""
-    method, r, bundle, root = json.loads(args.child)
-    pm, opt, _ = build(method, r, bundle, args, Path(root))
-    ids = batch(args)
-    import gc
-
+def peak_rss_growth(work: Callable[[], object]) -> int:
+    """Bytes this process's peak resident set grows by while ``work()`` runs (VmHWM reset via /proc/self/clear_refs)."""
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (VmHWM) to the current one
     base = _status_kib("VmRSS")
-    for _ in range(2):
-        step(pm, opt, ids, args)
-    print((_status_kib("VmHWM") - base) * 1024)
+    work()
+    return (_status_kib("VmHWM") - base) * 1024
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """Peak RSS growth over two training steps, after the model is built."""
+    method, r, bundle, root = json.loads(args.child)
+    pm, opt, _ = build(method, r, bundle, args, Path(root))
+    ids = batch(args)
+    print(peak_rss_growth(lambda: [step(pm, opt, ids, args) for _ in range(2)]))
 
 
 def saved_activation_bytes(pm, ids: torch.Tensor, args: argparse.Namespace) -> int:

@@ -20,18 +20,15 @@ No figure here is asserted anywhere: the printout is the result.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from bench_train import child_peak_bytes, peak_rss_growth  # this script's folder is on sys.path
 
-MMAP_THRESHOLD = "131072"
 METHODS = ("plate", "lora", "lora-matched", "frozen")
 
 
@@ -137,32 +134,17 @@ def step(model, opt, ids: torch.Tensor) -> float:
     return time.process_time() - t0
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def run_child(args: argparse.Namespace) -> None:
-    """Peak RSS growth over two steps of one method, after its model is built (VmHWM reset)."""
+    """Peak RSS growth over two steps of one method, after its model is built."""
     method, ckpt, bundle, plate_count = json.loads(args.child)
     model, opt, _ = build(method, args, Path(ckpt), Path(bundle), plate_count)
     ids = batch(args)
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status_kib("VmRSS")
-    for _ in range(2):
-        step(model, opt, ids)
-    print((_status_kib("VmHWM") - base) * 1024)
+    print(peak_rss_growth(lambda: [step(model, opt, ids) for _ in range(2)]))
 
 
 def memory(method: str, args: argparse.Namespace, ckpt: Path, bundle: Path, plate_count: int) -> int:
     child = json.dumps([method, str(ckpt), str(bundle), plate_count])
-    cmd = [sys.executable, __file__, "--child", child, *[a for a in sys.argv[1:] if a != "--memory"]]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)}
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-    return int(out.stdout.strip().splitlines()[-1])
+    return child_peak_bytes([sys.executable, __file__, "--child", child, *[a for a in sys.argv[1:] if a != "--memory"]])
 
 
 def main() -> None:
