@@ -115,3 +115,13 @@ def matrix_key(w: torch.Tensor) -> tuple:
     """A weight matrix's identity by value (shape and raw bf16 bits): random bf16 weights make each one unique, so two
     modules hold the same matrix exactly when their keys are equal, whatever their names."""
     return (tuple(w.shape), w.detach().contiguous().view(torch.uint16).numpy().tobytes())
+
+
+def with_random_bf16_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter drawn from N(0, 1) (seed 0) and cast to bf16: the tiny transformers models'
+    weights, each matrix unique by value (:func:`matrix_key`)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model.to(torch.bfloat16)

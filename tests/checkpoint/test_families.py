@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from oracles import block_oracle, decode_e4m3, dense_oracle, load_all, mxfp4_oracle, stored_bytes
+from oracles import (
+    block_oracle,
+    decode_e4m3,
+    dense_oracle,
+    load_all,
+    mxfp4_oracle,
+    stored_bytes,
+    with_random_bf16_weights,
+)
 
 import plate_inspect
 from plate_inspect.checkpoint import Checkpoint, parse_safetensors_header
@@ -723,12 +731,7 @@ def _hf_config_and_class(family: str):
 def _hf_model(family: str) -> torch.nn.Module:
     """A tiny model of ``family`` built by transformers from its config, random bf16 weights."""
     config, build = _hf_config_and_class(family)
-    model = build(config)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
-    return model.to(torch.bfloat16)
+    return with_random_bf16_weights(build(config))
 
 
 def _transformers_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

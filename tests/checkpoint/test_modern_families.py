@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from oracles import dense_oracle, matrix_key
+from oracles import dense_oracle, matrix_key, with_random_bf16_weights
 
 import plate_inspect
 from plate_inspect.checkpoint import Checkpoint
@@ -126,12 +126,7 @@ def tiny_model(family: str) -> torch.nn.Module:
         if hasattr(config.vision_config, "deepstack_visual_indexes"):
             config.vision_config.deepstack_visual_indexes = [0]
         build = transformers.AutoModelForImageTextToText.from_config
-    model = build(config)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
-    return model.to(torch.bfloat16)
+    return with_random_bf16_weights(build(config))
 
 
 def model_matrices(model: torch.nn.Module, family: str) -> tuple[dict[str, torch.Tensor], list[tuple]]:
